@@ -1,0 +1,45 @@
+"""`llmopt generate`: complete a prompt (or a chat turn) with a model."""
+
+from __future__ import annotations
+
+from typing import Annotated
+
+import typer
+
+from llmopt.cli.options import DeviceOpt, Dtype, DtypeOpt, JsonOpt, ModelArg, SeedOpt, TrustRemoteCodeOpt
+from llmopt.cli.output import print_json, stdout
+
+
+def generate(
+    model: ModelArg,
+    prompt: Annotated[list[str], typer.Option("--prompt", "-p", help="Prompt text; repeat for several.")],
+    chat: Annotated[bool, typer.Option("--chat", help="Wrap each prompt in the tokenizer's chat template.")] = False,
+    max_tokens: Annotated[int, typer.Option("--max-tokens", help="New tokens at most.")] = 64,
+    temperature: Annotated[float, typer.Option("--temperature", help="0 = greedy.")] = 0.0,
+    top_p: Annotated[float, typer.Option("--top-p", help="Nucleus sampling mass, in (0, 1].")] = 1.0,
+    seed: SeedOpt = 0,
+    dtype: DtypeOpt = Dtype.float32,
+    device: DeviceOpt = "cpu",
+    as_json: JsonOpt = False,
+    trust_remote_code: TrustRemoteCodeOpt = False,
+) -> None:
+    """Generate a completion for each --prompt (transformers' generate)."""
+    from llmopt.core.models import load_model
+    from llmopt.runtime.hf import encode_prompts, hf_generate
+    from llmopt.runtime.sampling import SamplingParams
+
+    params = SamplingParams(max_tokens=max_tokens, temperature=temperature, top_p=top_p, seed=seed)
+    lm, tokenizer, _ = load_model(model, dtype=dtype.value, device=device, trust_remote_code=trust_remote_code)
+    prompt_ids = encode_prompts(tokenizer, prompt, chat)
+    outputs = hf_generate(lm, tokenizer, prompt_ids, params)
+    texts = [tokenizer.decode(ids, skip_special_tokens=True) for ids in outputs]
+    if as_json:
+        print_json({"outputs": [
+            {"prompt": p, "text": t, "num_prompt_tokens": len(pi), "num_output_tokens": len(o)}
+            for p, t, pi, o in zip(prompt, texts, prompt_ids, outputs)
+        ]})
+        return
+    for p, t in zip(prompt, texts):
+        if len(prompt) > 1:
+            stdout.print(f"[bold]> {p}[/bold]", highlight=False)
+        stdout.print(t, highlight=False, markup=False)

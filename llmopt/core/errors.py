@@ -1,0 +1,32 @@
+"""The one exception family library code raises for user-facing problems.
+
+Every message says what went wrong *and what to do*; the CLI prints it as one red line and exits 1.
+"""
+
+
+class LLMOptError(Exception):
+    """Base class: a problem the user can fix. The message is shown as-is."""
+
+
+class ModelNotFoundError(LLMOptError):
+    """A MODEL argument resolved to nothing loadable."""
+
+
+class ModelLoadError(LLMOptError):
+    """A model was found but could not be read (corrupt file, unsupported family...)."""
+
+
+class UnsupportedArchitectureError(LLMOptError):
+    """The model family is not in the architecture adapter table."""
+
+
+class DatasetError(LLMOptError):
+    """A dataset name or file could not be resolved or read."""
+
+
+class ConfigError(LLMOptError):
+    """Invalid settings (bad option value, conflicting options, bad recipe)."""
+
+
+class ArtifactError(LLMOptError):
+    """An output artifact cannot be written or read (exists, incomplete, wrong format)."""

@@ -1,0 +1,51 @@
+"""Writing outputs so that an interrupted run leaves nothing behind."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import uuid
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any, Iterator
+
+from llmopt.core.errors import ArtifactError
+
+
+@contextmanager
+def atomic_output_dir(final: str | Path, overwrite: bool = False) -> Iterator[Path]:
+    """Yield a fresh temporary folder beside `final`; rename it into place only if the block succeeds.
+
+    >>> with atomic_output_dir("/tmp/out") as tmp:  # doctest: +SKIP
+    ...     (tmp / "config.json").write_text("{}")
+    """
+    final = Path(final).expanduser().resolve()
+    if final.exists() and not overwrite:
+        raise ArtifactError(f"output {final} already exists: choose another path or pass --overwrite")
+    final.parent.mkdir(parents=True, exist_ok=True)
+    tmp = final.parent / f".{final.name}.tmp-{uuid.uuid4().hex[:8]}"
+    tmp.mkdir()
+    try:
+        yield tmp
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    if final.exists():
+        old = final.parent / f".{final.name}.old-{uuid.uuid4().hex[:8]}"
+        os.replace(final, old)
+        os.replace(tmp, final)
+        shutil.rmtree(old, ignore_errors=True)
+    else:
+        os.replace(tmp, final)
+
+
+def write_json(path: str | Path, data: Any) -> None:
+    Path(path).write_text(json.dumps(data, indent=2, sort_keys=False, default=str) + "\n")
+
+
+def read_json(path: str | Path) -> Any:
+    try:
+        return json.loads(Path(path).read_text())
+    except json.JSONDecodeError as e:
+        raise ArtifactError(f"{path} is not valid JSON ({e.msg} at line {e.lineno}): rewrite or remove it") from None

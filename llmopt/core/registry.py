@@ -1,0 +1,53 @@
+"""A small name -> object registry, so methods, stages and formats are added by adding a file."""
+
+from __future__ import annotations
+
+from typing import Callable, Generic, Iterator, TypeVar
+
+from llmopt.core.errors import ConfigError
+
+T = TypeVar("T")
+
+
+class Registry(Generic[T]):
+    """Maps names to objects. `what` names the kind of thing, for error messages.
+
+    >>> methods = Registry("quantization method")
+    >>> @methods.register("rtn")
+    ... class RTN: ...
+    >>> methods.get("rtn") is RTN
+    True
+    """
+
+    def __init__(self, what: str):
+        self.what = what
+        self._items: dict[str, T] = {}
+
+    def register(self, name: str) -> Callable[[T], T]:
+        def decorator(obj: T) -> T:
+            if name in self._items:
+                raise ValueError(f"{self.what} {name!r} registered twice")
+            self._items[name] = obj
+            return obj
+
+        return decorator
+
+    def add(self, name: str, obj: T) -> T:
+        return self.register(name)(obj)
+
+    def get(self, name: str) -> T:
+        try:
+            return self._items[name]
+        except KeyError:
+            raise ConfigError(
+                f"unknown {self.what} {name!r}: choose one of {', '.join(sorted(self._items))}"
+            ) from None
+
+    def names(self) -> list[str]:
+        return sorted(self._items)
+
+    def __contains__(self, name: object) -> bool:
+        return name in self._items
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self.names())

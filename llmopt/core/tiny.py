@@ -1,0 +1,78 @@
+"""Tiny random models with a byte-level tokenizer: built from a config in seconds, on any machine.
+
+Used by the unit tests, the `tiny-random-*` aliases and the CI smoke recipe.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+
+SPECIAL_TOKENS = ("<|endoftext|>", "<|im_start|>", "<|im_end|>")
+CHATML_TEMPLATE = (
+    "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
+    "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
+
+TINY_CONFIGS: dict[str, dict] = {
+    "llama": dict(
+        model_type="llama", hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=1024,
+        rms_norm_eps=1e-5, rope_theta=10000.0, tie_word_embeddings=False,
+    ),
+    "qwen2": dict(
+        model_type="qwen2", hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=1024,
+        rms_norm_eps=1e-6, rope_theta=10000.0, tie_word_embeddings=True,
+    ),
+}
+
+
+def byte_tokenizer():
+    """A byte-level BPE tokenizer with no merges (one token per byte) plus ChatML specials."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    alphabet = sorted(pre_tokenizers.ByteLevel.alphabet())
+    vocab = {ch: i for i, ch in enumerate(alphabet)}
+    backend = Tokenizer(models.BPE(vocab=vocab, merges=[]))
+    backend.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    backend.decoder = decoders.ByteLevel()
+    tokenizer = PreTrainedTokenizerFast(
+        tokenizer_object=backend,
+        bos_token=SPECIAL_TOKENS[0], eos_token=SPECIAL_TOKENS[2], pad_token=SPECIAL_TOKENS[0],
+        additional_special_tokens=list(SPECIAL_TOKENS[1:2]),
+    )
+    tokenizer.chat_template = CHATML_TEMPLATE
+    return tokenizer
+
+
+def build_tiny_model(family: str = "llama", seed: int = 0, **overrides):
+    """A randomly initialised model of `family` (deterministic for a seed) and its tokenizer."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    tokenizer = byte_tokenizer()
+    settings = {**TINY_CONFIGS[family], **overrides}
+    model_type = settings.pop("model_type")
+    config = AutoConfig.for_model(
+        model_type, vocab_size=len(tokenizer), bos_token_id=tokenizer.bos_token_id,
+        eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id, **settings,
+    )
+    torch.manual_seed(seed)
+    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    # Random init leaves norms at 1 and small weights; widen the spread so quantization has work to do.
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if p.dim() == 2:
+                p.normal_(0.0, 0.08)
+    model.eval()
+    return model, tokenizer
+
+
+def save_tiny_model(path: str | Path, family: str = "llama", seed: int = 0, **overrides) -> Path:
+    model, tokenizer = build_tiny_model(family, seed, **overrides)
+    path = Path(path)
+    model.save_pretrained(path)
+    tokenizer.save_pretrained(path)
+    return path

@@ -1,0 +1,32 @@
+"""Sampling parameters of one request, validated once where they enter."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from llmopt.core.errors import ConfigError
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    max_tokens: int = 64
+    temperature: float = 0.0  # 0 = greedy
+    top_p: float = 1.0
+    top_k: int = 0  # 0 = off
+    seed: int | None = None
+    stop_token_ids: tuple[int, ...] = field(default_factory=tuple)
+    ignore_eos: bool = False
+
+    def __post_init__(self):
+        if self.max_tokens < 1:
+            raise ConfigError(f"max_tokens must be at least 1 (got {self.max_tokens})")
+        if self.temperature < 0:
+            raise ConfigError(f"temperature must be >= 0 (got {self.temperature}); 0 means greedy")
+        if not 0 < self.top_p <= 1:
+            raise ConfigError(f"top_p must be in (0, 1] (got {self.top_p})")
+        if self.top_k < 0:
+            raise ConfigError(f"top_k must be >= 0 (got {self.top_k}); 0 turns it off")
+
+    @property
+    def is_greedy(self) -> bool:
+        return self.temperature == 0

@@ -1,0 +1,39 @@
+"""Tests on the real default model, SmolLM2-135M-Instruct (installed by the Makefile)."""
+
+import pytest
+import torch
+
+from tests.eval.test_perplexity import plain_loop_ppl
+
+pytestmark = pytest.mark.real_model
+
+
+def test_smollm2_loads_with_gqa_and_tied_embeddings(smollm2):
+    model, tokenizer, source = smollm2
+    assert source.kind == "alias"
+    assert model.config.num_key_value_heads < model.config.num_attention_heads
+    assert model.lm_head.weight.data_ptr() == model.model.embed_tokens.weight.data_ptr()
+    assert sum(p.numel() for p in model.parameters()) == 134_515_008
+
+
+def test_smollm2_ppl_matches_a_plain_transformers_loop(smollm2):
+    from llmopt.core.datasets import tokenize_corpus
+    from llmopt.eval.perplexity import perplexity
+
+    model, tokenizer, _ = smollm2
+    ids = tokenize_corpus(tokenizer, "pystdlib", 2048)
+    ours = perplexity(model, ids, seqlen=512, batch_size=2)
+    expected, count = plain_loop_ppl(model, ids, 512)
+    assert ours.num_tokens == count
+    assert ours.ppl == pytest.approx(expected, rel=1e-3)
+    assert 2 < ours.ppl < 30  # a working model on Python source
+
+
+def test_smollm2_chat_answer_is_coherent(smollm2):
+    from llmopt.runtime.hf import encode_prompts, hf_generate
+    from llmopt.runtime.sampling import SamplingParams
+
+    model, tokenizer, _ = smollm2
+    ids = encode_prompts(tokenizer, ["What is the capital of France?"], chat=True)
+    out = hf_generate(model, tokenizer, ids, SamplingParams(max_tokens=20))
+    assert "Paris" in tokenizer.decode(out[0], skip_special_tokens=True)
