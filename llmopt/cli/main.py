@@ -60,11 +60,10 @@ def _register() -> None:
     app.add_typer(eval_cli.app, name="eval")
     app.command("generate")(generate.generate)
     app.command("env")(env.env)
-    try:
-        from llmopt.cli import quantize
-    except ImportError:  # pragma: no cover - added by the quantization work
-        return
+    from llmopt.cli import export, quantize
+
     app.command("quantize")(quantize.quantize)
+    app.command("export")(export.export)
 
 
 _register()

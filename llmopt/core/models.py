@@ -108,9 +108,22 @@ def convert_gguf(gguf_path: Path, out: Path) -> None:
         model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
     model.load_state_dict(gguf_model.state_dict(), assign=True)
     model.tie_weights()
+    rebuild_meta_buffers(model)
     with atomic_output_dir(out, overwrite=True) as tmp:
         model.save_pretrained(tmp)
         tokenizer.save_pretrained(tmp)
+
+
+def rebuild_meta_buffers(model: torch.nn.Module) -> None:
+    """Re-create modules left with meta buffers after a meta-device build + load_state_dict(assign=True).
+
+    Only non-persistent buffers (rotary inv_freq) are affected: they are computed from the config, not loaded.
+    """
+    for name, module in list(model.named_modules()):
+        if any(b.is_meta for b in module.buffers(recurse=False)) and hasattr(module, "config"):
+            fresh = type(module)(module.config)
+            parent_name, _, child = name.rpartition(".")
+            setattr(model.get_submodule(parent_name) if parent_name else model, child, fresh)
 
 
 _HUB_ID = re.compile(r"^[A-Za-z0-9][\w.-]*/[\w.-]+$")

@@ -1,0 +1,101 @@
+"""One verb: quantize a loaded model with a method's config, and write the artifact."""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Callable
+
+import torch
+
+from llmopt.compress.base import QUANT_METHODS, quantizable_linears
+from llmopt.compress.config import QuantizeConfig
+from llmopt.compress.quant import QuantizedWeight
+from llmopt.core.adapters import decoder_layers
+from llmopt.core.errors import ConfigError
+
+
+def _load_methods() -> None:
+    # Importing a method's module registers it.
+    from llmopt.compress import awq, gptq, rtn  # noqa: F401
+
+
+def make_config(method: str, **settings) -> QuantizeConfig:
+    """The typed config of `method` from flat settings (CLI options or a recipe stage)."""
+    from pydantic import ValidationError
+
+    _load_methods()
+    config_cls = QUANT_METHODS.get(method).config_cls
+    calibration_keys = set(config_cls.model_fields["calibration"].annotation.model_fields)
+    calibration = {k: settings.pop(k) for k in list(settings) if k in calibration_keys}
+    try:
+        return config_cls(method=method, calibration=calibration, **settings)
+    except ValidationError as e:
+        first = e.errors()[0]
+        where = ".".join(str(p) for p in first["loc"])
+        raise ConfigError(f"invalid {method} setting {where}: {first['msg']}") from None
+
+
+@dataclass
+class QuantizeResult:
+    qweights: dict[str, QuantizedWeight]
+    extra_tensors: dict[str, torch.Tensor]
+    facts: dict = field(default_factory=dict)
+
+
+def check_model_fits(model, config: QuantizeConfig) -> None:
+    """Fail before any work if the scheme cannot apply to some linear (e.g. group size not dividing K)."""
+    for name, linear in quantizable_linears(model).items():
+        config.scheme.check(linear.in_features, name)
+
+
+def quantize_model(model, tokenizer, config: QuantizeConfig,
+                   progress: Callable[[int, int], None] | None = None) -> QuantizeResult:
+    """Quantize `model` in place (its linears end up holding the dequantized weights).
+
+    >>> result = quantize_model(model, tok, make_config("gptq", bits=4, group_size=64))  # doctest: +SKIP
+    """
+    from llmopt.core.calibration import run_layerwise
+    from llmopt.core.datasets import calibration_samples
+
+    _load_methods()
+    check_model_fits(model, config)
+    quantizer = QUANT_METHODS.get(config.method).quantizer_cls(config, model)
+    start = time.perf_counter()
+    facts: dict = {}
+    if config.needs_calibration:
+        cal = config.calibration
+        calib_ids = calibration_samples(tokenizer, cal.calib, cal.num_samples, cal.seqlen, cal.seed)
+        facts["calibration_tokens"] = calib_ids.numel()
+        facts.update(run_layerwise(model, calib_ids, quantizer, cal.device, cal.batch_size, progress,
+                                   getattr(torch, cal.compute_dtype)))
+    else:
+        layers = decoder_layers(model)
+        with torch.inference_mode():
+            for index, layer in enumerate(layers):
+                for names in quantizer.stages(quantizer.adapter):
+                    quantizer.process(index, layer, names)
+                if progress is not None:
+                    progress(index + 1, len(layers))
+    if not quantizer.results:
+        raise ConfigError("nothing was quantized: every linear matched --ignore")
+    facts["quantize_wall_s"] = time.perf_counter() - start
+    facts["num_quantized_linears"] = len(quantizer.results)
+    return QuantizeResult(quantizer.results, quantizer.extra_tensors(), facts)
+
+
+def describe_settings(config: QuantizeConfig) -> dict:
+    return config.model_dump(mode="json")
+
+
+def quantized_bytes(qweights: dict[str, QuantizedWeight], fmt_name: str) -> tuple[int, int]:
+    """(bytes of the packed quantized linears, bytes the same linears take in fp16)."""
+    from llmopt.export.formats import FORMATS
+
+    fmt = FORMATS.get(fmt_name)
+    packed = sum(t.numel() * t.element_size() for qw in qweights.values() for t in fmt.pack(qw).values())
+    fp16 = sum(qw.q.numel() * 2 for qw in qweights.values())
+    return packed, fp16
+
+

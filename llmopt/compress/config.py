@@ -1,0 +1,86 @@
+"""One typed config per quantization method; the CLI, the recipes and the artifacts share them."""
+
+from __future__ import annotations
+
+from typing import Literal
+
+from pydantic import BaseModel, ConfigDict, Field, model_validator
+
+from llmopt.compress.quant import SUPPORTED_BITS, QuantScheme
+
+
+class CalibrationConfig(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    calib: str = Field("c4", description="dataset name(s), comma-separated to mix evenly")
+    num_samples: int = Field(128, ge=1)
+    seqlen: int = Field(512, ge=2)
+    seed: int = 0
+    batch_size: int = Field(8, ge=1)
+    device: str = "cpu"
+    compute_dtype: Literal["float32", "bfloat16"] = Field(
+        "float32", description="dtype of the calibration forwards (weights and statistics stay fp32)")
+
+
+class QuantizeConfig(BaseModel):
+    """Settings common to every weight-only integer quantization method."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    method: str
+    bits: int = 4
+    group_size: int = 128
+    sym: bool = True
+    mse: bool = Field(False, description="choose each group's clip ratio by minimising the weight error")
+    ignore: list[str] = Field(default_factory=list, description="glob patterns of linears to leave dense")
+    calibration: CalibrationConfig = Field(default_factory=CalibrationConfig)
+
+    @model_validator(mode="after")
+    def _check_bits(self):
+        if self.bits not in SUPPORTED_BITS:
+            raise ValueError(f"bits must be one of {SUPPORTED_BITS}")
+        if self.group_size != -1 and self.group_size < 1:
+            raise ValueError("group_size must be -1 (per channel) or positive")
+        return self
+
+    @property
+    def scheme(self) -> QuantScheme:
+        return QuantScheme(self.bits, self.group_size, self.sym)
+
+    @property
+    def needs_calibration(self) -> bool:
+        return True
+
+
+class RTNConfig(QuantizeConfig):
+    method: Literal["rtn"] = "rtn"
+
+    @property
+    def needs_calibration(self) -> bool:
+        return False
+
+
+class GPTQConfig(QuantizeConfig):
+    method: Literal["gptq"] = "gptq"
+    damp: float = Field(0.01, gt=0, description="dampening, as a fraction of the Hessian's mean diagonal")
+    block_size: int = Field(128, ge=1)
+    act_order: bool = False
+    static_groups: bool = True
+    true_sequential: bool = True
+
+
+class AWQConfig(QuantizeConfig):
+    method: Literal["awq"] = "awq"
+    grid: int = Field(20, ge=2, description="ratios tried in the scale search")
+    clip: bool = True
+    clip_grid: int = Field(20, ge=2)
+    max_clip_shrink: float = Field(0.5, gt=0, lt=1)
+    search_tokens: int = Field(4096, ge=16, description="calibration tokens kept per linear for the searches")
+    search_file: str | None = Field(None, description="re-apply saved scales/clips instead of searching")
+
+    @property
+    def needs_calibration(self) -> bool:
+        return self.search_file is None
+
+
+CONFIGS: dict[str, type[QuantizeConfig]] = {"rtn": RTNConfig, "gptq": GPTQConfig, "awq": AWQConfig}

@@ -1,0 +1,156 @@
+"""Integer weight quantization maths shared by RTN, GPTQ and AWQ: pure tensor functions.
+
+Convention (every method and format works from it): a weight W [N out, K in] is split into groups of
+`group_size` consecutive input columns (group_size = -1: one group per row). Each (row, group) has a scale
+s > 0 and an unsigned zero point z in [0, 2^b - 1]; q = clamp(round(W / s) + z, 0, 2^b - 1) and
+W ~ s * (q - z). Symmetric schemes fix z = 2^(b-1), so zero is exactly representable.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from llmopt.core.errors import ConfigError
+
+SUPPORTED_BITS = (2, 3, 4, 8)
+
+
+@dataclass(frozen=True)
+class QuantScheme:
+    bits: int = 4
+    group_size: int = 128  # -1 = per output channel
+    sym: bool = True
+
+    @property
+    def maxq(self) -> int:
+        return 2**self.bits - 1
+
+    def num_groups(self, in_features: int) -> int:
+        return 1 if self.group_size == -1 else in_features // self.group_size
+
+    def group_width(self, in_features: int) -> int:
+        return in_features if self.group_size == -1 else self.group_size
+
+    def check(self, in_features: int, name: str = "layer") -> None:
+        if self.bits not in SUPPORTED_BITS:
+            raise ConfigError(f"--bits {self.bits} is not supported: choose one of {SUPPORTED_BITS}")
+        if self.group_size != -1 and (self.group_size < 1 or in_features % self.group_size):
+            raise ConfigError(
+                f"--group-size {self.group_size} does not divide {name}'s in_features ({in_features}): "
+                "use a divisor of it (or -1 for per channel)"
+            )
+
+
+@dataclass
+class QuantizedWeight:
+    """The result every quantizer produces and every format packs.
+
+    q:      [N, K] uint8, unsigned codes in [0, 2^bits - 1]
+    scales: [N, G] float32
+    zeros:  [N, G] int32, unsigned zero points (2^(bits-1) when symmetric)
+    g_idx:  [K] int32, group of each input column (k // group_size unless act-order permuted groups)
+    """
+
+    q: torch.Tensor
+    scales: torch.Tensor
+    zeros: torch.Tensor
+    g_idx: torch.Tensor
+    scheme: QuantScheme
+    bias: torch.Tensor | None = None
+
+    @property
+    def shape(self) -> tuple[int, int]:
+        return tuple(self.q.shape)
+
+    @property
+    def has_trivial_g_idx(self) -> bool:
+        return torch.equal(self.g_idx, default_g_idx(self.q.shape[1], self.scheme))
+
+    def dequantize(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+        """[N, K] weight s * (q - z), with each column's group taken from g_idx."""
+        g = self.g_idx.long()
+        scales = self.scales[:, g]  # [N, K]
+        zeros = self.zeros[:, g].float()
+        return (scales * (self.q.float() - zeros)).to(dtype)
+
+
+def default_g_idx(in_features: int, scheme: QuantScheme) -> torch.Tensor:
+    width = scheme.group_width(in_features)
+    return (torch.arange(in_features) // width).to(torch.int32)
+
+
+def compute_qparams(
+    w: torch.Tensor, scheme: QuantScheme, clip_ratio: torch.Tensor | float = 1.0
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Scale and unsigned zero point per row of `w` [R, Gw] (one group per row), min/max based.
+
+    clip_ratio ([R] or scalar) shrinks the range toward zero, as found by the MSE/AWQ clip searches.
+    """
+    w = w.float()
+    wmin = (w.amin(dim=1) * clip_ratio).clamp(max=0)
+    wmax = (w.amax(dim=1) * clip_ratio).clamp(min=0)
+    if scheme.sym:
+        amax = torch.maximum(wmin.abs(), wmax)
+        # Symmetric range [-amax, amax] over 2^b - 1 steps with z = 2^(b-1): the positive side gets
+        # one step fewer; the usual GPTQ choice scale = 2 * amax / maxq keeps every code reachable.
+        scale = 2 * amax / scheme.maxq
+        zero = torch.full_like(scale, 2 ** (scheme.bits - 1))
+    else:
+        scale = (wmax - wmin) / scheme.maxq
+        zero = None
+    scale = torch.where(scale > 0, scale, torch.ones_like(scale))
+    if zero is None:
+        # z >= 1: GPTQ v1 stores z - 1, which must not underflow (only all-non-negative groups are affected).
+        zero = torch.round(-wmin / scale).clamp(1, scheme.maxq)
+    return scale, zero
+
+
+def quantize_codes(w: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor, maxq: int) -> torch.Tensor:
+    """Codes clamp(round(w / s) + z) for `w` [..., C] with scale/zero broadcastable to it."""
+    return torch.clamp(torch.round(w / scale) + zero, 0, maxq)
+
+
+def fake_quantize(w: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor, maxq: int) -> torch.Tensor:
+    return scale * (quantize_codes(w, scale, zero, maxq) - zero)
+
+
+def mse_qparams(
+    w: torch.Tensor, scheme: QuantScheme, grid: int = 40, max_shrink: float = 0.6, norm: float = 2.4
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per-row qparams minimising sum |w - Q(w)|^norm over clip ratios 1, 1 - 1/grid, ... (GPTQ's `mse` search).
+
+    w: [R, Gw]. Returns scale [R], zero [R].
+    """
+    w = w.float()
+    best_scale, best_zero = compute_qparams(w, scheme)
+    best_err = (fake_quantize(w, best_scale[:, None], best_zero[:, None], scheme.maxq) - w).abs().pow(norm).sum(1)
+    for i in range(1, int(max_shrink * grid) + 1):
+        ratio = 1 - i / grid
+        scale, zero = compute_qparams(w, scheme, ratio)
+        err = (fake_quantize(w, scale[:, None], zero[:, None], scheme.maxq) - w).abs().pow(norm).sum(1)
+        better = err < best_err
+        best_err = torch.where(better, err, best_err)
+        best_scale = torch.where(better, scale, best_scale)
+        best_zero = torch.where(better, zero, best_zero)
+    return best_scale, best_zero
+
+
+def group_qparams(w: torch.Tensor, scheme: QuantScheme, mse: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+    """Scales and zeros [N, G] for every (row, group) of `w` [N, K]."""
+    n, k = w.shape
+    width = scheme.group_width(k)
+    flat = w.reshape(n * (k // width), width)
+    scale, zero = mse_qparams(flat, scheme) if mse else compute_qparams(flat, scheme)
+    return scale.view(n, -1), zero.view(n, -1)
+
+
+def quantize_rtn(w: torch.Tensor, scheme: QuantScheme, mse: bool = False, bias: torch.Tensor | None = None) -> QuantizedWeight:
+    """Round-to-nearest quantization of `w` [N, K]."""
+    n, k = w.shape
+    scheme.check(k)
+    scales, zeros = group_qparams(w, scheme, mse)
+    g_idx = default_g_idx(k, scheme)
+    codes = quantize_codes(w.float(), scales[:, g_idx.long()], zeros[:, g_idx.long()], scheme.maxq)
+    return QuantizedWeight(codes.to(torch.uint8), scales.float(), zeros.to(torch.int32), g_idx, scheme, bias)

@@ -1,0 +1,96 @@
+"""Writing an llmopt artifact: safetensors + config.json (with quantization_config) + tokenizer +
+llmopt.json (how it was made), into a temporary folder renamed into place."""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+
+import torch
+from safetensors.torch import save_file
+
+from llmopt.compress.quant import QuantizedWeight
+from llmopt.core.environment import package_versions
+from llmopt.core.io import atomic_output_dir, write_json
+from llmopt.export.formats import FORMATS
+
+WEIGHTS_FILE = "model.safetensors"
+MANIFEST_FILE = "llmopt.json"
+SEARCH_FILE = "llmopt_search.safetensors.bin"  # not *.safetensors: loaders must not take it for weights
+
+
+def check_format(fmt_name: str, qweights: dict[str, QuantizedWeight]) -> None:
+    """Raise ArtifactError if the format cannot hold every quantized linear (before any work is written)."""
+    fmt = FORMATS.get(fmt_name)
+    for name, qweight in qweights.items():
+        fmt.check(name, qweight.shape, qweight.scheme, qweight.has_trivial_g_idx)
+
+
+def dense_state_dict(model, skip: set[str], dtype: torch.dtype) -> dict[str, torch.Tensor]:
+    """The model's tensors except `skip`, in `dtype` (floats only), without tied duplicates."""
+    state = {}
+    tied = bool(getattr(model.config, "tie_word_embeddings", False))
+    for key, tensor in model.state_dict().items():
+        if key in skip or (tied and key == "lm_head.weight"):
+            continue
+        tensor = tensor.detach().to("cpu")
+        state[key] = (tensor.to(dtype) if tensor.is_floating_point() else tensor).contiguous()
+    return state
+
+
+def write_artifact(
+    out: str | Path,
+    dense: dict[str, torch.Tensor],
+    config: dict,
+    tokenizer,
+    qweights: dict[str, QuantizedWeight],
+    fmt_name: str | None,
+    settings: dict,
+    manifest: dict,
+    extra_tensors: dict[str, torch.Tensor] | None = None,
+    generation_config=None,
+    overwrite: bool = False,
+) -> Path:
+    """Write dense tensors + `qweights` packed in format `fmt_name` (None: a dense artifact) to `out`.
+
+    `config` is the model's config.json dict; its quantization_config is replaced by the format's.
+    """
+    start = time.perf_counter()
+    if fmt_name is not None:
+        check_format(fmt_name, qweights)
+    with atomic_output_dir(out, overwrite) as tmp:
+        tensors = dict(dense)
+        config = {k: v for k, v in config.items() if k != "quantization_config"}
+        float_dtypes = {t.dtype for t in dense.values() if t.is_floating_point()}
+        if len(float_dtypes) == 1:
+            config["dtype"] = str(float_dtypes.pop()).removeprefix("torch.")
+        if fmt_name is not None:
+            fmt = FORMATS.get(fmt_name)
+            for name, qweight in qweights.items():
+                for suffix, tensor in fmt.pack(qweight).items():
+                    tensors[f"{name}.{suffix}"] = tensor.contiguous()
+            scheme = next(iter(qweights.values())).scheme
+            config["quantization_config"] = fmt.quantization_config(scheme, settings)
+        save_file(tensors, str(tmp / WEIGHTS_FILE), metadata={"format": "pt"})
+        write_json(tmp / "config.json", config)
+        if generation_config is not None:
+            generation_config.save_pretrained(tmp)
+        tokenizer.save_pretrained(tmp)
+        if extra_tensors:
+            save_file(extra_tensors, str(tmp / SEARCH_FILE))
+        manifest = {
+            **manifest, "format": fmt_name, "versions": package_versions(),
+            "write_wall_s": round(time.perf_counter() - start, 3),
+            "weights_bytes": (tmp / WEIGHTS_FILE).stat().st_size,
+        }
+        write_json(tmp / MANIFEST_FILE, manifest)
+    return Path(out)
+
+
+def write_model_artifact(out, model, tokenizer, qweights, fmt_name, settings, manifest, extra_tensors=None,
+                         dense_dtype: torch.dtype = torch.float16, overwrite: bool = False) -> Path:
+    """write_artifact for an in-memory model whose quantized linears are described by `qweights`."""
+    skip = {f"{name}.weight" for name in qweights} | {f"{name}.bias" for name in qweights}
+    dense = dense_state_dict(model, skip, dense_dtype)
+    return write_artifact(out, dense, model.config.to_dict(), tokenizer, qweights, fmt_name, settings, manifest,
+                          extra_tensors, getattr(model, "generation_config", None), overwrite)

@@ -1,0 +1,52 @@
+"""Convert an artifact between checkpoint formats, where the target can express it."""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+
+from llmopt.core.errors import ArtifactError
+from llmopt.export.read import read_artifact
+
+
+def settings_from_artifact(contents) -> dict:
+    """The quantization settings a format needs, from llmopt.json or else the source quantization_config."""
+    for stage in reversed(contents.manifest.get("stages", [])):
+        if stage.get("stage") == "quantize":
+            return stage["settings"]
+    qcfg = contents.config.get("quantization_config", {})
+    groups = qcfg.get("config_groups") or {}
+    weights = next(iter(groups.values()), {}).get("weights", {}) if groups else {}
+    actorder = weights.get("actorder")
+    return {
+        "act_order": bool(qcfg.get("desc_act")) or actorder in ("weight", "static", "group", "dynamic"),
+        "static_groups": bool(qcfg.get("static_groups")) or actorder in ("weight", "static"),
+        "damp": qcfg.get("damp_percent", 0.01),
+        "true_sequential": qcfg.get("true_sequential", True),
+    }
+
+
+def export_artifact(source: str | Path, output: str | Path, fmt_name: str, overwrite: bool = False) -> dict:
+    from transformers import AutoTokenizer
+
+    from llmopt.export.artifact import write_artifact
+
+    start = time.perf_counter()
+    source = Path(source)
+    if not (source / "config.json").exists():
+        raise ArtifactError(f"{source} is not a model folder (no config.json)")
+    output = Path(output).expanduser()
+    if output.exists() and not overwrite:
+        raise ArtifactError(f"output {output} already exists: choose another path or pass --overwrite")
+    contents = read_artifact(source)
+    if not contents.qweights:
+        raise ArtifactError(f"{source} holds no quantized weights: quantize it first (llmopt quantize)")
+    tokenizer = AutoTokenizer.from_pretrained(str(source))
+    manifest = dict(contents.manifest)
+    manifest["stages"] = [*manifest.get("stages", []),
+                          {"stage": "export", "from_format": contents.fmt.name, "to_format": fmt_name}]
+    write_artifact(output, contents.dense, contents.config, tokenizer, contents.qweights, fmt_name,
+                   settings_from_artifact(contents), manifest, overwrite=overwrite)
+    return {"output": str(output), "from_format": contents.fmt.name, "format": fmt_name,
+            "num_quantized_linears": len(contents.qweights), "wall_s": round(time.perf_counter() - start, 2),
+            "artifact_weights_bytes": sum(f.stat().st_size for f in output.glob("*.safetensors"))}

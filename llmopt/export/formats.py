@@ -1,0 +1,223 @@
+"""Checkpoint formats: each knows what it can hold, how to pack a QuantizedWeight, and how to read it back.
+
+Layouts follow ../shared/docs/FORMATS.md (AutoGPTQ v1, AutoAWQ GEMM, compressed-tensors pack-quantized).
+W is [N out, K in]; G = number of groups.
+"""
+
+from __future__ import annotations
+
+
+import torch
+
+from llmopt.compress.quant import QuantizedWeight, QuantScheme, default_g_idx
+from llmopt.core.errors import ArtifactError
+from llmopt.core.registry import Registry
+from llmopt.export.packing import deinterleave_awq, interleave_awq, pack_int32, unpack_int32
+
+SCALE_DTYPE = torch.float16
+
+
+class Format:
+    name: str
+    marker: str  # the tensor suffix that marks a quantized linear in this format
+
+    def check(self, name: str, shape: tuple[int, int], scheme: QuantScheme, trivial_g_idx: bool = True) -> None:
+        """Raise ArtifactError saying why this format cannot hold a [N, K] linear quantized with `scheme`
+        (trivial_g_idx False: act-order permuted groups). Called before quantizing and again before writing."""
+
+    def pack(self, qweight: QuantizedWeight) -> dict[str, torch.Tensor]:
+        raise NotImplementedError
+
+    def unpack(self, tensors: dict[str, torch.Tensor], scheme: QuantScheme) -> QuantizedWeight:
+        raise NotImplementedError
+
+    def quantization_config(self, scheme: QuantScheme, settings: dict) -> dict:
+        raise NotImplementedError
+
+    def scheme_from_config(self, qcfg: dict) -> QuantScheme:
+        raise NotImplementedError
+
+
+FORMATS: Registry[Format] = Registry("format")
+
+
+def _fail(fmt: str, name: str, why: str, hint: str) -> ArtifactError:
+    return ArtifactError(f"format {fmt} cannot hold {name}: {why}; {hint}")
+
+
+class GPTQFormat(Format):
+    """AutoGPTQ v1: qweight [K*b/32, N] packed along K; qzeros [G, N*b/32] storing z - 1; scales [G, N]."""
+
+    name, marker = "gptq", "qweight"
+
+    def check(self, name, shape, scheme, trivial_g_idx=True):
+        n, k = shape
+        b = scheme.bits
+        if (k * b) % 32 or (n * b) % 32:
+            raise _fail(self.name, name, f"{b}-bit rows of {k} x {n} do not fill whole int32 words",
+                        "use compressed-tensors")
+
+    def pack(self, qweight):
+        b = qweight.scheme.bits
+        out = {
+            "qweight": pack_int32(qweight.q.t(), b, dim=0),  # [K*b/32, N]
+            "qzeros": pack_int32((qweight.zeros - 1).t(), b, dim=-1),  # [G, N*b/32]
+            "scales": qweight.scales.t().contiguous().to(SCALE_DTYPE),  # [G, N]
+            "g_idx": qweight.g_idx.to(torch.int32),
+        }
+        if qweight.bias is not None:
+            out["bias"] = qweight.bias.to(SCALE_DTYPE)
+        return out
+
+    def unpack(self, tensors, scheme):
+        b = scheme.bits
+        scales = tensors["scales"].float().t().contiguous()  # [N, G]
+        n = scales.shape[0]
+        k = tensors["g_idx"].numel()
+        q = unpack_int32(tensors["qweight"], b, k, dim=0).t()
+        zeros = unpack_int32(tensors["qzeros"], b, n, dim=-1).t() + 1
+        return QuantizedWeight(q.to(torch.uint8).contiguous(), scales, zeros.to(torch.int32).contiguous(),
+                               tensors["g_idx"].to(torch.int32), scheme, _bias(tensors))
+
+    def quantization_config(self, scheme, settings):
+        return {
+            "quant_method": "gptq", "bits": scheme.bits, "group_size": scheme.group_size,
+            "desc_act": bool(settings.get("act_order", False)), "sym": scheme.sym,
+            "damp_percent": settings.get("damp", 0.01), "true_sequential": settings.get("true_sequential", True),
+            "static_groups": bool(settings.get("static_groups", False)), "checkpoint_format": "gptq",
+            "lm_head": False,
+        }
+
+    def scheme_from_config(self, qcfg):
+        if qcfg.get("checkpoint_format", "gptq") != "gptq":
+            raise ArtifactError(f"GPTQ checkpoint_format {qcfg['checkpoint_format']!r} is not supported (only v1 'gptq')")
+        return QuantScheme(qcfg["bits"], qcfg["group_size"], qcfg.get("sym", True))
+
+
+class AWQFormat(Format):
+    """AutoAWQ GEMM: qweight [K, N/8] packed along N with the AWQ interleave; qzeros [G, N/8] (real zeros)."""
+
+    name, marker = "awq", "qweight"
+
+    def check(self, name, shape, scheme, trivial_g_idx=True):
+        n, k = shape
+        if scheme.bits != 4:
+            raise _fail(self.name, name, f"{scheme.bits}-bit weights (AWQ GEMM is 4-bit only)",
+                        "use gptq or compressed-tensors")
+        if not trivial_g_idx:
+            raise _fail(self.name, name, "act-order permuted groups (AWQ has no g_idx)",
+                        "quantize with --static-groups, or export to gptq or compressed-tensors")
+        if scheme.group_size == -1:
+            raise _fail(self.name, name, "per-channel scales (AWQ needs a group size)", "use gptq or compressed-tensors")
+        if n % 8:
+            raise _fail(self.name, name, f"{n} output features (not a multiple of 8)", "use compressed-tensors")
+
+    def pack(self, qweight):
+        out = {
+            "qweight": interleave_awq(qweight.q.t()),  # [K, N/8]
+            "qzeros": interleave_awq(qweight.zeros.t()),  # [G, N/8]
+            "scales": qweight.scales.t().contiguous().to(SCALE_DTYPE),  # [G, N]
+        }
+        if qweight.bias is not None:
+            out["bias"] = qweight.bias.to(SCALE_DTYPE)
+        return out
+
+    def unpack(self, tensors, scheme):
+        scales = tensors["scales"].float().t().contiguous()
+        n = scales.shape[0]
+        q = deinterleave_awq(tensors["qweight"], n).t()
+        zeros = deinterleave_awq(tensors["qzeros"], n).t()
+        return QuantizedWeight(q.to(torch.uint8).contiguous(), scales, zeros.to(torch.int32).contiguous(),
+                               default_g_idx(q.shape[1], scheme), scheme, _bias(tensors))
+
+    def quantization_config(self, scheme, settings):
+        return {"quant_method": "awq", "bits": 4, "group_size": scheme.group_size, "zero_point": True,
+                "version": "gemm", "modules_to_not_convert": None}
+
+    def scheme_from_config(self, qcfg):
+        if qcfg.get("version", "gemm").lower() != "gemm":
+            raise ArtifactError(f"AWQ version {qcfg['version']!r} is not supported (only 'gemm')")
+        return QuantScheme(qcfg.get("bits", qcfg.get("w_bit", 4)), qcfg.get("group_size", qcfg.get("q_group_size")),
+                           not qcfg.get("zero_point", True))
+
+
+class CompressedTensorsFormat(Format):
+    """compressed-tensors pack-quantized: weight_packed [N, ceil(K*b/32)] of q + 2^(b-1) (signed q), packed
+    along K; weight_scale [N, G]; weight_zero_point [ceil(N*b/32), G] packed along N (asymmetric only)."""
+
+    name, marker = "compressed-tensors", "weight_packed"
+
+    def pack(self, qweight):
+        n, k = qweight.shape
+        b = qweight.scheme.bits
+        # Our unsigned codes already equal signed q + 2^(b-1), the stored value; zp_signed + 2^(b-1) = z.
+        out = {
+            "weight_packed": pack_int32(qweight.q, b, dim=-1),
+            "weight_scale": qweight.scales.to(SCALE_DTYPE).contiguous(),
+            "weight_shape": torch.tensor([n, k], dtype=torch.int64),
+        }
+        if not qweight.scheme.sym:
+            out["weight_zero_point"] = pack_int32(qweight.zeros, b, dim=0)
+        if not qweight.has_trivial_g_idx:
+            out["weight_g_idx"] = qweight.g_idx.to(torch.int32)
+        if qweight.bias is not None:
+            out["bias"] = qweight.bias.to(SCALE_DTYPE)
+        return out
+
+    def unpack(self, tensors, scheme):
+        n, k = (int(v) for v in tensors["weight_shape"])
+        b = scheme.bits
+        q = unpack_int32(tensors["weight_packed"], b, k, dim=-1)
+        scales = tensors["weight_scale"].float()
+        if "weight_zero_point" in tensors:
+            zeros = unpack_int32(tensors["weight_zero_point"], b, n, dim=0)
+        else:
+            zeros = torch.full_like(scales, 2 ** (b - 1), dtype=torch.int64)
+        g_idx = tensors.get("weight_g_idx")
+        g_idx = default_g_idx(k, scheme) if g_idx is None else g_idx.to(torch.int32)
+        return QuantizedWeight(q.to(torch.uint8), scales, zeros.to(torch.int32), g_idx, scheme, _bias(tensors))
+
+    def quantization_config(self, scheme, settings):
+        if settings.get("act_order"):
+            actorder = "weight" if settings.get("static_groups", True) else "group"
+        else:
+            actorder = None
+        weights = {
+            "num_bits": scheme.bits, "type": "int", "symmetric": scheme.sym,
+            "strategy": "channel" if scheme.group_size == -1 else "group",
+            "group_size": None if scheme.group_size == -1 else scheme.group_size,
+            "actorder": actorder, "dynamic": False, "observer": "minmax",
+        }
+        return {
+            "quant_method": "compressed-tensors", "format": "pack-quantized",
+            "config_groups": {"group_0": {"targets": ["Linear"], "weights": weights, "input_activations": None,
+                                          "output_activations": None, "format": "pack-quantized"}},
+            "ignore": ["lm_head"], "quantization_status": "compressed", "kv_cache_scheme": None,
+            "global_compression_ratio": None,
+        }
+
+    def scheme_from_config(self, qcfg):
+        if qcfg.get("format") != "pack-quantized":
+            raise ArtifactError(f"compressed-tensors format {qcfg.get('format')!r} is not supported (pack-quantized)")
+        groups = list(qcfg["config_groups"].values())
+        if len(groups) != 1:
+            raise ArtifactError("compressed-tensors checkpoints with several config groups are not supported yet")
+        w = groups[0]["weights"]
+        return QuantScheme(w["num_bits"], w.get("group_size") or -1, w.get("symmetric", True))
+
+
+def _bias(tensors):
+    bias = tensors.get("bias")
+    return None if bias is None else bias.float()
+
+
+for _fmt in (GPTQFormat(), AWQFormat(), CompressedTensorsFormat()):
+    FORMATS.add(_fmt.name, _fmt)
+
+
+def format_for_config(qcfg: dict) -> Format:
+    method = qcfg.get("quant_method")
+    if method not in FORMATS:
+        raise ArtifactError(f"quantization method {method!r} in config.json is not readable: "
+                            f"llmopt reads {', '.join(FORMATS.names())}")
+    return FORMATS.get(method)

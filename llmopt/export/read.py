@@ -1,0 +1,91 @@
+"""Reading an llmopt (or any GPTQ / AWQ / compressed-tensors) checkpoint folder back."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from safetensors import safe_open
+
+from llmopt.compress.quant import QuantizedWeight, QuantScheme
+from llmopt.core.errors import ArtifactError, ModelLoadError
+from llmopt.core.io import read_json
+from llmopt.core.models import rebuild_meta_buffers
+from llmopt.export.formats import Format, format_for_config
+
+
+@dataclass
+class ArtifactContents:
+    config: dict
+    dense: dict[str, torch.Tensor]  # every tensor that is not part of a quantized linear
+    qweights: dict[str, QuantizedWeight]  # module path -> quantized weight
+    fmt: Format | None
+    scheme: QuantScheme | None
+    manifest: dict
+
+
+def _load_tensors(path: Path) -> dict[str, torch.Tensor]:
+    files = sorted(path.glob("*.safetensors"))
+    if not files:
+        raise ArtifactError(f"{path} has no *.safetensors weights")
+    tensors = {}
+    for file in files:
+        try:
+            with safe_open(str(file), framework="pt") as f:
+                for key in f.keys():
+                    tensors[key] = f.get_tensor(key)
+        except Exception as e:
+            raise ModelLoadError(f"cannot read {file}: {str(e).splitlines()[0]}: re-create the artifact") from e
+    return tensors
+
+
+def read_artifact(path: str | Path) -> ArtifactContents:
+    path = Path(path)
+    config = read_json(path / "config.json")
+    manifest = read_json(path / "llmopt.json") if (path / "llmopt.json").exists() else {}
+    tensors = _load_tensors(path)
+    qcfg = config.get("quantization_config")
+    if not qcfg:
+        return ArtifactContents(config, tensors, {}, None, None, manifest)
+    fmt = format_for_config(qcfg)
+    scheme = fmt.scheme_from_config(qcfg)
+    marker = "." + fmt.marker
+    prefixes = sorted(k[: -len(marker)] for k in tensors if k.endswith(marker))
+    qweights = {}
+    for prefix in prefixes:
+        own = {k[len(prefix) + 1:]: tensors.pop(k) for k in list(tensors) if k.startswith(prefix + ".")}
+        try:
+            qweights[prefix] = fmt.unpack(own, scheme)
+        except KeyError as e:
+            raise ArtifactError(f"{path}: {prefix} lacks tensor {e}: the checkpoint is incomplete") from None
+    return ArtifactContents(config, tensors, qweights, fmt, scheme, manifest)
+
+
+def model_from_contents(contents: ArtifactContents, dtype: torch.dtype = torch.float32, device: str = "cpu"):
+    """A plain transformers model with every quantized linear dequantized into a dense weight."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    config_dict = {k: v for k, v in contents.config.items() if k not in ("quantization_config",)}
+    config = AutoConfig.for_model(**config_dict)
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(config, dtype=dtype)
+    state = {k: (v.to(dtype) if v.is_floating_point() else v) for k, v in contents.dense.items()}
+    for name, qweight in contents.qweights.items():
+        state[f"{name}.weight"] = qweight.dequantize(dtype)
+        if qweight.bias is not None:
+            state[f"{name}.bias"] = qweight.bias.to(dtype)
+    expected = set(model.state_dict())
+    if getattr(config, "tie_word_embeddings", False):
+        expected.discard("lm_head.weight")
+    missing = expected - set(state)
+    if missing:
+        raise ArtifactError(f"checkpoint lacks {len(missing)} tensors (e.g. {sorted(missing)[0]}): it is incomplete")
+    model.load_state_dict(state, strict=False, assign=True)
+    model.tie_weights()
+    rebuild_meta_buffers(model)
+    return model.to(device).eval()
+
+
+def load_artifact_model(path: str | Path, dtype: torch.dtype = torch.float32, device: str = "cpu"):
+    return model_from_contents(read_artifact(path), dtype, device)
