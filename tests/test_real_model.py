@@ -1,7 +1,6 @@
 """Tests on the real default model, SmolLM2-135M-Instruct (installed by the Makefile)."""
 
 import pytest
-import torch
 
 from tests.eval.test_perplexity import plain_loop_ppl
 

@@ -60,9 +60,10 @@ def _register() -> None:
     app.add_typer(eval_cli.app, name="eval")
     app.command("generate")(generate.generate)
     app.command("env")(env.env)
-    from llmopt.cli import export, quantize
+    from llmopt.cli import export, prune, quantize
 
     app.command("quantize")(quantize.quantize)
+    app.command("prune")(prune.prune)
     app.command("export")(export.export)
 
 

@@ -23,6 +23,11 @@ class FormatName(str, Enum):
     compressed_tensors = "compressed-tensors"
 
 
+class CalibDtype(str, Enum):
+    float32 = "float32"
+    bfloat16 = "bfloat16"
+
+
 DEFAULT_FORMAT = {"rtn": "compressed-tensors", "gptq": "gptq", "awq": "awq"}
 METHOD_ONLY = {  # option -> the methods it applies to
     "act_order": ("gptq",), "damp": ("gptq",), "static_groups": ("gptq",), "awq_search": ("awq",),
@@ -47,6 +52,9 @@ def quantize(
     num_samples: Annotated[int, typer.Option("--num-samples", help="Calibration samples.")] = 128,
     seqlen: Annotated[int, typer.Option("--seqlen", help="Tokens per calibration sample.")] = 512,
     batch_size: Annotated[int, typer.Option("--batch-size", help="Calibration samples per forward.")] = 8,
+    calib_dtype: Annotated[CalibDtype, typer.Option(
+        "--calib-dtype", help="dtype of the calibration forwards; weights and statistics stay fp32.")
+    ] = CalibDtype.float32,
     ignore: Annotated[Optional[list[str]], typer.Option("--ignore", help="Glob of linears to keep dense.")] = None,
     awq_search: Annotated[Optional[str], typer.Option(
         "--awq-search", help="AWQ: re-apply scales/clips saved in an artifact instead of searching.")] = None,
@@ -67,7 +75,8 @@ def quantize(
             flag = "--" + option.replace("_", "-")
             raise ConfigError(f"{flag} applies to {', '.join(METHOD_ONLY[option])} only, not {method.value}")
     settings = dict(bits=bits, group_size=group_size, sym=sym, mse=mse, ignore=ignore or [], calib=calib,
-                    num_samples=num_samples, seqlen=seqlen, batch_size=batch_size, seed=seed, device=device)
+                    num_samples=num_samples, seqlen=seqlen, batch_size=batch_size, seed=seed, device=device,
+                    compute_dtype=calib_dtype.value)
     if method is Method.gptq:
         settings.update({k: v for k, v in given.items() if k != "awq_search" and v is not None})
     if awq_search is not None:

@@ -6,45 +6,13 @@ H = 2/n * sum x x^T over the calibration inputs x [K] of a linear. See IST-DASLa
 
 from __future__ import annotations
 
-import math
-
 import torch
 
 from llmopt.compress.base import QUANT_METHODS, QuantMethod, Quantizer
 from llmopt.compress.config import GPTQConfig
-from llmopt.compress.quant import QuantizedWeight, QuantScheme, compute_qparams, default_g_idx, mse_qparams
+from llmopt.compress.quant import QuantizedWeight, QuantScheme, compute_qparams, mse_qparams
+from llmopt.compress.hessian import SharedInputHessians, inverse_hessian_cholesky
 from llmopt.core.errors import LLMOptError
-
-
-class HessianAccumulator:
-    """Running H = 2/n * X^T X in fp32, fed batches of inputs [tokens, K]."""
-
-    def __init__(self, in_features: int, device: torch.device | str = "cpu"):
-        self.hessian = torch.zeros(in_features, in_features, dtype=torch.float32, device=device)
-        self.num_samples = 0
-
-    def add(self, x: torch.Tensor) -> None:
-        x = x.reshape(-1, x.shape[-1]).float()
-        n = x.shape[0]
-        self.hessian *= self.num_samples / (self.num_samples + n)
-        self.num_samples += n
-        x = math.sqrt(2 / self.num_samples) * x
-        self.hessian.addmm_(x.t(), x)
-
-
-def _inverse_hessian_cholesky(hessian: torch.Tensor, damp: float) -> torch.Tensor:
-    """Upper Cholesky factor of H^-1 after dampening by damp * mean(diag H); retries with more damping."""
-    diag_mean = torch.mean(torch.diag(hessian))
-    eye = torch.eye(hessian.shape[0], dtype=hessian.dtype, device=hessian.device)
-    for attempt in range(6):
-        h = hessian + (damp * 10**attempt) * diag_mean * eye
-        chol, info = torch.linalg.cholesky_ex(h)
-        if info == 0:
-            inv = torch.cholesky_inverse(chol)
-            upper, info = torch.linalg.cholesky_ex(inv, upper=True)
-            if info == 0:
-                return upper
-    raise LLMOptError("GPTQ: the Hessian stays singular after dampening: use more calibration samples or raise --damp")
 
 
 def gptq_quantize_weight(
@@ -91,7 +59,7 @@ def gptq_quantize_weight(
         w, h = w[:, perm], h[perm][:, perm]
         if mask is not None:
             mask = mask[:, perm]
-    hinv = _inverse_hessian_cholesky(h, damp)
+    hinv = inverse_hessian_cholesky(h, damp)
 
     codes = torch.zeros(k, n, dtype=torch.float32)  # filled column by column: rows are columns here
     num_groups = k // width
@@ -138,42 +106,35 @@ def gptq_quantize_weight(
 
 
 class GPTQQuantizer(Quantizer):
-    """Collects each linear's Hessian during the pipeline's stage pass, then GPTQ-quantizes the stage."""
+    """Collects each linear's Hessian during the pipeline's stage pass, then GPTQ-quantizes the stage.
+
+    Weights that are exactly zero in a sparse model (config.sparsity_config) stay zero (the mask is kept).
+    """
 
     def __init__(self, config: GPTQConfig, model):
         super().__init__(config, model)
-        self.hessians: dict[str, HessianAccumulator] = {}
-        self.masks: dict[str, torch.Tensor] = {}  # full name -> [N, K] bool, weights pinned at zero
-        self._last_input = None  # (tensor, accumulator): linears fed the same tensor share one Hessian
+        self.hessians = SharedInputHessians()
+        self.keep_sparsity = getattr(model.config, "sparsity_config", None) is not None
 
     def stages(self, adapter):
         return list(adapter.sequential) if self.config.true_sequential else [adapter.linears]
 
     def add_batch(self, layer_index, name, module, inputs):
-        if self._last_input is not None and self._last_input[0] is inputs:
-            self.hessians[name] = self._last_input[1]
-            return
-        acc = self.hessians.get(name)
-        if acc is None:
-            acc = self.hessians[name] = HessianAccumulator(module.in_features, inputs.device)
-        acc.add(inputs)
-        self._last_input = (inputs, acc)
+        self.hessians.add(name, module.in_features, inputs)
 
     def process(self, layer_index, layer, names):
         from llmopt.core.adapters import get_module
 
-        self._last_input = None
         for name in names:
             module = get_module(layer, name)
-            full = self.full_name(layer_index, name)
-            acc = self.hessians.pop(name)
-            if self.is_ignored(full):
+            hessian = self.hessians.pop(name)
+            if self.is_ignored(self.full_name(layer_index, name)):
                 continue
+            mask = (module.weight.data == 0) if self.keep_sparsity and self.config.sym else None
             qweight = gptq_quantize_weight(
-                module.weight.data, acc.hessian, self.config.scheme, damp=self.config.damp,
+                module.weight.data, hessian, self.config.scheme, damp=self.config.damp,
                 block_size=self.config.block_size, act_order=self.config.act_order,
-                static_groups=self.config.static_groups, mse=self.config.mse,
-                mask=self.masks.get(full), bias=module.bias,
+                static_groups=self.config.static_groups, mse=self.config.mse, mask=mask, bias=module.bias,
             )
             self.store(layer_index, name, module, qweight)
 

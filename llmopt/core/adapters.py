@@ -5,7 +5,7 @@ Paths are dotted attribute paths; linear and norm paths inside a decoder layer a
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 from torch import nn
 

@@ -8,14 +8,15 @@
    outputs with the changed weights, so the next layer sees the compressed model's activations.
 Only one layer's working set lives on the compute device; activations stay on the CPU in fp32.
 
-The forwards may run under bf16 autocast (`compute_dtype`): 3x faster on CPUs with AMX. The weights stay
-fp32 and algorithms accumulate their statistics (Hessians, norms) in fp32.
+The forwards may run in bf16 (`compute_dtype`; 3x faster on CPUs with AMX): a bf16 copy of the layer runs
+the samples, while the algorithms read and change the fp32 layer and accumulate statistics (Hessians,
+norms) in fp32; the copy is refreshed from the fp32 layer after every change.
 """
 
 from __future__ import annotations
 
+import copy
 import time
-from contextlib import nullcontext
 from typing import Callable, Protocol
 
 import torch
@@ -40,12 +41,6 @@ class LayerwiseAlgorithm(Protocol):
 
 class _StopForward(Exception):
     pass
-
-
-def _autocast(device: torch.device, compute_dtype: torch.dtype):
-    if compute_dtype == torch.float32:
-        return nullcontext()
-    return torch.autocast(device_type=device.type, dtype=compute_dtype)
 
 
 @torch.inference_mode()
@@ -84,13 +79,14 @@ def _layer_output(out) -> torch.Tensor:
     return out[0] if isinstance(out, (tuple, list)) else out
 
 
-def _to(obj, device):
+def _to(obj, device, dtype):
+    """Move tensors (in nested tuples/dicts) to `device`, floating ones to `dtype`."""
     if isinstance(obj, torch.Tensor):
-        return obj.to(device)
+        return obj.to(device, dtype) if obj.is_floating_point() else obj.to(device)
     if isinstance(obj, (tuple, list)):
-        return type(obj)(_to(o, device) for o in obj)
+        return type(obj)(_to(o, device, dtype) for o in obj)
     if isinstance(obj, dict):
-        return {k: _to(v, device) for k, v in obj.items()}
+        return {k: _to(v, device, dtype) for k, v in obj.items()}
     return obj
 
 
@@ -114,24 +110,31 @@ def run_layerwise(
     start = time.perf_counter()
     hidden, kwargs_per_batch = capture_first_layer_inputs(model, calib_ids, batch_size, device)
     batches = [(i, slice(i * batch_size, (i + 1) * batch_size)) for i in range(len(kwargs_per_batch))]
-    device_kwargs = [_to(kw, device) for kw in kwargs_per_batch]
+    device_kwargs = [_to(kw, device, compute_dtype) for kw in kwargs_per_batch]
     for index, layer in enumerate(layers):
         layer.to(device)
+        # The layer that runs the samples: the fp32 layer itself, or a lower-precision copy of it.
+        runner = layer if compute_dtype == torch.float32 else copy.deepcopy(layer).to(compute_dtype)
         for names in algorithm.stages(adapter):
-            with _autocast(device, compute_dtype):
-                _run_stage(layer, index, names, algorithm, hidden, batches, device_kwargs, device)
+            _run_stage(runner, index, names, algorithm, hidden, batches, device_kwargs, device, compute_dtype)
             algorithm.process(index, layer, names)
-        with _autocast(device, compute_dtype):
-            for b, rows in batches:  # recompute outputs with the changed weights
-                out = _layer_output(layer(hidden[rows].to(device), **device_kwargs[b]))
-                hidden[rows] = out.to("cpu", torch.float32)
+            if runner is not layer:
+                runner.load_state_dict(layer.state_dict())  # copies and casts the changed weights
+        observe = getattr(algorithm, "observe_layer", None)  # optional: sees each layer's input and output
+        for b, rows in batches:  # recompute outputs with the changed weights
+            inputs = hidden[rows].to(device, compute_dtype)
+            out = _layer_output(runner(inputs, **device_kwargs[b]))
+            if observe is not None:
+                observe(index, inputs, out)
+            hidden[rows] = out.to("cpu", torch.float32)
+        del runner
         layer.to("cpu")
         if progress is not None:
             progress(index + 1, len(layers))
     return {"calibration_wall_s": time.perf_counter() - start, "num_layers": len(layers)}
 
 
-def _run_stage(layer, index, names, algorithm, hidden, batches, device_kwargs, device) -> None:
+def _run_stage(layer, index, names, algorithm, hidden, batches, device_kwargs, device, compute_dtype) -> None:
     modules = {name: get_module(layer, name) for name in names}
     pending: set[str] = set()
 
@@ -151,7 +154,7 @@ def _run_stage(layer, index, names, algorithm, hidden, batches, device_kwargs, d
             pending.clear()
             pending.update(names)
             try:
-                layer(hidden[rows].to(device), **device_kwargs[b])
+                layer(hidden[rows].to(device, compute_dtype), **device_kwargs[b])
             except _StopForward:
                 pass
     finally:

@@ -14,7 +14,7 @@ from typing import Callable
 
 import torch
 
-from llmopt.core.adapters import adapter_for, supported_model_types
+from llmopt.core.adapters import adapter_for
 from llmopt.core.errors import ModelLoadError, ModelNotFoundError
 from llmopt.core.io import atomic_output_dir
 from llmopt.core.paths import llmopt_home

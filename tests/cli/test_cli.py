@@ -1,7 +1,6 @@
 import json
 import shutil
 
-import pytest
 from typer.testing import CliRunner
 
 from llmopt.cli.main import app

@@ -22,7 +22,8 @@ def test_scale_search_beats_rtn_on_outlier_channels():
     assert ratio is not None and ratio > 0
     w_awq = quantize_rtn(w * scales, scheme).dequantize() / scales
     w_rtn = quantize_rtn(w, scheme).dequantize()
-    err = lambda w_hat: ((x @ w.t() - x @ w_hat.t()) ** 2).mean()
+    def err(w_hat):
+        return ((x @ w.t() - x @ w_hat.t()) ** 2).mean()
     assert err(w_awq) < 0.7 * err(w_rtn)
 
 
@@ -50,7 +51,8 @@ def test_clip_search_never_hurts_and_clip_weight_applies_it():
     ratios = search_clip(x, w, scheme)
     assert ratios.shape == (16, 2) and (ratios <= 1).all() and (ratios >= 0.5).all()
     clipped = clip_weight(w.clone(), ratios, scheme)
-    err = lambda w_hat: ((x @ w.t() - x @ w_hat.t()) ** 2).mean()
+    def err(w_hat):
+        return ((x @ w.t() - x @ w_hat.t()) ** 2).mean()
     assert err(quantize_rtn(clipped, scheme).dequantize()) <= err(quantize_rtn(w, scheme).dequantize()) + 1e-6
     assert (clipped.abs() <= w.abs() + 1e-6).all()
 

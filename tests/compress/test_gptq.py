@@ -1,7 +1,8 @@
 import pytest
 import torch
 
-from llmopt.compress.gptq import HessianAccumulator, gptq_quantize_weight
+from llmopt.compress.gptq import gptq_quantize_weight
+from llmopt.compress.hessian import HessianAccumulator
 from llmopt.compress.quant import QuantScheme, quantize_rtn
 
 

@@ -1,0 +1,88 @@
+"""One verb per kind: sparsify a loaded model in place (`sparsify_model`), or prune it to a smaller model
+(`llmopt.prune.structured.prune_structured`)."""
+
+from __future__ import annotations
+
+import time
+from typing import Callable
+
+import torch
+
+from llmopt.compress.base import quantizable_linears
+from llmopt.core.adapters import decoder_layers
+from llmopt.core.errors import ConfigError
+from llmopt.prune.base import PRUNE_METHODS
+from llmopt.prune.config import SparsityConfig
+
+
+def _load_methods() -> None:
+    from llmopt.prune import magnitude, sparsegpt, wanda  # noqa: F401
+
+
+def make_sparsity_config(**settings) -> SparsityConfig:
+    from pydantic import ValidationError
+
+    from llmopt.compress.config import CalibrationConfig
+
+    calibration = {k: settings.pop(k) for k in list(settings) if k in CalibrationConfig.model_fields}
+    try:
+        return SparsityConfig(calibration=calibration, **settings)
+    except ValidationError as e:
+        first = e.errors()[0]
+        where = ".".join(str(p) for p in first["loc"])
+        message = first["msg"].removeprefix("Value error, ")
+        raise ConfigError(f"invalid pruning setting{' ' + where if where else ''}: {message}") from None
+
+
+def sparsify_model(model, tokenizer, config: SparsityConfig,
+                   progress: Callable[[int, int], None] | None = None) -> tuple[dict[str, torch.Tensor], dict]:
+    """Zero weights of every decoder linear in place; returns (masks by linear name, facts)."""
+    from llmopt.core.calibration import run_layerwise
+    from llmopt.core.datasets import calibration_samples
+
+    _load_methods()
+    nm = config.nm
+    if nm is not None:
+        for name, linear in quantizable_linears(model).items():
+            if linear.in_features % nm[1]:
+                raise ConfigError(f"pattern {config.pattern} needs in_features divisible by {nm[1]}: "
+                                  f"{name} has {linear.in_features}")
+    pruner = PRUNE_METHODS.get(config.method).pruner_cls(config, model)
+    start = time.perf_counter()
+    facts: dict = {}
+    if config.needs_calibration:
+        cal = config.calibration
+        calib_ids = calibration_samples(tokenizer, cal.calib, cal.num_samples, cal.seqlen, cal.seed)
+        facts["calibration_tokens"] = calib_ids.numel()
+        facts.update(run_layerwise(model, calib_ids, pruner, cal.device, cal.batch_size, progress,
+                                   getattr(torch, cal.compute_dtype)))
+    else:
+        layers = decoder_layers(model)
+        with torch.inference_mode():
+            for index, layer in enumerate(layers):
+                for names in pruner.stages(pruner.adapter):
+                    pruner.process(index, layer, names)
+                if progress is not None:
+                    progress(index + 1, len(layers))
+    if not pruner.masks:
+        raise ConfigError("nothing was pruned: every linear matched --ignore")
+    facts["prune_wall_s"] = time.perf_counter() - start
+    return pruner.masks, facts
+
+
+def measure_sparsity(model) -> dict:
+    """Parameter and zero counts over the decoder linears and the whole model."""
+    linears = quantizable_linears(model)
+    linear_params = sum(m.weight.numel() for m in linears.values())
+    linear_zeros = sum(int((m.weight == 0).sum()) for m in linears.values())
+    total = sum(p.numel() for p in model.parameters())
+    nonzero = sum(int((p != 0).sum()) for p in model.parameters())
+    return {"num_parameters": total, "num_nonzero": nonzero, "linear_parameters": linear_params,
+            "linear_sparsity": linear_zeros / linear_params if linear_params else 0.0}
+
+
+def sparsity_config_entry(config: SparsityConfig, measured: float, targets: list[str]) -> dict:
+    """What config.json records about the sparsity (llmopt's `sparsity_config`)."""
+    return {"format": "dense", "sparsity_structure": config.structure, "method": config.method,
+            "targets": targets, "ignore": ["lm_head", "model.embed_tokens", *config.ignore],
+            "target_sparsity": round(config.target_sparsity, 6), "global_sparsity": round(measured, 6)}
