@@ -27,33 +27,30 @@ SETTINGS = {  # name -> quantize options
 }
 METHODS = {  # name -> (method options, calibration)
     "RTN": (["--method", "rtn"], None),
-    "GPTQ": (["--method", "gptq"], "c4"),
+    "GPTQ": (["--method", "gptq", "--no-act-order"], "c4"),
     "GPTQ+act-order": (["--method", "gptq", "--act-order"], "c4"),
     "AWQ": (["--method", "awq"], "c4"),
+    "RTN+mse": (["--method", "rtn", "--mse"], None),
 }
-# Rows that show what calibration data does to GPTQ (w4g64 sym unless named).
-CALIBRATION_ROWS = [
-    ("GPTQ", "w4g64-sym", "pystdlib"), ("GPTQ", "w4g64-sym", "c4,pystdlib"),
+# The order rows run in: the headline comparisons first, so an interrupted run still answers the targets.
+PLAN = [
+    ("fp32", "-", None),
+    ("RTN", "w4g64-sym", None), ("GPTQ+act-order", "w4g64-sym", "c4"), ("AWQ", "w4g64-sym", "c4"),
+    ("GPTQ", "w4g64-sym", "c4"),
     ("GPTQ+act-order", "w4g64-sym", "pystdlib"), ("GPTQ+act-order", "w4g64-sym", "c4,pystdlib"),
-    ("GPTQ+act-order", "w3g64-sym", "pystdlib"),
+    ("RTN", "w3g64-sym", None), ("GPTQ+act-order", "w3g64-sym", "c4"), ("GPTQ+act-order", "w3g64-sym", "pystdlib"),
+    ("AWQ", "w3g64-sym", "c4"), ("GPTQ", "w3g64-sym", "c4"),
+    ("RTN+mse", "w4g64-sym", None),
+    ("RTN", "w4g64-asym", None), ("GPTQ+act-order", "w4g64-asym", "c4"), ("AWQ", "w4g64-asym", "c4"),
+    ("GPTQ", "w4g64-asym", "c4"),
+    ("RTN", "w8-channel", None), ("GPTQ+act-order", "w8-channel", "c4"), ("AWQ", "w8-channel", "c4"),
+    ("GPTQ", "w8-channel", "c4"),
 ]
 
 
 def plan() -> list[dict]:
-    rows = [{"name": "fp32", "method": "fp32", "setting": "-", "calib": None}]
-    order = ["w4g64-sym", "w3g64-sym", "w4g64-asym", "w8-channel"]
-    for setting in order:
-        for method, (_, calib) in METHODS.items():
-            rows.append({"name": f"{method} {setting}" + (f" [{calib}]" if calib else ""), "method": method,
-                         "setting": setting, "calib": calib})
-        if setting == "w4g64-sym":
-            for method, s, calib in CALIBRATION_ROWS:
-                if s == setting:
-                    rows.append({"name": f"{method} {s} [{calib}]", "method": method, "setting": s, "calib": calib})
-    for method, s, calib in CALIBRATION_ROWS:
-        if s != "w4g64-sym":
-            rows.append({"name": f"{method} {s} [{calib}]", "method": method, "setting": s, "calib": calib})
-    return rows
+    return [{"name": method if method == "fp32" else f"{method} {setting}" + (f" [{calib}]" if calib else ""),
+             "method": method, "setting": setting, "calib": calib} for method, setting, calib in PLAN]
 
 
 def run_json(args: list[str]) -> tuple[dict, float]:
@@ -127,7 +124,7 @@ def main() -> None:
     parser.add_argument("--markdown", default=None)
     parser.add_argument("--eval-tokens", type=int, default=32768)
     parser.add_argument("--num-samples", type=int, default=128)
-    parser.add_argument("--compute-dtype", default="bfloat16", help="calibration forward dtype")
+    parser.add_argument("--compute-dtype", default=None, help="calibration forward dtype (default: llmopt's)")
     parser.add_argument("--only", default=None, help="comma-separated substrings of row names")
     parser.add_argument("--resume", action="store_true")
     args = parser.parse_args()

@@ -43,7 +43,7 @@ def prune(
     seqlen: Annotated[int, typer.Option("--seqlen", help="Tokens per calibration sample.")] = 512,
     batch_size: Annotated[int, typer.Option("--batch-size", help="Calibration samples per forward.")] = 8,
     calib_dtype: Annotated[CalibDtype, typer.Option("--calib-dtype", help="dtype of calibration forwards.")
-                           ] = CalibDtype.float32,
+                           ] = CalibDtype.bfloat16,
     device: Annotated[str, typer.Option("--device", help="Where layers are calibrated.")] = "cpu",
     seed: SeedOpt = 0,
     overwrite: OverwriteOpt = False,

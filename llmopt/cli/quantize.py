@@ -42,19 +42,22 @@ def quantize(
     group_size: Annotated[int, typer.Option("--group-size", help="Input columns per scale; -1 = per channel.")] = 128,
     sym: Annotated[bool, typer.Option("--sym/--asym", help="Symmetric (zero point fixed) or asymmetric.")] = True,
     act_order: Annotated[Optional[bool], typer.Option(
-        "--act-order", help="GPTQ: quantize columns by decreasing Hessian diagonal (desc_act).")] = None,
+        "--act-order/--no-act-order",
+        help="GPTQ: quantize columns by decreasing Hessian diagonal (desc_act; default on).")] = None,
     static_groups: Annotated[Optional[bool], typer.Option(
         "--static-groups/--no-static-groups",
         help="GPTQ act-order: group parameters fixed up front, so g_idx stays k // group_size (default on).")] = None,
-    damp: Annotated[Optional[float], typer.Option("--damp", help="GPTQ dampening, fraction of mean diag(H).")] = None,
-    mse: Annotated[bool, typer.Option("--mse", help="Choose group ranges by minimising weight error.")] = False,
+    damp: Annotated[Optional[float], typer.Option(
+        "--damp", help="GPTQ dampening, fraction of mean diag(H) (default 0.1).")] = None,
+    mse: Annotated[Optional[bool], typer.Option(
+        "--mse/--no-mse", help="Choose group ranges by minimising weight error (default: on for GPTQ).")] = None,
     calib: Annotated[str, typer.Option("--calib", help="Calibration dataset(s), comma-separated to mix.")] = "c4",
     num_samples: Annotated[int, typer.Option("--num-samples", help="Calibration samples.")] = 128,
     seqlen: Annotated[int, typer.Option("--seqlen", help="Tokens per calibration sample.")] = 512,
     batch_size: Annotated[int, typer.Option("--batch-size", help="Calibration samples per forward.")] = 8,
     calib_dtype: Annotated[CalibDtype, typer.Option(
         "--calib-dtype", help="dtype of the calibration forwards; weights and statistics stay fp32.")
-    ] = CalibDtype.float32,
+    ] = CalibDtype.bfloat16,
     ignore: Annotated[Optional[list[str]], typer.Option("--ignore", help="Glob of linears to keep dense.")] = None,
     awq_search: Annotated[Optional[str], typer.Option(
         "--awq-search", help="AWQ: re-apply scales/clips saved in an artifact instead of searching.")] = None,
@@ -74,9 +77,11 @@ def quantize(
         if value is not None and method.value not in METHOD_ONLY[option]:
             flag = "--" + option.replace("_", "-")
             raise ConfigError(f"{flag} applies to {', '.join(METHOD_ONLY[option])} only, not {method.value}")
-    settings = dict(bits=bits, group_size=group_size, sym=sym, mse=mse, ignore=ignore or [], calib=calib,
+    settings = dict(bits=bits, group_size=group_size, sym=sym, ignore=ignore or [], calib=calib,
                     num_samples=num_samples, seqlen=seqlen, batch_size=batch_size, seed=seed, device=device,
                     compute_dtype=calib_dtype.value)
+    if mse is not None:
+        settings["mse"] = mse
     if method is Method.gptq:
         settings.update({k: v for k, v in given.items() if k != "awq_search" and v is not None})
     if awq_search is not None:
