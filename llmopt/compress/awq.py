@@ -141,7 +141,8 @@ class AWQQuantizer(Quantizer):
         total = self.config.calibration.num_samples * self.config.calibration.seqlen
         stride = max(1, total // self.config.search_tokens)
         offset = int(torch.randint(stride, (1,), generator=self._generator))
-        self.inputs.setdefault(name, []).append(x[offset::stride].cpu())
+        # clone: a strided view would keep the whole batch alive
+        self.inputs.setdefault(name, []).append(x[offset::stride].clone().cpu())
 
     def process(self, layer_index, layer, names):
         cfg: AWQConfig = self.config

@@ -1,0 +1,102 @@
+"""The engine: requests in, tokens out. `step()` is glue: schedule, run the model, record the tokens."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Iterator
+
+
+
+from llmopt.core.errors import ConfigError
+from llmopt.runtime.block_manager import BlockManager
+from llmopt.runtime.model_runner import ModelRunner
+from llmopt.runtime.sampling import SamplingParams
+from llmopt.runtime.scheduler import Scheduler, SchedulerConfig
+from llmopt.runtime.sequence import Sequence
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    block_size: int = 16
+    kv_cache_bytes: int = 256 * 2**20
+    max_num_seqs: int = 64
+    max_num_batched_tokens: int = 2048
+    enable_chunked_prefill: bool = True
+    enable_prefix_cache: bool = True
+    policy: str = "continuous"
+
+
+@dataclass
+class StepOutput:
+    seq_id: int
+    new_token_ids: list[int]
+    finished: bool
+    finish_reason: str | None
+
+
+class Engine:
+    def __init__(self, hf_model, tokenizer, config: EngineConfig | None = None):
+        self.config = config or EngineConfig()
+        self.tokenizer = tokenizer
+        self.runner = ModelRunner(hf_model, self.config.block_size, self.config.kv_cache_bytes)
+        self.block_manager = BlockManager(self.runner.num_blocks, self.config.block_size,
+                                          self.config.enable_prefix_cache)
+        self.scheduler = Scheduler(
+            SchedulerConfig(self.config.max_num_seqs, self.config.max_num_batched_tokens,
+                            self.config.enable_chunked_prefill, self.config.policy),
+            self.block_manager, eos_token_id=tokenizer.eos_token_id if tokenizer is not None else None)
+        self.max_context = getattr(hf_model.config, "max_position_embeddings", None)
+        self.sequences: dict[int, Sequence] = {}
+
+    def add_request(self, prompt_token_ids: list[int], params: SamplingParams | None = None) -> int:
+        params = params or SamplingParams()
+        if not prompt_token_ids:
+            raise ConfigError("empty prompt: give at least one token")
+        if self.max_context and len(prompt_token_ids) + params.max_tokens > self.max_context:
+            raise ConfigError(f"prompt ({len(prompt_token_ids)} tokens) + max_tokens ({params.max_tokens}) exceeds "
+                              f"the model's context of {self.max_context}: shorten the prompt or lower max_tokens")
+        seq = Sequence(prompt_token_ids, params)
+        self.scheduler.add(seq)  # refuses a request larger than the whole KV cache
+        self.sequences[seq.seq_id] = seq
+        return seq.seq_id
+
+    def abort(self, seq_id: int) -> bool:
+        self.runner.release(seq_id)
+        return self.scheduler.abort(seq_id)
+
+    def has_unfinished(self) -> bool:
+        return self.scheduler.has_unfinished
+
+    def step(self) -> list[StepOutput]:
+        out = self.scheduler.schedule()
+        if out.is_empty:
+            return []
+        sampled = self.runner.execute(out)
+        finished = {seq.seq_id for seq in self.scheduler.postprocess(out, sampled)}
+        for seq_id in finished:
+            self.runner.release(seq_id)
+        return [StepOutput(seq_id, [token], seq_id in finished, self.sequences[seq_id].finish_reason)
+                for seq_id, token in sampled.items()]
+
+    def stream(self) -> Iterator[StepOutput]:
+        """Yield new tokens per request as they are produced, until every request has finished."""
+        while self.has_unfinished():
+            yield from self.step()
+
+    def generate(self, prompts: list[list[int]], params: SamplingParams | list[SamplingParams] | None = None
+                 ) -> list[list[int]]:
+        """Offline: output token ids for each prompt."""
+        params_list = params if isinstance(params, list) else [params or SamplingParams()] * len(prompts)
+        ids = [self.add_request(p, sp) for p, sp in zip(prompts, params_list)]
+        for _ in self.stream():
+            pass
+        return [self.sequences[i].output_token_ids for i in ids]
+
+
+def build_engine(model_name: str, dtype: str = "float32", config: EngineConfig | None = None) -> Engine:
+    from llmopt.core.models import load_model
+
+    model, tokenizer, _ = load_model(model_name, dtype=dtype)
+    return Engine(model, tokenizer, config)
+
+

@@ -1,0 +1,1 @@
+"""Runtime kernels, one file per op, each with a plain-torch reference."""

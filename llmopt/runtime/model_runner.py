@@ -1,0 +1,76 @@
+"""The only runtime class that touches device tensors: owns the model and the KV cache, turns a scheduler
+step into one forward over all scheduled tokens, and samples."""
+
+from __future__ import annotations
+
+import torch
+
+from llmopt.core.errors import ConfigError
+from llmopt.runtime.kernels.attention import AttentionMetadata
+from llmopt.runtime.model import RuntimeDecoder
+from llmopt.runtime.sampler import sample
+from llmopt.runtime.scheduler import SchedulerOutput
+
+
+def kv_bytes_per_block(decoder: RuntimeDecoder, block_size: int, dtype: torch.dtype) -> int:
+    element = torch.tensor([], dtype=dtype).element_size()
+    return 2 * decoder.num_layers * block_size * decoder.num_kv_heads * decoder.head_dim * element
+
+
+class ModelRunner:
+    def __init__(self, hf_model, block_size: int, kv_cache_bytes: int, kv_dtype: torch.dtype | None = None):
+        self.decoder = RuntimeDecoder(hf_model)
+        self.device = next(hf_model.parameters()).device
+        self.kv_dtype = kv_dtype or next(hf_model.parameters()).dtype
+        self.block_size = block_size
+        per_block = kv_bytes_per_block(self.decoder, block_size, self.kv_dtype)
+        self.num_blocks = kv_cache_bytes // per_block
+        if self.num_blocks < 1:
+            raise ConfigError(f"--kv-cache-bytes {kv_cache_bytes} holds no block of {block_size} tokens "
+                              f"({per_block} bytes each): raise it")
+        shape = (self.num_blocks, block_size, self.decoder.num_kv_heads, self.decoder.head_dim)
+        self.kv_caches = [(torch.zeros(shape, dtype=self.kv_dtype, device=self.device),
+                           torch.zeros(shape, dtype=self.kv_dtype, device=self.device))
+                          for _ in range(self.decoder.num_layers)]
+        self.generators: dict[int, torch.Generator] = {}
+
+    def copy_blocks(self, copies: list[tuple[int, int]]) -> None:
+        for k_cache, v_cache in self.kv_caches:
+            for src, dst in copies:
+                k_cache[dst].copy_(k_cache[src])
+                v_cache[dst].copy_(v_cache[src])
+
+    @torch.inference_mode()
+    def execute(self, out: SchedulerOutput) -> dict[int, int]:
+        """Run one step; returns {seq_id: sampled token} for the sequences that reached their last token."""
+        input_ids, positions, slots, starts, context_lens, tables, sample_rows = [], [], [], [0], [], [], []
+        bs = self.block_size
+        for item in out.scheduled:
+            seq, first = item.seq, item.seq.num_computed_tokens
+            last = first + item.num_new_tokens
+            input_ids.extend(seq.token_ids[first:last])
+            positions.extend(range(first, last))
+            slots.extend(seq.block_table[p // bs] * bs + p % bs for p in range(first, last))
+            starts.append(starts[-1] + item.num_new_tokens)
+            context_lens.append(last)
+            tables.append(seq.block_table)
+            if item.samples:
+                sample_rows.append((starts[-1] - 1, seq))
+        meta = AttentionMetadata(starts, context_lens, tables, torch.tensor(slots, dtype=torch.long, device=self.device))
+        hidden = self.decoder(torch.tensor(input_ids, device=self.device),
+                              torch.tensor(positions, device=self.device), meta, self.kv_caches)
+        if not sample_rows:
+            return {}
+        logits = self.decoder.logits(hidden[[row for row, _ in sample_rows]])
+        result = {}
+        for (_, seq), row_logits in zip(sample_rows, logits):
+            generator = None
+            if not seq.params.is_greedy and seq.params.seed is not None:
+                generator = self.generators.get(seq.seq_id)
+                if generator is None:
+                    generator = self.generators[seq.seq_id] = torch.Generator().manual_seed(seq.params.seed)
+            result[seq.seq_id] = sample(row_logits.cpu(), seq.params, generator)
+        return result
+
+    def release(self, seq_id: int) -> None:
+        self.generators.pop(seq_id, None)

@@ -1,0 +1,96 @@
+"""The runtime against transformers: same greedy tokens; outputs independent of batching, chunked
+prefill, preemption and prefix-cache hits."""
+
+import pytest
+import torch
+
+from llmopt.core.tiny import build_tiny_model
+from llmopt.runtime.engine import Engine, EngineConfig
+from llmopt.runtime.hf import hf_generate
+from llmopt.runtime.sampling import SamplingParams
+
+GREEDY = SamplingParams(max_tokens=24, ignore_eos=True)
+
+
+def prompts(n=8, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randint(0, 250, (int(torch.randint(3, 40, (1,), generator=g)),), generator=g).tolist()
+            for _ in range(n)]
+
+
+@pytest.fixture(scope="module", params=["llama", "qwen2"])
+def tiny(request):
+    return build_tiny_model(request.param, seed=0)
+
+
+def hf_outputs(model, tok, ps, max_tokens):
+    # one prompt at a time: no padding, so transformers' own numerics are the reference
+    return [hf_generate(model, tok, [p], SamplingParams(max_tokens=max_tokens, ignore_eos=True))[0] for p in ps]
+
+
+def test_greedy_matches_transformers(tiny):
+    model, tok = tiny
+    ps = prompts()
+    expected = hf_outputs(model, tok, ps, GREEDY.max_tokens)
+    engine = Engine(model, tok, EngineConfig(block_size=4, kv_cache_bytes=2**20))
+    assert engine.generate(ps, GREEDY) == expected
+
+
+@pytest.mark.parametrize("config", [
+    EngineConfig(block_size=4, kv_cache_bytes=2**20, max_num_batched_tokens=7),  # chunked prefill
+    EngineConfig(block_size=4, kv_cache_bytes=2**20, max_num_seqs=1),  # one at a time
+    EngineConfig(block_size=2, kv_cache_bytes=40 * 2 * 2 * 2 * 2 * 16 * 4),  # tiny cache: preemption
+    EngineConfig(block_size=4, kv_cache_bytes=2**20, policy="static", max_num_seqs=3),
+], ids=["chunked", "serial", "preempt", "static"])
+def test_outputs_do_not_depend_on_scheduling(tiny, config):
+    model, tok = tiny
+    ps = prompts(seed=1)
+    reference = Engine(model, tok, EngineConfig(block_size=4, kv_cache_bytes=2**20)).generate(ps, GREEDY)
+    engine = Engine(model, tok, config)
+    assert engine.generate(ps, GREEDY) == reference
+    if config.max_num_batched_tokens == 7:
+        pass
+    if config.block_size == 2:
+        assert engine.scheduler.num_preemptions > 0
+
+
+def test_prefix_cache_hit_gives_the_same_tokens(tiny):
+    model, tok = tiny
+    shared = prompts(1, seed=2)[0] * 2
+    ps = [shared + [i] for i in range(4)]
+    cold = [Engine(model, tok, EngineConfig(block_size=4, enable_prefix_cache=False)).generate([p], GREEDY)[0]
+            for p in ps]
+    engine = Engine(model, tok, EngineConfig(block_size=4, max_num_seqs=1))
+    assert engine.generate(ps, GREEDY) == cold
+    assert engine.block_manager.num_hit_tokens > 0
+
+
+def test_sampling_is_seeded_and_bad_requests_do_not_stop_the_engine(tiny):
+    model, tok = tiny
+    from llmopt.core.errors import ConfigError
+
+    engine = Engine(model, tok, EngineConfig(block_size=4, kv_cache_bytes=2**18))
+    params = SamplingParams(max_tokens=10, temperature=0.9, top_p=0.9, top_k=50, seed=7, ignore_eos=True)
+    a = engine.generate([[1, 2, 3]], params)
+    b = engine.generate([[1, 2, 3]], params)
+    assert a == b
+    with pytest.raises(ConfigError, match="context"):
+        engine.add_request([1] * 1020, SamplingParams(max_tokens=10))
+    with pytest.raises(ConfigError, match="KV blocks"):
+        engine.add_request([1] * 900, SamplingParams(max_tokens=100))
+    with pytest.raises(ConfigError, match="max_tokens"):
+        SamplingParams(max_tokens=0)
+    assert engine.generate([[5, 6]], GREEDY)[0] == hf_outputs(model, tok, [[5, 6]], GREEDY.max_tokens)[0]
+
+
+def test_abort_frees_the_request(tiny):
+    model, tok = tiny
+    engine = Engine(model, tok, EngineConfig(block_size=4))
+    keep = engine.add_request([1, 2, 3], GREEDY)
+    drop = engine.add_request([4, 5, 6], GREEDY)
+    engine.step()
+    assert engine.abort(drop)
+    list(engine.stream())
+    assert engine.sequences[drop].finish_reason == "abort"
+    assert len(engine.sequences[keep].output_token_ids) == GREEDY.max_tokens
+    assert engine.block_manager.usage == 0
