@@ -69,3 +69,19 @@ def test_smollm2_rtn_artifact_round_trip_and_transformers_load(smollm2, tmp_path
         b = theirs(input_ids=ids[:64].unsqueeze(0)).logits
     assert (a.argmax(-1) == b.argmax(-1)).float().mean() > 0.95
     torch.testing.assert_close(a, b, rtol=0.05, atol=0.05)
+
+
+def test_smollm2_runtime_greedy_equals_transformers(smollm2):
+    """8 prompts of different lengths, 64 new tokens, batched through the runtime vs one by one in HF."""
+    from llmopt.core.datasets import tokenize_corpus
+    from llmopt.runtime.engine import Engine, EngineConfig
+    from llmopt.runtime.hf import hf_generate
+    from llmopt.runtime.sampling import SamplingParams
+
+    model, tokenizer, _ = smollm2
+    text = tokenize_corpus(tokenizer, "pystdlib", 4000).tolist()
+    prompts = [text[i * 300: i * 300 + n] for i, n in enumerate((5, 17, 33, 64, 100, 128, 200, 250))]
+    params = SamplingParams(max_tokens=64, ignore_eos=True)
+    expected = [hf_generate(model, tokenizer, [p], params)[0] for p in prompts]
+    engine = Engine(model, tokenizer, EngineConfig(max_num_batched_tokens=256))  # chunked prefill too
+    assert engine.generate(prompts, params) == expected

@@ -2,12 +2,18 @@
 
 from __future__ import annotations
 
+from enum import Enum
 from typing import Annotated
 
 import typer
 
 from llmopt.cli.options import DeviceOpt, Dtype, DtypeOpt, JsonOpt, ModelArg, SeedOpt, TrustRemoteCodeOpt
 from llmopt.cli.output import print_json, stdout
+
+
+class Backend(str, Enum):
+    runtime = "runtime"
+    hf = "hf"
 
 
 def generate(
@@ -18,12 +24,15 @@ def generate(
     temperature: Annotated[float, typer.Option("--temperature", help="0 = greedy.")] = 0.0,
     top_p: Annotated[float, typer.Option("--top-p", help="Nucleus sampling mass, in (0, 1].")] = 1.0,
     seed: SeedOpt = 0,
+    backend: Annotated[Backend, typer.Option(
+        "--backend", help="llmopt's runtime (paged KV cache, continuous batching) or transformers' generate.")
+    ] = Backend.runtime,
     dtype: DtypeOpt = Dtype.float32,
     device: DeviceOpt = "cpu",
     as_json: JsonOpt = False,
     trust_remote_code: TrustRemoteCodeOpt = False,
 ) -> None:
-    """Generate a completion for each --prompt (transformers' generate)."""
+    """Generate a completion for each --prompt."""
     from llmopt.core.models import load_model
     from llmopt.runtime.hf import encode_prompts, hf_generate
     from llmopt.runtime.sampling import SamplingParams
@@ -31,7 +40,12 @@ def generate(
     params = SamplingParams(max_tokens=max_tokens, temperature=temperature, top_p=top_p, seed=seed)
     lm, tokenizer, _ = load_model(model, dtype=dtype.value, device=device, trust_remote_code=trust_remote_code)
     prompt_ids = encode_prompts(tokenizer, prompt, chat)
-    outputs = hf_generate(lm, tokenizer, prompt_ids, params)
+    if backend is Backend.hf:
+        outputs = hf_generate(lm, tokenizer, prompt_ids, params)
+    else:
+        from llmopt.runtime.engine import Engine
+
+        outputs = Engine(lm, tokenizer).generate(prompt_ids, params)
     texts = [tokenizer.decode(ids, skip_special_tokens=True) for ids in outputs]
     if as_json:
         print_json({"outputs": [

@@ -11,7 +11,6 @@ import torch
 from llmopt.compress.base import QUANT_METHODS, quantizable_linears
 from llmopt.compress.config import QuantizeConfig
 from llmopt.compress.quant import QuantizedWeight
-from llmopt.core.adapters import decoder_layers
 from llmopt.core.errors import ConfigError
 
 
@@ -55,28 +54,14 @@ def quantize_model(model, tokenizer, config: QuantizeConfig,
 
     >>> result = quantize_model(model, tok, make_config("gptq", bits=4, group_size=64))  # doctest: +SKIP
     """
-    from llmopt.core.calibration import run_layerwise
-    from llmopt.core.datasets import calibration_samples
+    from llmopt.core.calibration import apply_algorithm
 
     _load_methods()
     check_model_fits(model, config)
     quantizer = QUANT_METHODS.get(config.method).quantizer_cls(config, model)
     start = time.perf_counter()
-    facts: dict = {}
-    if config.needs_calibration:
-        cal = config.calibration
-        calib_ids = calibration_samples(tokenizer, cal.calib, cal.num_samples, cal.seqlen, cal.seed)
-        facts["calibration_tokens"] = calib_ids.numel()
-        facts.update(run_layerwise(model, calib_ids, quantizer, cal.device, cal.batch_size, progress,
-                                   getattr(torch, cal.compute_dtype)))
-    else:
-        layers = decoder_layers(model)
-        with torch.inference_mode():
-            for index, layer in enumerate(layers):
-                for names in quantizer.stages(quantizer.adapter):
-                    quantizer.process(index, layer, names)
-                if progress is not None:
-                    progress(index + 1, len(layers))
+    facts = apply_algorithm(model, tokenizer, quantizer,
+                            config.calibration if config.needs_calibration else None, progress)
     if not quantizer.results:
         raise ConfigError("nothing was quantized: every linear matched --ignore")
     facts["quantize_wall_s"] = time.perf_counter() - start

@@ -160,3 +160,26 @@ def _run_stage(layer, index, names, algorithm, hidden, batches, device_kwargs, d
     finally:
         for h in handles:
             h.remove()
+
+
+def apply_algorithm(model: nn.Module, tokenizer, algorithm: LayerwiseAlgorithm, calibration=None,
+                    progress: Callable[[int, int], None] | None = None) -> dict:
+    """Run `algorithm` over every decoder layer: through the calibration pipeline when `calibration` (a
+    CalibrationConfig) is given, else layer by layer with no data (RTN, magnitude). Returns facts."""
+    from llmopt.core.datasets import calibration_samples
+
+    if calibration is not None:
+        cal = calibration
+        calib_ids = calibration_samples(tokenizer, cal.calib, cal.num_samples, cal.seqlen, cal.seed)
+        facts = run_layerwise(model, calib_ids, algorithm, cal.device, cal.batch_size, progress,
+                              getattr(torch, cal.compute_dtype))
+        return {"calibration_tokens": calib_ids.numel(), **facts}
+    adapter = adapter_for(model)
+    layers = get_module(model, adapter.layers)
+    with torch.inference_mode():
+        for index, layer in enumerate(layers):
+            for names in algorithm.stages(adapter):
+                algorithm.process(index, layer, names)
+            if progress is not None:
+                progress(index + 1, len(layers))
+    return {}

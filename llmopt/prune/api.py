@@ -9,7 +9,6 @@ from typing import Callable
 import torch
 
 from llmopt.compress.base import quantizable_linears
-from llmopt.core.adapters import decoder_layers
 from llmopt.core.errors import ConfigError
 from llmopt.prune.base import PRUNE_METHODS
 from llmopt.prune.config import SparsityConfig
@@ -37,8 +36,7 @@ def make_sparsity_config(**settings) -> SparsityConfig:
 def sparsify_model(model, tokenizer, config: SparsityConfig,
                    progress: Callable[[int, int], None] | None = None) -> tuple[dict[str, torch.Tensor], dict]:
     """Zero weights of every decoder linear in place; returns (masks by linear name, facts)."""
-    from llmopt.core.calibration import run_layerwise
-    from llmopt.core.datasets import calibration_samples
+    from llmopt.core.calibration import apply_algorithm
 
     _load_methods()
     nm = config.nm
@@ -49,21 +47,8 @@ def sparsify_model(model, tokenizer, config: SparsityConfig,
                                   f"{name} has {linear.in_features}")
     pruner = PRUNE_METHODS.get(config.method).pruner_cls(config, model)
     start = time.perf_counter()
-    facts: dict = {}
-    if config.needs_calibration:
-        cal = config.calibration
-        calib_ids = calibration_samples(tokenizer, cal.calib, cal.num_samples, cal.seqlen, cal.seed)
-        facts["calibration_tokens"] = calib_ids.numel()
-        facts.update(run_layerwise(model, calib_ids, pruner, cal.device, cal.batch_size, progress,
-                                   getattr(torch, cal.compute_dtype)))
-    else:
-        layers = decoder_layers(model)
-        with torch.inference_mode():
-            for index, layer in enumerate(layers):
-                for names in pruner.stages(pruner.adapter):
-                    pruner.process(index, layer, names)
-                if progress is not None:
-                    progress(index + 1, len(layers))
+    facts = apply_algorithm(model, tokenizer, pruner, config.calibration if config.needs_calibration else None,
+                            progress)
     if not pruner.masks:
         raise ConfigError("nothing was pruned: every linear matched --ignore")
     facts["prune_wall_s"] = time.perf_counter() - start

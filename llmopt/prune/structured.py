@@ -93,7 +93,8 @@ def plan_pruning(config, kind: str, ratio: float, scores: torch.Tensor, channel_
             plan.keep[layer] = sorted(torch.topk(scores[layer], keep_count).indices.tolist())
         plan.config_updates = {"intermediate_size": keep_count}
     elif kind == "heads":
-        heads, kv = config.num_attention_heads, getattr(config, "num_key_value_heads", None) or heads
+        heads = config.num_attention_heads
+        kv = getattr(config, "num_key_value_heads", None) or heads
         group = heads // kv
         remove_per_group = int(round(group * ratio))
         if 0 < remove_per_group < group:  # remove query heads evenly in every KV group

@@ -63,6 +63,10 @@ def test_generate_prints_text_and_json(tiny_llama_dir):
     assert all(0 < o["num_output_tokens"] <= 5 for o in outputs)
     chat = run("generate", tiny_llama_dir, "--prompt", "hi", "--chat", "--max-tokens", 3)
     assert chat.exit_code == 0, chat.output
+    # The runtime (default) and transformers agree on greedy tokens.
+    both = [json.loads(run("generate", tiny_llama_dir, "--prompt", "hello world", "--max-tokens", 8, "--backend", b,
+                           "--json").stdout)["outputs"][0]["text"] for b in ("runtime", "hf")]
+    assert both[0] == both[1]
 
 
 def test_bad_input_is_one_line_exit_1(tiny_llama_dir, tmp_path):
