@@ -94,7 +94,7 @@ def main() -> None:
     done = {r["name"] for r in results}
     with tempfile.TemporaryDirectory(prefix="llmopt-prune-bench-") as tmp:
         for name, commands in ROWS:
-            if name in done or (args.only and not any(s in name for s in args.only.split(","))):
+            if name in done or (args.only and not any(s in name for s in args.only.split(";"))):
                 continue
             start = time.perf_counter()
             results.append(run_row(name, commands, args, Path(tmp)))

@@ -125,13 +125,13 @@ def main() -> None:
     parser.add_argument("--eval-tokens", type=int, default=32768)
     parser.add_argument("--num-samples", type=int, default=128)
     parser.add_argument("--compute-dtype", default=None, help="calibration forward dtype (default: llmopt's)")
-    parser.add_argument("--only", default=None, help="comma-separated substrings of row names")
+    parser.add_argument("--only", default=None, help="semicolon-separated substrings of row names")
     parser.add_argument("--resume", action="store_true")
     args = parser.parse_args()
     path = Path(args.json)
     results = json.loads(path.read_text()) if args.resume and path.exists() else []
     done = {r["name"] for r in results}
-    rows = [r for r in plan() if not args.only or any(s in r["name"] for s in args.only.split(","))]
+    rows = [r for r in plan() if not args.only or any(s in r["name"] for s in args.only.split(";"))]
     with tempfile.TemporaryDirectory(prefix="llmopt-bench-") as tmp:
         for row in rows:
             if row["name"] in done:
