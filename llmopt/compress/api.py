@@ -69,10 +69,6 @@ def quantize_model(model, tokenizer, config: QuantizeConfig,
     return QuantizeResult(quantizer.results, quantizer.extra_tensors(), facts)
 
 
-def describe_settings(config: QuantizeConfig) -> dict:
-    return config.model_dump(mode="json")
-
-
 def quantized_bytes(qweights: dict[str, QuantizedWeight], fmt_name: str) -> tuple[int, int]:
     """(bytes of the packed quantized linears, bytes the same linears take in fp16)."""
     from llmopt.export.formats import FORMATS

@@ -86,6 +86,3 @@ class AWQConfig(QuantizeConfig):
     @property
     def needs_calibration(self) -> bool:
         return self.search_file is None
-
-
-CONFIGS: dict[str, type[QuantizeConfig]] = {"rtn": RTNConfig, "gptq": GPTQConfig, "awq": AWQConfig}
