@@ -21,18 +21,10 @@ def _load_methods() -> None:
 
 def make_config(method: str, **settings) -> QuantizeConfig:
     """The typed config of `method` from flat settings (CLI options or a recipe stage)."""
-    from pydantic import ValidationError
+    from llmopt.compress.config import build_config
 
     _load_methods()
-    config_cls = QUANT_METHODS.get(method).config_cls
-    calibration_keys = set(config_cls.model_fields["calibration"].annotation.model_fields)
-    calibration = {k: settings.pop(k) for k in list(settings) if k in calibration_keys}
-    try:
-        return config_cls(method=method, calibration=calibration, **settings)
-    except ValidationError as e:
-        first = e.errors()[0]
-        where = ".".join(str(p) for p in first["loc"])
-        raise ConfigError(f"invalid {method} setting {where}: {first['msg']}") from None
+    return build_config(QUANT_METHODS.get(method).config_cls, method, method=method, **settings)
 
 
 @dataclass

@@ -86,3 +86,20 @@ class AWQConfig(QuantizeConfig):
     @property
     def needs_calibration(self) -> bool:
         return self.search_file is None
+
+
+def build_config(config_cls: type[BaseModel], what: str, **settings) -> BaseModel:
+    """A method config from flat settings (CLI options or a recipe stage): the calibration keys go into its
+    `calibration`; a validation error becomes one ConfigError line."""
+    from pydantic import ValidationError
+
+    from llmopt.core.errors import ConfigError
+
+    calibration = {k: settings.pop(k) for k in list(settings) if k in CalibrationConfig.model_fields}
+    try:
+        return config_cls(calibration=CalibrationConfig(**calibration), **settings)
+    except ValidationError as e:
+        first = e.errors()[0]
+        where = ".".join(str(p) for p in first["loc"])
+        message = first["msg"].removeprefix("Value error, ")
+        raise ConfigError(f"invalid {what} setting{' ' + where if where else ''}: {message}") from None

@@ -8,7 +8,7 @@ from pathlib import Path
 from typing import Callable
 
 from llmopt.compress.api import make_config, quantize_model, quantized_bytes
-from llmopt.core.errors import ArtifactError
+from llmopt.core.io import check_output_free
 
 
 def peak_rss_bytes() -> int:
@@ -32,9 +32,7 @@ def quantize_to_artifact(
     from llmopt.export.formats import FORMATS
 
     start = time.perf_counter()
-    output = Path(output).expanduser()
-    if output.exists() and not overwrite:
-        raise ArtifactError(f"output {output} already exists: choose another path or pass --overwrite")
+    output = check_output_free(output, overwrite)
     config = make_config(method, **settings)
     fmt = FORMATS.get(fmt_name)
     model, tokenizer, source = load_model(model_name, trust_remote_code=trust_remote_code)

@@ -13,6 +13,14 @@ from typing import Any, Iterator
 from llmopt.core.errors import ArtifactError
 
 
+def check_output_free(output: str | Path, overwrite: bool = False) -> Path:
+    """Fail early (before any expensive work) if `output` exists and may not be replaced."""
+    output = Path(output).expanduser()
+    if output.exists() and not overwrite:
+        raise ArtifactError(f"output {output} already exists: choose another path or pass --overwrite")
+    return output
+
+
 @contextmanager
 def atomic_output_dir(final: str | Path, overwrite: bool = False) -> Iterator[Path]:
     """Yield a fresh temporary folder beside `final`; rename it into place only if the block succeeds.
@@ -20,9 +28,7 @@ def atomic_output_dir(final: str | Path, overwrite: bool = False) -> Iterator[Pa
     >>> with atomic_output_dir("/tmp/out") as tmp:  # doctest: +SKIP
     ...     (tmp / "config.json").write_text("{}")
     """
-    final = Path(final).expanduser().resolve()
-    if final.exists() and not overwrite:
-        raise ArtifactError(f"output {final} already exists: choose another path or pass --overwrite")
+    final = check_output_free(final, overwrite).resolve()
     final.parent.mkdir(parents=True, exist_ok=True)
     tmp = final.parent / f".{final.name}.tmp-{uuid.uuid4().hex[:8]}"
     tmp.mkdir()

@@ -6,6 +6,7 @@ import time
 from pathlib import Path
 
 from llmopt.core.errors import ArtifactError
+from llmopt.core.io import check_output_free
 from llmopt.export.read import read_artifact
 
 
@@ -35,9 +36,7 @@ def export_artifact(source: str | Path, output: str | Path, fmt_name: str, overw
     source = Path(source)
     if not (source / "config.json").exists():
         raise ArtifactError(f"{source} is not a model folder (no config.json)")
-    output = Path(output).expanduser()
-    if output.exists() and not overwrite:
-        raise ArtifactError(f"output {output} already exists: choose another path or pass --overwrite")
+    output = check_output_free(output, overwrite)
     contents = read_artifact(source)
     if not contents.qweights:
         raise ArtifactError(f"{source} holds no quantized weights: quantize it first (llmopt quantize)")

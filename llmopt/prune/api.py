@@ -19,18 +19,9 @@ def _load_methods() -> None:
 
 
 def make_sparsity_config(**settings) -> SparsityConfig:
-    from pydantic import ValidationError
+    from llmopt.compress.config import build_config
 
-    from llmopt.compress.config import CalibrationConfig
-
-    calibration = {k: settings.pop(k) for k in list(settings) if k in CalibrationConfig.model_fields}
-    try:
-        return SparsityConfig(calibration=calibration, **settings)
-    except ValidationError as e:
-        first = e.errors()[0]
-        where = ".".join(str(p) for p in first["loc"])
-        message = first["msg"].removeprefix("Value error, ")
-        raise ConfigError(f"invalid pruning setting{' ' + where if where else ''}: {message}") from None
+    return build_config(SparsityConfig, "pruning", **settings)
 
 
 def sparsify_model(model, tokenizer, config: SparsityConfig,

@@ -10,7 +10,7 @@ from typing import Callable
 import torch
 
 from llmopt.compress.pipeline import peak_rss_bytes
-from llmopt.core.errors import ArtifactError
+from llmopt.core.io import check_output_free
 
 SCORES_FILE = "llmopt_scores.safetensors.bin"
 
@@ -29,9 +29,7 @@ def prune_to_artifact(
     from llmopt.prune.api import make_sparsity_config, measure_sparsity, sparsify_model, sparsity_config_entry
 
     start = time.perf_counter()
-    output = Path(output).expanduser()
-    if output.exists() and not overwrite:
-        raise ArtifactError(f"output {output} already exists: choose another path or pass --overwrite")
+    output = check_output_free(output, overwrite)
     structured = settings.get("structured") is not None
     if structured:
         config = _structured_config(settings)
@@ -83,20 +81,10 @@ def prune_to_artifact(
 
 
 def _structured_config(settings: dict):
-    from pydantic import ValidationError
-
-    from llmopt.compress.config import CalibrationConfig
-    from llmopt.core.errors import ConfigError
+    from llmopt.compress.config import build_config
     from llmopt.prune.config import StructuredConfig
 
-    settings = dict(settings)
-    calibration = {k: settings.pop(k) for k in list(settings) if k in CalibrationConfig.model_fields}
-    try:
-        return StructuredConfig(calibration=CalibrationConfig(**calibration), **settings)
-    except ValidationError as e:
-        first = e.errors()[0]
-        where = ".".join(str(p) for p in first["loc"])
-        raise ConfigError(f"invalid structured-pruning setting {where}: {first['msg']}") from None
+    return build_config(StructuredConfig, "structured-pruning", **settings)
 
 
 def prune_structured(model, tokenizer, config, progress):
