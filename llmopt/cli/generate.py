@@ -23,6 +23,9 @@ def generate(
     max_tokens: Annotated[int, typer.Option("--max-tokens", help="New tokens at most.")] = 64,
     temperature: Annotated[float, typer.Option("--temperature", help="0 = greedy.")] = 0.0,
     top_p: Annotated[float, typer.Option("--top-p", help="Nucleus sampling mass, in (0, 1].")] = 1.0,
+    top_k: Annotated[int, typer.Option("--top-k", help="Sample among the k most likely tokens (0 = off).")] = 0,
+    stop: Annotated[list[str] | None, typer.Option(
+        "--stop", help="Stop string (repeatable); the text ends before it. Runtime backend only.")] = None,
     seed: SeedOpt = 0,
     backend: Annotated[Backend, typer.Option(
         "--backend", help="llmopt's runtime (paged KV cache, continuous batching) or transformers' generate.")
@@ -37,16 +40,29 @@ def generate(
     from llmopt.runtime.hf import encode_prompts, hf_generate
     from llmopt.runtime.sampling import SamplingParams
 
-    params = SamplingParams(max_tokens=max_tokens, temperature=temperature, top_p=top_p, seed=seed)
-    lm, tokenizer, _ = load_model(model, dtype=dtype.value, device=device, trust_remote_code=trust_remote_code)
+    from llmopt.core.errors import ConfigError
+
+    params = SamplingParams(max_tokens=max_tokens, temperature=temperature, top_p=top_p, top_k=top_k, seed=seed,
+                            stop=tuple(stop or ()))
+    if stop and backend is Backend.hf:
+        raise ConfigError("--stop needs the runtime backend: drop --backend hf")
+    runtime = backend is Backend.runtime
+    # the runtime serves quantized artifacts through its packed int4/int8 layers
+    lm, tokenizer, _ = load_model(model, dtype=dtype.value, device=device, trust_remote_code=trust_remote_code,
+                                  packed_kernels=runtime)
     prompt_ids = encode_prompts(tokenizer, prompt, chat)
-    if backend is Backend.hf:
+    if not runtime:
         outputs = hf_generate(lm, tokenizer, prompt_ids, params)
+        texts = [tokenizer.decode(ids, skip_special_tokens=True) for ids in outputs]
     else:
         from llmopt.runtime.engine import Engine
 
-        outputs = Engine(lm, tokenizer).generate(prompt_ids, params)
-    texts = [tokenizer.decode(ids, skip_special_tokens=True) for ids in outputs]
+        engine = Engine(lm, tokenizer)
+        ids = [engine.add_request(p, params) for p in prompt_ids]
+        for _ in engine.stream():
+            pass
+        outputs = [engine.sequences[i].output_token_ids for i in ids]
+        texts = [engine.text(i) for i in ids]
     if as_json:
         print_json({"outputs": [
             {"prompt": p, "text": t, "num_prompt_tokens": len(pi), "num_output_tokens": len(o)}

@@ -209,8 +209,12 @@ def load_model(
     dtype: str = "float32",
     device: str = "cpu",
     trust_remote_code: bool = False,
+    packed_kernels: bool = False,
 ):
     """Load MODEL as (torch model in eval mode, tokenizer, source).
+
+    packed_kernels: quantized linears of an artifact become the runtime's packed int4/int8 layers
+    (llmopt.runtime.layers) instead of dense dequantized weights; numerics then follow those kernels.
 
     >>> model, tokenizer, source = load_model("smollm2-135m")  # doctest: +SKIP
     """
@@ -227,7 +231,12 @@ def load_model(
     if source.kind == "artifact":
         from llmopt.export.read import load_artifact_model
 
-        model = load_artifact_model(source.path, dtype=DTYPES[dtype], device=device)
+        factory = None
+        if packed_kernels:
+            from llmopt.runtime.layers import quantized_linear
+
+            factory = lambda qweight: quantized_linear(qweight, DTYPES[dtype], device)  # noqa: E731
+        model = load_artifact_model(source.path, dtype=DTYPES[dtype], device=device, linear_factory=factory)
     else:
         if source.path is not None:
             _check_safetensors(source.path)

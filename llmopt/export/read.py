@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Callable
 from pathlib import Path
 
 import torch
@@ -62,20 +63,28 @@ def read_artifact(path: str | Path) -> ArtifactContents:
     return ArtifactContents(config, tensors, qweights, fmt, scheme, manifest)
 
 
-def model_from_contents(contents: ArtifactContents, dtype: torch.dtype = torch.float32, device: str = "cpu"):
-    """A plain transformers model with every quantized linear dequantized into a dense weight."""
+def model_from_contents(contents: ArtifactContents, dtype: torch.dtype = torch.float32, device: str = "cpu",
+                        linear_factory: Callable[[QuantizedWeight], torch.nn.Module] | None = None):
+    """A transformers model with every quantized linear dequantized into a dense weight, or, given
+    `linear_factory`, replaced by the module it builds from the quantized weight (the runtime's packed layers)."""
     from transformers import AutoConfig, AutoModelForCausalLM
+
+    from llmopt.core.adapters import set_module
 
     config_dict = {k: v for k, v in contents.config.items() if k not in ("quantization_config",)}
     config = AutoConfig.for_model(**config_dict)
     with torch.device("meta"):
         model = AutoModelForCausalLM.from_config(config, dtype=dtype)
+    expected = set(model.state_dict())
     state = {k: (v.to(dtype) if v.is_floating_point() else v) for k, v in contents.dense.items()}
     for name, qweight in contents.qweights.items():
+        if linear_factory is not None:
+            set_module(model, name, linear_factory(qweight))
+            expected -= {f"{name}.weight", f"{name}.bias"}
+            continue
         state[f"{name}.weight"] = qweight.dequantize(dtype)
         if qweight.bias is not None:
             state[f"{name}.bias"] = qweight.bias.to(dtype)
-    expected = set(model.state_dict())
     if getattr(config, "tie_word_embeddings", False):
         expected.discard("lm_head.weight")
     missing = expected - set(state)
@@ -87,5 +96,6 @@ def model_from_contents(contents: ArtifactContents, dtype: torch.dtype = torch.f
     return model.to(device).eval()
 
 
-def load_artifact_model(path: str | Path, dtype: torch.dtype = torch.float32, device: str = "cpu"):
-    return model_from_contents(read_artifact(path), dtype, device)
+def load_artifact_model(path: str | Path, dtype: torch.dtype = torch.float32, device: str = "cpu",
+                        linear_factory: Callable[[QuantizedWeight], torch.nn.Module] | None = None):
+    return model_from_contents(read_artifact(path), dtype, device, linear_factory)

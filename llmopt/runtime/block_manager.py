@@ -136,21 +136,26 @@ class BlockManager:
         return block_id
 
     def fork(self, parent: Sequence, child: Sequence) -> list[tuple[int, int]]:
-        """Share the parent's full blocks with `child`; copy its partial last block.
+        """Share the parent's full computed blocks with `child`; give it fresh blocks for the rest of the
+        parent's table, copying the one that holds computed tokens of a partial block.
 
         Returns (source block, destination block) pairs whose KV the runner must copy.
         """
         assert not child.block_table
         num_full = parent.num_computed_tokens // self.block_size
+        num_fresh = len(parent.block_table) - num_full
+        if num_fresh > self.num_available_blocks:
+            raise OutOfBlocksError("not enough free KV-cache blocks to fork this sequence")
         shared = parent.block_table[:num_full]
         for block_id in shared:
             self.ref_counts[block_id] += 1
         child.block_table = list(shared)
         child.num_computed_tokens = parent.num_computed_tokens
         copies = []
-        if num_full < len(parent.block_table):
+        for i in range(num_full, len(parent.block_table)):
             new = self._take_free_block()
-            copies.append((parent.block_table[num_full], new))
+            if i * self.block_size < parent.num_computed_tokens:  # the partial block: its KV is needed
+                copies.append((parent.block_table[i], new))
             child.block_table.append(new)
         return copies
 

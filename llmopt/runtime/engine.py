@@ -5,8 +5,6 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Iterator
 
-
-
 from llmopt.core.errors import ConfigError
 from llmopt.runtime.block_manager import BlockManager
 from llmopt.runtime.model_runner import ModelRunner
@@ -44,12 +42,15 @@ class Engine:
         self.scheduler = Scheduler(
             SchedulerConfig(self.config.max_num_seqs, self.config.max_num_batched_tokens,
                             self.config.enable_chunked_prefill, self.config.policy),
-            self.block_manager, eos_token_id=tokenizer.eos_token_id if tokenizer is not None else None)
+            self.block_manager, eos_token_id=tokenizer.eos_token_id if tokenizer is not None else None,
+            stop_string_matcher=self._match_stop_string if tokenizer is not None else None)
         self.max_context = getattr(hf_model.config, "max_position_embeddings", None)
         self.sequences: dict[int, Sequence] = {}
 
     def add_request(self, prompt_token_ids: list[int], params: SamplingParams | None = None) -> int:
         params = params or SamplingParams()
+        if params.stop and self.tokenizer is None:
+            raise ConfigError("stop strings need the model's tokenizer; give stop_token_ids instead")
         if not prompt_token_ids:
             raise ConfigError("empty prompt: give at least one token")
         if self.max_context and len(prompt_token_ids) + params.max_tokens > self.max_context:
@@ -71,12 +72,32 @@ class Engine:
         out = self.scheduler.schedule()
         if out.is_empty:
             return []
-        sampled = self.runner.execute(out)
-        finished = {seq.seq_id for seq in self.scheduler.postprocess(out, sampled)}
+        result = self.runner.execute(out)
+        for seq_id, logprobs in result.logprobs.items():
+            self.sequences[seq_id].logprobs.append(logprobs)
+        finished = {seq.seq_id for seq in self.scheduler.postprocess(out, result.tokens)}
         for seq_id in finished:
             self.runner.release(seq_id)
         return [StepOutput(seq_id, [token], seq_id in finished, self.sequences[seq_id].finish_reason)
-                for seq_id, token in sampled.items()]
+                for seq_id, token in result.tokens.items()]
+
+    def _match_stop_string(self, seq: Sequence) -> bool:
+        """Whether the output text now contains one of the request's stop strings; records where it ends."""
+        # Only the tail can hold a new match: decode the last tokens, enough to span the longest stop string.
+        longest = max(len(s) for s in seq.params.stop)
+        text = self.tokenizer.decode(seq.output_token_ids, skip_special_tokens=True)
+        tail_from = max(0, len(text) - longest - 16)
+        hits = [i for s in seq.params.stop if (i := text.find(s, tail_from)) != -1]
+        if not hits:
+            return False
+        seq.stop_text_end = min(hits)
+        return True
+
+    def text(self, seq_id: int) -> str:
+        """The request's output text (ending before a matched stop string)."""
+        seq = self.sequences[seq_id]
+        text = self.tokenizer.decode(seq.output_token_ids, skip_special_tokens=True)
+        return text if seq.stop_text_end is None else text[: seq.stop_text_end]
 
     def stream(self) -> Iterator[StepOutput]:
         """Yield new tokens per request as they are produced, until every request has finished."""
@@ -93,10 +114,13 @@ class Engine:
         return [self.sequences[i].output_token_ids for i in ids]
 
 
-def build_engine(model_name: str, dtype: str = "float32", config: EngineConfig | None = None) -> Engine:
+def build_engine(model_name: str, dtype: str = "float32", config: EngineConfig | None = None,
+                 device: str = "cpu", trust_remote_code: bool = False) -> Engine:
+    """An engine over MODEL (alias, folder or artifact); quantized artifacts get the packed int4/int8 layers."""
     from llmopt.core.models import load_model
 
-    model, tokenizer, _ = load_model(model_name, dtype=dtype)
+    model, tokenizer, _ = load_model(model_name, dtype=dtype, device=device, trust_remote_code=trust_remote_code,
+                                     packed_kernels=True)
     return Engine(model, tokenizer, config)
 
 

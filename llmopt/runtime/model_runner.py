@@ -3,13 +3,21 @@ step into one forward over all scheduled tokens, and samples."""
 
 from __future__ import annotations
 
+from dataclasses import dataclass, field
+
 import torch
 
 from llmopt.core.errors import ConfigError
 from llmopt.runtime.kernels.attention import AttentionMetadata
 from llmopt.runtime.model import RuntimeDecoder
-from llmopt.runtime.sampler import sample
+from llmopt.runtime.sampler import sample, token_logprobs
 from llmopt.runtime.scheduler import SchedulerOutput
+
+
+@dataclass
+class StepResult:
+    tokens: dict[int, int] = field(default_factory=dict)  # seq_id -> sampled token
+    logprobs: dict[int, dict[int, float]] = field(default_factory=dict)  # seq_id -> {token: logprob}
 
 
 def kv_bytes_per_block(decoder: RuntimeDecoder, block_size: int, dtype: torch.dtype) -> int:
@@ -41,36 +49,56 @@ class ModelRunner:
                 v_cache[dst].copy_(v_cache[src])
 
     @torch.inference_mode()
-    def execute(self, out: SchedulerOutput) -> dict[int, int]:
-        """Run one step; returns {seq_id: sampled token} for the sequences that reached their last token."""
+    def execute(self, out: SchedulerOutput) -> StepResult:
+        """Run one step; samples a token for each sequence that reached its last token."""
         input_ids, positions, slots, starts, context_lens, tables, sample_rows = [], [], [], [0], [], [], []
         bs = self.block_size
         for item in out.scheduled:
             seq, first = item.seq, item.seq.num_computed_tokens
             last = first + item.num_new_tokens
-            input_ids.extend(seq.token_ids[first:last])
-            positions.extend(range(first, last))
-            slots.extend(seq.block_table[p // bs] * bs + p % bs for p in range(first, last))
+            table = seq.block_table
+            if item.num_new_tokens == 1:  # decode: skip the per-token range machinery
+                input_ids.append(seq.token_ids[first])
+                positions.append(first)
+                slots.append(table[first // bs] * bs + first % bs)
+            else:
+                input_ids.extend(seq.token_ids[first:last])
+                positions.extend(range(first, last))
+                slots.extend(table[p // bs] * bs + p % bs for p in range(first, last))
             starts.append(starts[-1] + item.num_new_tokens)
             context_lens.append(last)
-            tables.append(seq.block_table)
+            tables.append(table)
             if item.samples:
                 sample_rows.append((starts[-1] - 1, seq))
-        meta = AttentionMetadata(starts, context_lens, tables, torch.tensor(slots, dtype=torch.long, device=self.device))
+        meta = AttentionMetadata.build(starts, context_lens, tables,
+                                       torch.tensor(slots, dtype=torch.long, device=self.device), bs, self.device)
         hidden = self.decoder(torch.tensor(input_ids, device=self.device),
                               torch.tensor(positions, device=self.device), meta, self.kv_caches)
+        result = StepResult()
         if not sample_rows:
-            return {}
-        logits = self.decoder.logits(hidden[[row for row, _ in sample_rows]])
-        result = {}
-        for (_, seq), row_logits in zip(sample_rows, logits):
-            generator = None
-            if not seq.params.is_greedy and seq.params.seed is not None:
-                generator = self.generators.get(seq.seq_id)
-                if generator is None:
-                    generator = self.generators[seq.seq_id] = torch.Generator().manual_seed(seq.params.seed)
-            result[seq.seq_id] = sample(row_logits.cpu(), seq.params, generator)
+            return result
+        rows = [row for row, _ in sample_rows]
+        last_hidden = hidden if rows == list(range(hidden.shape[0])) else hidden[rows]
+        logits = self.decoder.logits(last_hidden).cpu()  # [S, vocab] fp32
+        greedy = logits.argmax(dim=-1).tolist()  # one call for the whole batch; most requests are greedy
+        for i, (_, seq) in enumerate(sample_rows):
+            params = seq.params
+            if params.is_greedy:
+                token = greedy[i]
+            else:
+                token = sample(logits[i], params, self._generator(seq))
+            result.tokens[seq.seq_id] = token
+            if params.logprobs is not None:
+                result.logprobs[seq.seq_id] = token_logprobs(logits[i], token, params.logprobs)
         return result
+
+    def _generator(self, seq) -> torch.Generator | None:
+        if seq.params.seed is None:
+            return None
+        generator = self.generators.get(seq.seq_id)
+        if generator is None:
+            generator = self.generators[seq.seq_id] = torch.Generator().manual_seed(seq.params.seed)
+        return generator
 
     def release(self, seq_id: int) -> None:
         self.generators.pop(seq_id, None)

@@ -23,3 +23,14 @@ def sample(logits: torch.Tensor, params: SamplingParams, generator: torch.Genera
         sorted_probs = sorted_probs.masked_fill(drop, 0.0)
         probs = torch.zeros_like(probs).scatter_(0, order, sorted_probs)
     return int(torch.multinomial(probs, 1, generator=generator))
+
+
+def token_logprobs(logits: torch.Tensor, token_id: int, top_n: int) -> dict[int, float]:
+    """{token id: log-probability} for the sampled token and the top_n most likely ones (logits [vocab])."""
+    logprobs = torch.log_softmax(logits.float(), dim=-1)
+    result = {}
+    if top_n:
+        values, ids = torch.topk(logprobs, min(top_n, logprobs.numel()))
+        result = dict(zip(ids.tolist(), values.tolist()))
+    result[token_id] = float(logprobs[token_id])
+    return result

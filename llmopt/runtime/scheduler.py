@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from collections import deque
 from dataclasses import dataclass, field
-from typing import Literal
+from typing import Callable, Literal
 
 from llmopt.core.errors import ConfigError
 from llmopt.runtime.block_manager import BlockManager
@@ -56,10 +56,12 @@ class SchedulerOutput:
 
 
 class Scheduler:
-    def __init__(self, config: SchedulerConfig, block_manager: BlockManager, eos_token_id: int | None = None):
+    def __init__(self, config: SchedulerConfig, block_manager: BlockManager, eos_token_id: int | None = None,
+                 stop_string_matcher: Callable[[Sequence], bool] | None = None):
         self.config = config
         self.block_manager = block_manager
         self.eos_token_id = eos_token_id
+        self.stop_string_matcher = stop_string_matcher  # text-level stop check, supplied by the engine
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
         self.num_preemptions = 0
@@ -168,6 +170,8 @@ class Scheduler:
         if not params.ignore_eos and self.eos_token_id is not None and token == self.eos_token_id:
             return "stop"
         if token in params.stop_token_ids:
+            return "stop"
+        if params.stop and self.stop_string_matcher is not None and self.stop_string_matcher(seq):
             return "stop"
         if seq.num_output_tokens >= params.max_tokens:
             return "length"

@@ -41,6 +41,8 @@ class Sequence:
         self.finish_reason: str | None = None
         self.arrival_time = time.perf_counter() if arrival_time is None else arrival_time
         self.token_times: list[float] = []  # when each output token was produced
+        self.logprobs: list[dict[int, float]] = []  # per output token, when params.logprobs is set
+        self.stop_text_end: int | None = None  # where the output text ends when a stop string matched
 
     @property
     def num_tokens(self) -> int:

@@ -67,6 +67,11 @@ def test_generate_prints_text_and_json(tiny_llama_dir):
     both = [json.loads(run("generate", tiny_llama_dir, "--prompt", "hello world", "--max-tokens", 8, "--backend", b,
                            "--json").stdout)["outputs"][0]["text"] for b in ("runtime", "hf")]
     assert both[0] == both[1]
+    # --stop ends the text before the stop string
+    stop = both[0][2:4]
+    stopped = json.loads(run("generate", tiny_llama_dir, "--prompt", "hello world", "--max-tokens", 8, "--stop", stop,
+                             "--json").stdout)["outputs"][0]["text"]
+    assert stopped == both[0][: both[0].find(stop)]
 
 
 def test_bad_input_is_one_line_exit_1(tiny_llama_dir, tmp_path):
@@ -77,6 +82,8 @@ def test_bad_input_is_one_line_exit_1(tiny_llama_dir, tmp_path):
     assert_one_line_error(run("generate", tiny_llama_dir, "--prompt", "x", "--max-tokens", 0), "max_tokens")
     assert_one_line_error(run("generate", tiny_llama_dir, "--prompt", "x", "--temperature", 1, "--top-p", 0),
                           "top_p")
+    assert_one_line_error(run("generate", tiny_llama_dir, "--prompt", "x", "--stop", "a", "--backend", "hf"),
+                          "--stop needs the runtime")
     corrupt = tmp_path / "corrupt"
     shutil.copytree(tiny_llama_dir, corrupt)
     (corrupt / "model.safetensors").write_bytes(b"garbage")

@@ -117,8 +117,7 @@ def test_random_operations_keep_every_invariant(ops, block_size, num_blocks):
         elif op == "fork" and live:
             parent = live[r % len(live)]
             full = parent.num_computed_tokens // block_size
-            partial = full < len(parent.block_table)
-            if not partial or bm.num_available_blocks > 0:
+            if len(parent.block_table) - full <= bm.num_available_blocks:
                 child = Sequence(list(parent.token_ids))
                 bm.fork(parent, child)
                 live.append(child)

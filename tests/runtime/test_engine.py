@@ -94,3 +94,43 @@ def test_abort_frees_the_request(tiny):
     assert engine.sequences[drop].finish_reason == "abort"
     assert len(engine.sequences[keep].output_token_ids) == GREEDY.max_tokens
     assert engine.block_manager.usage == 0
+
+
+def test_stop_strings_end_the_text_before_the_match(tiny):
+    model, tok = tiny
+    engine = Engine(model, tok, EngineConfig(block_size=4))
+    [seq_id] = [engine.add_request([7, 8, 9], GREEDY)]
+    list(engine.stream())
+    full = engine.text(seq_id)
+    assert len(full) >= 10
+    stop = full[6:9]
+    expected = full[: full.find(stop)]
+    seq_id = engine.add_request([7, 8, 9], SamplingParams(max_tokens=24, ignore_eos=True, stop=(stop, "never-seen")))
+    list(engine.stream())
+    seq = engine.sequences[seq_id]
+    assert seq.finish_reason == "stop" and seq.num_output_tokens < GREEDY.max_tokens
+    assert engine.text(seq_id) == expected
+    assert engine.block_manager.usage == 0 or engine.config.enable_prefix_cache
+    with pytest.raises(Exception, match="stop string"):
+        SamplingParams(stop=("",))
+
+
+def test_logprobs_match_transformers(tiny):
+    model, tok = tiny
+    engine = Engine(model, tok, EngineConfig(block_size=4))
+    prompt = [3, 1, 4, 1, 5, 9, 2, 6]
+    seq_id = engine.add_request(prompt, SamplingParams(max_tokens=6, ignore_eos=True, logprobs=3))
+    list(engine.stream())
+    seq = engine.sequences[seq_id]
+    assert len(seq.logprobs) == 6
+    with torch.no_grad():
+        reference = torch.log_softmax(model(input_ids=torch.tensor([seq.token_ids])).logits[0].float(), dim=-1)
+    for step, (token, entry) in enumerate(zip(seq.output_token_ids, seq.logprobs)):
+        row = reference[len(prompt) - 1 + step]
+        assert len(entry) == 3 and token in entry  # greedy: the chosen token is among the top 3
+        top_ids = torch.topk(row, 3).indices.tolist()
+        assert sorted(entry) == sorted(top_ids)
+        for token_id, value in entry.items():
+            assert abs(value - row[token_id].item()) < 1e-4
+    with pytest.raises(Exception, match="logprobs"):
+        SamplingParams(logprobs=21)

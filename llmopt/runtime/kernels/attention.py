@@ -3,6 +3,10 @@ write into slots. Plain torch: the reference every faster kernel is tested again
 
 Shapes: q [T, num_heads, head_dim] for the T tokens of this step (sequences concatenated);
 k_cache / v_cache [num_blocks, block_size, num_kv_heads, head_dim].
+
+Per step the metadata is built once (`AttentionMetadata.build`) and read by every layer: sequences whose
+step is a single token (decodes) are attended together in one padded batch; sequences with several new
+tokens (prefill chunks) one by one, each with its causal mask over cached + new tokens.
 """
 
 from __future__ import annotations
@@ -14,11 +18,56 @@ import torch.nn.functional as F
 
 
 @dataclass
+class PrefillGroup:
+    start: int  # offset of the sequence's new tokens in the flat batch
+    end: int
+    block_ids: torch.Tensor  # [ceil(context_len / block_size)]
+    context_len: int
+    mask: torch.Tensor  # [new, context_len] bool, causal over cached + new tokens
+
+
+@dataclass
+class DecodeGroup:
+    rows: torch.Tensor  # [B] positions in the flat batch of the single new token of each sequence
+    block_tables: torch.Tensor  # [B, max_blocks] (padded with block 0; the mask hides the padding)
+    mask: torch.Tensor  # [B, 1, 1, max_blocks * block_size] bool: slot < context_len
+    contiguous: bool  # rows are 0..B-1 in order (no gather/scatter needed)
+
+
+@dataclass
 class AttentionMetadata:
     query_starts: list[int]  # [num_seqs + 1] offsets of each sequence's new tokens in the flat batch
     context_lens: list[int]  # [num_seqs] tokens in the cache after this step (cached + new)
     block_tables: list[list[int]]  # [num_seqs][blocks]
     slot_mapping: torch.Tensor  # [T] flat cache slot (block * block_size + offset) of each new token
+    prefills: list[PrefillGroup] | None = None
+    decode: DecodeGroup | None = None
+
+    @classmethod
+    def build(cls, query_starts: list[int], context_lens: list[int], block_tables: list[list[int]],
+              slot_mapping: torch.Tensor, block_size: int, device: torch.device | str = "cpu") -> AttentionMetadata:
+        prefills, decode_rows, decode_tables, decode_lens = [], [], [], []
+        for i, ctx in enumerate(context_lens):
+            start, end = query_starts[i], query_starts[i + 1]
+            num_blocks = (ctx + block_size - 1) // block_size
+            if end - start == 1:
+                decode_rows.append(start)
+                decode_tables.append(block_tables[i][:num_blocks])
+                decode_lens.append(ctx)
+                continue
+            query_pos = torch.arange(ctx - (end - start), ctx, device=device).unsqueeze(1)
+            mask = torch.arange(ctx, device=device).unsqueeze(0) <= query_pos
+            prefills.append(PrefillGroup(start, end, torch.tensor(block_tables[i][:num_blocks], device=device),
+                                         ctx, mask))
+        decode = None
+        if decode_rows:
+            width = max(len(t) for t in decode_tables)
+            tables = torch.tensor([t + [0] * (width - len(t)) for t in decode_tables], device=device)
+            lens = torch.tensor(decode_lens, device=device)
+            mask = torch.arange(width * block_size, device=device).unsqueeze(0) < lens.unsqueeze(1)
+            decode = DecodeGroup(torch.tensor(decode_rows, device=device), tables, mask[:, None, None, :],
+                                 decode_rows == list(range(len(decode_rows))))
+        return cls(query_starts, context_lens, block_tables, slot_mapping, prefills, decode)
 
 
 def store_kv(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
@@ -29,24 +78,40 @@ def store_kv(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: t
     v_cache.view(-1, num_kv_heads, head_dim)[slot_mapping] = v.to(v_cache.dtype)
 
 
+def _attend_decodes(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, decode: DecodeGroup,
+                    scale: float) -> torch.Tensor:
+    """q [B, num_heads, head_dim] -> [B, num_heads, head_dim], each over its own cached keys."""
+    num_seqs, width = decode.block_tables.shape
+    block_size, num_kv_heads, head_dim = k_cache.shape[1:]
+    # [B, blocks, block_size, kv_heads, hd] -> [B, kv_heads, blocks * block_size, hd]
+    k = k_cache[decode.block_tables].view(num_seqs, width * block_size, num_kv_heads, head_dim).transpose(1, 2)
+    v = v_cache[decode.block_tables].view(num_seqs, width * block_size, num_kv_heads, head_dim).transpose(1, 2)
+    o = F.scaled_dot_product_attention(q.unsqueeze(2), k.to(q.dtype), v.to(q.dtype), attn_mask=decode.mask,
+                                       scale=scale, enable_gqa=q.shape[1] != num_kv_heads)
+    return o[:, :, 0]
+
+
 def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, meta: AttentionMetadata,
                     scale: float) -> torch.Tensor:
     """Causal attention of each sequence's new queries over its cached keys; returns [T, num_heads, head_dim]."""
-    block_size, num_kv_heads, head_dim = k_cache.shape[1:]
+    if meta.prefills is None:  # built by hand (tests): derive the groups
+        meta = AttentionMetadata.build(meta.query_starts, meta.context_lens, meta.block_tables, meta.slot_mapping,
+                                       k_cache.shape[1], q.device)
+    num_kv_heads, head_dim = k_cache.shape[2:]
     num_heads = q.shape[1]
+    if meta.decode is not None and meta.decode.contiguous and not meta.prefills:
+        return _attend_decodes(q, k_cache, v_cache, meta.decode, scale)
     out = torch.empty_like(q)
-    for i, ctx in enumerate(meta.context_lens):
-        start, end = meta.query_starts[i], meta.query_starts[i + 1]
-        num_new = end - start
-        blocks = torch.tensor(meta.block_tables[i][: (ctx + block_size - 1) // block_size], dtype=torch.long)
-        k = k_cache[blocks].reshape(-1, num_kv_heads, head_dim)[:ctx]
-        v = v_cache[blocks].reshape(-1, num_kv_heads, head_dim)[:ctx]
-        query_pos = torch.arange(ctx - num_new, ctx).unsqueeze(1)  # [new, 1]
-        mask = torch.arange(ctx).unsqueeze(0) <= query_pos  # [new, ctx]
+    if meta.decode is not None:
+        rows = meta.decode.rows
+        out[rows] = _attend_decodes(q[rows], k_cache, v_cache, meta.decode, scale)
+    for p in meta.prefills:
+        k = k_cache[p.block_ids].reshape(-1, num_kv_heads, head_dim)[: p.context_len]
+        v = v_cache[p.block_ids].reshape(-1, num_kv_heads, head_dim)[: p.context_len]
         o = F.scaled_dot_product_attention(
-            q[start:end].transpose(0, 1).unsqueeze(0), k.transpose(0, 1).unsqueeze(0).to(q.dtype),
-            v.transpose(0, 1).unsqueeze(0).to(q.dtype), attn_mask=mask, scale=scale,
+            q[p.start:p.end].transpose(0, 1).unsqueeze(0), k.transpose(0, 1).unsqueeze(0).to(q.dtype),
+            v.transpose(0, 1).unsqueeze(0).to(q.dtype), attn_mask=p.mask, scale=scale,
             enable_gqa=num_heads != num_kv_heads,
         )
-        out[start:end] = o[0].transpose(0, 1)
+        out[p.start:p.end] = o[0].transpose(0, 1)
     return out

@@ -1,0 +1,79 @@
+"""Weight-only quantized matmuls: y = x @ dequant(W)^T with W stored as integer codes.
+
+The reference dequantizes in fp32 and multiplies; the CPU fast paths are aten's packed kernels:
+- int4 (any code width <= 4 bits): `_weight_int4pack_mm_for_cpu`, which computes per group
+  w = (q - 8) * scale + offset, so our w = (q - z) * s becomes offset = (8 - z) * s;
+- int8 per output channel: `_weight_int8pack_mm` (signed codes, one scale per row), with a rank-1
+  correction for asymmetric zero points.
+
+Shapes: x [M, K]; codes q [N, K] unsigned; scales [N, G]; zeros [N, G]; y [M, N].
+"""
+
+from __future__ import annotations
+
+import torch
+
+INT4_GROUP_SIZES = (32, 64, 128, 256)  # what the aten int4 kernel accepts
+
+
+def reference_quant_matmul(x: torch.Tensor, q: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor,
+                           g_idx: torch.Tensor) -> torch.Tensor:
+    """x [M, K] @ (scales * (q - zeros))^T with column k in group g_idx[k]; fp32 maths, x's dtype out."""
+    g = g_idx.long()
+    w = scales.float()[:, g] * (q.float() - zeros.float()[:, g])  # [N, K]
+    return (x.float() @ w.t()).to(x.dtype)
+
+
+def int4_group_size(in_features: int, group_size: int) -> int | None:
+    """The aten group size that expresses `group_size` (-1 = per channel), or None if none does.
+
+    Larger groups are split into equal kernel groups that repeat the scale."""
+    width = in_features if group_size == -1 else group_size
+    for size in reversed(INT4_GROUP_SIZES):
+        if width % size == 0:
+            return size
+    return None
+
+
+def can_pack_int4(out_features: int, in_features: int, bits: int, group_size: int) -> bool:
+    return (bits <= 4 and out_features % 16 == 0 and in_features % 2 == 0
+            and int4_group_size(in_features, group_size) is not None)
+
+
+def pack_int4(q: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor, group_size: int,
+              dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor, int]:
+    """Codes [N, K], scales/zeros [N, G] -> (packed weight, scales_and_offsets [G', N, 2], kernel group size)."""
+    n, k = q.shape
+    kernel_group = int4_group_size(k, group_size)
+    repeat = (k if group_size == -1 else group_size) // kernel_group
+    scales = scales.float().repeat_interleave(repeat, dim=1)  # [N, G']
+    offsets = (8 - zeros.float().repeat_interleave(repeat, dim=1)) * scales
+    packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(q.to(torch.int32).contiguous(), 1)
+    scales_and_offsets = torch.stack([scales, offsets], dim=-1).transpose(0, 1).contiguous().to(dtype)
+    return packed, scales_and_offsets, kernel_group
+
+
+def int4_matmul(x: torch.Tensor, packed: torch.Tensor, scales_and_offsets: torch.Tensor,
+                kernel_group: int) -> torch.Tensor:
+    """x [M, K] (dtype of scales_and_offsets) -> [M, N]."""
+    return torch.ops.aten._weight_int4pack_mm_for_cpu(x, packed, kernel_group, scales_and_offsets)
+
+
+def pack_int8(q: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor, dtype: torch.dtype
+              ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    """Per-channel 8-bit codes [N, K], scales/zeros [N, 1] -> (signed codes, scales [N], correction [N] or None).
+
+    w = s (q - z) = s (q - 128) + s (128 - z): the second term times sum(x) is the correction."""
+    signed = (q.to(torch.int16) - 128).to(torch.int8).contiguous()
+    scale = scales.float()[:, 0]
+    shift = (128 - zeros.float()[:, 0]) * scale
+    correction = shift.to(dtype) if bool(shift.abs().max() > 0) else None
+    return signed, scale.to(dtype), correction
+
+
+def int8_matmul(x: torch.Tensor, signed: torch.Tensor, scale: torch.Tensor,
+                correction: torch.Tensor | None) -> torch.Tensor:
+    y = torch.ops.aten._weight_int8pack_mm(x, signed, scale)
+    if correction is not None:
+        y = y + x.sum(dim=-1, keepdim=True) * correction
+    return y

@@ -1,0 +1,93 @@
+"""The runtime's Linear layers for quantized weights, built from a `QuantizedWeight` at load time.
+
+`quantized_linear` picks the fastest layout the weight and device allow: int4-packed (codes of <= 4 bits,
+groups aten's kernel can express), int8-packed (8-bit per channel), else a dense weight dequantized once
+(act-order checkpoints with permuted groups, odd shapes, GPU until the Triton kernels land).
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from llmopt.compress.quant import QuantizedWeight
+from llmopt.runtime.kernels.quant_matmul import can_pack_int4, int4_matmul, int8_matmul, pack_int4, pack_int8
+
+
+class _QuantLinearBase(nn.Module):
+    kind = "base"
+
+    def __init__(self, qweight: QuantizedWeight, dtype: torch.dtype):
+        super().__init__()
+        self.out_features, self.in_features = qweight.shape
+        self.dtype = dtype
+        self.bias = None if qweight.bias is None else nn.Parameter(qweight.bias.to(dtype), requires_grad=False)
+
+    def _matmul(self, x2d: torch.Tensor) -> torch.Tensor:
+        raise NotImplementedError
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        lead = x.shape[:-1]
+        y = self._matmul(x.reshape(-1, self.in_features).to(self.dtype))
+        if self.bias is not None:
+            y = y + self.bias
+        return y.reshape(*lead, self.out_features).to(x.dtype)
+
+    def extra_repr(self) -> str:
+        return f"in={self.in_features}, out={self.out_features}, kind={self.kind}"
+
+
+class Int4PackedLinear(_QuantLinearBase):
+    kind = "int4"
+
+    def __init__(self, qweight: QuantizedWeight, dtype: torch.dtype):
+        super().__init__(qweight, dtype)
+        packed, scales_and_offsets, self.kernel_group = pack_int4(
+            qweight.q, qweight.scales, qweight.zeros, qweight.scheme.group_size, dtype)
+        self.register_buffer("packed", packed)
+        self.register_buffer("scales_and_offsets", scales_and_offsets)
+
+    def _matmul(self, x2d):
+        return int4_matmul(x2d, self.packed, self.scales_and_offsets, self.kernel_group)
+
+
+class Int8PackedLinear(_QuantLinearBase):
+    kind = "int8"
+
+    def __init__(self, qweight: QuantizedWeight, dtype: torch.dtype):
+        super().__init__(qweight, dtype)
+        signed, scale, correction = pack_int8(qweight.q, qweight.scales, qweight.zeros, dtype)
+        self.register_buffer("signed", signed)
+        self.register_buffer("scale", scale)
+        self.register_buffer("correction", correction)
+
+    def _matmul(self, x2d):
+        return int8_matmul(x2d, self.signed, self.scale, self.correction)
+
+
+def packed_kind(qweight: QuantizedWeight, device: torch.device | str) -> str:
+    """'int4', 'int8' or 'dense': which layer `quantized_linear` builds for this weight on this device."""
+    if torch.device(device).type != "cpu" or not qweight.has_trivial_g_idx:
+        return "dense"
+    n, k = qweight.shape
+    if can_pack_int4(n, k, qweight.scheme.bits, qweight.scheme.group_size):
+        return "int4"
+    # aten's int8 kernel reads K in vectors of 16 (it crashes on other widths)
+    if qweight.scheme.bits == 8 and qweight.scheme.group_size in (-1, k) and k % 16 == 0:
+        return "int8"
+    return "dense"
+
+
+def quantized_linear(qweight: QuantizedWeight, dtype: torch.dtype, device: torch.device | str = "cpu") -> nn.Module:
+    kind = packed_kind(qweight, device)
+    if kind == "int4":
+        return Int4PackedLinear(qweight, dtype)
+    if kind == "int8":
+        return Int8PackedLinear(qweight, dtype)
+    n, k = qweight.shape
+    dense = nn.Linear(k, n, bias=qweight.bias is not None, dtype=dtype, device=device)
+    with torch.no_grad():
+        dense.weight.copy_(qweight.dequantize(dtype))
+        if qweight.bias is not None:
+            dense.bias.copy_(qweight.bias.to(dtype))
+    return dense.requires_grad_(False)
