@@ -60,11 +60,12 @@ def _register() -> None:
     app.add_typer(eval_cli.app, name="eval")
     app.command("generate")(generate.generate)
     app.command("env")(env.env)
-    from llmopt.cli import export, prune, quantize
+    from llmopt.cli import bench, export, prune, quantize
 
     app.command("quantize")(quantize.quantize)
     app.command("prune")(prune.prune)
     app.command("export")(export.export)
+    app.command("bench")(bench.bench)
 
 
 _register()

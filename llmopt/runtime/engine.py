@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass
 from typing import Iterator
 
@@ -11,6 +12,7 @@ from llmopt.runtime.model_runner import ModelRunner
 from llmopt.runtime.sampling import SamplingParams
 from llmopt.runtime.scheduler import Scheduler, SchedulerConfig
 from llmopt.runtime.sequence import Sequence
+from llmopt.runtime.stats import StepStats
 
 
 @dataclass(frozen=True)
@@ -46,6 +48,8 @@ class Engine:
             stop_string_matcher=self._match_stop_string if tokenizer is not None else None)
         self.max_context = getattr(hf_model.config, "max_position_embeddings", None)
         self.sequences: dict[int, Sequence] = {}
+        self.record_steps = True
+        self.step_stats: list[StepStats] = []
 
     def add_request(self, prompt_token_ids: list[int], params: SamplingParams | None = None) -> int:
         params = params or SamplingParams()
@@ -69,15 +73,26 @@ class Engine:
         return self.scheduler.has_unfinished
 
     def step(self) -> list[StepOutput]:
+        started = time.perf_counter()
         out = self.scheduler.schedule()
         if out.is_empty:
             return []
+        # what this step computes, for the bench's throughput / utilization metrics (read before postprocess)
+        num_decode = sum(1 for s in out.scheduled if s.num_new_tokens == 1 and s.seq.num_output_tokens > 0
+                         and s.samples)
+        num_context = sum(s.seq.num_computed_tokens + s.num_new_tokens for s in out.scheduled)
+        num_pairs = sum(s.num_new_tokens * (s.seq.num_computed_tokens + s.num_new_tokens) for s in out.scheduled)
+        num_seqs = len(out.scheduled)
         result = self.runner.execute(out)
         for seq_id, logprobs in result.logprobs.items():
             self.sequences[seq_id].logprobs.append(logprobs)
         finished = {seq.seq_id for seq in self.scheduler.postprocess(out, result.tokens)}
         for seq_id in finished:
             self.runner.release(seq_id)
+        if self.record_steps:
+            self.step_stats.append(StepStats(time.perf_counter() - started, num_seqs,
+                                             out.num_batched_tokens - num_decode, num_decode, num_context, num_pairs,
+                                             self.block_manager.usage))
         return [StepOutput(seq_id, [token], seq_id in finished, self.sequences[seq_id].finish_reason)
                 for seq_id, token in result.tokens.items()]
 

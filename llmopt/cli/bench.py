@@ -1,0 +1,110 @@
+"""`llmopt bench`: drive the runtime with a workload; latency, throughput, goodput, utilization, engine state,
+and the same for a baseline side by side."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Annotated, Optional
+
+import typer
+
+from llmopt.cli.options import Dtype, DtypeOpt, ModelArg, SeedOpt
+
+SHOWN = [  # (metric key, label) in the terminal table
+    ("request_throughput", "requests/s"), ("output_throughput", "output tok/s"),
+    ("total_token_throughput", "total tok/s"), ("request_goodput", "goodput req/s"),
+    ("prefill_throughput", "prefill tok/s"), ("decode_throughput", "decode tok/s"),
+    ("mean_ttft_ms", "TTFT mean ms"), ("median_ttft_ms", "TTFT median ms"), ("p99_ttft_ms", "TTFT p99 ms"),
+    ("mean_tpot_ms", "TPOT mean ms"), ("median_tpot_ms", "TPOT median ms"), ("p99_tpot_ms", "TPOT p99 ms"),
+    ("mean_itl_ms", "ITL mean ms"), ("p99_itl_ms", "ITL p99 ms"), ("mean_e2el_ms", "E2E mean ms"),
+    ("mbu", "MBU"), ("mfu", "MFU"), ("num_preemptions", "preemptions"),
+    ("prefix_cache_hit_rate", "prefix hit rate"), ("mean_batch_size", "mean batch"),
+    ("max_kv_cache_usage", "max KV usage"), ("duration", "duration s"),
+]
+LOWER_IS_BETTER = ("ttft", "tpot", "itl", "e2el", "duration", "preemptions")
+
+
+def bench(
+    model: ModelArg,
+    dataset: Annotated[str, typer.Option("--dataset", help="random, sharegpt or prefix-repetition.")] = "random",
+    dataset_path: Annotated[Optional[str], typer.Option(
+        "--dataset-path", help="ShareGPT-format .json file (default: the data dir's).")] = None,
+    num_requests: Annotated[int, typer.Option("--num-requests")] = 64,
+    input_len: Annotated[int, typer.Option("--input-len", help="Prompt tokens (suffix tokens with prefixes).")] = 128,
+    output_len: Annotated[int, typer.Option("--output-len")] = 128,
+    range_ratio: Annotated[float, typer.Option("--range-ratio", help="Lengths vary by +- this fraction.")] = 0.0,
+    prefix_len: Annotated[int, typer.Option("--prefix-len", help="prefix-repetition: shared prefix tokens.")] = 1024,
+    num_prefixes: Annotated[int, typer.Option("--num-prefixes", help="prefix-repetition: distinct prefixes.")] = 4,
+    request_rate: Annotated[float, typer.Option("--request-rate", help="Poisson arrivals per second; inf = all "
+                                                "at once.")] = float("inf"),
+    max_concurrency: Annotated[Optional[int], typer.Option("--max-concurrency")] = None,
+    batching: Annotated[str, typer.Option("--batching", help="continuous or static.")] = "continuous",
+    baseline: Annotated[Optional[str], typer.Option(
+        "--baseline", help="'hf' (transformers generate, static batches) or another MODEL on the runtime.")] = None,
+    hf_batch_size: Annotated[int, typer.Option("--hf-batch-size", help="Static batch size of --baseline hf.")] = 32,
+    slo: Annotated[Optional[str], typer.Option("--slo", help="Goodput SLOs in ms, e.g. ttft=200,tpot=50.")] = None,
+    max_num_seqs: Annotated[int, typer.Option("--max-num-seqs")] = 64,
+    max_num_batched_tokens: Annotated[int, typer.Option("--max-num-batched-tokens")] = 2048,
+    block_size: Annotated[int, typer.Option("--block-size")] = 16,
+    kv_cache_bytes: Annotated[int, typer.Option("--kv-cache-bytes")] = 512 * 2**20,
+    no_prefix_cache: Annotated[bool, typer.Option("--no-prefix-cache")] = False,
+    peak_bandwidth: Annotated[Optional[float], typer.Option("--peak-bandwidth", help="GB/s (else measured).")] = None,
+    peak_flops: Annotated[Optional[float], typer.Option("--peak-flops", help="TFLOP/s (else measured).")] = None,
+    threads: Annotated[Optional[int], typer.Option("--threads", help="torch threads (default: torch's).")] = None,
+    dtype: DtypeOpt = Dtype.bfloat16,
+    seed: SeedOpt = 0,
+    json_out: Annotated[Optional[Path], typer.Option("--json", help="Write every run and request here.")] = None,
+) -> None:
+    """Benchmark MODEL on the runtime (and a baseline), with vLLM's serving metrics."""
+    from llmopt.cli.output import progress_bar, stderr, stdout
+    from llmopt.core.errors import ConfigError
+    from llmopt.eval.metrics import parse_slo
+    from llmopt.eval.speed import BenchConfig
+    from llmopt.eval.speed import bench as run_bench
+    from llmopt.eval.workloads import WorkloadSpec
+
+    if batching not in ("continuous", "static"):
+        raise ConfigError(f"--batching {batching!r}: choose continuous or static")
+    if dataset == "sharegpt" and dataset_path and not Path(dataset_path).is_file():
+        raise ConfigError(f"--dataset-path {dataset_path} does not exist")
+    spec = WorkloadSpec(dataset, num_requests, input_len, output_len, range_ratio, prefix_len, num_prefixes,
+                        request_rate, seed, dataset_path)
+    config = BenchConfig(
+        dtype=dtype.value, batching=batching, max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
+        block_size=block_size, kv_cache_bytes=kv_cache_bytes, enable_prefix_cache=not no_prefix_cache,
+        max_concurrency=max_concurrency, hf_batch_size=hf_batch_size, slo=tuple(parse_slo(slo).items()),
+        peak_bandwidth=peak_bandwidth * 1e9 if peak_bandwidth else None,
+        peak_flops=peak_flops * 1e12 if peak_flops else None, num_threads=threads)
+    with progress_bar("requests") as update:
+        runs = run_bench(model, spec, config, baseline, update)
+    if json_out is not None:
+        json_out.parent.mkdir(parents=True, exist_ok=True)
+        tmp = json_out.with_suffix(json_out.suffix + ".tmp")
+        tmp.write_text(json.dumps({"runs": [r.to_json() for r in runs]}, indent=1, default=str))
+        tmp.replace(json_out)
+        stderr.print(f"wrote {json_out}")
+    stdout.print(comparison_table(runs))
+
+
+def comparison_table(runs):
+    from rich.table import Table
+
+    from llmopt.cli.output import format_value
+
+    table = Table(title=f"llmopt bench: {runs[0].model}")
+    table.add_column("metric")
+    for run in runs:
+        table.add_column(f"{run.name} ({run.config['backend']})", justify="right")
+    if len(runs) == 2:
+        table.add_column("ratio", justify="right")
+    for key, label in SHOWN:
+        values = [run.metrics.get(key) for run in runs]
+        if all(v is None for v in values):
+            continue
+        cells = ["-" if v is None else format_value(v) for v in values]
+        if len(runs) == 2:
+            a, b = values
+            cells.append(f"{a / b:.2f}x" if isinstance(a, (int, float)) and isinstance(b, (int, float)) and b else "-")
+        table.add_row(label, *cells)
+    return table

@@ -1,0 +1,252 @@
+"""Driving a workload through the runtime (or transformers' `generate`, static batches) and measuring it.
+
+`bench` runs the model, and optionally a baseline (`hf`: the same model through transformers; or another
+MODEL through the runtime) in the same invocation, so ratios compare runs on an equally noisy machine.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from collections import deque
+from dataclasses import asdict, dataclass
+from typing import Callable
+
+import torch
+from torch import nn
+
+from llmopt.eval.metrics import (
+    HardwarePeaks, ModelCost, RequestRecord, RunResult, engine_metrics, request_metrics,
+)
+from llmopt.eval.workloads import BenchRequest, WorkloadSpec, build_workload
+
+ProgressFn = Callable[[int, int], None]  # (completed, total)
+
+
+@dataclass(frozen=True)
+class BenchConfig:
+    dtype: str = "bfloat16"
+    batching: str = "continuous"  # or "static"
+    max_num_seqs: int = 64
+    max_num_batched_tokens: int = 2048
+    block_size: int = 16
+    kv_cache_bytes: int = 512 * 2**20
+    enable_prefix_cache: bool = True
+    max_concurrency: int | None = None
+    hf_batch_size: int = 32
+    slo: tuple[tuple[str, float], ...] = ()
+    peak_bandwidth: float | None = None  # bytes/s
+    peak_flops: float | None = None  # FLOP/s
+    num_threads: int | None = None
+
+
+# --- model facts ------------------------------------------------------------------------------------
+def _bytes(tensors) -> int:
+    return sum(t.numel() * t.element_size() for t in tensors)
+
+
+def model_cost(model: nn.Module, kv_dtype: torch.dtype) -> ModelCost:
+    """Bytes read and FLOPs per token of a (possibly packed) model: decoder layers, final norm, lm_head."""
+    from llmopt.core.adapters import adapter_for, get_module
+
+    adapter = adapter_for(model)
+    layers = get_module(model, adapter.layers)
+    lm_head = get_module(model, adapter.lm_head)
+    weight_bytes = _bytes(list(layers.parameters()) + list(layers.buffers())) + _bytes(lm_head.parameters())
+    linear_params = sum(getattr(m, "in_features", 0) * getattr(m, "out_features", 0) for m in layers.modules()
+                        if hasattr(m, "in_features") and not list(m.children()))
+    linear_params += lm_head.in_features * lm_head.out_features
+    config = model.config
+    heads = config.num_attention_heads
+    kv_heads = getattr(config, "num_key_value_heads", None) or heads
+    head_dim = getattr(config, "head_dim", None) or config.hidden_size // heads
+    element = torch.tensor([], dtype=kv_dtype).element_size()
+    num_layers = len(layers)
+    return ModelCost(weight_bytes, linear_params, 2 * num_layers * kv_heads * head_dim * element,
+                     4 * num_layers * heads * head_dim)
+
+
+def measure_peaks(dtype: torch.dtype, bandwidth: float | None = None, flops: float | None = None) -> HardwarePeaks:
+    """Peak bandwidth and FLOP/s: the given values, else a short copy test and a matmul test (best of 5)."""
+    if bandwidth is not None and flops is not None:
+        return HardwarePeaks(bandwidth, flops, "given")
+    if bandwidth is None:
+        src = torch.empty(64 * 2**20 // 4, dtype=torch.float32).fill_(1.0)  # 64 MiB, beyond the caches
+        dst = torch.empty_like(src)
+        best = math.inf
+        for _ in range(5):
+            t = time.perf_counter()
+            dst.copy_(src)
+            best = min(best, time.perf_counter() - t)
+        bandwidth = 2 * src.numel() * 4 / best  # read + write
+    if flops is None:
+        n = 1024
+        a, b = torch.randn(n, n, dtype=dtype), torch.randn(n, n, dtype=dtype)
+        best = math.inf
+        for _ in range(5):
+            t = time.perf_counter()
+            a @ b
+            best = min(best, time.perf_counter() - t)
+        flops = 2 * n**3 / best
+    return HardwarePeaks(bandwidth, flops, "measured (64 MiB copy, 1024^3 matmul)")
+
+
+# --- runtime driver ---------------------------------------------------------------------------------
+def _reset_engine_counters(engine) -> None:
+    engine.step_stats.clear()
+    engine.scheduler.num_preemptions = 0
+    engine.block_manager.reset_prefix_cache()
+    engine.block_manager.num_lookup_tokens = engine.block_manager.num_hit_tokens = 0
+
+
+def warm_up(engine, vocab_size: int) -> None:
+    from llmopt.runtime.sampling import SamplingParams
+
+    ids = [[(101 + i * 7) % vocab_size for i in range(32)], [(203 + i * 3) % vocab_size for i in range(48)]]
+    engine.generate(ids, SamplingParams(max_tokens=4, ignore_eos=True))
+    _reset_engine_counters(engine)
+
+
+def run_engine(engine, requests: list[BenchRequest], max_concurrency: int | None = None,
+               progress: ProgressFn | None = None) -> tuple[list[RequestRecord], float]:
+    """Feed requests at their arrival times (at most max_concurrency in flight); returns records, duration."""
+    from llmopt.runtime.sampling import SamplingParams
+
+    pending = deque(sorted(requests, key=lambda r: r.arrival_offset))
+    in_flight: set[int] = set()
+    records: list[RequestRecord] = []
+    start = time.perf_counter()
+    while pending or in_flight:
+        now = time.perf_counter()
+        while pending and pending[0].arrival_offset <= now - start and (
+                max_concurrency is None or len(in_flight) < max_concurrency):
+            request = pending.popleft()
+            seq_id = engine.add_request(request.prompt_token_ids,
+                                        SamplingParams(max_tokens=request.max_tokens, ignore_eos=True))
+            # a request held back by max_concurrency starts when it is sent, as in vLLM's client
+            engine.sequences[seq_id].arrival_time = max(start + request.arrival_offset, now)
+            in_flight.add(seq_id)
+        if not in_flight:
+            time.sleep(max(0.0, pending[0].arrival_offset - (time.perf_counter() - start)))
+            continue
+        for output in engine.step():
+            if output.finished:
+                in_flight.discard(output.seq_id)
+                seq = engine.sequences.pop(output.seq_id)
+                records.append(RequestRecord(seq.arrival_time - start, [t - start for t in seq.token_times],
+                                             seq.num_prompt_tokens, seq.num_output_tokens, seq.num_cached_tokens))
+                if progress:
+                    progress(len(records), len(requests))
+    return records, time.perf_counter() - start
+
+
+# --- transformers baseline --------------------------------------------------------------------------
+class _TimingStreamer:
+    """A transformers streamer that only notes when each generation step's tokens arrive."""
+
+    def __init__(self):
+        self.times: list[float] = []
+        self._prompt_seen = False
+
+    def put(self, value):
+        if not self._prompt_seen:  # the first call carries the prompt
+            self._prompt_seen = True
+            return
+        self.times.append(time.perf_counter())
+
+    def end(self):
+        pass
+
+
+@torch.inference_mode()
+def run_hf_static(model, tokenizer, requests: list[BenchRequest], batch_size: int,
+                  progress: ProgressFn | None = None) -> tuple[list[RequestRecord], float]:
+    """Static batches through `model.generate` (left padding, greedy, EOS ignored); each batch runs as long as
+    its longest request, and starts once all its requests have arrived."""
+    pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else (tokenizer.eos_token_id or 0)
+    device = next(model.parameters()).device
+    records: list[RequestRecord] = []
+    ordered = sorted(requests, key=lambda r: r.arrival_offset)
+    start = time.perf_counter()
+    for i in range(0, len(ordered), batch_size):
+        batch = ordered[i:i + batch_size]
+        wait = batch[-1].arrival_offset - (time.perf_counter() - start)
+        if wait > 0:
+            time.sleep(wait)
+        width = max(len(r.prompt_token_ids) for r in batch)
+        input_ids = torch.full((len(batch), width), pad_id, dtype=torch.long)
+        mask = torch.zeros_like(input_ids)
+        for row, r in enumerate(batch):
+            input_ids[row, width - len(r.prompt_token_ids):] = torch.tensor(r.prompt_token_ids)
+            mask[row, width - len(r.prompt_token_ids):] = 1
+        new_tokens = max(r.max_tokens for r in batch)
+        streamer = _TimingStreamer()
+        model.generate(input_ids=input_ids.to(device), attention_mask=mask.to(device), max_new_tokens=new_tokens,
+                       min_new_tokens=new_tokens, do_sample=False, temperature=None, top_p=None, top_k=None,
+                       pad_token_id=pad_id, eos_token_id=None, streamer=streamer)
+        for r in batch:
+            records.append(RequestRecord(r.arrival_offset, [t - start for t in streamer.times[: r.max_tokens]],
+                                         len(r.prompt_token_ids), r.max_tokens))
+        if progress:
+            progress(len(records), len(requests))
+    return records, time.perf_counter() - start
+
+
+# --- one run ----------------------------------------------------------------------------------------
+def engine_config_for(config: BenchConfig):
+    from llmopt.runtime.engine import EngineConfig
+
+    return EngineConfig(block_size=config.block_size, kv_cache_bytes=config.kv_cache_bytes,
+                        max_num_seqs=config.max_num_seqs, max_num_batched_tokens=config.max_num_batched_tokens,
+                        enable_prefix_cache=config.enable_prefix_cache, policy=config.batching)
+
+
+def bench_runtime(name: str, model_name: str, spec: WorkloadSpec, config: BenchConfig,
+                  progress: ProgressFn | None = None, loaded=None) -> tuple[RunResult, tuple]:
+    """One measured runtime run; returns the result and the loaded (model, tokenizer) for reuse."""
+    from llmopt.core.models import DTYPES, load_model
+    from llmopt.runtime.engine import Engine
+
+    model, tokenizer = loaded or load_model(model_name, dtype=config.dtype, packed_kernels=True)[:2]
+    engine = Engine(model, tokenizer, engine_config_for(config))
+    vocab_size = model.config.vocab_size
+    requests = build_workload(spec, tokenizer, vocab_size)
+    warm_up(engine, vocab_size)
+    records, duration = run_engine(engine, requests, config.max_concurrency, progress)
+    bm = engine.block_manager
+    hit_rate = bm.num_hit_tokens / bm.num_lookup_tokens if bm.num_lookup_tokens else 0.0
+    peaks = measure_peaks(DTYPES[config.dtype], config.peak_bandwidth, config.peak_flops)
+    metrics = request_metrics(records, dict(config.slo))
+    metrics.update(engine_metrics(engine.step_stats, model_cost(model, engine.runner.kv_dtype), peaks,
+                                  engine.scheduler.num_preemptions, hit_rate, metrics["duration"]))
+    metrics["peak_bandwidth"], metrics["peak_flops"] = peaks.bandwidth, peaks.flops
+    result = RunResult(name, model_name, {"backend": "runtime", **asdict(config), "workload": asdict(spec)},
+                       metrics, records, [s.num_seqs for s in engine.step_stats])
+    return result, (model, tokenizer)
+
+
+def bench_hf(name: str, model_name: str, spec: WorkloadSpec, config: BenchConfig,
+             progress: ProgressFn | None = None) -> RunResult:
+    from llmopt.core.models import load_model
+
+    model, tokenizer, _ = load_model(model_name, dtype=config.dtype)
+    requests = build_workload(spec, tokenizer, model.config.vocab_size)
+    warm = [BenchRequest(r.prompt_token_ids, 2) for r in requests[:2]]
+    run_hf_static(model, tokenizer, warm, config.hf_batch_size)
+    records, _ = run_hf_static(model, tokenizer, requests, config.hf_batch_size, progress)
+    metrics = request_metrics(records, dict(config.slo))
+    return RunResult(name, model_name, {"backend": "hf", "dtype": config.dtype, "batch_size": config.hf_batch_size,
+                                        "workload": asdict(spec)}, metrics, records)
+
+
+def bench(model_name: str, spec: WorkloadSpec, config: BenchConfig, baseline: str | None = None,
+          progress: ProgressFn | None = None) -> list[RunResult]:
+    """The model's run, then the baseline's (named 'baseline'): 'hf' or another MODEL through the runtime."""
+    if config.num_threads:
+        torch.set_num_threads(config.num_threads)
+    runs = [bench_runtime(model_name, model_name, spec, config, progress)[0]]
+    if baseline == "hf":
+        runs.append(bench_hf("baseline", model_name, spec, config, progress))
+    elif baseline:
+        runs.append(bench_runtime("baseline", baseline, spec, config, progress)[0])
+    return runs
