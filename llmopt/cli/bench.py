@@ -9,7 +9,7 @@ from typing import Annotated, Optional
 
 import typer
 
-from llmopt.cli.options import Dtype, DtypeOpt, ModelArg, SeedOpt
+from llmopt.cli.options import DeviceOpt, Dtype, DtypeOpt, ModelArg, SeedOpt
 
 SHOWN = [  # (metric key, label) in the terminal table
     ("request_throughput", "requests/s"), ("output_throughput", "output tok/s"),
@@ -53,6 +53,7 @@ def bench(
     peak_flops: Annotated[Optional[float], typer.Option("--peak-flops", help="TFLOP/s (else measured).")] = None,
     threads: Annotated[Optional[int], typer.Option("--threads", help="torch threads (default: torch's).")] = None,
     dtype: DtypeOpt = Dtype.bfloat16,
+    device: DeviceOpt = "cpu",
     seed: SeedOpt = 0,
     json_out: Annotated[Optional[Path], typer.Option("--json", help="Write every run and request here.")] = None,
 ) -> None:
@@ -71,7 +72,7 @@ def bench(
     spec = WorkloadSpec(dataset, num_requests, input_len, output_len, range_ratio, prefix_len, num_prefixes,
                         request_rate, seed, dataset_path)
     config = BenchConfig(
-        dtype=dtype.value, batching=batching, max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
+        dtype=dtype.value, device=device, batching=batching, max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
         block_size=block_size, kv_cache_bytes=kv_cache_bytes, enable_prefix_cache=not no_prefix_cache,
         max_concurrency=max_concurrency, hf_batch_size=hf_batch_size, slo=tuple(parse_slo(slo).items()),
         peak_bandwidth=peak_bandwidth * 1e9 if peak_bandwidth else None,

@@ -55,8 +55,10 @@ def build_tiny_model(family: str = "llama", seed: int = 0, **overrides):
     tokenizer = byte_tokenizer()
     settings = {**TINY_CONFIGS[family], **overrides}
     model_type = settings.pop("model_type")
+    # a vocab larger than the byte tokenizer's is allowed (speed tests at a real model's shape)
+    settings.setdefault("vocab_size", len(tokenizer))
     config = AutoConfig.for_model(
-        model_type, vocab_size=len(tokenizer), bos_token_id=tokenizer.bos_token_id,
+        model_type, bos_token_id=tokenizer.bos_token_id,
         eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id, **settings,
     )
     torch.manual_seed(seed)

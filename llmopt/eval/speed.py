@@ -26,6 +26,7 @@ ProgressFn = Callable[[int, int], None]  # (completed, total)
 @dataclass(frozen=True)
 class BenchConfig:
     dtype: str = "bfloat16"
+    device: str = "cpu"
     batching: str = "continuous"  # or "static"
     max_num_seqs: int = 64
     max_num_batched_tokens: int = 2048
@@ -66,27 +67,32 @@ def model_cost(model: nn.Module, kv_dtype: torch.dtype) -> ModelCost:
                      4 * num_layers * heads * head_dim)
 
 
-def measure_peaks(dtype: torch.dtype, bandwidth: float | None = None, flops: float | None = None) -> HardwarePeaks:
+def _timed(fn, device: str) -> float:
+    sync = torch.cuda.synchronize if torch.device(device).type == "cuda" else (lambda: None)
+    best = math.inf
+    for _ in range(5):
+        sync()
+        t = time.perf_counter()
+        fn()
+        sync()
+        best = min(best, time.perf_counter() - t)
+    return best
+
+
+def measure_peaks(dtype: torch.dtype, bandwidth: float | None = None, flops: float | None = None,
+                  device: str = "cpu") -> HardwarePeaks:
     """Peak bandwidth and FLOP/s: the given values, else a short copy test and a matmul test (best of 5)."""
     if bandwidth is not None and flops is not None:
         return HardwarePeaks(bandwidth, flops, "given")
     if bandwidth is None:
-        src = torch.empty(64 * 2**20 // 4, dtype=torch.float32).fill_(1.0)  # 64 MiB, beyond the caches
+        src = torch.ones(64 * 2**20 // 4, dtype=torch.float32, device=device)  # 64 MiB, beyond the caches
         dst = torch.empty_like(src)
-        best = math.inf
-        for _ in range(5):
-            t = time.perf_counter()
-            dst.copy_(src)
-            best = min(best, time.perf_counter() - t)
+        best = _timed(lambda: dst.copy_(src), device)
         bandwidth = 2 * src.numel() * 4 / best  # read + write
     if flops is None:
         n = 1024
-        a, b = torch.randn(n, n, dtype=dtype), torch.randn(n, n, dtype=dtype)
-        best = math.inf
-        for _ in range(5):
-            t = time.perf_counter()
-            a @ b
-            best = min(best, time.perf_counter() - t)
+        a, b = torch.randn(n, n, dtype=dtype, device=device), torch.randn(n, n, dtype=dtype, device=device)
+        best = _timed(lambda: a @ b, device)
         flops = 2 * n**3 / best
     return HardwarePeaks(bandwidth, flops, "measured (64 MiB copy, 1024^3 matmul)")
 
@@ -207,7 +213,8 @@ def bench_runtime(name: str, model_name: str, spec: WorkloadSpec, config: BenchC
     from llmopt.core.models import DTYPES, load_model
     from llmopt.runtime.engine import Engine
 
-    model, tokenizer = loaded or load_model(model_name, dtype=config.dtype, packed_kernels=True)[:2]
+    model, tokenizer = loaded or load_model(model_name, dtype=config.dtype, device=config.device,
+                                            packed_kernels=True)[:2]
     engine = Engine(model, tokenizer, engine_config_for(config))
     vocab_size = model.config.vocab_size
     requests = build_workload(spec, tokenizer, vocab_size)
@@ -215,7 +222,7 @@ def bench_runtime(name: str, model_name: str, spec: WorkloadSpec, config: BenchC
     records, duration = run_engine(engine, requests, config.max_concurrency, progress)
     bm = engine.block_manager
     hit_rate = bm.num_hit_tokens / bm.num_lookup_tokens if bm.num_lookup_tokens else 0.0
-    peaks = measure_peaks(DTYPES[config.dtype], config.peak_bandwidth, config.peak_flops)
+    peaks = measure_peaks(DTYPES[config.dtype], config.peak_bandwidth, config.peak_flops, config.device)
     metrics = request_metrics(records, dict(config.slo))
     metrics.update(engine_metrics(engine.step_stats, model_cost(model, engine.runner.kv_dtype), peaks,
                                   engine.scheduler.num_preemptions, hit_rate, metrics["duration"]))
@@ -229,7 +236,7 @@ def bench_hf(name: str, model_name: str, spec: WorkloadSpec, config: BenchConfig
              progress: ProgressFn | None = None) -> RunResult:
     from llmopt.core.models import load_model
 
-    model, tokenizer, _ = load_model(model_name, dtype=config.dtype)
+    model, tokenizer, _ = load_model(model_name, dtype=config.dtype, device=config.device)
     requests = build_workload(spec, tokenizer, model.config.vocab_size)
     warm = [BenchRequest(r.prompt_token_ids, 2) for r in requests[:2]]
     run_hf_static(model, tokenizer, warm, config.hf_batch_size)

@@ -2,7 +2,7 @@
 
 `quantized_linear` picks the fastest layout the weight and device allow: int4-packed (codes of <= 4 bits,
 groups aten's kernel can express), int8-packed (8-bit per channel), else a dense weight dequantized once
-(act-order checkpoints with permuted groups, odd shapes, GPU until the Triton kernels land).
+(act-order checkpoints with permuted groups, odd shapes); on CUDA the Triton W4A16 layer.
 """
 
 from __future__ import annotations
@@ -65,11 +65,39 @@ class Int8PackedLinear(_QuantLinearBase):
         return int8_matmul(x2d, self.signed, self.scale, self.correction)
 
 
+class TritonW4A16Linear(_QuantLinearBase):
+    """CUDA: codes of <= 4 bits dequantized in registers by the Triton W4A16 kernel."""
+
+    kind = "w4a16"
+
+    def __init__(self, qweight: QuantizedWeight, dtype: torch.dtype, device: torch.device | str):
+        super().__init__(qweight, dtype)
+        from llmopt.runtime.kernels.triton_w4a16 import pack_w4a16
+
+        self.group_size = qweight.scheme.group_width(self.in_features)
+        qw, scales, zeros = pack_w4a16(qweight.q.to(device), qweight.scales.to(device), qweight.zeros.to(device),
+                                       dtype)
+        self.register_buffer("qweight", qw)
+        self.register_buffer("scales", scales)
+        self.register_buffer("zeros", zeros)
+
+    def _matmul(self, x2d):
+        from llmopt.runtime.kernels.triton_w4a16 import w4a16_matmul
+
+        return w4a16_matmul(x2d, self.qweight, self.scales, self.zeros, self.group_size)
+
+
 def packed_kind(qweight: QuantizedWeight, device: torch.device | str) -> str:
-    """'int4', 'int8' or 'dense': which layer `quantized_linear` builds for this weight on this device."""
-    if torch.device(device).type != "cpu" or not qweight.has_trivial_g_idx:
+    """'int4', 'int8', 'w4a16' or 'dense': which layer `quantized_linear` builds for this weight on this device."""
+    if not qweight.has_trivial_g_idx:
         return "dense"
     n, k = qweight.shape
+    if torch.device(device).type == "cuda":
+        from llmopt.runtime.kernels.attention import triton_available
+
+        return "w4a16" if qweight.scheme.bits <= 4 and k % 8 == 0 and triton_available() else "dense"
+    if torch.device(device).type != "cpu":
+        return "dense"
     if can_pack_int4(n, k, qweight.scheme.bits, qweight.scheme.group_size):
         return "int4"
     # aten's int8 kernel reads K in vectors of 16 (it crashes on other widths)
@@ -84,6 +112,8 @@ def quantized_linear(qweight: QuantizedWeight, dtype: torch.dtype, device: torch
         return Int4PackedLinear(qweight, dtype)
     if kind == "int8":
         return Int8PackedLinear(qweight, dtype)
+    if kind == "w4a16":
+        return TritonW4A16Linear(qweight, dtype, device)
     n, k = qweight.shape
     dense = nn.Linear(k, n, bias=qweight.bias is not None, dtype=dtype, device=device)
     with torch.no_grad():

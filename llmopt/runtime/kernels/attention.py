@@ -4,6 +4,9 @@ write into slots. Plain torch: the reference every faster kernel is tested again
 Shapes: q [T, num_heads, head_dim] for the T tokens of this step (sequences concatenated);
 k_cache / v_cache [num_blocks, block_size, num_kv_heads, head_dim].
 
+On CUDA tensors the Triton kernels (triton_store_kv, triton_decode_attention, triton_prefill_attention) run
+instead; these functions stay their reference.
+
 Per step the metadata is built once (`AttentionMetadata.build`) and read by every layer: sequences whose
 step is a single token (decodes) are attended together in one padded batch; sequences with several new
 tokens (prefill chunks) one by one, each with its causal mask over cached + new tokens.
@@ -12,6 +15,7 @@ tokens (prefill chunks) one by one, each with its causal mask over cached + new 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from functools import lru_cache
 
 import torch
 import torch.nn.functional as F
@@ -42,6 +46,7 @@ class AttentionMetadata:
     slot_mapping: torch.Tensor  # [T] flat cache slot (block * block_size + offset) of each new token
     prefills: list[PrefillGroup] | None = None
     decode: DecodeGroup | None = None
+    device_tensors: dict | None = None  # CUDA: query_starts, context_lens, padded block_tables as tensors
 
     @classmethod
     def build(cls, query_starts: list[int], context_lens: list[int], block_tables: list[list[int]],
@@ -67,12 +72,48 @@ class AttentionMetadata:
             mask = torch.arange(width * block_size, device=device).unsqueeze(0) < lens.unsqueeze(1)
             decode = DecodeGroup(torch.tensor(decode_rows, device=device), tables, mask[:, None, None, :],
                                  decode_rows == list(range(len(decode_rows))))
-        return cls(query_starts, context_lens, block_tables, slot_mapping, prefills, decode)
+        device_tensors = None
+        if torch.device(device).type == "cuda":
+            width = max(len(t) for t in block_tables)
+            device_tensors = {
+                "query_starts": torch.tensor(query_starts, dtype=torch.int32, device=device),
+                "context_lens": torch.tensor(context_lens, dtype=torch.int32, device=device),
+                "block_tables": torch.tensor([t + [0] * (width - len(t)) for t in block_tables], dtype=torch.int32,
+                                             device=device),
+                "max_new_tokens": max(b - a for a, b in zip(query_starts, query_starts[1:])),
+            }
+        return cls(query_starts, context_lens, block_tables, slot_mapping, prefills, decode, device_tensors)
+
+
+@lru_cache(maxsize=1)
+def triton_available() -> bool:
+    try:
+        import triton  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
+def _triton_paged_attention(q, k_cache, v_cache, meta: AttentionMetadata, scale: float) -> torch.Tensor:
+    """Decode-only steps: the split-KV decode kernel; steps with prefill chunks: the prefill kernel over every
+    sequence (a decode is a one-token chunk)."""
+    from llmopt.runtime.kernels.triton_decode_attention import decode_attention
+    from llmopt.runtime.kernels.triton_prefill_attention import prefill_attention
+
+    t = meta.device_tensors
+    if not meta.prefills:
+        return decode_attention(q, k_cache, v_cache, t["block_tables"], t["context_lens"], scale)
+    return prefill_attention(q, k_cache, v_cache, t["query_starts"], t["context_lens"], t["block_tables"], scale,
+                             t["max_new_tokens"], block_m=16 if t["max_new_tokens"] <= 16 else 64)
 
 
 def store_kv(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
              slot_mapping: torch.Tensor) -> None:
     """Write k, v [T, num_kv_heads, head_dim] into their slots."""
+    if k_cache.is_cuda and triton_available():
+        from llmopt.runtime.kernels.triton_store_kv import store_kv as triton_store_kv
+
+        return triton_store_kv(k, v, k_cache, v_cache, slot_mapping)
     num_kv_heads, head_dim = k_cache.shape[-2:]
     k_cache.view(-1, num_kv_heads, head_dim)[slot_mapping] = k.to(k_cache.dtype)
     v_cache.view(-1, num_kv_heads, head_dim)[slot_mapping] = v.to(v_cache.dtype)
@@ -97,6 +138,8 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
     if meta.prefills is None:  # built by hand (tests): derive the groups
         meta = AttentionMetadata.build(meta.query_starts, meta.context_lens, meta.block_tables, meta.slot_mapping,
                                        k_cache.shape[1], q.device)
+    if meta.device_tensors is not None and triton_available():
+        return _triton_paged_attention(q, k_cache, v_cache, meta, scale)
     num_kv_heads, head_dim = k_cache.shape[2:]
     num_heads = q.shape[1]
     if meta.decode is not None and meta.decode.contiguous and not meta.prefills:

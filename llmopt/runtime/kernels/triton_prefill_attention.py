@@ -1,0 +1,86 @@
+"""Paged attention for prefill chunks on NVIDIA GPUs (Triton): new query tokens attend to the sequence's
+cached prefix plus themselves (causal), reading K/V page by page from the paged cache (the new tokens' K/V
+are stored there first, so one loop covers prefix and chunk).
+
+One program per (sequence, query head, block of BLOCK_M new tokens); online softmax over pages.
+Shapes: q [T, H, D] (sequences concatenated); query_starts [S + 1] int32; context_lens [S] int32;
+block_tables [S, max_blocks] int32; caches [num_blocks, page, KVH, D]; out [T, H, D].
+Reference: `kernels.attention.paged_attention` (prefill groups).
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+
+@triton.jit
+def _prefill_kernel(
+    q_ptr, k_ptr, v_ptr, out_ptr, starts_ptr, lens_ptr, tables_ptr,
+    scale,
+    stride_qt, stride_qh, stride_ot, stride_oh,
+    stride_kb, stride_kt, stride_kh, stride_tb,
+    GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr,
+    PAGE: tl.constexpr,
+):
+    seq = tl.program_id(0)
+    head = tl.program_id(1)
+    m_block = tl.program_id(2)
+    start = tl.load(starts_ptr + seq)
+    num_new = tl.load(starts_ptr + seq + 1) - start
+    if m_block * BLOCK_M < num_new:
+        ctx = tl.load(lens_ptr + seq)
+        kv_head = head // GROUP
+        offs_m = m_block * BLOCK_M + tl.arange(0, BLOCK_M)
+        offs_d = tl.arange(0, BLOCK_D)
+        offs_t = tl.arange(0, PAGE)
+        m_mask = offs_m < num_new
+        d_mask = offs_d < HEAD_DIM
+        q_pos = ctx - num_new + offs_m  # absolute positions of these queries
+        q = tl.load(q_ptr + (start + offs_m)[:, None] * stride_qt + head * stride_qh + offs_d[None, :],
+                    mask=m_mask[:, None] & d_mask[None, :], other=0.0)
+        m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
+        l_i = tl.zeros([BLOCK_M], tl.float32)
+        acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
+        last_pos = tl.minimum(ctx - num_new + (m_block + 1) * BLOCK_M, ctx)  # causal: later keys unseen
+        num_pages = tl.cdiv(last_pos, PAGE)
+        for page in range(0, num_pages):
+            block = tl.load(tables_ptr + seq * stride_tb + page)
+            k_pos = page * PAGE + offs_t
+            kv_off = block * stride_kb + offs_t[:, None] * stride_kt + kv_head * stride_kh + offs_d[None, :]
+            kv_mask = (k_pos < ctx)[:, None] & d_mask[None, :]
+            k = tl.load(k_ptr + kv_off, mask=kv_mask, other=0.0)
+            v = tl.load(v_ptr + kv_off, mask=kv_mask, other=0.0)
+            s = tl.dot(q, tl.trans(k).to(q.dtype), input_precision="ieee").to(tl.float32) * scale  # [M, PAGE]
+            visible = (k_pos[None, :] <= q_pos[:, None]) & (k_pos[None, :] < ctx) & m_mask[:, None]
+            s = tl.where(visible, s, float("-inf"))
+            m_new = tl.maximum(m_i, tl.max(s, axis=1))
+            m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)  # rows with nothing visible yet
+            alpha = tl.exp(m_i - m_safe)
+            prob = tl.exp(s - m_safe[:, None])
+            l_i = l_i * alpha + tl.sum(prob, axis=1)
+            acc = acc * alpha[:, None] + tl.dot(prob.to(v.dtype), v, input_precision="ieee").to(tl.float32)
+            m_i = m_new
+        out = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
+        tl.store(out_ptr + (start + offs_m)[:, None] * stride_ot + head * stride_oh + offs_d[None, :],
+                 out.to(out_ptr.dtype.element_ty), mask=m_mask[:, None] & d_mask[None, :])
+
+
+def prefill_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, query_starts: torch.Tensor,
+                      context_lens: torch.Tensor, block_tables: torch.Tensor, scale: float,
+                      max_new_tokens: int, block_m: int = 32) -> torch.Tensor:
+    num_heads, head_dim = q.shape[1:]
+    _, page, num_kv_heads, _ = k_cache.shape
+    num_seqs = context_lens.shape[0]
+    q = q.contiguous()
+    out = torch.empty_like(q)
+    tables = block_tables.to(torch.int32).contiguous()
+    _prefill_kernel[(num_seqs, num_heads, triton.cdiv(max_new_tokens, block_m))](
+        q, k_cache, v_cache, out, query_starts.to(torch.int32).contiguous(), context_lens.to(torch.int32).contiguous(),
+        tables, scale, q.stride(0), q.stride(1), out.stride(0), out.stride(1),
+        k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), tables.stride(0),
+        GROUP=num_heads // num_kv_heads, HEAD_DIM=head_dim, BLOCK_D=triton.next_power_of_2(head_dim),
+        BLOCK_M=block_m, PAGE=page,
+    )
+    return out

@@ -1,0 +1,69 @@
+"""W4A16 group-quantized matmul on NVIDIA GPUs (Triton): y = x @ dequant(W)^T, codes unpacked and
+dequantized in registers, fp32 accumulation.
+
+Layout (made at load by `pack_w4a16`): qweight [K / 8, N] int32 with code k of column n in bits
+4 * (k % 8) of row k // 8; scales [K / G, N] and zeros [K / G, N] in the activation dtype (zero = code offset).
+Shapes: x [M, K] fp16/bf16/fp32; y [M, N]. Reference: `kernels.quant_matmul.reference_quant_matmul`.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+
+@triton.jit
+def _w4a16_kernel(x_ptr, qw_ptr, scales_ptr, zeros_ptr, y_ptr, M, N, K,
+                  stride_xm, stride_qk, stride_sg, stride_ym,
+                  GROUP: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+    pid_m = tl.program_id(0)
+    pid_n = tl.program_id(1)
+    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    offs_k = tl.arange(0, BLOCK_K)
+    m_mask = offs_m < M
+    n_mask = offs_n < N
+    acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
+    for k0 in range(0, K, BLOCK_K):
+        k = k0 + offs_k
+        k_mask = k < K
+        x = tl.load(x_ptr + offs_m[:, None] * stride_xm + k[None, :], mask=m_mask[:, None] & k_mask[None, :],
+                    other=0.0)
+        packed = tl.load(qw_ptr + (k // 8)[:, None] * stride_qk + offs_n[None, :],
+                         mask=k_mask[:, None] & n_mask[None, :], other=0)
+        codes = (packed >> ((k % 8) * 4)[:, None]) & 0xF  # [BLOCK_K, BLOCK_N]
+        group = k // GROUP
+        scale = tl.load(scales_ptr + group[:, None] * stride_sg + offs_n[None, :],
+                        mask=k_mask[:, None] & n_mask[None, :], other=0.0).to(tl.float32)
+        zero = tl.load(zeros_ptr + group[:, None] * stride_sg + offs_n[None, :],
+                       mask=k_mask[:, None] & n_mask[None, :], other=0.0).to(tl.float32)
+        w = ((codes.to(tl.float32) - zero) * scale).to(x.dtype)
+        acc += tl.dot(x, w, input_precision="ieee")
+    tl.store(y_ptr + offs_m[:, None] * stride_ym + offs_n[None, :], acc.to(y_ptr.dtype.element_ty),
+             mask=m_mask[:, None] & n_mask[None, :])
+
+
+def pack_w4a16(q: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor, dtype: torch.dtype
+               ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Codes [N, K] (K % 8 == 0), scales/zeros [N, G] -> (qweight [K/8, N] int32, scales [G, N], zeros [G, N])."""
+    n, k = q.shape
+    codes = q.t().to(torch.int32).reshape(k // 8, 8, n)
+    shifts = (torch.arange(8, dtype=torch.int32, device=q.device) * 4).view(1, 8, 1)
+    qweight = (codes << shifts).sum(dim=1, dtype=torch.int64)  # [K/8, N], up to 32 bits
+    qweight = torch.where(qweight >= 2**31, qweight - 2**32, qweight).to(torch.int32)
+    return qweight.contiguous(), scales.t().to(dtype).contiguous(), zeros.t().to(dtype).contiguous()
+
+
+def w4a16_matmul(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor,
+                 group_size: int) -> torch.Tensor:
+    m, k = x.shape
+    n = qweight.shape[1]
+    x = x.contiguous()
+    y = torch.empty(m, n, dtype=x.dtype, device=x.device)
+    block_m = 16 if m <= 16 else 64
+    block_k = min(128, group_size) if group_size % 32 == 0 else 32
+    grid = (triton.cdiv(m, block_m), triton.cdiv(n, 64))
+    _w4a16_kernel[grid](x, qweight, scales, zeros, y, m, n, k, x.stride(0), qweight.stride(0), scales.stride(0),
+                        y.stride(0), GROUP=group_size, BLOCK_M=block_m, BLOCK_N=64, BLOCK_K=block_k)
+    return y

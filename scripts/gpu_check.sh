@@ -1,0 +1,31 @@
+#!/usr/bin/env bash
+# GPU check (under 5 minutes): the Triton kernel tests on CUDA, then a short batch-1 decode bench of fp16
+# vs int4 (W4A16 Triton) on a random model with SmolLM2-135M's shape (the weights' values do not change
+# speed, and the GPU machine has no model files). Prints everything; paste the output into docs/results/gpu.md.
+#   bash scripts/gpu_check.sh            (needs python with torch+CUDA and triton; installs llmopt --no-deps)
+set -euo pipefail
+cd "$(dirname "$0")/.."
+PY=${PYTHON:-python}
+export TRITON_INTERPRET=0 LLMOPT_HOME=${LLMOPT_HOME:-/tmp/llmopt-gpu-home}
+date -u
+nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader || true
+$PY -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__, 'cuda', torch.cuda.is_available())"
+$PY -m pip install -q --no-deps --no-build-isolation -e . >/dev/null 2>&1 || export PYTHONPATH=$PWD
+echo "== kernel tests on CUDA"
+timeout 180 $PY -m pytest -q -p no:cacheprovider tests/runtime/test_triton_kernels.py
+echo "== batch-1 decode: fp16 vs int4 (SmolLM2-135M shape, random weights)"
+MODEL=/tmp/llmopt-gpu/smollm2-shape
+if [ ! -d "$MODEL" ]; then
+  $PY - "$MODEL" <<'PY'
+import sys
+from llmopt.core.tiny import save_tiny_model
+# SmolLM2-135M's config: 30 layers, hidden 576, MLP 1536, 9 heads / 3 KV heads, vocab 49152, tied embeddings
+save_tiny_model(sys.argv[1], "llama", seed=0, hidden_size=576, intermediate_size=1536, num_hidden_layers=30,
+                num_attention_heads=9, num_key_value_heads=3, vocab_size=49152, max_position_embeddings=8192,
+                tie_word_embeddings=True, rope_theta=100000.0)
+PY
+  $PY -m llmopt quantize "$MODEL" --method rtn --bits 4 --group-size 64 -o "$MODEL-w4" --overwrite
+fi
+timeout 150 $PY -m llmopt bench "$MODEL" --dtype float16 --baseline "$MODEL-w4" --num-requests 4 \
+  --max-concurrency 1 --input-len 128 --output-len 128 --peak-bandwidth 4800 --peak-flops 989 \
+  --json /tmp/llmopt-gpu/bench.json

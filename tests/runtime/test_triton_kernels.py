@@ -1,0 +1,113 @@
+"""Every Triton kernel against its torch reference at small and odd shapes.
+
+On a machine without a GPU the kernels run in Triton's interpreter (TRITON_INTERPRET=1, set here before
+they are imported); scripts/gpu_check.sh runs this same file on CUDA.
+"""
+
+import os
+
+import pytest
+import torch
+
+CUDA = torch.cuda.is_available()
+if not CUDA:
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+triton = pytest.importorskip("triton")
+
+from llmopt.compress.quant import QuantScheme, quantize_rtn  # noqa: E402
+from llmopt.runtime.kernels.attention import AttentionMetadata, paged_attention, store_kv  # noqa: E402
+from llmopt.runtime.kernels.quant_matmul import reference_quant_matmul  # noqa: E402
+from llmopt.runtime.kernels.triton_decode_attention import decode_attention  # noqa: E402
+from llmopt.runtime.kernels.triton_prefill_attention import prefill_attention  # noqa: E402
+from llmopt.runtime.kernels.triton_store_kv import store_kv as triton_store_kv  # noqa: E402
+from llmopt.runtime.kernels.triton_w4a16 import pack_w4a16, w4a16_matmul  # noqa: E402
+
+DEVICE = "cuda" if CUDA else "cpu"
+
+
+def paged_setup(context_lens, num_heads, num_kv_heads, head_dim, page, dtype, seed=0):
+    """Random caches and shuffled block tables holding len(context_lens) sequences."""
+    g = torch.Generator().manual_seed(seed)
+    pages = [(c + page - 1) // page for c in context_lens]
+    num_blocks = sum(pages) + 3
+    order = torch.randperm(num_blocks, generator=g).tolist()
+    tables, used = [], 0
+    for n in pages:
+        tables.append(order[used:used + n])
+        used += n
+    k_cache = torch.randn(num_blocks, page, num_kv_heads, head_dim, generator=g).to(dtype).to(DEVICE)
+    v_cache = torch.randn(num_blocks, page, num_kv_heads, head_dim, generator=g).to(dtype).to(DEVICE)
+    return k_cache, v_cache, tables
+
+
+@pytest.mark.parametrize("context_lens,num_heads,num_kv_heads,head_dim,page,num_splits", [
+    ([5], 4, 2, 16, 4, None), ([1, 17, 33], 6, 2, 24, 8, 3), ([40, 3], 3, 3, 32, 16, 2), ([70], 8, 1, 64, 16, 4),
+])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+def test_decode_attention(context_lens, num_heads, num_kv_heads, head_dim, page, num_splits, dtype):
+    k_cache, v_cache, tables = paged_setup(context_lens, num_heads, num_kv_heads, head_dim, page, dtype)
+    q = torch.randn(len(context_lens), num_heads, head_dim, generator=torch.Generator().manual_seed(1)).to(dtype)
+    q = q.to(DEVICE)
+    meta = AttentionMetadata.build(list(range(len(context_lens) + 1)), context_lens, tables,
+                                   torch.zeros(len(context_lens), dtype=torch.long), page, DEVICE)
+    expected = paged_attention(q.float(), k_cache.float(), v_cache.float(), meta, head_dim ** -0.5)
+    width = max(len(t) for t in tables)
+    block_tables = torch.tensor([t + [0] * (width - len(t)) for t in tables], device=DEVICE)
+    out = decode_attention(q, k_cache, v_cache, block_tables, torch.tensor(context_lens, device=DEVICE),
+                           head_dim ** -0.5, num_splits)
+    tol = 1e-4 if dtype == torch.float32 else 2e-3
+    torch.testing.assert_close(out.float(), expected, rtol=tol, atol=tol)
+
+
+@pytest.mark.parametrize("new_and_ctx,num_heads,num_kv_heads,head_dim", [
+    ([(5, 5)], 2, 1, 16),  # plain prefill
+    ([(3, 20), (17, 17), (1, 9)], 4, 2, 32),  # chunks over cached prefixes, and a one-token chunk
+    ([(40, 50)], 3, 3, 24),  # several query blocks, odd head_dim
+])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+def test_prefill_attention(new_and_ctx, num_heads, num_kv_heads, head_dim, dtype):
+    page = 16
+    context_lens = [c for _, c in new_and_ctx]
+    k_cache, v_cache, tables = paged_setup(context_lens, num_heads, num_kv_heads, head_dim, page, dtype)
+    starts = [0]
+    for new, _ in new_and_ctx:
+        starts.append(starts[-1] + new)
+    q = torch.randn(starts[-1], num_heads, head_dim, generator=torch.Generator().manual_seed(2)).to(dtype).to(DEVICE)
+    meta = AttentionMetadata.build(starts, context_lens, tables, torch.zeros(starts[-1], dtype=torch.long), page,
+                                   DEVICE)
+    expected = paged_attention(q.float(), k_cache.float(), v_cache.float(), meta, head_dim ** -0.5)
+    width = max(len(t) for t in tables)
+    block_tables = torch.tensor([t + [0] * (width - len(t)) for t in tables], device=DEVICE)
+    out = prefill_attention(q, k_cache, v_cache, torch.tensor(starts, device=DEVICE),
+                            torch.tensor(context_lens, device=DEVICE), block_tables, head_dim ** -0.5,
+                            max(n for n, _ in new_and_ctx), block_m=16)
+    tol = 1e-4 if dtype == torch.float32 else 3e-3
+    torch.testing.assert_close(out.float(), expected, rtol=tol, atol=tol)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_store_kv(dtype):
+    g = torch.Generator().manual_seed(3)
+    k_cache = torch.zeros(6, 4, 3, 10, dtype=dtype, device=DEVICE)
+    v_cache = torch.zeros_like(k_cache)
+    k = torch.randn(7, 3, 10, generator=g).to(DEVICE)
+    v = torch.randn(7, 3, 10, generator=g).to(DEVICE)
+    slots = torch.tensor([0, 5, 6, 23, 12, 13, 2], device=DEVICE)
+    ref_k, ref_v = k_cache.clone(), v_cache.clone()
+    store_kv(k, v, ref_k, ref_v, slots)
+    triton_store_kv(k, v, k_cache, v_cache, slots)
+    assert torch.equal(k_cache, ref_k) and torch.equal(v_cache, ref_v)
+
+
+@pytest.mark.parametrize("m,n,k,group_size,sym", [(1, 64, 64, 32, True), (5, 80, 128, 64, False),
+                                                  (33, 48, 96, 32, False), (17, 128, 256, 128, True)])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+def test_w4a16_matmul(m, n, k, group_size, sym, dtype):
+    g = torch.Generator().manual_seed(4)
+    qw = quantize_rtn(torch.randn(n, k, generator=g), QuantScheme(4, group_size, sym))
+    x = torch.randn(m, k, generator=g).to(dtype)
+    expected = reference_quant_matmul(x.float(), qw.q, qw.scales, qw.zeros, qw.g_idx)
+    qweight, scales, zeros = pack_w4a16(qw.q.to(DEVICE), qw.scales.to(DEVICE), qw.zeros.to(DEVICE), dtype)
+    y = w4a16_matmul(x.to(DEVICE), qweight, scales, zeros, group_size)
+    tol = 1e-4 if dtype == torch.float32 else 1e-2
+    torch.testing.assert_close(y.float().cpu(), expected, rtol=tol, atol=tol * expected.abs().max().item())
