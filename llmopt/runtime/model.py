@@ -1,12 +1,18 @@
 """The runtime's decoder for the Llama family (Llama, Mistral, Qwen2, Qwen3): one forward over the flat
 batch of all scheduled tokens, attention over the paged KV cache.
 
-It reads the weights of a loaded transformers model (any artifact llmopt reads: dense, dequantized
-GPTQ / AWQ / compressed-tensors, pruned); norms and rotary embeddings are the model's own modules, so
-numerics match transformers exactly.
+It reads the weights of a loaded transformers model (any artifact llmopt reads: dense, packed int4/int8,
+pruned). Two numerics modes:
+- exact (fp32, and whatever `fast=False` asks for): the model's own modules for every op, so greedy tokens
+  match transformers token for token;
+- fast (bf16/fp16 on CPU by default): q/k/v and gate/up fused into one matmul each, dense weights prepacked
+  for oneDNN, one fused RMSNorm and one rotary application for q and k together. Same maths, different
+  rounding order (the bf16 results differ from transformers' by bf16 rounding, as any two bf16 kernels do).
 """
 
 from __future__ import annotations
+
+from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
@@ -15,6 +21,7 @@ from torch import nn
 from llmopt.core.adapters import adapter_for, get_module
 from llmopt.core.errors import UnsupportedArchitectureError
 from llmopt.runtime.kernels.attention import AttentionMetadata, paged_attention, store_kv
+from llmopt.runtime.layers import fuse_linears
 
 SUPPORTED = ("llama", "mistral", "qwen2", "qwen3")
 
@@ -24,14 +31,36 @@ def rotate_half(x: torch.Tensor) -> torch.Tensor:
     return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
 
 
+@dataclass
+class Block:
+    """One decoder layer as the runtime calls it: qkv(x) -> [T, (H + 2 KVH) * D]; gate_up(x) -> [T, 2 I]."""
+    input_norm: nn.Module
+    post_norm: nn.Module
+    qkv: nn.Module
+    o_proj: nn.Module
+    gate_up: nn.Module
+    down_proj: nn.Module
+    q_norm: nn.Module | None
+    k_norm: nn.Module | None
+
+
+def _rms_norm_fast(norm: nn.Module, x: torch.Tensor) -> torch.Tensor:
+    # transformers' RMSNorm: normalize in fp32, cast back, then scale by the weight
+    eps = getattr(norm, "variance_epsilon", None) or getattr(norm, "eps", 1e-6)
+    return F.rms_norm(x.float(), (x.shape[-1],), eps=eps).to(x.dtype) * norm.weight
+
+
 class RuntimeDecoder(nn.Module):
-    def __init__(self, hf_model):
+    def __init__(self, hf_model, fast: bool | None = None):
         super().__init__()
         config = hf_model.config
         adapter = adapter_for(hf_model)
         if adapter.family not in SUPPORTED:
             raise UnsupportedArchitectureError(
                 f"the runtime supports {', '.join(SUPPORTED)}; {adapter.family} runs with --backend hf")
+        param = next(hf_model.parameters())
+        self.dtype = param.dtype
+        self.fast = fast if fast is not None else (param.device.type == "cpu" and self.dtype != torch.float32)
         self.config = config
         self.embed = get_module(hf_model, adapter.embed)
         self.layers = get_module(hf_model, adapter.layers)
@@ -42,35 +71,55 @@ class RuntimeDecoder(nn.Module):
         self.num_kv_heads = getattr(config, "num_key_value_heads", None) or self.num_heads
         self.head_dim = getattr(config, "head_dim", None) or config.hidden_size // self.num_heads
         self.scale = self.head_dim ** -0.5
+        self.blocks = [self._block(layer) for layer in self.layers]
+        self.logits_head = fuse_linears([self.lm_head], prepack=self.fast)
+
+    def _block(self, layer) -> Block:
+        attn, mlp = layer.self_attn, layer.mlp
+        return Block(layer.input_layernorm, layer.post_attention_layernorm,
+                     fuse_linears([attn.q_proj, attn.k_proj, attn.v_proj], prepack=self.fast),
+                     fuse_linears([attn.o_proj], prepack=self.fast),
+                     fuse_linears([mlp.gate_proj, mlp.up_proj], prepack=self.fast),
+                     fuse_linears([mlp.down_proj], prepack=self.fast),
+                     getattr(attn, "q_norm", None), getattr(attn, "k_norm", None))
 
     @property
     def num_layers(self) -> int:
         return len(self.layers)
 
+    def _norm(self, norm: nn.Module, x: torch.Tensor) -> torch.Tensor:
+        return _rms_norm_fast(norm, x) if self.fast else norm(x)
+
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata,
                 kv_caches: list[tuple[torch.Tensor, torch.Tensor]]) -> torch.Tensor:
         """input_ids, positions [T] -> final hidden states [T, hidden]."""
-        h = self.embed(input_ids)  # [T, H]
+        h = self.embed(input_ids)  # [T, hidden]
         cos, sin = self.rotary(h.unsqueeze(0), positions.unsqueeze(0))
         cos, sin = cos[0].unsqueeze(1), sin[0].unsqueeze(1)  # [T, 1, head_dim]
         num_tokens = input_ids.shape[0]
-        for layer, (k_cache, v_cache) in zip(self.layers, kv_caches):
-            attn = layer.self_attn
-            x = layer.input_layernorm(h)
-            q = attn.q_proj(x).view(num_tokens, self.num_heads, self.head_dim)
-            k = attn.k_proj(x).view(num_tokens, self.num_kv_heads, self.head_dim)
-            v = attn.v_proj(x).view(num_tokens, self.num_kv_heads, self.head_dim)
-            if hasattr(attn, "q_norm"):  # Qwen3: per-head RMSNorm before the rotation
-                q, k = attn.q_norm(q), attn.k_norm(k)
-            q = q * cos + rotate_half(q) * sin
-            k = k * cos + rotate_half(k) * sin
+        nq, nkv, hd = self.num_heads, self.num_kv_heads, self.head_dim
+        for block, (k_cache, v_cache) in zip(self.blocks, kv_caches):
+            x = self._norm(block.input_norm, h)
+            qkv = block.qkv(x)
+            if block.q_norm is not None or not self.fast:
+                q = qkv[:, : nq * hd].view(num_tokens, nq, hd)
+                k = qkv[:, nq * hd:(nq + nkv) * hd].view(num_tokens, nkv, hd)
+                if block.q_norm is not None:  # Qwen3: per-head RMSNorm before the rotation
+                    q, k = block.q_norm(q), block.k_norm(k)
+                q = q * cos + rotate_half(q) * sin
+                k = k * cos + rotate_half(k) * sin
+            else:  # rotate q and k heads in one go
+                qk = qkv[:, : (nq + nkv) * hd].view(num_tokens, nq + nkv, hd)
+                qk = qk * cos + rotate_half(qk) * sin
+                q, k = qk[:, :nq], qk[:, nq:]
+            v = qkv[:, (nq + nkv) * hd:].view(num_tokens, nkv, hd)
             store_kv(k, v, k_cache, v_cache, meta.slot_mapping)
             o = paged_attention(q, k_cache, v_cache, meta, self.scale)
-            h = h + attn.o_proj(o.reshape(num_tokens, -1))
-            x = layer.post_attention_layernorm(h)
-            mlp = layer.mlp
-            h = h + mlp.down_proj(F.silu(mlp.gate_proj(x)) * mlp.up_proj(x))
-        return self.norm(h)
+            h = h + block.o_proj(o.reshape(num_tokens, -1))
+            x = self._norm(block.post_norm, h)
+            gate, up = block.gate_up(x).chunk(2, dim=-1)
+            h = h + block.down_proj(F.silu(gate) * up)
+        return self._norm(self.norm, h)
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        return self.lm_head(hidden).float()
+        return self.logits_head(hidden).float()
