@@ -35,6 +35,7 @@ class DecodeGroup:
     rows: torch.Tensor  # [B] positions in the flat batch of the single new token of each sequence
     block_tables: torch.Tensor  # [B, max_blocks] (padded with block 0; the mask hides the padding)
     mask: torch.Tensor  # [B, 1, 1, max_blocks * block_size] bool: slot < context_len
+    context_lens: torch.Tensor  # [B]
     contiguous: bool  # rows are 0..B-1 in order (no gather/scatter needed)
 
 
@@ -70,7 +71,7 @@ class AttentionMetadata:
             tables = torch.tensor([t + [0] * (width - len(t)) for t in decode_tables], device=device)
             lens = torch.tensor(decode_lens, device=device)
             mask = torch.arange(width * block_size, device=device).unsqueeze(0) < lens.unsqueeze(1)
-            decode = DecodeGroup(torch.tensor(decode_rows, device=device), tables, mask[:, None, None, :],
+            decode = DecodeGroup(torch.tensor(decode_rows, device=device), tables, mask[:, None, None, :], lens,
                                  decode_rows == list(range(len(decode_rows))))
         device_tensors = None
         if torch.device(device).type == "cuda":
