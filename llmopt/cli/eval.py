@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import Annotated
+from typing import Annotated, Optional
 
 import typer
 
@@ -12,7 +12,7 @@ from llmopt.cli.options import (
 )
 from llmopt.cli.output import print_json, print_table, progress_bar
 
-app = typer.Typer(no_args_is_help=True, help="Evaluate models: perplexity (tasks come later).")
+app = typer.Typer(no_args_is_help=True, help="Evaluate models: perplexity and zero-shot task accuracy.")
 
 
 @app.command("ppl")
@@ -47,3 +47,39 @@ def ppl(
         print_json(facts)
     else:
         print_table(f"perplexity of {model} on {dataset}", facts)
+
+
+@app.command("tasks")
+def tasks(
+    model: ModelArg,
+    task_names: Annotated[str, typer.Option(
+        "--tasks", help="Comma-separated: arc_easy, arc_challenge, piqa, hellaswag, lambada, winogrande.")
+    ] = "arc_easy,arc_challenge,piqa,hellaswag,lambada,winogrande",
+    limit: Annotated[Optional[int], typer.Option("--limit", help="First N documents of each task.")] = None,
+    batch_size: Annotated[int, typer.Option("--batch-size", help="Sequences per forward pass.")] = 16,
+    dtype: DtypeOpt = Dtype.float32,
+    device: DeviceOpt = "cpu",
+    as_json: JsonOpt = False,
+    trust_remote_code: TrustRemoteCodeOpt = False,
+) -> None:
+    """Zero-shot accuracy, scored by log-likelihood as lm-evaluation-harness does."""
+    from llmopt.core.errors import ConfigError
+    from llmopt.core.models import load_model
+    from llmopt.eval.tasks import TASKS, evaluate_task
+
+    names = [t.strip() for t in task_names.split(",") if t.strip()]
+    unknown = [t for t in names if t not in TASKS]
+    if unknown or not names:
+        raise ConfigError(f"unknown task {unknown[0] if unknown else '(none)'!r}: choose from {', '.join(TASKS.names())}")
+    if limit is not None and limit < 1:
+        raise ConfigError(f"--limit must be at least 1 (got {limit})")
+    lm, tokenizer, _ = load_model(model, dtype=dtype.value, device=device, trust_remote_code=trust_remote_code)
+    results = {}
+    for name in names:
+        with progress_bar(name) as update:
+            results[name] = evaluate_task(lm, tokenizer, name, limit, batch_size, update)
+    if as_json:
+        print_json({"model": model, "limit": limit, "tasks": results})
+    else:
+        print_table(f"task accuracy of {model}", [{"task": k, **{m: v.get(m) for m in ("acc", "acc_norm", "ppl",
+                                                   "num_docs")}} for k, v in results.items()])

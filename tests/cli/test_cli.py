@@ -79,6 +79,8 @@ def test_bad_input_is_one_line_exit_1(tiny_llama_dir, tmp_path):
     assert_one_line_error(run("eval", "ppl", tiny_llama_dir, "--dataset", tmp_path / "missing.txt"), "does not exist")
     assert_one_line_error(run("eval", "ppl", tiny_llama_dir, "--dataset", "nosuchset"), "unknown dataset")
     assert_one_line_error(run("eval", "ppl", tiny_llama_dir, "--seqlen", 1), "--seqlen must be at least 2")
+    assert_one_line_error(run("eval", "tasks", tiny_llama_dir, "--tasks", "arc_easy,mmlu"), "unknown task 'mmlu'")
+    assert_one_line_error(run("eval", "tasks", tiny_llama_dir, "--limit", 0), "--limit must be at least 1")
     assert_one_line_error(run("generate", tiny_llama_dir, "--prompt", "x", "--max-tokens", 0), "max_tokens")
     assert_one_line_error(run("generate", tiny_llama_dir, "--prompt", "x", "--temperature", 1, "--top-p", 0),
                           "top_p")

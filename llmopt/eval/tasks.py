@@ -1,0 +1,181 @@
+"""Zero-shot task accuracy scored as lm-evaluation-harness scores it: the log-likelihood of each candidate
+continuation after its context.
+
+- multiple choice (ARC, PIQA, HellaSwag): acc = argmax of summed log-likelihood; acc_norm = argmax of
+  log-likelihood divided by the candidate's length in characters (lm-eval's `acc_norm`);
+- WinoGrande (partial scoring): each option fills the sentence up to the blank; both score the same
+  continuation, so only acc;
+- LAMBADA: acc = the last word is the greedy continuation (every token the argmax), ppl = exp(-mean loglik).
+
+Continuations are scored as " " + text after the context (lm-eval's target delimiter); context and continuation
+are tokenized together and split where the context's tokens end, as lm-eval's `_encode_pair` does.
+Data come from the data dir (formats in shared/data/README.md).
+"""
+
+from __future__ import annotations
+
+import bz2
+import json
+import math
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Callable
+
+import torch
+import torch.nn.functional as F
+
+from llmopt.core.errors import DatasetError
+from llmopt.core.paths import data_dir, data_dir_candidates
+from llmopt.core.registry import Registry
+
+
+@dataclass
+class Doc:
+    contexts: list[str]  # one per candidate (WinoGrande) or the same context repeated
+    continuations: list[str]  # one per candidate, scored after its context
+    gold: int
+    kind: str = "choice"  # "choice" | "partial" | "lambada"
+
+
+@dataclass(frozen=True)
+class Task:
+    name: str
+    data_file: str
+    load: Callable[[Path], list[Doc]]
+
+
+TASKS: Registry[Task] = Registry("task")
+
+
+def _jsonl(path: Path) -> list[dict]:
+    return [json.loads(line) for line in path.read_text(encoding="utf-8").splitlines() if line.strip()]
+
+
+def _arc(path: Path) -> list[Doc]:
+    return [Doc([r["query"] + "\nAnswer:"] * len(r["choices"]), [" " + c for c in r["choices"]], int(r["gold"]))
+            for r in _jsonl(path)]
+
+
+def _piqa(path: Path) -> list[Doc]:
+    labels = path.with_name("valid-labels.lst").read_text().split()
+    return [Doc(["Question: " + r["goal"] + "\nAnswer:"] * 2, [" " + r["sol1"], " " + r["sol2"]], int(label))
+            for r, label in zip(_jsonl(path), labels)]
+
+
+def _hellaswag(path: Path) -> list[Doc]:
+    lines = bz2.decompress(path.read_bytes()).decode("utf-8").splitlines()
+    docs = []
+    for i in range(0, len(lines) - 5, 6):  # context, gold label, 4 endings
+        context, gold, endings = lines[i], int(lines[i + 1]), lines[i + 2:i + 6]
+        docs.append(Doc([context] * 4, [" " + e for e in endings], gold))
+    return docs
+
+
+def _lambada(path: Path) -> list[Doc]:
+    return [Doc([r["context"]], [" " + r["continuation"]], 0, "lambada") for r in _jsonl(path)]
+
+
+def _winogrande(path: Path) -> list[Doc]:
+    return [Doc(list(r["context_options"]), [" " + r["continuation"]] * 2, int(r["gold"]), "partial")
+            for r in _jsonl(path)]
+
+
+for _task in (Task("arc_easy", "arc/arc_easy_test.jsonl", _arc),
+              Task("arc_challenge", "arc/arc_challenge_test.jsonl", _arc),
+              Task("piqa", "piqa/valid.jsonl", _piqa),
+              Task("hellaswag", "hellaswag/hellaswag_val_full.txt.bz2", _hellaswag),
+              Task("lambada", "lambada/lambada_openai_test.jsonl", _lambada),
+              Task("winogrande", "winogrande/winogrande_dev.jsonl", _winogrande)):
+    TASKS.add(_task.name, _task)
+
+
+def load_docs(name: str, limit: int | None = None) -> list[Doc]:
+    task = TASKS.get(name)
+    root = data_dir()
+    if root is None or not (root / task.data_file).is_file():
+        looked = ", ".join(str(p / task.data_file) for p in data_dir_candidates())
+        raise DatasetError(f"task {name!r}: data file not found (looked in {looked}); set LLMOPT_DATA_DIR")
+    docs = task.load(root / task.data_file)
+    return docs[:limit] if limit else docs
+
+
+# --- log-likelihoods ---------------------------------------------------------------------------------
+def encode_pair(tokenizer, context: str, continuation: str) -> tuple[list[int], list[int]]:
+    """lm-eval's split: trailing spaces move from the context to the continuation; the pair is tokenized
+    whole and cut where the context's own tokens end."""
+    spaces = len(context) - len(context.rstrip(" "))
+    if spaces:
+        context, continuation = context[:-spaces], context[-spaces:] + continuation
+    whole = tokenizer(context + continuation, add_special_tokens=False)["input_ids"]
+    context_ids = tokenizer(context, add_special_tokens=False)["input_ids"]
+    return whole[:len(context_ids)], whole[len(context_ids):]
+
+
+@torch.inference_mode()
+def loglikelihoods(model, tokenizer, pairs: list[tuple[str, str]], batch_size: int = 16, max_length: int = 2048,
+                   progress: Callable[[int, int], None] | None = None) -> list[tuple[float, bool]]:
+    """(sum of log p(continuation | context), whether every continuation token is the argmax) per pair."""
+    device = next(model.parameters()).device
+    prefix = tokenizer.bos_token_id if tokenizer.bos_token_id is not None else tokenizer.eos_token_id
+    encoded = []
+    for context, continuation in pairs:
+        ctx, cont = encode_pair(tokenizer, context, continuation)
+        if not cont:
+            raise DatasetError(f"empty continuation after tokenizing {continuation!r}")
+        ids = (ctx or [prefix]) + cont
+        encoded.append((ids[-(max_length + 1):], len(cont)))
+    order = sorted(range(len(encoded)), key=lambda i: -len(encoded[i][0]))  # similar lengths batch together
+    results: list[tuple[float, bool] | None] = [None] * len(encoded)
+    for start in range(0, len(order), batch_size):
+        batch = order[start:start + batch_size]
+        width = max(len(encoded[i][0]) for i in batch) - 1
+        input_ids = torch.zeros(len(batch), width, dtype=torch.long)
+        for row, i in enumerate(batch):
+            ids = encoded[i][0][:-1]
+            input_ids[row, :len(ids)] = torch.tensor(ids)  # right padding: positions stay those of the text
+        logprobs = F.log_softmax(model(input_ids=input_ids.to(device)).logits.float(), dim=-1).cpu()
+        for row, i in enumerate(batch):
+            ids, num_cont = encoded[i]
+            span = slice(len(ids) - 1 - num_cont, len(ids) - 1)
+            target = torch.tensor(ids[-num_cont:])
+            token_logprobs = logprobs[row, span].gather(1, target[:, None])[:, 0]
+            greedy = bool((logprobs[row, span].argmax(dim=-1) == target).all())
+            results[i] = (float(token_logprobs.sum()), greedy)
+        if progress:
+            progress(min(start + batch_size, len(order)), len(order))
+    return results
+
+
+def score(docs: list[Doc], results: list[tuple[float, bool]]) -> dict:
+    """Accuracy metrics from the per-candidate results, in the order the docs listed their candidates."""
+    acc = acc_norm = 0
+    lambada_logprob, lambada_tokens_docs = 0.0, 0
+    at = 0
+    kind = docs[0].kind
+    for doc in docs:
+        n = len(doc.continuations)
+        chunk = results[at:at + n]
+        at += n
+        if doc.kind == "lambada":
+            acc += chunk[0][1]
+            lambada_logprob += chunk[0][0]
+            lambada_tokens_docs += 1
+            continue
+        lls = [ll for ll, _ in chunk]
+        acc += int(max(range(n), key=lambda j: lls[j]) == doc.gold)
+        # lm-eval divides by the candidate's own length, without the " " delimiter
+        normed = [ll / max(1, len(c) - c.startswith(" ")) for ll, c in zip(lls, doc.continuations)]
+        acc_norm += int(max(range(n), key=lambda j: normed[j]) == doc.gold)
+    metrics = {"acc": acc / len(docs), "num_docs": len(docs)}
+    if kind == "choice":
+        metrics["acc_norm"] = acc_norm / len(docs)
+    if kind == "lambada":
+        metrics["ppl"] = math.exp(-lambada_logprob / lambada_tokens_docs)
+    return metrics
+
+
+def evaluate_task(model, tokenizer, name: str, limit: int | None = None, batch_size: int = 16,
+                  progress: Callable[[int, int], None] | None = None) -> dict:
+    docs = load_docs(name, limit)
+    pairs = [(ctx, cont) for doc in docs for ctx, cont in zip(doc.contexts, doc.continuations)]
+    return score(docs, loglikelihoods(model, tokenizer, pairs, batch_size, progress=progress))
