@@ -1,0 +1,1 @@
+"""YAML recipes: which variants of a model to make (stages) and how to measure them."""

@@ -1,0 +1,160 @@
+"""Running a recipe: each variant's stages, then evaluation and bench, every result cached by a key of
+(input, stage or measurement config, llmopt version) under RUN_DIR/cache, so a re-run or --resume skips
+finished work. Stage outputs are written to a temporary folder and renamed (the pipelines do that), and a
+measurement's JSON is written then renamed, so a killed run never leaves a result that looks finished.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import time
+from pathlib import Path
+from typing import Callable
+
+from llmopt import __version__
+from llmopt.core.io import read_json
+from llmopt.recipe.schema import Recipe
+from llmopt.recipe.stages import STAGES
+
+LogFn = Callable[[str], None]
+
+
+def cache_key(*parts) -> str:
+    blob = json.dumps([__version__, *parts], sort_keys=True, default=str)
+    return hashlib.sha256(blob.encode()).hexdigest()[:16]
+
+
+def _write_json_atomic(path: Path, data) -> None:
+    tmp = path.with_suffix(path.suffix + ".tmp")
+    tmp.write_text(json.dumps(data, indent=1, default=str))
+    tmp.replace(path)
+
+
+def _folder_bytes(path: Path) -> int:
+    return sum(f.stat().st_size for f in path.glob("*.safetensors"))
+
+
+class RecipeRunner:
+    def __init__(self, recipe: Recipe, run_dir: str | Path, log: LogFn | None = None):
+        self.recipe = recipe
+        self.run_dir = Path(run_dir)
+        self.cache = self.run_dir / "cache"
+        self.cache.mkdir(parents=True, exist_ok=True)
+        self.log = log or (lambda message: None)
+        self.stages_run: list[str] = []  # keys of stages actually executed (not cached) in this run
+
+    # --- stages -------------------------------------------------------------------------------
+    def build_variant(self, name: str) -> tuple[str, str, list[dict]]:
+        """Run (or reuse) the variant's stages; returns (MODEL to measure, its cache key, stage records)."""
+        model, key, records = self.recipe.model, cache_key(self.recipe.model), []
+        for i, stage in enumerate(self.recipe.variants[name]):
+            ((stage_name, options),) = stage.items()
+            options = self.recipe.stage_options(options or {})
+            key = cache_key(key, stage_name, options)
+            out = self.cache / f"{stage_name}-{key}"
+            start = time.perf_counter()
+            if (out / "llmopt.json").is_file():  # written last, inside the atomically renamed folder
+                self.log(f"{name}: {stage_name} cached ({out.name})")
+                facts = read_json(out / "stage_facts.json") if (out / "stage_facts.json").is_file() else {}
+            else:
+                self.log(f"{name}: {stage_name} {options}")
+                facts = STAGES.get(stage_name).run(model, out, options)
+                _write_json_atomic(out / "stage_facts.json", facts)
+                self.stages_run.append(f"{name}/{i}/{stage_name}")
+            records.append({"stage": stage_name, "options": options, "artifact": str(out), "cache_key": key,
+                            "wall_s": round(time.perf_counter() - start, 2), "facts": facts})
+            model = str(out)
+        return model, key, records
+
+    # --- measurements -------------------------------------------------------------------------
+    def _cached(self, kind: str, key: str, config: dict, compute: Callable[[], dict]) -> dict:
+        path = self.cache / f"{kind}-{cache_key(key, kind, config)}.json"
+        if path.is_file():
+            return read_json(path)
+        result = compute()
+        _write_json_atomic(path, result)
+        return result
+
+    def evaluate(self, model: str, key: str) -> dict:
+        from llmopt.core.datasets import tokenize_corpus
+        from llmopt.core.models import load_model
+        from llmopt.eval.perplexity import perplexity
+        from llmopt.eval.tasks import evaluate_task
+
+        spec, out, loaded = self.recipe.evaluate, {}, {}
+        dtype = self.recipe.defaults.dtype
+
+        def lm():
+            if not loaded:
+                loaded["model"], loaded["tokenizer"], _ = load_model(model, dtype=dtype)
+            return loaded["model"], loaded["tokenizer"]
+
+        if spec.ppl:
+            out["ppl"] = {}
+            for dataset in spec.ppl.datasets:
+                config = {"dataset": dataset, **spec.ppl.model_dump(exclude={"datasets"}), "dtype": dtype}
+
+                def compute(dataset=dataset):
+                    m, tok = lm()
+                    ids = tokenize_corpus(tok, dataset, spec.ppl.max_tokens, "eval")
+                    return perplexity(m, ids, seqlen=spec.ppl.seqlen, batch_size=spec.ppl.batch_size).to_dict()
+
+                out["ppl"][dataset] = self._cached("ppl", key, config, compute)["ppl"]
+        if spec.tasks:
+            out["tasks"] = {}
+            for task in spec.tasks.names:
+                config = {"task": task, "limit": spec.tasks.limit, "dtype": dtype}
+                out["tasks"][task] = self._cached(
+                    "task", key, config, lambda task=task: evaluate_task(*lm(), task, spec.tasks.limit,
+                                                                         spec.tasks.batch_size))
+        return out
+
+    def bench(self, model: str, key: str) -> dict | None:
+        spec = self.recipe.bench
+        if spec is None:
+            return None
+
+        def compute():
+            from llmopt.eval.metrics import parse_slo
+            from llmopt.eval.speed import BenchConfig, bench_runtime
+            from llmopt.eval.workloads import WorkloadSpec
+
+            workload = WorkloadSpec(spec.dataset, spec.num_requests, spec.input_len, spec.output_len,
+                                    spec.range_ratio, request_rate=spec.request_rate, seed=self.recipe.defaults.seed)
+            config = BenchConfig(dtype=spec.dtype, max_num_seqs=spec.max_num_seqs,
+                                 slo=tuple(parse_slo(spec.slo).items()))
+            run, _ = bench_runtime("bench", model, workload, config)
+            return {"metrics": run.metrics, "ttft_ms": [r.ttft * 1000 for r in run.records],
+                    "tpot_ms": [r.tpot * 1000 for r in run.records if r.tpot is not None]}
+
+        return self._cached("bench", key, spec.model_dump(mode="json"), compute)
+
+    # --- the whole recipe ---------------------------------------------------------------------
+    def run(self, only: list[str] | None = None) -> dict:
+        variants = []
+        for name in self.recipe.variants:
+            if only and name not in only:
+                continue
+            start = time.perf_counter()
+            model, key, stages = self.build_variant(name)
+            self.log(f"{name}: evaluating")
+            record = {"name": name, "model": model, "cache_key": key, "stages": stages,
+                      "artifact_bytes": _folder_bytes(Path(model)) if Path(model).is_dir() else None,
+                      **self.evaluate(model, key)}
+            self.log(f"{name}: bench")
+            record["bench"] = self.bench(model, key)
+            record["wall_s"] = round(time.perf_counter() - start, 2)
+            variants.append(record)
+        if variants and any(v["artifact_bytes"] is None for v in variants):
+            from llmopt.core.models import describe_model, resolve_model
+
+            for v in variants:
+                if v["artifact_bytes"] is None:
+                    source = resolve_model(v["model"])
+                    v["artifact_bytes"] = describe_model(source).get("weights_bytes")
+        results = {"recipe": self.recipe.name, "model": self.recipe.model, "baseline": self.recipe.baseline,
+                   "llmopt_version": __version__, "recipe_config": self.recipe.model_dump(mode="json"),
+                   "variants": variants}
+        _write_json_atomic(self.run_dir / "results.json", results)
+        return results

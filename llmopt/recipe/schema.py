@@ -1,0 +1,201 @@
+"""The recipe file: pydantic models (unknown keys rejected) and a loader whose errors name file:line.
+
+    name: smollm2-quantization
+    model: smollm2-135m
+    defaults: {calib: c4, num_samples: 128, seqlen: 512, seed: 0}
+    variants:
+      fp32: []
+      gptq-w4g64:
+        - quantize: {method: gptq, bits: 4, group_size: 64}
+    evaluate:
+      ppl: {datasets: [wikitext2, pystdlib], seqlen: 512, max_tokens: 32768}
+      tasks: {names: [arc_easy, piqa], limit: 200}
+    bench: {dataset: random, num_requests: 16, input_len: 128, output_len: 64}
+    baseline: fp32
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any, Optional
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+
+from llmopt.core.errors import ConfigError
+
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+
+class Defaults(_Strict):
+    data_dir: Optional[str] = None
+    calib: str = "c4"
+    num_samples: int = 128
+    seqlen: int = 512
+    seed: int = 0
+    dtype: str = "float32"  # evaluation dtype
+
+
+class PplEval(_Strict):
+    datasets: list[str] = Field(default_factory=lambda: ["wikitext2"])
+    seqlen: int = 512
+    max_tokens: Optional[int] = 32768
+    batch_size: int = 4
+
+
+class TasksEval(_Strict):
+    names: list[str]
+    limit: Optional[int] = None
+    batch_size: int = 16
+
+    @field_validator("names")
+    @classmethod
+    def _known(cls, names):
+        from llmopt.eval.tasks import TASKS
+
+        for name in names:
+            if name not in TASKS:
+                raise ValueError(f"unknown task {name!r}; allowed: {', '.join(TASKS.names())}")
+        return names
+
+
+class Evaluate(_Strict):
+    ppl: Optional[PplEval] = None
+    tasks: Optional[TasksEval] = None
+
+
+class BenchSpec(_Strict):
+    dataset: str = "random"
+    num_requests: int = 16
+    input_len: int = 128
+    output_len: int = 64
+    range_ratio: float = 0.0
+    request_rate: float = float("inf")
+    dtype: str = "bfloat16"
+    max_num_seqs: int = 64
+    slo: Optional[str] = None
+
+    @field_validator("dataset")
+    @classmethod
+    def _known(cls, name):
+        from llmopt.eval.workloads import WORKLOADS
+
+        if name not in WORKLOADS:
+            raise ValueError(f"unknown dataset {name!r}; allowed: {', '.join(WORKLOADS.names())}")
+        return name
+
+
+class Recipe(_Strict):
+    name: str
+    model: str
+    defaults: Defaults = Field(default_factory=Defaults)
+    variants: dict[str, list[dict[str, dict[str, Any]]]]
+    evaluate: Evaluate = Field(default_factory=Evaluate)
+    bench: Optional[BenchSpec] = None
+    baseline: Optional[str] = None
+
+    @field_validator("variants")
+    @classmethod
+    def _stages(cls, variants):
+        from llmopt.recipe.stages import STAGES
+
+        if not variants:
+            raise ValueError("a recipe needs at least one variant")
+        for name, stages in variants.items():
+            for i, stage in enumerate(stages):
+                if len(stage) != 1:
+                    raise ValueError(f"variant {name!r} stage {i}: one stage name per list item")
+                (stage_name,) = stage
+                if stage_name not in STAGES:
+                    raise ValueError(f"variant {name!r}: unknown stage {stage_name!r}; "
+                                     f"allowed: {', '.join(STAGES.names())}")
+        return variants
+
+    @model_validator(mode="after")
+    def _baseline(self):
+        if self.baseline is not None and self.baseline not in self.variants:
+            raise ValueError(f"baseline {self.baseline!r} is not a variant; allowed: {', '.join(self.variants)}")
+        return self
+
+    def stage_options(self, options: dict) -> dict:
+        """A stage's options with the recipe's calibration defaults filled in."""
+        merged = {k: getattr(self.defaults, k) for k in ("calib", "num_samples", "seqlen", "seed")}
+        if options.get("method") == "magnitude" or options.get("method") == "rtn":
+            merged = {"seed": self.defaults.seed}
+        merged.update(options)
+        return merged
+
+
+def _line_of(node, loc: tuple) -> int | None:
+    """1-based line of the YAML node at `loc` (the deepest node that exists on the path)."""
+    line = node.start_mark.line + 1
+    for key in loc:
+        if isinstance(node, yaml.MappingNode):
+            match = [v for k, v in node.value if k.value == str(key)]
+            if not match:
+                key_nodes = [k for k, _ in node.value if k.value == str(key)]
+                return key_nodes[0].start_mark.line + 1 if key_nodes else line
+            node = match[0]
+        elif isinstance(node, yaml.SequenceNode) and isinstance(key, int) and key < len(node.value):
+            node = node.value[key]
+        else:
+            break
+        line = node.start_mark.line + 1
+    return line
+
+
+def load_recipe(path: str | Path) -> Recipe:
+    path = Path(path)
+    if not path.is_file():
+        raise ConfigError(f"recipe {path} does not exist")
+    text = path.read_text()
+    try:
+        node = yaml.compose(text, Loader=yaml.SafeLoader)
+        data = yaml.safe_load(text)
+    except yaml.YAMLError as e:
+        mark = getattr(e, "problem_mark", None)
+        where = f"{path}:{mark.line + 1}" if mark else str(path)
+        raise ConfigError(f"{where}: not valid YAML ({getattr(e, 'problem', e)})") from None
+    if not isinstance(data, dict):
+        raise ConfigError(f"{path}:1: a recipe is a mapping with name, model and variants")
+    try:
+        recipe = Recipe(**data)
+    except ValidationError as e:
+        err = e.errors()[0]
+        loc = tuple(p for p in err["loc"] if p != "__root__")
+        line = _line_of(node, loc)
+        key = ".".join(str(p) for p in loc) or "(top level)"
+        message = err["msg"].removeprefix("Value error, ")
+        if err["type"] == "extra_forbidden":
+            model = _model_at(Recipe, loc[:-1])
+            allowed = f"; allowed: {', '.join(model.model_fields)}" if model else ""
+            message = f"unknown key{allowed}"
+        raise ConfigError(f"{path}:{line}: {key}: {message}") from None
+    for variant, stages in recipe.variants.items():
+        for i, stage in enumerate(stages):
+            ((stage_name, options),) = stage.items()
+            try:
+                from llmopt.recipe.stages import STAGES
+
+                STAGES.get(stage_name).validate(recipe.stage_options(options or {}))
+            except ConfigError as e:
+                line = _line_of(node, ("variants", variant, i, stage_name))
+                raise ConfigError(f"{path}:{line}: variants.{variant}[{i}].{stage_name}: {e}") from None
+    return recipe
+
+
+def _model_at(model, loc: tuple):
+    """The pydantic model class that owns the field at loc (to list its allowed keys)."""
+    for key in loc:
+        field = model.model_fields.get(str(key)) if isinstance(key, str) else None
+        if field is None:
+            return model if not loc else None
+        annotation = field.annotation
+        inner = getattr(annotation, "__args__", None)
+        candidates = [annotation, *(inner or [])]
+        model = next((c for c in candidates if isinstance(c, type) and issubclass(c, BaseModel)), None)
+        if model is None:
+            return None
+    return model

@@ -1,0 +1,133 @@
+"""Recipes: every shipped recipe validates, errors name file:line and the allowed values, the CI smoke
+recipe runs end to end and its report matches results.json, and a killed run resumes without redoing
+finished stages."""
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from html.parser import HTMLParser
+from pathlib import Path
+
+import pytest
+
+from llmopt.core.errors import ConfigError
+from llmopt.recipe.schema import load_recipe
+from tests.cli.test_cli import assert_one_line_error, run
+
+RECIPES = sorted((Path(__file__).parents[2] / "recipes").glob("*.yaml"))
+
+
+@pytest.mark.parametrize("path", RECIPES, ids=[p.name for p in RECIPES])
+def test_shipped_recipes_validate(path):
+    assert load_recipe(path).variants
+
+
+GOOD = """name: t
+model: tiny-random-llama
+variants:
+  fp32: []
+  q:
+    - quantize: {method: rtn, bits: 4, group_size: 32}
+"""
+
+
+@pytest.mark.parametrize("text,pattern", [
+    (GOOD + "colour: red\n", r":7: colour: unknown key; allowed: name, model, defaults"),
+    (GOOD.replace("name: t", "name: t\ndefaults: {num_samples: many}"), r":2: defaults.num_samples: .*integer"),
+    (GOOD.replace("group_size: 32", "group_size: 32, colour: red"), r":6: variants.q\[0\].quantize: .*colour"),
+    (GOOD.replace("bits: 4", "bits: 5"), r":6: variants.q\[0\].quantize: .*bits"),
+    (GOOD.replace("quantize:", "distil:"), r"unknown stage 'distil'; allowed: prune, quantize"),
+    (GOOD + "baseline: nope\n", r"baseline 'nope' is not a variant; allowed: fp32, q"),
+    (GOOD + "evaluate: {tasks: {names: [mmlu]}}\n", r":7: evaluate.tasks.names: .*unknown task 'mmlu'; allowed:"),
+])
+def test_recipe_errors_name_file_line_and_allowed_values(tmp_path, text, pattern):
+    path = tmp_path / "r.yaml"
+    path.write_text(text)
+    with pytest.raises(ConfigError, match=pattern) as info:
+        load_recipe(path)
+    assert str(info.value).startswith(str(path))
+    assert_one_line_error(run("recipe", "validate", path), pattern)
+
+
+class _Images(HTMLParser):
+    def __init__(self):
+        super().__init__()
+        self.images, self.cells = [], []
+
+    def handle_starttag(self, tag, attrs):
+        if tag == "img":
+            self.images.append(dict(attrs)["src"])
+
+    def handle_data(self, data):
+        self.cells.append(data)
+
+
+def test_ci_smoke_recipe_runs_and_reports(tmp_path):
+    smoke = Path(__file__).parents[2] / "recipes" / "ci-smoke.yaml"
+    result = run("recipe", "run", smoke, "-o", tmp_path / "run")
+    assert result.exit_code == 0, result.output
+    results = json.loads((tmp_path / "run" / "results.json").read_text())
+    names = [v["name"] for v in results["variants"]]
+    assert names[0] == "fp32" and len(names) == 6
+    for v in results["variants"]:
+        assert v["ppl"]["pystdlib"] > 1 and v["bench"]["metrics"]["output_throughput"] > 0 and v["artifact_bytes"]
+    quantized = next(v for v in results["variants"] if v["name"] == "gptq-w4g32")
+    assert quantized["artifact_bytes"] < 0.5 * results["variants"][0]["artifact_bytes"]
+    report = run("report", tmp_path / "run", "-o", tmp_path / "r.html", "--markdown", tmp_path / "r.md")
+    assert report.exit_code == 0, report.output
+    parser = _Images()
+    parser.feed((tmp_path / "r.html").read_text())
+    assert len(parser.images) == 3 and all(src.startswith("data:image/png;base64,") for src in parser.images)
+    md = (tmp_path / "r.md").read_text()
+    for v in results["variants"]:  # the report's numbers are results.json's
+        assert f"{v['ppl']['pystdlib']:.4g}" in md
+        assert f"{v['ppl']['pystdlib']:.4g}" in "".join(parser.cells)
+    # a second run reuses every stage and measurement
+    again = run("recipe", "run", smoke, "-o", tmp_path / "run")
+    assert again.exit_code == 0 and "cached" in again.output
+    second = json.loads((tmp_path / "run" / "results.json").read_text())["variants"]
+    facts = lambda vs: [(v["ppl"], v["bench"], v["artifact_bytes"], [s["facts"] for s in v["stages"]]) for v in vs]  # noqa: E731
+    assert facts(second) == facts(results["variants"])
+
+
+KILL_RECIPE = """name: kill
+model: tiny-random-llama
+defaults: {calib: pystdlib, num_samples: 8, seqlen: 64}
+variants:
+  rtn:
+    - quantize: {method: rtn, bits: 4, group_size: 32}
+  gptq:
+    - prune: {method: sparsegpt, pattern: "2:4"}
+    - quantize: {method: gptq, bits: 4, group_size: 32}
+evaluate:
+  ppl: {datasets: [pystdlib], seqlen: 64, max_tokens: 1024}
+"""
+
+
+def test_resume_after_sigkill(tmp_path):
+    recipe = tmp_path / "kill.yaml"
+    recipe.write_text(KILL_RECIPE)
+    run_dir = tmp_path / "run"
+    cmd = [sys.executable, "-m", "llmopt", "recipe", "run", str(recipe), "-o", str(run_dir)]
+    env = {**os.environ, "LLMOPT_DEBUG": "1"}
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=env)
+    deadline = time.time() + 240
+    while time.time() < deadline:  # kill once the first variant's stage is done and a later one has started
+        done = list((run_dir / "cache").glob("quantize-*/llmopt.json")) if (run_dir / "cache").exists() else []
+        if done and list((run_dir / "cache").glob("ppl-*.json")):
+            break
+        time.sleep(0.2)
+    proc.send_signal(signal.SIGKILL)
+    proc.wait()
+    assert not (run_dir / "results.json").exists()
+    finished = run(*cmd[3:], "--resume")
+    assert finished.exit_code == 0, finished.output
+    assert "rtn: quantize cached" in finished.output
+    resumed = json.loads((run_dir / "results.json").read_text())
+    fresh = run(*cmd[3:-2], "-o", tmp_path / "fresh")
+    assert fresh.exit_code == 0, fresh.output
+    clean = json.loads((tmp_path / "fresh" / "results.json").read_text())
+    assert [v["ppl"] for v in resumed["variants"]] == [v["ppl"] for v in clean["variants"]]
