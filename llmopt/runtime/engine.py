@@ -24,6 +24,7 @@ class EngineConfig:
     enable_chunked_prefill: bool = True
     enable_prefix_cache: bool = True
     policy: str = "continuous"
+    fast_path: bool | None = None  # fused/prepacked projections; default: on for bf16/fp16 on CPU (model.py)
 
 
 @dataclass
@@ -38,7 +39,8 @@ class Engine:
     def __init__(self, hf_model, tokenizer, config: EngineConfig | None = None):
         self.config = config or EngineConfig()
         self.tokenizer = tokenizer
-        self.runner = ModelRunner(hf_model, self.config.block_size, self.config.kv_cache_bytes)
+        self.runner = ModelRunner(hf_model, self.config.block_size, self.config.kv_cache_bytes,
+                                  fast=self.config.fast_path)
         self.block_manager = BlockManager(self.runner.num_blocks, self.config.block_size,
                                           self.config.enable_prefix_cache)
         self.scheduler = Scheduler(

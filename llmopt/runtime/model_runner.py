@@ -26,8 +26,9 @@ def kv_bytes_per_block(decoder: RuntimeDecoder, block_size: int, dtype: torch.dt
 
 
 class ModelRunner:
-    def __init__(self, hf_model, block_size: int, kv_cache_bytes: int, kv_dtype: torch.dtype | None = None):
-        self.decoder = RuntimeDecoder(hf_model)
+    def __init__(self, hf_model, block_size: int, kv_cache_bytes: int, kv_dtype: torch.dtype | None = None,
+                 fast: bool | None = None):
+        self.decoder = RuntimeDecoder(hf_model, fast)
         self.device = next(hf_model.parameters()).device
         self.kv_dtype = kv_dtype or next(hf_model.parameters()).dtype
         self.block_size = block_size

@@ -134,3 +134,23 @@ def test_logprobs_match_transformers(tiny):
             assert abs(value - row[token_id].item()) < 1e-4
     with pytest.raises(Exception, match="logprobs"):
         SamplingParams(logprobs=21)
+
+
+def test_fast_path_matches_the_exact_path(tiny):
+    model, tok = tiny
+    ps = prompts(seed=3)
+    exact = Engine(model, tok, EngineConfig(block_size=4, fast_path=False)).generate(ps, GREEDY)
+    # fp32 with fused projections, fused RMSNorm and joint rotary: same maths, so the same tokens
+    assert Engine(model, tok, EngineConfig(block_size=4, fast_path=True)).generate(ps, GREEDY) == exact
+    # bf16 (prepacked oneDNN weights where available) against bf16 through the model's own modules
+    bf16 = build_tiny_model(model.config.model_type, seed=0)[0].to(torch.bfloat16)
+    params = SamplingParams(max_tokens=4, ignore_eos=True, logprobs=1)
+    runs = []
+    for fast in (False, True):
+        engine = Engine(bf16, tok, EngineConfig(block_size=4, fast_path=fast))
+        ids = [engine.add_request(p, params) for p in ps]
+        list(engine.stream())
+        runs.append([engine.sequences[i].logprobs[0] for i in ids])  # the first step: same inputs for both
+    for plain, fast in zip(*runs):
+        (token, value), = [(t, v) for t, v in plain.items()][:1]
+        assert token in fast and abs(fast[token] - value) < 0.1

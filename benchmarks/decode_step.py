@@ -1,0 +1,63 @@
+"""Decode-step time of the runtime on SmolLM2-135M at several batch sizes, with the CPU fast path on and off:
+the profile-driven record of what each runtime optimisation buys (docs/results/runtime.md).
+
+    python benchmarks/decode_step.py [--int4 ARTIFACT] --json docs/results/decode_step.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import random
+import time
+from pathlib import Path
+
+from llmopt.core.models import load_model
+from llmopt.runtime.engine import Engine, EngineConfig
+from llmopt.runtime.sampling import SamplingParams
+
+
+def step_ms(model, tokenizer, batch: int, fast: bool | None, steps: int = 10, prompt_len: int = 128) -> float:
+    engine = Engine(model, tokenizer, EngineConfig(max_num_seqs=max(batch, 1), kv_cache_bytes=1 << 29,
+                                                   fast_path=fast))
+    rng = random.Random(0)
+    for _ in range(batch):
+        engine.add_request([rng.randrange(100, 40000) for _ in range(prompt_len)],
+                           SamplingParams(max_tokens=steps + 8, ignore_eos=True))
+    while any(s.num_output_tokens == 0 for s in engine.sequences.values()):  # prefill everything
+        engine.step()
+    for _ in range(2):
+        engine.step()
+    start = time.perf_counter()
+    for _ in range(steps):
+        engine.step()
+    return (time.perf_counter() - start) / steps * 1000
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--int4", default=None)
+    parser.add_argument("--batches", default="1,16,64")
+    parser.add_argument("--json", default="docs/results/decode_step.json")
+    args = parser.parse_args()
+    variants = [("fp32", "smollm2-135m", "float32", None), ("bf16 plain", "smollm2-135m", "bfloat16", False),
+                ("bf16 fast path", "smollm2-135m", "bfloat16", True)]
+    if args.int4:
+        variants += [("int4 (bf16 act.) plain", args.int4, "bfloat16", False),
+                     ("int4 (bf16 act.) fast path", args.int4, "bfloat16", True)]
+    batches = [int(b) for b in args.batches.split(",")]
+    rows = []
+    for label, name, dtype, fast in variants:
+        model, tokenizer, _ = load_model(name, dtype=dtype, packed_kernels=True)
+        row = {"variant": label, **{f"B={b} ms/step": round(step_ms(model, tokenizer, b, fast), 1) for b in batches}}
+        rows.append(row)
+        print(row, flush=True)
+    Path(args.json).write_text(json.dumps(rows, indent=1))
+    keys = list(rows[0])
+    print("| " + " | ".join(keys) + " |\n|---|" + "---:|" * (len(keys) - 1))
+    for row in rows:
+        print("| " + " | ".join(str(row[k]) for k in keys) + " |")
+
+
+if __name__ == "__main__":
+    main()
