@@ -109,6 +109,9 @@ def run_layerwise(
     layers = get_module(model, adapter.layers)
     start = time.perf_counter()
     hidden, kwargs_per_batch = capture_first_layer_inputs(model, calib_ids, batch_size, device)
+    # Kept in the compute dtype: the layers read it in that dtype and write it from that dtype, so storing it
+    # wider would only cost memory (S x T x H: 75 MB less for SmolLM2 at 128 x 512 in bf16).
+    hidden = hidden.to(compute_dtype)
     batches = [(i, slice(i * batch_size, (i + 1) * batch_size)) for i in range(len(kwargs_per_batch))]
     device_kwargs = [_to(kw, device, compute_dtype) for kw in kwargs_per_batch]
     for index, layer in enumerate(layers):
@@ -126,7 +129,7 @@ def run_layerwise(
             out = _layer_output(runner(inputs, **device_kwargs[b]))
             if observe is not None:
                 observe(index, inputs, out)
-            hidden[rows] = out.to("cpu", torch.float32)
+            hidden[rows] = out.to("cpu", hidden.dtype)
         del runner
         layer.to("cpu")
         if progress is not None:
