@@ -54,9 +54,9 @@ class RecipeRunner:
             key = cache_key(key, stage_name, options)
             out = self.cache / f"{stage_name}-{key}"
             start = time.perf_counter()
-            if (out / "llmopt.json").is_file():  # written last, inside the atomically renamed folder
+            if (out / "stage_facts.json").is_file():  # written (atomically) only after the folder is complete
                 self.log(f"{name}: {stage_name} cached ({out.name})")
-                facts = read_json(out / "stage_facts.json") if (out / "stage_facts.json").is_file() else {}
+                facts = read_json(out / "stage_facts.json")
             else:
                 self.log(f"{name}: {stage_name} {options}")
                 facts = STAGES.get(stage_name).run(model, out, options)
@@ -110,7 +110,9 @@ class RecipeRunner:
                                                                          spec.tasks.batch_size))
         return out
 
-    def bench(self, model: str, key: str) -> dict | None:
+    def bench(self, model: str, key: str, through_hf: bool = False) -> dict | None:
+        """The recipe's workload through the runtime, or through transformers' generate (`through_hf`: models
+        whose layers come from outside llmopt, e.g. bitsandbytes)."""
         spec = self.recipe.bench
         if spec is None:
             return None
@@ -124,11 +126,16 @@ class RecipeRunner:
                                     spec.range_ratio, request_rate=spec.request_rate, seed=self.recipe.defaults.seed)
             config = BenchConfig(dtype=spec.dtype, max_num_seqs=spec.max_num_seqs,
                                  slo=tuple(parse_slo(spec.slo).items()))
-            run, _ = bench_runtime("bench", model, workload, config)
-            return {"metrics": run.metrics, "ttft_ms": [r.ttft * 1000 for r in run.records],
+            if through_hf:
+                from llmopt.eval.speed import bench_hf
+
+                run = bench_hf("bench", model, workload, config)
+            else:
+                run, _ = bench_runtime("bench", model, workload, config)
+            return {"backend": "hf" if through_hf else "runtime", "metrics": run.metrics, "ttft_ms": [r.ttft * 1000 for r in run.records],
                     "tpot_ms": [r.tpot * 1000 for r in run.records if r.tpot is not None]}
 
-        return self._cached("bench", key, spec.model_dump(mode="json"), compute)
+        return self._cached("bench", key, {**spec.model_dump(mode="json"), "hf": through_hf}, compute)
 
     # --- the whole recipe ---------------------------------------------------------------------
     def run(self, only: list[str] | None = None) -> dict:
@@ -143,7 +150,7 @@ class RecipeRunner:
                       "artifact_bytes": _folder_bytes(Path(model)) if Path(model).is_dir() else None,
                       **self.evaluate(model, key)}
             self.log(f"{name}: bench")
-            record["bench"] = self.bench(model, key)
+            record["bench"] = self.bench(model, key, through_hf=any("bnb" in s for s in self.recipe.variants[name]))
             record["wall_s"] = round(time.perf_counter() - start, 2)
             variants.append(record)
         if variants and any(v["artifact_bytes"] is None for v in variants):

@@ -71,3 +71,48 @@ def _run_prune(model: str, output: Path, options: dict) -> dict:
 
 STAGES.add("quantize", Stage("quantize", _validate_quantize, _run_quantize))
 STAGES.add("prune", Stage("prune", _validate_prune, _run_prune))
+
+
+# --- bitsandbytes: a baseline from outside llmopt (transformers' own quantizer) ---------------------
+BNB_TYPES = ("nf4", "fp4", "int8")
+
+
+def _validate_bnb(options: dict) -> None:
+    unknown = set(options) - {"quant_type", "compute_dtype", "seed", "calib", "num_samples", "seqlen"}
+    if unknown:
+        raise ConfigError(f"unknown bnb option {sorted(unknown)[0]!r}; allowed: quant_type, compute_dtype")
+    if options.get("quant_type", "nf4") not in BNB_TYPES:
+        raise ConfigError(f"bnb quant_type {options.get('quant_type')!r}; allowed: {', '.join(BNB_TYPES)}")
+
+
+def _run_bnb(model: str, output: Path, options: dict) -> dict:
+    """Quantize with bitsandbytes through transformers and save the HF checkpoint (loadable as a MODEL)."""
+    import time
+
+    import torch
+
+    from llmopt.core.io import atomic_output_dir
+    from llmopt.core.models import load_tokenizer, resolve_model
+
+    try:
+        import bitsandbytes  # noqa: F401
+        from transformers import AutoModelForCausalLM, BitsAndBytesConfig
+    except ImportError:
+        raise ConfigError("the bnb stage needs bitsandbytes: pip install 'llmopt[bnb]'") from None
+    quant_type = options.get("quant_type", "nf4")
+    compute_dtype = getattr(torch, options.get("compute_dtype", "float32"))
+    config = (BitsAndBytesConfig(load_in_8bit=True) if quant_type == "int8" else
+              BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_quant_type=quant_type,
+                                 bnb_4bit_compute_dtype=compute_dtype))
+    start = time.perf_counter()
+    source = resolve_model(model)
+    lm = AutoModelForCausalLM.from_pretrained(source.load_path, quantization_config=config, device_map="cpu",
+                                              dtype=compute_dtype)
+    with atomic_output_dir(output, overwrite=True) as tmp:
+        lm.save_pretrained(tmp)
+        load_tokenizer(source).save_pretrained(tmp)
+    return {"method": f"bnb-{quant_type}", "wall_s": round(time.perf_counter() - start, 2),
+            "note": "bitsandbytes through transformers; its speed is measured through transformers' generate"}
+
+
+STAGES.add("bnb", Stage("bnb", _validate_bnb, _run_bnb))

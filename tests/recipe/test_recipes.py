@@ -39,7 +39,7 @@ variants:
     (GOOD.replace("name: t", "name: t\ndefaults: {num_samples: many}"), r":2: defaults.num_samples: .*integer"),
     (GOOD.replace("group_size: 32", "group_size: 32, colour: red"), r":6: variants.q\[0\].quantize: .*colour"),
     (GOOD.replace("bits: 4", "bits: 5"), r":6: variants.q\[0\].quantize: .*bits"),
-    (GOOD.replace("quantize:", "distil:"), r"unknown stage 'distil'; allowed: prune, quantize"),
+    (GOOD.replace("quantize:", "distil:"), r"unknown stage 'distil'; allowed: bnb, prune, quantize"),
     (GOOD + "baseline: nope\n", r"baseline 'nope' is not a variant; allowed: fp32, q"),
     (GOOD + "evaluate: {tasks: {names: [mmlu]}}\n", r":7: evaluate.tasks.names: .*unknown task 'mmlu'; allowed:"),
 ])
@@ -131,3 +131,25 @@ def test_resume_after_sigkill(tmp_path):
     assert fresh.exit_code == 0, fresh.output
     clean = json.loads((tmp_path / "fresh" / "results.json").read_text())
     assert [v["ppl"] for v in resumed["variants"]] == [v["ppl"] for v in clean["variants"]]
+
+
+def test_bnb_variant_is_measured_through_transformers(tmp_path):
+    pytest.importorskip("bitsandbytes")
+    recipe = tmp_path / "bnb.yaml"
+    recipe.write_text("""name: bnb
+model: tiny-random-llama
+variants:
+  fp32: []
+  nf4:
+    - bnb: {quant_type: nf4}
+evaluate:
+  ppl: {datasets: [pystdlib], seqlen: 64, max_tokens: 1024}
+bench: {dataset: random, num_requests: 2, input_len: 8, output_len: 4, dtype: float32}
+baseline: fp32
+""")
+    result = run("recipe", "run", recipe, "-o", tmp_path / "run")
+    assert result.exit_code == 0, result.output
+    fp32, nf4 = json.loads((tmp_path / "run" / "results.json").read_text())["variants"]
+    assert nf4["bench"]["backend"] == "hf" and fp32["bench"]["backend"] == "runtime"
+    assert nf4["artifact_bytes"] < 0.6 * fp32["artifact_bytes"]
+    assert abs(nf4["ppl"]["pystdlib"] / fp32["ppl"]["pystdlib"] - 1) < 0.2  # nf4 stays close to fp32
