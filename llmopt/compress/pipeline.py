@@ -43,6 +43,7 @@ def quantize_to_artifact(
     for name, linear in quantizable_linears(model).items():  # fail before the expensive part
         fmt.check(name, (linear.out_features, linear.in_features), config.scheme, trivial)
     result = quantize_model(model, tokenizer, config, progress)
+    _drop_quantized_weights(model, result.qweights)
     packed, fp16 = quantized_bytes(result.qweights, fmt_name)
     manifest = {
         "source": {"model": model_name, "kind": source.kind, "path": str(source.path or source.hub_id)},
@@ -67,3 +68,14 @@ def quantize_to_artifact(
         "quantized_linear_bytes": packed, "quantized_linear_fp16_bytes": fp16,
         "quantized_linear_ratio": round(packed / fp16, 4),
     }
+
+
+def _drop_quantized_weights(model, qweights) -> None:
+    """The fp32 weights of the quantized linears are not written (their codes are): free them before the
+    writer makes its copies, so peak memory is the calibration's, not calibration + writing."""
+    import torch
+
+    from llmopt.core.adapters import get_module
+
+    for name in qweights:
+        get_module(model, name).weight = torch.nn.Parameter(torch.empty(0), requires_grad=False)
