@@ -23,6 +23,7 @@ ROWS = [  # name -> list of commands (each: llmopt args with {src} and {out})
     *[(f"{m} 4:8", [["prune", "{src}", "--method", m, "--pattern", "4:8"]]) for m in ("magnitude", "wanda", "sparsegpt")],
     ("sparsegpt 2:4 + GPTQ w4 g64", [["prune", "{src}", "--method", "sparsegpt", "--pattern", "2:4"],
                                      ["quantize", "{src}", "--method", "gptq", "--bits", "4", "--group-size", "64"]]),
+    ("sparsegpt 2:4 damp 0.1", [["prune", "{src}", "--method", "sparsegpt", "--pattern", "2:4", "--damp", "0.1"]]),
     ("structured mlp 25%", [["prune", "{src}", "--structured", "mlp", "--ratio", "0.25"]]),
     ("structured heads 25%", [["prune", "{src}", "--structured", "heads", "--ratio", "0.25"]]),
     ("structured layers 20%", [["prune", "{src}", "--structured", "layers", "--ratio", "0.2"]]),
@@ -47,8 +48,9 @@ def run_row(name: str, commands: list[list[str]], args, workdir: Path) -> dict:
     row = {"name": name, "commands": ["llmopt " + " ".join(c) for c in commands], "wall_s": round(wall, 1),
            "peak_rss_bytes": peak, "ppl": evaluate(src, args.eval_tokens)}
     info, _ = run_json(["models", "info", src, "--json"])
-    row["num_parameters"] = info["num_parameters"]
     prune_facts = facts_all.get("prune")
+    # a quantized artifact stores packed codes: count the parameters of the pruned (dense-shaped) model
+    row["num_parameters"] = prune_facts["num_parameters_after"] if prune_facts else info["num_parameters"]
     row["num_nonzero"] = prune_facts["num_nonzero_after"] if prune_facts else info["num_parameters"]
     row["linear_sparsity"] = prune_facts["linear_sparsity"] if prune_facts else 0.0
     return row
@@ -76,6 +78,11 @@ def markdown(results: list[dict]) -> str:
                     fr = [f"{d} {(r['ppl'][d] - dense['ppl'][d]) / (mag['ppl'][d] - dense['ppl'][d]):.2f}x"
                           for d in EVAL_SETS]
                     lines.append(f"- {m} {target}: " + ", ".join(fr))
+        for a, b in (("sparsegpt 2:4", "wanda 2:4"), ("sparsegpt 2:4 + GPTQ w4 g64", "sparsegpt 2:4"),
+                     ("sparsegpt 2:4 damp 0.1", "wanda 2:4")):
+            if a in by_name and b in by_name:
+                ratios = ", ".join(f"{d} {by_name[a]['ppl'][d] / by_name[b]['ppl'][d]:.3f}x" for d in EVAL_SETS)
+                lines.append(f"- ppl of {a} / {b}: {ratios}")
     return "\n".join(lines)
 
 
