@@ -40,7 +40,7 @@ def section_a(args, rows):
     if args.int4:
         variants.append(("int4 continuous", args.int4, base))
     for label, model, config in variants:
-        rows["a"].append(row(label, bench_runtime(label, model, spec, config)[0]))
+        rows["a"].append(row(label, bench_runtime(label, model, spec, config)))
         print(label, rows["a"][-1]["metrics"]["output_throughput"], flush=True)
     rows["a"].append(row("hf generate bf16 (batch 32)", bench_hf("baseline", MODEL, spec, base)))
     print("hf", rows["a"][-1]["metrics"]["output_throughput"], flush=True)
@@ -51,7 +51,7 @@ def section_b(args, rows):
                         request_rate=args.sharegpt_rate, seed=0)
     base = BenchConfig(dtype="bfloat16", max_num_seqs=64, kv_cache_bytes=1 << 30)
     for label, config in [("continuous", base), ("static", replace(base, batching="static", max_num_seqs=32))]:
-        rows["b"].append(row(f"sharegpt {label}", bench_runtime(label, MODEL, spec, config)[0]))
+        rows["b"].append(row(f"sharegpt {label}", bench_runtime(label, MODEL, spec, config)))
         print(label, rows["b"][-1]["metrics"]["output_throughput"], flush=True)
 
 
@@ -62,7 +62,7 @@ def section_c(args, rows):
         variants.append(("int4", args.int4, "bfloat16"))
     for label, model, dtype in variants:
         config = BenchConfig(dtype=dtype, max_concurrency=1)
-        rows["c"].append(row(f"batch 1 {label}", bench_runtime(label, model, spec, config)[0]))
+        rows["c"].append(row(f"batch 1 {label}", bench_runtime(label, model, spec, config)))
         m = rows["c"][-1]["metrics"]
         print(label, m["mean_ttft_ms"], m["median_tpot_ms"], flush=True)
 
@@ -72,7 +72,7 @@ def section_d(args, rows):
                         num_prefixes=2)
     for label, cache in [("prefix cache on", True), ("prefix cache off", False)]:
         config = BenchConfig(dtype="bfloat16", max_concurrency=1, enable_prefix_cache=cache)
-        rows["d"].append(row(label, bench_runtime(label, MODEL, spec, config)[0]))
+        rows["d"].append(row(label, bench_runtime(label, MODEL, spec, config)))
         print(label, rows["d"][-1]["metrics"]["mean_ttft_ms"], flush=True)
 
 

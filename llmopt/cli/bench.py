@@ -22,7 +22,6 @@ SHOWN = [  # (metric key, label) in the terminal table
     ("prefix_cache_hit_rate", "prefix hit rate"), ("mean_batch_size", "mean batch"),
     ("max_kv_cache_usage", "max KV usage"), ("duration", "duration s"),
 ]
-LOWER_IS_BETTER = ("ttft", "tpot", "itl", "e2el", "duration", "preemptions")
 
 
 def bench(

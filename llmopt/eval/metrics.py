@@ -157,10 +157,6 @@ def engine_metrics(steps: list[StepStats], cost: ModelCost | None, peaks: Hardwa
     return metrics
 
 
-def batch_size_timeline(steps: list[StepStats]) -> list[int]:
-    return [s.num_seqs for s in steps]
-
-
 def records_to_json(records: list[RequestRecord]) -> list[dict]:
     out = []
     for r in records:

@@ -208,13 +208,12 @@ def engine_config_for(config: BenchConfig):
 
 
 def bench_runtime(name: str, model_name: str, spec: WorkloadSpec, config: BenchConfig,
-                  progress: ProgressFn | None = None, loaded=None) -> tuple[RunResult, tuple]:
-    """One measured runtime run; returns the result and the loaded (model, tokenizer) for reuse."""
+                  progress: ProgressFn | None = None) -> RunResult:
+    """One measured runtime run."""
     from llmopt.core.models import DTYPES, load_model
     from llmopt.runtime.engine import Engine
 
-    model, tokenizer = loaded or load_model(model_name, dtype=config.dtype, device=config.device,
-                                            packed_kernels=True)[:2]
+    model, tokenizer, _ = load_model(model_name, dtype=config.dtype, device=config.device, packed_kernels=True)
     engine = Engine(model, tokenizer, engine_config_for(config))
     vocab_size = model.config.vocab_size
     requests = build_workload(spec, tokenizer, vocab_size)
@@ -227,9 +226,8 @@ def bench_runtime(name: str, model_name: str, spec: WorkloadSpec, config: BenchC
     metrics.update(engine_metrics(engine.step_stats, model_cost(model, engine.runner.kv_dtype), peaks,
                                   engine.scheduler.num_preemptions, hit_rate, metrics["duration"]))
     metrics["peak_bandwidth"], metrics["peak_flops"] = peaks.bandwidth, peaks.flops
-    result = RunResult(name, model_name, {"backend": "runtime", **asdict(config), "workload": asdict(spec)},
-                       metrics, records, [s.num_seqs for s in engine.step_stats])
-    return result, (model, tokenizer)
+    return RunResult(name, model_name, {"backend": "runtime", **asdict(config), "workload": asdict(spec)},
+                     metrics, records, [s.num_seqs for s in engine.step_stats])
 
 
 def bench_hf(name: str, model_name: str, spec: WorkloadSpec, config: BenchConfig,
@@ -251,9 +249,9 @@ def bench(model_name: str, spec: WorkloadSpec, config: BenchConfig, baseline: st
     """The model's run, then the baseline's (named 'baseline'): 'hf' or another MODEL through the runtime."""
     if config.num_threads:
         torch.set_num_threads(config.num_threads)
-    runs = [bench_runtime(model_name, model_name, spec, config, progress)[0]]
+    runs = [bench_runtime(model_name, model_name, spec, config, progress)]
     if baseline == "hf":
         runs.append(bench_hf("baseline", model_name, spec, config, progress))
     elif baseline:
-        runs.append(bench_runtime("baseline", baseline, spec, config, progress)[0])
+        runs.append(bench_runtime("baseline", baseline, spec, config, progress))
     return runs

@@ -31,8 +31,11 @@ def _write_json_atomic(path: Path, data) -> None:
     tmp.replace(path)
 
 
-def _folder_bytes(path: Path) -> int:
-    return sum(f.stat().st_size for f in path.glob("*.safetensors"))
+def _weights_bytes(model: str) -> int | None:
+    from llmopt.core.models import resolve_model
+
+    path = resolve_model(model).path  # None for a hub id
+    return sum(f.stat().st_size for f in path.glob("*.safetensors")) if path else None
 
 
 class RecipeRunner:
@@ -131,7 +134,7 @@ class RecipeRunner:
 
                 run = bench_hf("bench", model, workload, config)
             else:
-                run, _ = bench_runtime("bench", model, workload, config)
+                run = bench_runtime("bench", model, workload, config)
             return {"backend": "hf" if through_hf else "runtime", "metrics": run.metrics, "ttft_ms": [r.ttft * 1000 for r in run.records],
                     "tpot_ms": [r.tpot * 1000 for r in run.records if r.tpot is not None]}
 
@@ -147,19 +150,12 @@ class RecipeRunner:
             model, key, stages = self.build_variant(name)
             self.log(f"{name}: evaluating")
             record = {"name": name, "model": model, "cache_key": key, "stages": stages,
-                      "artifact_bytes": _folder_bytes(Path(model)) if Path(model).is_dir() else None,
+                      "artifact_bytes": _weights_bytes(model),
                       **self.evaluate(model, key)}
             self.log(f"{name}: bench")
             record["bench"] = self.bench(model, key, through_hf=any("bnb" in s for s in self.recipe.variants[name]))
             record["wall_s"] = round(time.perf_counter() - start, 2)
             variants.append(record)
-        if variants and any(v["artifact_bytes"] is None for v in variants):
-            from llmopt.core.models import describe_model, resolve_model
-
-            for v in variants:
-                if v["artifact_bytes"] is None:
-                    source = resolve_model(v["model"])
-                    v["artifact_bytes"] = describe_model(source).get("weights_bytes")
         results = {"recipe": self.recipe.name, "model": self.recipe.model, "baseline": self.recipe.baseline,
                    "llmopt_version": __version__, "recipe_config": self.recipe.model_dump(mode="json"),
                    "variants": variants}

@@ -121,11 +121,7 @@ class Recipe(_Strict):
 
     def stage_options(self, options: dict) -> dict:
         """A stage's options with the recipe's calibration defaults filled in."""
-        merged = {k: getattr(self.defaults, k) for k in ("calib", "num_samples", "seqlen", "seed")}
-        if options.get("method") == "magnitude" or options.get("method") == "rtn":
-            merged = {"seed": self.defaults.seed}
-        merged.update(options)
-        return merged
+        return {**{k: getattr(self.defaults, k) for k in ("calib", "num_samples", "seqlen", "seed")}, **options}
 
 
 def _line_of(node, loc: tuple) -> int | None:
@@ -191,7 +187,7 @@ def _model_at(model, loc: tuple):
     for key in loc:
         field = model.model_fields.get(str(key)) if isinstance(key, str) else None
         if field is None:
-            return model if not loc else None
+            return None
         annotation = field.annotation
         inner = getattr(annotation, "__args__", None)
         candidates = [annotation, *(inner or [])]

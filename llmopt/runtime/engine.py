@@ -100,7 +100,8 @@ class Engine:
 
     def _match_stop_string(self, seq: Sequence) -> bool:
         """Whether the output text now contains one of the request's stop strings; records where it ends."""
-        # Only the tail can hold a new match: decode the last tokens, enough to span the longest stop string.
+        # The whole output is decoded (a byte-level token may only complete a character later), but only its
+        # tail can hold a match that was not there one token ago.
         longest = max(len(s) for s in seq.params.stop)
         text = self.tokenizer.decode(seq.output_token_ids, skip_special_tokens=True)
         tail_from = max(0, len(text) - longest - 16)

@@ -35,7 +35,6 @@ class DecodeGroup:
     rows: torch.Tensor  # [B] positions in the flat batch of the single new token of each sequence
     block_tables: torch.Tensor  # [B, max_blocks] (padded with block 0; the mask hides the padding)
     mask: torch.Tensor  # [B, 1, 1, max_blocks * block_size] bool: slot < context_len
-    context_lens: torch.Tensor  # [B]
     contiguous: bool  # rows are 0..B-1 in order (no gather/scatter needed)
 
 
@@ -45,9 +44,9 @@ class AttentionMetadata:
     context_lens: list[int]  # [num_seqs] tokens in the cache after this step (cached + new)
     block_tables: list[list[int]]  # [num_seqs][blocks]
     slot_mapping: torch.Tensor  # [T] flat cache slot (block * block_size + offset) of each new token
-    prefills: list[PrefillGroup] | None = None
-    decode: DecodeGroup | None = None
-    device_tensors: dict | None = None  # CUDA: query_starts, context_lens, padded block_tables as tensors
+    prefills: list[PrefillGroup]
+    decode: DecodeGroup | None
+    device_tensors: dict | None  # CUDA: query_starts, context_lens, padded block_tables as tensors
 
     @classmethod
     def build(cls, query_starts: list[int], context_lens: list[int], block_tables: list[list[int]],
@@ -71,7 +70,7 @@ class AttentionMetadata:
             tables = torch.tensor([t + [0] * (width - len(t)) for t in decode_tables], device=device)
             lens = torch.tensor(decode_lens, device=device)
             mask = torch.arange(width * block_size, device=device).unsqueeze(0) < lens.unsqueeze(1)
-            decode = DecodeGroup(torch.tensor(decode_rows, device=device), tables, mask[:, None, None, :], lens,
+            decode = DecodeGroup(torch.tensor(decode_rows, device=device), tables, mask[:, None, None, :],
                                  decode_rows == list(range(len(decode_rows))))
         device_tensors = None
         if torch.device(device).type == "cuda":
@@ -140,9 +139,6 @@ def _attend_decodes(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
 def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, meta: AttentionMetadata,
                     scale: float) -> torch.Tensor:
     """Causal attention of each sequence's new queries over its cached keys; returns [T, num_heads, head_dim]."""
-    if meta.prefills is None:  # built by hand (tests): derive the groups
-        meta = AttentionMetadata.build(meta.query_starts, meta.context_lens, meta.block_tables, meta.slot_mapping,
-                                       k_cache.shape[1], q.device)
     if meta.device_tensors is not None and triton_available():
         return _triton_paged_attention(q, k_cache, v_cache, meta, scale)
     num_kv_heads, head_dim = k_cache.shape[2:]
