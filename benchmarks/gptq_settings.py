@@ -1,5 +1,6 @@
 """A quick study of GPTQ settings on SmolLM2-135M: quantize in memory (no artifact) with the settings given
-as JSON, then perplexity on 8,192 tokens of wikitext2 and pystdlib. `{}` is the fp32 model.
+as JSON, then perplexity on 8,192 tokens of wikitext2 and pystdlib. `{}` is the fp32 model; a "model" key
+picks another starting MODEL (e.g. a pruned artifact) than smollm2-135m.
 
     python benchmarks/gptq_settings.py '{}' '{"method": "rtn", "bits": 4, "group_size": 64}' \
         '{"method": "gptq", "bits": 4, "group_size": 64, "act_order": false, "mse": false, "damp": 0.01}'
@@ -19,12 +20,16 @@ def main() -> None:
     from llmopt.core.models import load_model
     from llmopt.eval.perplexity import perplexity
 
-    base, tokenizer, _ = load_model("smollm2-135m")
+    bases = {}
+    _, tokenizer, _ = load_model("smollm2-135m")
     evals = {d: tokenize_corpus(tokenizer, d, 8192) for d in ("wikitext2", "pystdlib")}
     results = []
     for spec in sys.argv[1:]:
         settings = json.loads(spec)
-        model = copy.deepcopy(base)
+        name = settings.pop("model", "smollm2-135m")
+        if name not in bases:
+            bases[name] = load_model(name)[0]
+        model = copy.deepcopy(bases[name])
         start = time.perf_counter()
         if settings:
             method = settings.pop("method")

@@ -30,7 +30,8 @@ class CalibDtype(str, Enum):
 
 DEFAULT_FORMAT = {"rtn": "compressed-tensors", "gptq": "gptq", "awq": "awq"}
 METHOD_ONLY = {  # option -> the methods it applies to
-    "act_order": ("gptq",), "damp": ("gptq",), "static_groups": ("gptq",), "awq_search": ("awq",),
+    "act_order": ("gptq",), "damp": ("gptq",), "static_groups": ("gptq",), "prune_pattern": ("gptq",), "gptaq": ("gptq",),
+    "awq_search": ("awq",),
 }
 
 
@@ -49,6 +50,12 @@ def quantize(
         help="GPTQ act-order: group parameters fixed up front, so g_idx stays k // group_size (default on).")] = None,
     damp: Annotated[Optional[float], typer.Option(
         "--damp", help="GPTQ dampening, fraction of mean diag(H) (default 0.1).")] = None,
+    gptaq: Annotated[Optional[bool], typer.Option(
+        "--gptaq/--no-gptaq", help="GPTQ: match the full-precision model's outputs (GPTAQ asymmetric calibration).")
+    ] = None,
+    prune_pattern: Annotated[Optional[str], typer.Option(
+        "--prune-pattern", help="GPTQ: also prune to N:M (e.g. 2:4) in the same pass (SparseGPT's joint mode).")
+    ] = None,
     mse: Annotated[Optional[bool], typer.Option(
         "--mse/--no-mse", help="Choose group ranges by minimising weight error (default: on for GPTQ).")] = None,
     calib: Annotated[str, typer.Option("--calib", help="Calibration dataset(s), comma-separated to mix.")] = "c4",
@@ -72,7 +79,8 @@ def quantize(
     from llmopt.compress.pipeline import quantize_to_artifact
     from llmopt.core.errors import ConfigError
 
-    given = {"act_order": act_order, "damp": damp, "static_groups": static_groups, "awq_search": awq_search}
+    given = {"act_order": act_order, "damp": damp, "static_groups": static_groups,
+             "prune_pattern": prune_pattern, "gptaq": gptaq, "awq_search": awq_search}
     for option, value in given.items():
         if value is not None and method.value not in METHOD_ONLY[option]:
             flag = "--" + option.replace("_", "-")

@@ -36,8 +36,12 @@ class QuantizeResult:
 
 def check_model_fits(model, config: QuantizeConfig) -> None:
     """Fail before any work if the scheme cannot apply to some linear (e.g. group size not dividing K)."""
+    nm = getattr(config, "prune_nm", None)
     for name, linear in quantizable_linears(model).items():
         config.scheme.check(linear.in_features, name)
+        if nm is not None and linear.in_features % nm[1]:
+            raise ConfigError(f"prune pattern {nm[0]}:{nm[1]} needs in_features divisible by {nm[1]}: "
+                              f"{name} has {linear.in_features}")
 
 
 def quantize_model(model, tokenizer, config: QuantizeConfig,
@@ -58,7 +62,26 @@ def quantize_model(model, tokenizer, config: QuantizeConfig,
         raise ConfigError("nothing was quantized: every linear matched --ignore")
     facts["quantize_wall_s"] = time.perf_counter() - start
     facts["num_quantized_linears"] = len(quantizer.results)
+    if getattr(config, "prune_nm", None) is not None:  # pruned jointly: record it as a pruned model would
+        from llmopt.prune.api import sparsity_entry
+
+        n, m = config.prune_nm
+        measured = zero_fraction(quantizer.results)
+        suffixes = sorted({name.split(".", 3)[-1] for name in quantizer.results})
+        model.config.sparsity_config = sparsity_entry(config.prune_pattern, f"{config.method} (joint)", 1 - n / m,
+                                                      config.ignore, measured, suffixes)
+        facts["measured_sparsity"] = measured
     return QuantizeResult(quantizer.results, quantizer.extra_tensors(), facts)
+
+
+def zero_fraction(qweights: dict[str, QuantizedWeight]) -> float:
+    """Fraction of the quantized weights that dequantize to exactly zero (code == zero point)."""
+    zeros = total = 0
+    for qw in qweights.values():
+        zero_points = qw.zeros[:, qw.g_idx.long()]  # [N, K]
+        zeros += int((qw.q.to(torch.int32) == zero_points).sum())
+        total += qw.q.numel()
+    return zeros / total
 
 
 def quantized_bytes(qweights: dict[str, QuantizedWeight], fmt_name: str) -> tuple[int, int]:

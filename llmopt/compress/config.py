@@ -72,6 +72,25 @@ class GPTQConfig(QuantizeConfig):
     act_order: bool = True
     static_groups: bool = True
     true_sequential: bool = True
+    gptaq: bool = Field(False, description="match the full-precision model's outputs, not the quantized "
+                        "model's own (GPTAQ asymmetric calibration; one more forward per stage)")
+    gptaq_alpha: float = Field(0.25, gt=0, description="GPTAQ: weight of the drift correction")
+    prune_pattern: str | None = Field(
+        None, description="N:M: prune jointly while quantizing (SparseGPT's joint mode); needs sym")
+
+    @model_validator(mode="after")
+    def _check_prune(self):
+        if self.prune_pattern is not None:
+            self.prune_nm  # validates
+            if not self.sym:
+                raise ValueError("prune_pattern needs sym quantization (zero must be representable)")
+        return self
+
+    @property
+    def prune_nm(self) -> tuple[int, int] | None:
+        from llmopt.prune.masks import parse_nm
+
+        return None if self.prune_pattern is None else parse_nm(self.prune_pattern)
 
 
 class AWQConfig(QuantizeConfig):

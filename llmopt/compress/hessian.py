@@ -13,19 +13,31 @@ from llmopt.core.errors import LLMOptError
 
 
 class HessianAccumulator:
-    """Running H = 2/n * X^T X in fp32, fed batches of inputs [tokens, K]."""
+    """Running H = 2/n * X^T X in fp32, fed batches of inputs [tokens, K].
+
+    Given the full-precision model's inputs for the same tokens (`reference`), it also keeps
+    cross = 2/n * (X_ref - X)^T X [K, K], what GPTAQ needs to match the full-precision outputs.
+    """
 
     def __init__(self, in_features: int, device: torch.device | str = "cpu"):
         self.hessian = torch.zeros(in_features, in_features, dtype=torch.float32, device=device)
+        self.cross: torch.Tensor | None = None
         self.num_samples = 0
 
-    def add(self, x: torch.Tensor) -> None:
+    def add(self, x: torch.Tensor, reference: torch.Tensor | None = None) -> None:
         x = x.reshape(-1, x.shape[-1]).float()
         n = x.shape[0]
-        self.hessian *= self.num_samples / (self.num_samples + n)
+        keep = self.num_samples / (self.num_samples + n)
+        self.hessian *= keep
         self.num_samples += n
         x = math.sqrt(2 / self.num_samples) * x
         self.hessian.addmm_(x.t(), x)
+        if reference is not None:
+            if self.cross is None:
+                self.cross = torch.zeros_like(self.hessian)
+            self.cross *= keep
+            dx = math.sqrt(2 / self.num_samples) * reference.reshape(-1, x.shape[-1]).float() - x
+            self.cross.addmm_(dx.t(), x)
 
 
 def inverse_hessian_cholesky(hessian: torch.Tensor, damp: float) -> torch.Tensor:
@@ -51,16 +63,19 @@ class SharedInputHessians:
         self.by_name: dict[str, HessianAccumulator] = {}
         self._last = None  # (input tensor, its accumulator)
 
-    def add(self, name: str, in_features: int, inputs: torch.Tensor) -> None:
+    def add(self, name: str, in_features: int, inputs: torch.Tensor, reference: torch.Tensor | None = None) -> None:
         if self._last is not None and self._last[0] is inputs:
             self.by_name[name] = self._last[1]
             return
         acc = self.by_name.get(name)
         if acc is None:
             acc = self.by_name[name] = HessianAccumulator(in_features, inputs.device)
-        acc.add(inputs)
+        acc.add(inputs, reference)
         self._last = (inputs, acc)
 
-    def pop(self, name: str) -> torch.Tensor:
+    def take(self, name: str) -> HessianAccumulator:
         self._last = None
-        return self.by_name.pop(name).hessian
+        return self.by_name.pop(name)
+
+    def pop(self, name: str) -> torch.Tensor:
+        return self.take(name).hessian

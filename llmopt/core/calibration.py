@@ -7,6 +7,8 @@
    linear has seen its input), and let the algorithm change the weights; then recompute the layer's
    outputs with the changed weights, so the next layer sees the compressed model's activations.
 Only one layer's working set lives on the compute device; activations stay on the CPU in fp32.
+An algorithm that sets `uses_reference_inputs` (GPTAQ) also gets, for every hooked linear, its input in the
+original model: a second stream of hidden states runs through unchanged copies of the layers.
 
 The forwards may run in bf16 (`compute_dtype`; 3x faster on CPUs with AMX): a bf16 copy of the layer runs
 the samples, while the algorithms read and change the fp32 layer and accumulate statistics (Hessians,
@@ -37,6 +39,9 @@ class LayerwiseAlgorithm(Protocol):
 
     def process(self, layer_index: int, layer: nn.Module, names: tuple[str, ...]) -> None:
         """Change the weights of a stage's linears (quantize, prune, smooth...)."""
+
+    # Optional: `uses_reference_inputs = True` makes add_batch receive `reference=`, the same linear's input
+    # [..., in_features] for the same tokens in the uncompressed model.
 
 
 class _StopForward(Exception):
@@ -114,12 +119,16 @@ def run_layerwise(
     hidden = hidden.to(compute_dtype)
     batches = [(i, slice(i * batch_size, (i + 1) * batch_size)) for i in range(len(kwargs_per_batch))]
     device_kwargs = [_to(kw, device, compute_dtype) for kw in kwargs_per_batch]
+    uses_reference = getattr(algorithm, "uses_reference_inputs", False)
+    reference_hidden = hidden.clone() if uses_reference else None  # the uncompressed model's stream
     for index, layer in enumerate(layers):
         layer.to(device)
         # The layer that runs the samples: the fp32 layer itself, or a lower-precision copy of it.
         runner = layer if compute_dtype == torch.float32 else copy.deepcopy(layer).to(compute_dtype)
+        reference = copy.deepcopy(layer).to(compute_dtype) if uses_reference else None
         for names in algorithm.stages(adapter):
-            _run_stage(runner, index, names, algorithm, hidden, batches, device_kwargs, device, compute_dtype)
+            _run_stage(runner, index, names, algorithm, hidden, batches, device_kwargs, device, compute_dtype,
+                       None if reference is None else (reference, reference_hidden))
             algorithm.process(index, layer, names)
             if runner is not layer:
                 runner.load_state_dict(layer.state_dict())  # copies and casts the changed weights
@@ -130,36 +139,55 @@ def run_layerwise(
             if observe is not None:
                 observe(index, inputs, out)
             hidden[rows] = out.to("cpu", hidden.dtype)
-        del runner
+            if reference is not None:
+                out = _layer_output(reference(reference_hidden[rows].to(device, compute_dtype), **device_kwargs[b]))
+                reference_hidden[rows] = out.to("cpu", hidden.dtype)
+        del runner, reference
         layer.to("cpu")
         if progress is not None:
             progress(index + 1, len(layers))
     return {"calibration_wall_s": time.perf_counter() - start, "num_layers": len(layers)}
 
 
-def _run_stage(layer, index, names, algorithm, hidden, batches, device_kwargs, device, compute_dtype) -> None:
-    modules = {name: get_module(layer, name) for name in names}
+def _run_stage(layer, index, names, algorithm, hidden, batches, device_kwargs, device, compute_dtype,
+               reference=None) -> None:
+    """Feed each batch through `layer` until every linear in `names` has its input, handing the inputs to
+    the algorithm; with `reference` = (unchanged layer, its hidden stream), first collect the same linears'
+    inputs in the uncompressed model and hand them over alongside."""
     pending: set[str] = set()
+    reference_inputs: dict[str, torch.Tensor] = {}
 
-    def make_hook(name):
+    def make_hook(name, collect):
         def hook(module, args):
-            x = args[0]
-            algorithm.add_batch(index, name, module, x)
+            if collect:
+                reference_inputs[name] = args[0]
+            elif reference is None:
+                algorithm.add_batch(index, name, module, args[0])
+            else:
+                algorithm.add_batch(index, name, module, args[0], reference=reference_inputs[name])
             pending.discard(name)
             if not pending:  # every hooked linear has its input: the rest of the layer is not needed
                 raise _StopForward
 
         return hook
 
-    handles = [m.register_forward_pre_hook(make_hook(n)) for n, m in modules.items()]
+    def run(module, states, b, rows):
+        pending.clear()
+        pending.update(names)
+        try:
+            module(states[rows].to(device, compute_dtype), **device_kwargs[b])
+        except _StopForward:
+            pass
+
+    handles = [get_module(layer, n).register_forward_pre_hook(make_hook(n, False)) for n in names]
+    if reference is not None:
+        handles += [get_module(reference[0], n).register_forward_pre_hook(make_hook(n, True)) for n in names]
     try:
         for b, rows in batches:
-            pending.clear()
-            pending.update(names)
-            try:
-                layer(hidden[rows].to(device, compute_dtype), **device_kwargs[b])
-            except _StopForward:
-                pass
+            if reference is not None:
+                run(reference[0], reference[1], b, rows)
+            run(layer, hidden, b, rows)
+            reference_inputs.clear()
     finally:
         for h in handles:
             h.remove()

@@ -133,17 +133,33 @@ def loglikelihoods(model, tokenizer, pairs: list[tuple[str, str]], batch_size: i
         for row, i in enumerate(batch):
             ids = encoded[i][0][:-1]
             input_ids[row, :len(ids)] = torch.tensor(ids)  # right padding: positions stay those of the text
-        logprobs = F.log_softmax(model(input_ids=input_ids.to(device)).logits.float(), dim=-1).cpu()
+        spans = [slice(len(encoded[i][0]) - 1 - encoded[i][1], len(encoded[i][0]) - 1) for i in batch]
+        span_logits = _span_logits(model, input_ids.to(device), spans)  # one [num_cont, V] per row
         for row, i in enumerate(batch):
             ids, num_cont = encoded[i]
-            span = slice(len(ids) - 1 - num_cont, len(ids) - 1)
+            logprobs = F.log_softmax(span_logits[row].float(), dim=-1).cpu()
             target = torch.tensor(ids[-num_cont:])
-            token_logprobs = logprobs[row, span].gather(1, target[:, None])[:, 0]
-            greedy = bool((logprobs[row, span].argmax(dim=-1) == target).all())
+            token_logprobs = logprobs.gather(1, target[:, None])[:, 0]
+            greedy = bool((logprobs.argmax(dim=-1) == target).all())
             results[i] = (float(token_logprobs.sum()), greedy)
         if progress:
             progress(min(start + batch_size, len(order)), len(order))
     return results
+
+
+def _span_logits(model, input_ids: torch.Tensor, spans: list[slice]) -> list[torch.Tensor]:
+    """Logits at the continuation positions only. The vocabulary projection of every position ([B, T, V],
+    V = 49k for SmolLM2) costs more than the decoder on these short texts, so when the model is a plain
+    decoder + lm_head, project just the span rows; otherwise take the full logits."""
+    head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
+    plain = (head is not None and getattr(model, "base_model", model) is not model
+             and not any(getattr(model.config, a, None) for a in ("final_logit_softcapping", "logit_scale")))
+    if not plain:
+        logits = model(input_ids=input_ids).logits
+        return [logits[row, span] for row, span in enumerate(spans)]
+    hidden = model.base_model(input_ids=input_ids).last_hidden_state  # [B, T, H]
+    rows = torch.cat([hidden[row, span] for row, span in enumerate(spans)])  # [sum num_cont, H]
+    return list(head(rows).split([span.stop - span.start for span in spans]))
 
 
 def score(docs: list[Doc], results: list[tuple[float, bool]]) -> dict:

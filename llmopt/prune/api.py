@@ -59,6 +59,12 @@ def measure_sparsity(model) -> dict:
 
 def sparsity_config_entry(config: SparsityConfig, measured: float, targets: list[str]) -> dict:
     """What config.json records about the sparsity (llmopt's `sparsity_config`)."""
-    return {"format": "dense", "sparsity_structure": config.structure, "method": config.method,
-            "targets": targets, "ignore": ["lm_head", "model.embed_tokens", *config.ignore],
-            "target_sparsity": round(config.target_sparsity, 6), "global_sparsity": round(measured, 6)}
+    return sparsity_entry(config.structure, config.method, config.target_sparsity, config.ignore, measured,
+                          targets)
+
+
+def sparsity_entry(structure: str, method: str, target: float, ignore: list[str], measured: float,
+                   targets: list[str]) -> dict:
+    return {"format": "dense", "sparsity_structure": structure, "method": method,
+            "targets": targets, "ignore": ["lm_head", "model.embed_tokens", *ignore],
+            "target_sparsity": round(target, 6), "global_sparsity": round(measured, 6)}

@@ -7,6 +7,7 @@ from typing import Literal
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from llmopt.compress.config import CalibrationConfig
+from llmopt.prune.masks import parse_nm
 
 
 class SparsityConfig(BaseModel):
@@ -32,15 +33,7 @@ class SparsityConfig(BaseModel):
 
     @property
     def nm(self) -> tuple[int, int] | None:
-        if self.pattern is None:
-            return None
-        try:
-            n, m = (int(v) for v in self.pattern.split(":"))
-        except ValueError:
-            raise ValueError(f"pattern {self.pattern!r} is not N:M (e.g. 2:4)") from None
-        if not 0 < n < m:
-            raise ValueError(f"pattern {self.pattern}: need 0 < N < M")
-        return n, m
+        return None if self.pattern is None else parse_nm(self.pattern)
 
     @property
     def target_sparsity(self) -> float:

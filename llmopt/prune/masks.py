@@ -7,6 +7,17 @@ import torch
 from llmopt.core.errors import ConfigError
 
 
+def parse_nm(pattern: str) -> tuple[int, int]:
+    """'2:4' -> (2, 4); ValueError (for the config validators) unless 0 < N < M."""
+    try:
+        n, m = (int(v) for v in pattern.split(":"))
+    except ValueError:
+        raise ValueError(f"pattern {pattern!r} is not N:M (e.g. 2:4)") from None
+    if not 0 < n < m:
+        raise ValueError(f"pattern {pattern}: need 0 < N < M")
+    return n, m
+
+
 def unstructured_mask(scores: torch.Tensor, sparsity: float, per_row: bool = False) -> torch.Tensor:
     """Prune the `sparsity` fraction of lowest scores, over the whole matrix or within each output row."""
     if per_row:

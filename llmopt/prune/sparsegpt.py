@@ -35,12 +35,12 @@ def sparsegpt_prune_weight(
         block_size = max(block_size // nm[1], 1) * nm[1]  # whole M-groups per block
     for i1 in range(0, k, block_size):
         i2 = min(i1 + block_size, k)
-        w1 = w[:, i1:i2].clone()
+        w1 = w[:, i1:i2].t().contiguous()  # [B, N]: one row per column, so updates touch contiguous memory
         err1 = torch.zeros_like(w1)
         hinv1 = hinv[i1:i2, i1:i2]
         d = torch.diag(hinv1)
         if nm is None:  # adaptive mask for the whole block
-            saliency = w1.pow(2) / d.pow(2).unsqueeze(0)
+            saliency = w1.pow(2) / d.pow(2).unsqueeze(1)
             num = int(round(saliency.numel() * sparsity))
             block_mask = torch.zeros(saliency.numel(), dtype=torch.bool)
             block_mask[torch.topk(saliency.flatten(), num, largest=False).indices] = True
@@ -49,19 +49,18 @@ def sparsegpt_prune_weight(
             block_mask = torch.zeros_like(w1, dtype=torch.bool)
         for i in range(i2 - i1):
             if nm is not None and i % nm[1] == 0:
-                # Saliency of the next M columns, from the weights as updated so far.
-                saliency = w1[:, i:i + nm[1]].pow(2) / d[i:i + nm[1]].pow(2).unsqueeze(0)
-                idx = torch.topk(saliency, nm[1] - nm[0], dim=1, largest=False).indices
-                block_mask[:, i:i + nm[1]].scatter_(1, idx, True)
-            col = w1[:, i]
-            new = torch.where(block_mask[:, i], torch.zeros_like(col), col)
-            err = (col - new) / hinv1[i, i]
-            w1[:, i:] -= err.unsqueeze(1) * hinv1[i, i:].unsqueeze(0)
-            w1[:, i] = new
-            err1[:, i] = err
-        w[:, i1:i2] = w1
-        mask[:, i1:i2] = block_mask
-        w[:, i2:] -= err1 @ hinv[i1:i2, i2:]
+                # Saliency of the next M columns, from the weights as updated so far: [M, N].
+                saliency = w1[i:i + nm[1]].pow(2) / d[i:i + nm[1]].pow(2).unsqueeze(1)
+                idx = torch.topk(saliency, nm[1] - nm[0], dim=0, largest=False).indices
+                block_mask[i:i + nm[1]].scatter_(0, idx, True)
+            col = w1[i]
+            err = torch.where(block_mask[i], col, torch.zeros_like(col)) / hinv1[i, i]  # (col - new) / d
+            w1[i:].addr_(hinv1[i, i:], err, alpha=-1)
+            w1[i].masked_fill_(block_mask[i], 0)
+            err1[i] = err
+        w[:, i1:i2] = w1.t()
+        mask[:, i1:i2] = block_mask.t()
+        w[:, i2:] -= err1.t() @ hinv[i1:i2, i2:]
     w[mask] = 0
     return w, mask
 

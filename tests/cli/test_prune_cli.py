@@ -58,6 +58,31 @@ def test_sparse_then_gptq_artifact_carries_both(tiny_llama_dir, tmp_path):
         assert check_nm(qw.dequantize(), 2, 4)
 
 
+def test_joint_prune_and_quantize_in_one_gptq_run(tiny_llama_dir, tmp_path):
+    result = run("quantize", tiny_llama_dir, "--method", "gptq", "--group-size", 32, "--prune-pattern", "2:4",
+                 *CALIB, "-o", tmp_path / "q", "--json")
+    assert result.exit_code == 0, result.output
+    config = json.loads((tmp_path / "q" / "config.json").read_text())
+    sparsity = config["sparsity_config"]
+    assert sparsity["sparsity_structure"] == "2:4" and sparsity["method"] == "gptq (joint)"
+    assert 0.5 <= sparsity["global_sparsity"] < 0.6
+    from llmopt.export.read import read_artifact
+    from llmopt.prune.masks import check_nm
+
+    for qw in read_artifact(tmp_path / "q").qweights.values():
+        assert check_nm(qw.dequantize(), 2, 4)
+    ppl = run("eval", "ppl", tmp_path / "q", "--dataset", "pystdlib", "--seqlen", 64, "--max-tokens", 512, "--json")
+    assert ppl.exit_code == 0, ppl.output
+    out = tmp_path / "bad"
+    assert_one_line_error(run("quantize", tiny_llama_dir, "--method", "gptq", "--group-size", 32, "--asym",
+                              "--prune-pattern", "2:4", *CALIB, "-o", out), "prune_pattern needs sym")
+    assert_one_line_error(run("quantize", tiny_llama_dir, "--method", "rtn", "--prune-pattern", "2:4", "-o", out),
+                          "--prune-pattern applies to gptq only")
+    assert_one_line_error(run("quantize", tiny_llama_dir, "--method", "gptq", "--group-size", 32,
+                              "--prune-pattern", "4:2", *CALIB, "-o", out), "0 < N < M")
+    assert not out.exists()
+
+
 def test_bad_input_is_one_line(tiny_llama_dir, tmp_path):
     out = tmp_path / "out"
     assert_one_line_error(run("prune", tiny_llama_dir, "--structured", "mlp", "--ratio", 1.5, "-o", out), "ratio")

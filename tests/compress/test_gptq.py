@@ -67,3 +67,58 @@ def test_mask_keeps_pruned_weights_exactly_zero():
     acc.add(x)
     qw = gptq_quantize_weight(w, acc.hessian, QuantScheme(4, 16, True), mask=mask)
     assert (qw.dequantize()[mask] == 0).all()
+
+
+@pytest.mark.parametrize("act_order", [False, True])
+@pytest.mark.parametrize("nm", [(2, 4), (4, 8)])
+def test_joint_pruning_gives_the_pattern_and_beats_magnitude_then_gptq(act_order, nm):
+    from llmopt.prune.masks import check_nm, nm_mask
+
+    torch.manual_seed(3)
+    w = torch.randn(64, 128)
+    x = correlated_inputs()
+    acc = HessianAccumulator(128)
+    acc.add(x)
+    scheme = QuantScheme(4, 32, True)
+    joint = gptq_quantize_weight(w, acc.hessian, scheme, act_order=act_order, prune_nm=nm)
+    dq = joint.dequantize()
+    assert check_nm(dq, *nm)
+    pruned_codes = joint.q[dq == 0].long()
+    assert (pruned_codes == 2 ** (scheme.bits - 1)).all()  # pruned weights hold the zero point's code
+    assert (dq == 0).float().mean() >= 1 - nm[0] / nm[1]
+    # Against pruning by magnitude first, then GPTQ keeping that mask: the joint pass's one error feedback
+    # (and its Hessian-aware choice of what to prune) must give a clearly lower layer-output error.
+    mask = nm_mask(w.abs(), *nm)
+    two_step = gptq_quantize_weight(w.masked_fill(mask, 0), acc.hessian, scheme, act_order=act_order, mask=mask)
+    assert output_error(x, w, dq) < 0.9 * output_error(x, w, two_step.dequantize())
+
+
+def test_joint_pruning_needs_sym():
+    from llmopt.core.errors import LLMOptError
+
+    acc = HessianAccumulator(32)
+    acc.add(correlated_inputs(k=32))
+    with pytest.raises(LLMOptError, match="sym"):
+        gptq_quantize_weight(torch.randn(8, 32), acc.hessian, QuantScheme(4, 16, False), prune_nm=(2, 4))
+
+
+@pytest.mark.parametrize("act_order", [False, True])
+def test_gptaq_matches_the_full_precision_outputs_better_than_gptq(act_order):
+    """Inputs that drifted linearly from the full-precision model's (x_ref = x @ D): GPTQ fits W to the drifted
+    inputs' own outputs; GPTAQ's correction moves W toward the full-precision outputs x_ref @ W^T."""
+    torch.manual_seed(4)
+    x = correlated_inputs()
+    x_ref = x @ (torch.eye(128) + 0.05 * torch.randn(128, 128))
+    w = torch.randn(64, 128)
+    acc = HessianAccumulator(128)
+    acc.add(x, reference=x_ref)
+    scheme = QuantScheme(4, 32, True)
+    plain = gptq_quantize_weight(w, acc.hessian, scheme, act_order=act_order)
+    gptaq = gptq_quantize_weight(w, acc.hessian, scheme, act_order=act_order, cross=acc.cross)
+    target = x_ref @ w.t()
+
+    def error(qw):
+        return ((x @ qw.dequantize().t() - target) ** 2).mean().item()
+
+    assert error(gptaq) < 0.85 * error(plain)
+    torch.testing.assert_close(acc.cross, 2 / 2048 * (x_ref - x).t() @ x, rtol=1e-4, atol=1e-4)

@@ -64,3 +64,37 @@ def test_later_layers_see_the_changed_weights():
     expected = reference_inputs(model, ids)
     torch.testing.assert_close(torch.cat(rec.inputs[(1, "self_attn.q_proj")]), expected[(1, "self_attn.q_proj")],
                                rtol=1e-5, atol=1e-5)
+
+
+class ReferenceRecorder(Recorder):
+    """Asks for the uncompressed model's inputs too (as GPTAQ does) and perturbs every linear it processes."""
+
+    uses_reference_inputs = True
+
+    def __init__(self):
+        super().__init__()
+        self.references = {}
+
+    def add_batch(self, layer_index, name, module, inputs, reference=None):
+        super().add_batch(layer_index, name, module, inputs)
+        self.references.setdefault((layer_index, name), []).append(reference.reshape(-1, reference.shape[-1]).clone())
+
+    def process(self, layer_index, layer, names):
+        super().process(layer_index, layer, names)
+        for name in names:
+            get_module(layer, name).weight.data.mul_(0.5)
+
+
+def test_reference_stream_is_the_original_model_and_the_main_stream_the_changed_one():
+    import copy
+
+    model, _ = build_tiny_model("llama", seed=0)
+    original = copy.deepcopy(model)
+    ids = torch.randint(0, 256, (7, 16), generator=torch.Generator().manual_seed(2))
+    rec = ReferenceRecorder()
+    run_layerwise(model, ids, rec, batch_size=3)
+    before, after = reference_inputs(original, ids), reference_inputs(model, ids)
+    for key in before:
+        torch.testing.assert_close(torch.cat(rec.references[key]), before[key], rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(torch.cat(rec.inputs[key]), after[key], rtol=1e-5, atol=1e-5)
+    assert not torch.allclose(before[(1, "mlp.down_proj")], after[(1, "mlp.down_proj")])

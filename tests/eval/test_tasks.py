@@ -129,3 +129,19 @@ def test_eval_tasks_cli_on_a_tiny_model(tiny_llama_dir, tmp_path, monkeypatch):
     assert result.exit_code == 0, result.output
     out = json.loads(result.stdout)
     assert out["tasks"]["winogrande"]["num_docs"] == 3 and 0 <= out["tasks"]["winogrande"]["acc"] <= 1
+
+
+def test_span_only_projection_equals_full_logits(tiny_llama_dir):
+    """The fast path (decoder, then lm_head on the continuation rows only) scores exactly as full logits."""
+    from llmopt.core.models import load_model
+
+    model, tokenizer, _ = load_model(str(tiny_llama_dir))
+    pairs = [("def f(x):", " return x"), ("import", " os"), ("class A:\n   ", " pass  # a longer tail")]
+    fast = loglikelihoods(model, tokenizer, pairs, batch_size=2)
+    for (context, continuation), (ll, greedy) in zip(pairs, fast):
+        ctx, cont = encode_pair(tokenizer, context, continuation)
+        ids = torch.tensor([ctx + cont])
+        logprobs = torch.log_softmax(model(input_ids=ids[:, :-1]).logits.float(), dim=-1)[0, -len(cont):]
+        target = torch.tensor(cont)
+        assert ll == pytest.approx(float(logprobs.gather(1, target[:, None]).sum()), abs=1e-4)
+        assert greedy == bool((logprobs.argmax(-1) == target).all())
