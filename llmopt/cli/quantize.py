@@ -54,7 +54,7 @@ def quantize(
         "--gptaq/--no-gptaq", help="GPTQ: match the full-precision model's outputs (GPTAQ asymmetric calibration).")
     ] = None,
     prune_pattern: Annotated[Optional[str], typer.Option(
-        "--prune-pattern", help="GPTQ: also prune to N:M (e.g. 2:4) in the same pass (SparseGPT's joint mode).")
+        "--prune-pattern", help="GPTQ: SparseGPT-prune each linear to N:M (e.g. 2:4) first, in the same pass.")
     ] = None,
     mse: Annotated[Optional[bool], typer.Option(
         "--mse/--no-mse", help="Choose group ranges by minimising weight error (default: on for GPTQ).")] = None,

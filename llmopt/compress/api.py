@@ -62,13 +62,13 @@ def quantize_model(model, tokenizer, config: QuantizeConfig,
         raise ConfigError("nothing was quantized: every linear matched --ignore")
     facts["quantize_wall_s"] = time.perf_counter() - start
     facts["num_quantized_linears"] = len(quantizer.results)
-    if getattr(config, "prune_nm", None) is not None:  # pruned jointly: record it as a pruned model would
+    if getattr(config, "prune_nm", None) is not None:  # pruned too: record it as a pruned model would
         from llmopt.prune.api import sparsity_entry
 
         n, m = config.prune_nm
         measured = zero_fraction(quantizer.results)
         suffixes = sorted({name.split(".", 3)[-1] for name in quantizer.results})
-        model.config.sparsity_config = sparsity_entry(config.prune_pattern, f"{config.method} (joint)", 1 - n / m,
+        model.config.sparsity_config = sparsity_entry(config.prune_pattern, "sparsegpt+gptq", 1 - n / m,
                                                       config.ignore, measured, suffixes)
         facts["measured_sparsity"] = measured
     return QuantizeResult(quantizer.results, quantizer.extra_tensors(), facts)

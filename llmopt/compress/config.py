@@ -76,7 +76,8 @@ class GPTQConfig(QuantizeConfig):
                         "model's own (GPTAQ asymmetric calibration; one more forward per stage)")
     gptaq_alpha: float = Field(0.25, gt=0, description="GPTAQ: weight of the drift correction")
     prune_pattern: str | None = Field(
-        None, description="N:M: prune jointly while quantizing (SparseGPT's joint mode); needs sym")
+        None, description="N:M: SparseGPT-prune each linear, then quantize it, in the same pass; needs sym")
+    prune_damp: float = Field(0.01, gt=0, description="SparseGPT's dampening when prune_pattern is set")
 
     @model_validator(mode="after")
     def _check_prune(self):

@@ -26,7 +26,6 @@ def gptq_quantize_weight(
     mse: bool = False,
     mask: torch.Tensor | None = None,
     bias: torch.Tensor | None = None,
-    prune_nm: tuple[int, int] | None = None,
     cross: torch.Tensor | None = None,
     cross_alpha: float = 0.25,
 ) -> QuantizedWeight:
@@ -35,10 +34,6 @@ def gptq_quantize_weight(
     act_order: quantize columns by decreasing Hessian diagonal (desc_act). With static_groups the group
     parameters come from the original weight in natural order, so g_idx stays k // group_size.
     mask: [N, K] bool of weights that must stay exactly zero (a sparsity pattern); requires sym.
-    prune_nm: (N, M) prunes jointly with quantizing (SparseGPT's joint mode): when GPTQ reaches the first
-    column of an M-group (natural order), it prunes the M - N weights per row with the lowest saliency
-    w^2 / [H^-1]_jj^2 among the group's weights as updated so far, so one error feedback absorbs both the
-    pruning and the rounding error. Pruned weights get the zero point's code (exactly zero); requires sym.
     cross: [K, K] = 2/n (X_ref - X)^T X from HessianAccumulator (GPTAQ, Li et al. 2025): besides each column's
     rounding error, the update also cancels the drift between the quantized model's inputs X and the
     full-precision model's X_ref, so the layer matches the full-precision outputs rather than its own.
@@ -49,10 +44,8 @@ def gptq_quantize_weight(
     """
     n, k = weight.shape
     scheme.check(k)
-    if (mask is not None or prune_nm is not None) and not scheme.sym:
+    if mask is not None and not scheme.sym:
         raise LLMOptError("keeping a sparsity mask through GPTQ needs --sym (zero must be representable)")
-    if mask is not None and prune_nm is not None:
-        raise LLMOptError("give a fixed sparsity mask or a pattern to prune by, not both")
     w = weight.detach().float().clone()
     h = hessian.detach().float().clone()
     dead = torch.diag(h) == 0
@@ -66,10 +59,7 @@ def gptq_quantize_weight(
 
     static = None
     if static_groups or scheme.group_size == -1:
-        # With joint pruning, ranges fit the weights that will survive: a provisional N:M mask from the
-        # one-shot saliency w^2 / diag(H^-1) zeroes the rest, and zeros cost nothing in a symmetric grid.
-        source = w if prune_nm is None else w.masked_fill(_provisional_nm_mask(w, h, damp, prune_nm), 0)
-        flat = source.reshape(n * (k // width), width)
+        flat = w.reshape(n * (k // width), width)
         s, z = qparams(flat, scheme)
         static = (s.view(n, -1), z.view(n, -1))
 
@@ -92,11 +82,6 @@ def gptq_quantize_weight(
     column_group = (torch.arange(k) // width if perm is None else perm // width).tolist()
     group_at = column_group if static is not None else [col // width for col in range(k)]
     mask_t = None if mask is None else mask.t().contiguous()
-    if prune_nm is not None:
-        mask_t = torch.zeros(k, n, dtype=torch.bool)  # [K, N] in quantization order, decided group by group
-        natural = torch.arange(k) if perm is None else perm
-        position = torch.argsort(natural)  # natural column -> position in quantization order
-        group_done = [False] * (k // prune_nm[1])
 
     for i1 in range(0, k, block_size):
         i2 = min(i1 + block_size, k)
@@ -107,11 +92,6 @@ def gptq_quantize_weight(
         for i in range(i2 - i1):
             col = i1 + i
             g = group_at[col]
-            if prune_nm is not None and not group_done[int(natural[col]) // prune_nm[1]]:
-                group = int(natural[col]) // prune_nm[1]
-                group_done[group] = True
-                _prune_group(w, w1, err1, hinv, mask_t, position, group, prune_nm, i1, i2, i,
-                             before1, correction)
             if static is None and col % width == 0:
                 # Groups form in quantization order, from the weights as updated so far.
                 upcoming = torch.cat([w1[i:], w[:, i2:].t()], dim=0)[:width]  # [width, N]
@@ -144,50 +124,23 @@ def gptq_quantize_weight(
                            None if bias is None else bias.detach().float().clone())
 
 
-def _provisional_nm_mask(w: torch.Tensor, h: torch.Tensor, damp: float, nm: tuple[int, int]) -> torch.Tensor:
-    """[N, K] True where OBS saliency w^2 / diag(H^-1) is among the M - N lowest of each M-group (one shot)."""
-    from llmopt.prune.masks import nm_mask
+def prune_and_quantize_weight(weight: torch.Tensor, hessian: torch.Tensor, scheme: QuantScheme,
+                              nm: tuple[int, int], prune_damp: float = 0.01, **gptq_options) -> QuantizedWeight:
+    """SparseGPT to N:M in natural order, then GPTQ over the survivors keeping the pruned weights exactly zero,
+    from one Hessian. (Choosing the mask inside GPTQ's loop, SparseGPT's joint mode, measured worse on SmolLM2:
+    act-order matters for the rounding, natural order for N:M selection; docs/results/pruning.md.)"""
+    from llmopt.prune.sparsegpt import sparsegpt_prune_weight
 
-    diag_mean = torch.mean(torch.diag(h))
-    hinv_diag = torch.diag(torch.cholesky_inverse(torch.linalg.cholesky(
-        h + damp * diag_mean * torch.eye(h.shape[0], dtype=h.dtype))))
-    return nm_mask(w.pow(2) / hinv_diag.unsqueeze(0), *nm)
-
-
-def _prune_group(w, w1, err1, hinv, mask_t, position, group, nm, i1, i2, i, before1, correction) -> None:
-    """Choose the pruned weights of natural M-group `group` from the weights as updated so far.
-
-    w [N, K] holds columns >= i2 before this block's pending update err1 [B, N] @ hinv[i1:i2, i2:] (and the
-    GPTAQ correction before1 [B, N] @ correction[i1:i2, i2:]);
-    w1 [B, N] holds this block's columns, current. Every member sits at a position >= i1 + i.
-    """
-    n_keep, m = nm
-    members = position[group * m:(group + 1) * m]  # [M] positions in quantization order
-    values = []
-    for pos in members.tolist():
-        if pos < i2:
-            values.append(w1[pos - i1])
-        else:  # apply the pending update of the columns quantized so far in this block
-            value = w[:, pos] - err1[:i].t() @ hinv[i1:i1 + i, pos]
-            if before1 is not None:
-                value = value + before1[:i].t() @ correction[i1:i1 + i, pos]
-            values.append(value)
-    current = torch.stack(values, dim=1)  # [N, M]
-    # OBS cost of zeroing member q given every column not yet quantized: w_q^2 / [(H_SS)^-1]_qq with S the
-    # positions >= p (this column); H^-1 = U^T U gives (H_SS)^-1 = U_SS^T U_SS, so it is |U[p:q+1, q]|^2.
-    p = i1 + i
-    variance = torch.stack([hinv[p:pos + 1, pos].pow(2).sum() for pos in members.tolist()])
-    saliency = current.pow(2) / variance.unsqueeze(0)
-    pruned = torch.topk(saliency, m - n_keep, dim=1, largest=False).indices  # [N, M - N]
-    rows = torch.arange(current.shape[0]).unsqueeze(1)
-    mask_t[members[pruned], rows] = True
+    pruned, mask = sparsegpt_prune_weight(weight, hessian, nm=nm, damp=prune_damp,
+                                          block_size=gptq_options.get("block_size", 128))
+    return gptq_quantize_weight(pruned, hessian, scheme, mask=mask, **gptq_options)
 
 
 class GPTQQuantizer(Quantizer):
     """Collects each linear's Hessian during the pipeline's stage pass, then GPTQ-quantizes the stage.
 
     Weights that are exactly zero in a sparse model (config.sparsity_config) stay zero (the mask is kept);
-    with `prune_pattern` GPTQ prunes to N:M itself while it quantizes (one pass, one error feedback).
+    with `prune_pattern` each linear is pruned to N:M by SparseGPT and then quantized, in one calibration pass.
     """
 
     def __init__(self, config: GPTQConfig, model):
@@ -215,14 +168,17 @@ class GPTQQuantizer(Quantizer):
             hessian = statistics.hessian
             if self.is_ignored(self.full_name(layer_index, name)):
                 continue
-            keep = self.keep_sparsity and self.config.sym and self.config.prune_nm is None
-            mask = (module.weight.data == 0) if keep else None
-            qweight = gptq_quantize_weight(
-                module.weight.data, hessian, self.config.scheme, damp=self.config.damp,
-                block_size=self.config.block_size, act_order=self.config.act_order,
-                static_groups=self.config.static_groups, mse=self.config.mse, mask=mask, bias=module.bias,
-                prune_nm=self.config.prune_nm, cross=statistics.cross, cross_alpha=self.config.gptaq_alpha,
-            )
+            options = dict(damp=self.config.damp, block_size=self.config.block_size,
+                           act_order=self.config.act_order, static_groups=self.config.static_groups,
+                           mse=self.config.mse, bias=module.bias, cross=statistics.cross,
+                           cross_alpha=self.config.gptaq_alpha)
+            if self.config.prune_nm is not None:
+                qweight = prune_and_quantize_weight(module.weight.data, hessian, self.config.scheme,
+                                                    self.config.prune_nm, self.config.prune_damp, **options)
+            else:
+                keep = self.keep_sparsity and self.config.sym
+                qweight = gptq_quantize_weight(module.weight.data, hessian, self.config.scheme,
+                                               mask=(module.weight.data == 0) if keep else None, **options)
             self.store(layer_index, name, module, qweight)
 
 

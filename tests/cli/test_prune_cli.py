@@ -58,13 +58,13 @@ def test_sparse_then_gptq_artifact_carries_both(tiny_llama_dir, tmp_path):
         assert check_nm(qw.dequantize(), 2, 4)
 
 
-def test_joint_prune_and_quantize_in_one_gptq_run(tiny_llama_dir, tmp_path):
+def test_prune_and_quantize_in_one_gptq_run(tiny_llama_dir, tmp_path):
     result = run("quantize", tiny_llama_dir, "--method", "gptq", "--group-size", 32, "--prune-pattern", "2:4",
                  *CALIB, "-o", tmp_path / "q", "--json")
     assert result.exit_code == 0, result.output
     config = json.loads((tmp_path / "q" / "config.json").read_text())
     sparsity = config["sparsity_config"]
-    assert sparsity["sparsity_structure"] == "2:4" and sparsity["method"] == "gptq (joint)"
+    assert sparsity["sparsity_structure"] == "2:4" and sparsity["method"] == "sparsegpt+gptq"
     assert 0.5 <= sparsity["global_sparsity"] < 0.6
     from llmopt.export.read import read_artifact
     from llmopt.prune.masks import check_nm

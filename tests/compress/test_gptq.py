@@ -71,7 +71,8 @@ def test_mask_keeps_pruned_weights_exactly_zero():
 
 @pytest.mark.parametrize("act_order", [False, True])
 @pytest.mark.parametrize("nm", [(2, 4), (4, 8)])
-def test_joint_pruning_gives_the_pattern_and_beats_magnitude_then_gptq(act_order, nm):
+def test_prune_and_quantize_gives_the_pattern_and_beats_magnitude_then_gptq(act_order, nm):
+    from llmopt.compress.gptq import prune_and_quantize_weight
     from llmopt.prune.masks import check_nm, nm_mask
 
     torch.manual_seed(3)
@@ -80,26 +81,26 @@ def test_joint_pruning_gives_the_pattern_and_beats_magnitude_then_gptq(act_order
     acc = HessianAccumulator(128)
     acc.add(x)
     scheme = QuantScheme(4, 32, True)
-    joint = gptq_quantize_weight(w, acc.hessian, scheme, act_order=act_order, prune_nm=nm)
-    dq = joint.dequantize()
+    both = prune_and_quantize_weight(w, acc.hessian, scheme, nm, act_order=act_order)
+    dq = both.dequantize()
     assert check_nm(dq, *nm)
-    pruned_codes = joint.q[dq == 0].long()
-    assert (pruned_codes == 2 ** (scheme.bits - 1)).all()  # pruned weights hold the zero point's code
+    assert (both.q[dq == 0].long() == 2 ** (scheme.bits - 1)).all()  # pruned weights hold the zero point's code
     assert (dq == 0).float().mean() >= 1 - nm[0] / nm[1]
-    # Against pruning by magnitude first, then GPTQ keeping that mask: the joint pass's one error feedback
-    # (and its Hessian-aware choice of what to prune) must give a clearly lower layer-output error.
+    # Against pruning by magnitude, then GPTQ keeping that mask: SparseGPT's Hessian-aware mask and
+    # reconstruction must give a clearly lower layer-output error.
     mask = nm_mask(w.abs(), *nm)
     two_step = gptq_quantize_weight(w.masked_fill(mask, 0), acc.hessian, scheme, act_order=act_order, mask=mask)
     assert output_error(x, w, dq) < 0.9 * output_error(x, w, two_step.dequantize())
 
 
-def test_joint_pruning_needs_sym():
+def test_keeping_a_mask_needs_sym():
     from llmopt.core.errors import LLMOptError
 
     acc = HessianAccumulator(32)
     acc.add(correlated_inputs(k=32))
     with pytest.raises(LLMOptError, match="sym"):
-        gptq_quantize_weight(torch.randn(8, 32), acc.hessian, QuantScheme(4, 16, False), prune_nm=(2, 4))
+        gptq_quantize_weight(torch.randn(8, 32), acc.hessian, QuantScheme(4, 16, False),
+                             mask=torch.zeros(8, 32, dtype=torch.bool))
 
 
 @pytest.mark.parametrize("act_order", [False, True])
