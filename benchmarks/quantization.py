@@ -27,8 +27,9 @@ SETTINGS = {  # name -> quantize options
 }
 METHODS = {  # name -> (method options, calibration)
     "RTN": (["--method", "rtn"], None),
-    "GPTQ": (["--method", "gptq", "--no-act-order"], "c4"),
-    "GPTQ+act-order": (["--method", "gptq", "--act-order"], "c4"),
+    "GPTQ": (["--method", "gptq", "--no-act-order", "--no-gptaq"], "c4"),
+    "GPTQ+act-order": (["--method", "gptq", "--act-order", "--no-gptaq"], "c4"),
+    "GPTAQ": (["--method", "gptq", "--act-order", "--gptaq"], "c4"),  # llmopt's default GPTQ
     "AWQ": (["--method", "awq"], "c4"),
     "RTN+mse": (["--method", "rtn", "--mse"], None),
 }
@@ -36,6 +37,8 @@ METHODS = {  # name -> (method options, calibration)
 PLAN = [
     ("fp32", "-", None),
     ("RTN", "w4g64-sym", None), ("GPTQ+act-order", "w4g64-sym", "c4"), ("AWQ", "w4g64-sym", "c4"),
+    ("GPTAQ", "w4g64-sym", "c4"), ("GPTAQ", "w4g64-sym", "c4,pystdlib"), ("GPTAQ", "w4g64-sym", "pystdlib"),
+    ("GPTAQ", "w3g64-sym", "pystdlib"),
     ("GPTQ", "w4g64-sym", "c4"),
     ("GPTQ+act-order", "w4g64-sym", "pystdlib"), ("GPTQ+act-order", "w4g64-sym", "c4,pystdlib"),
     ("RTN", "w3g64-sym", None), ("GPTQ+act-order", "w3g64-sym", "c4"), ("GPTQ+act-order", "w3g64-sym", "pystdlib"),

@@ -27,7 +27,7 @@ def gptq_quantize_weight(
     mask: torch.Tensor | None = None,
     bias: torch.Tensor | None = None,
     cross: torch.Tensor | None = None,
-    cross_alpha: float = 0.25,
+    cross_alpha: float = 1.0,
 ) -> QuantizedWeight:
     """GPTQ-quantize `weight` [N, K] given the input Hessian [K, K].
 
@@ -38,7 +38,7 @@ def gptq_quantize_weight(
     rounding error, the update also cancels the drift between the quantized model's inputs X and the
     full-precision model's X_ref, so the layer matches the full-precision outputs rather than its own.
     The correction P = alpha * triu(cross @ U^T, 1) @ U (U the upper Cholesky factor of H^-1) moves the
-    columns not yet quantized by w_j P[j, :] as column j is quantized; alpha = 0.25 as in the paper's code.
+    columns not yet quantized by w_j P[j, :] as column j is quantized (alpha = 1: the exact correction).
 
     >>> qw = gptq_quantize_weight(linear.weight, acc.hessian, QuantScheme(4, 64))  # doctest: +SKIP
     """

@@ -126,9 +126,12 @@ def run_layerwise(
         # The layer that runs the samples: the fp32 layer itself, or a lower-precision copy of it.
         runner = layer if compute_dtype == torch.float32 else copy.deepcopy(layer).to(compute_dtype)
         reference = copy.deepcopy(layer).to(compute_dtype) if uses_reference else None
-        for names in algorithm.stages(adapter):
+        stages = algorithm.stages(adapter)
+        for stage, names in enumerate(stages):
+            # The last stage's reference pass runs the whole layer and leaves the uncompressed model's outputs
+            # in reference_hidden (its inputs are not needed again).
             _run_stage(runner, index, names, algorithm, hidden, batches, device_kwargs, device, compute_dtype,
-                       None if reference is None else (reference, reference_hidden))
+                       None if reference is None else (reference, reference_hidden, stage == len(stages) - 1))
             algorithm.process(index, layer, names)
             if runner is not layer:
                 runner.load_state_dict(layer.state_dict())  # copies and casts the changed weights
@@ -139,9 +142,6 @@ def run_layerwise(
             if observe is not None:
                 observe(index, inputs, out)
             hidden[rows] = out.to("cpu", hidden.dtype)
-            if reference is not None:
-                out = _layer_output(reference(reference_hidden[rows].to(device, compute_dtype), **device_kwargs[b]))
-                reference_hidden[rows] = out.to("cpu", hidden.dtype)
         del runner, reference
         layer.to("cpu")
         if progress is not None:
@@ -152,8 +152,9 @@ def run_layerwise(
 def _run_stage(layer, index, names, algorithm, hidden, batches, device_kwargs, device, compute_dtype,
                reference=None) -> None:
     """Feed each batch through `layer` until every linear in `names` has its input, handing the inputs to
-    the algorithm; with `reference` = (unchanged layer, its hidden stream), first collect the same linears'
-    inputs in the uncompressed model and hand them over alongside."""
+    the algorithm; with `reference` = (unchanged layer, its hidden stream, finish), first collect the same
+    linears' inputs in the uncompressed model and hand them over alongside; with `finish`, the reference pass
+    runs to the end and replaces its hidden stream with the layer's outputs."""
     pending: set[str] = set()
     reference_inputs: dict[str, torch.Tensor] = {}
 
@@ -166,7 +167,7 @@ def _run_stage(layer, index, names, algorithm, hidden, batches, device_kwargs, d
             else:
                 algorithm.add_batch(index, name, module, args[0], reference=reference_inputs[name])
             pending.discard(name)
-            if not pending:  # every hooked linear has its input: the rest of the layer is not needed
+            if not pending and not (collect and reference[2]):  # the rest of the layer is not needed
                 raise _StopForward
 
         return hook
@@ -175,9 +176,9 @@ def _run_stage(layer, index, names, algorithm, hidden, batches, device_kwargs, d
         pending.clear()
         pending.update(names)
         try:
-            module(states[rows].to(device, compute_dtype), **device_kwargs[b])
+            return module(states[rows].to(device, compute_dtype), **device_kwargs[b])
         except _StopForward:
-            pass
+            return None
 
     handles = [get_module(layer, n).register_forward_pre_hook(make_hook(n, False)) for n in names]
     if reference is not None:
@@ -185,7 +186,9 @@ def _run_stage(layer, index, names, algorithm, hidden, batches, device_kwargs, d
     try:
         for b, rows in batches:
             if reference is not None:
-                run(reference[0], reference[1], b, rows)
+                out = run(reference[0], reference[1], b, rows)
+                if reference[2]:
+                    reference[1][rows] = _layer_output(out).to("cpu", reference[1].dtype)
             run(layer, hidden, b, rows)
             reference_inputs.clear()
     finally:

@@ -79,14 +79,14 @@ class RecipeRunner:
         _write_json_atomic(path, result)
         return result
 
-    def evaluate(self, model: str, key: str) -> dict:
+    def evaluate(self, model: str, key: str, dtype: str | None = None) -> dict:
         from llmopt.core.datasets import tokenize_corpus
         from llmopt.core.models import load_model
         from llmopt.eval.perplexity import perplexity
         from llmopt.eval.tasks import evaluate_task
 
         spec, out, loaded = self.recipe.evaluate, {}, {}
-        dtype = self.recipe.defaults.dtype
+        dtype = dtype or self.recipe.defaults.dtype
 
         def lm():
             if not loaded:
@@ -149,9 +149,11 @@ class RecipeRunner:
             start = time.perf_counter()
             model, key, stages = self.build_variant(name)
             self.log(f"{name}: evaluating")
+            # A variant that ends in a cast is evaluated in its dtype (bf16 weights and bf16 compute).
+            cast = next((s["facts"]["dtype"] for s in reversed(stages) if s["stage"] == "cast"), None)
             record = {"name": name, "model": model, "cache_key": key, "stages": stages,
-                      "artifact_bytes": _weights_bytes(model),
-                      **self.evaluate(model, key)}
+                      "artifact_bytes": _weights_bytes(model), "eval_dtype": cast or self.recipe.defaults.dtype,
+                      **self.evaluate(model, key, cast)}
             self.log(f"{name}: bench")
             record["bench"] = self.bench(model, key, through_hf=any("bnb" in s for s in self.recipe.variants[name]))
             record["wall_s"] = round(time.perf_counter() - start, 2)

@@ -116,3 +116,37 @@ def _run_bnb(model: str, output: Path, options: dict) -> dict:
 
 
 STAGES.add("bnb", Stage("bnb", _validate_bnb, _run_bnb))
+
+
+# --- cast: the same dense model stored (and evaluated) in another dtype -------------------------------
+CAST_DTYPES = ("bfloat16", "float16", "float32")
+
+
+def _validate_cast(options: dict) -> None:
+    unknown = set(options) - {"dtype", "seed", "calib", "num_samples", "seqlen"}
+    if unknown:
+        raise ConfigError(f"unknown cast option {sorted(unknown)[0]!r}; allowed: dtype")
+    if options.get("dtype") not in CAST_DTYPES:
+        raise ConfigError(f"cast dtype {options.get('dtype')!r}; allowed: {', '.join(CAST_DTYPES)}")
+
+
+def _run_cast(model: str, output: Path, options: dict) -> dict:
+    """Save a dense MODEL's weights in `dtype`; the recipe evaluates the variant in that dtype too."""
+    import time
+
+    import torch
+
+    from llmopt.core.io import atomic_output_dir
+    from llmopt.core.models import load_model
+
+    start = time.perf_counter()
+    lm, tokenizer, _ = load_model(model, dtype=options["dtype"])
+    if getattr(lm.config, "quantization_config", None):
+        raise ConfigError(f"cast needs a dense model; {model} is quantized")
+    with atomic_output_dir(output, overwrite=True) as tmp:
+        lm.to(getattr(torch, options["dtype"])).save_pretrained(tmp)
+        tokenizer.save_pretrained(tmp)
+    return {"dtype": options["dtype"], "wall_s": round(time.perf_counter() - start, 2)}
+
+
+STAGES.add("cast", Stage("cast", _validate_cast, _run_cast))

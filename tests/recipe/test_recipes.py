@@ -71,7 +71,12 @@ def test_ci_smoke_recipe_runs_and_reports(tmp_path):
     assert result.exit_code == 0, result.output
     results = json.loads((tmp_path / "run" / "results.json").read_text())
     names = [v["name"] for v in results["variants"]]
-    assert names[0] == "fp32" and len(names) == 6
+    assert names[0] == "fp32" and len(names) == 7
+    fp32, bf16 = results["variants"][:2]
+    assert bf16["eval_dtype"] == "bfloat16" and fp32["eval_dtype"] == "float32"
+    assert abs(bf16["artifact_bytes"] / fp32["artifact_bytes"] - 0.5) < 0.01
+    assert bf16["ppl"]["pystdlib"] != fp32["ppl"]["pystdlib"]  # evaluated in bf16, not upcast to fp32
+    assert abs(bf16["ppl"]["pystdlib"] / fp32["ppl"]["pystdlib"] - 1) < 0.05
     for v in results["variants"]:
         assert v["ppl"]["pystdlib"] > 1 and v["bench"]["metrics"]["output_throughput"] > 0 and v["artifact_bytes"]
     quantized = next(v for v in results["variants"] if v["name"] == "gptq-w4g32")
