@@ -51,7 +51,7 @@ def quantize(
     damp: Annotated[Optional[float], typer.Option(
         "--damp", help="GPTQ dampening, fraction of mean diag(H) (default 0.1).")] = None,
     gptaq: Annotated[Optional[bool], typer.Option(
-        "--gptaq/--no-gptaq", help="GPTQ: match the full-precision model's outputs (GPTAQ asymmetric calibration).")
+        "--gptaq/--no-gptaq", help="GPTQ: match the full-precision model's outputs (GPTAQ asymmetric calibration; default on).")
     ] = None,
     prune_pattern: Annotated[Optional[str], typer.Option(
         "--prune-pattern", help="GPTQ: SparseGPT-prune each linear to N:M (e.g. 2:4) first, in the same pass.")

@@ -63,7 +63,8 @@ class RTNConfig(QuantizeConfig):
 class GPTQConfig(QuantizeConfig):
     """Defaults chosen on SmolLM2 (docs/results/quantization.md): act-order, MSE-chosen group ranges and
     10% dampening keep GPTQ from over-fitting its calibration text; with the classic settings (no act-order,
-    min/max ranges, 1% dampening) it loses more than RTN, even on text like its calibration data."""
+    min/max ranges, 1% dampening) it loses more than RTN, even on text like its calibration data. GPTAQ
+    (matching the full-precision outputs) then cuts the remaining loss further."""
 
     method: Literal["gptq"] = "gptq"
     mse: bool = True
