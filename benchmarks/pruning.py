@@ -22,7 +22,11 @@ ROWS = [  # name -> list of commands (each: llmopt args with {src} and {out})
     *[(f"{m} 2:4", [["prune", "{src}", "--method", m, "--pattern", "2:4"]]) for m in ("magnitude", "wanda", "sparsegpt")],
     *[(f"{m} 4:8", [["prune", "{src}", "--method", m, "--pattern", "4:8"]]) for m in ("magnitude", "wanda", "sparsegpt")],
     ("sparsegpt 2:4 + GPTQ w4 g64", [["prune", "{src}", "--method", "sparsegpt", "--pattern", "2:4"],
-                                     ["quantize", "{src}", "--method", "gptq", "--bits", "4", "--group-size", "64"]]),
+                                     ["quantize", "{src}", "--method", "gptq", "--bits", "4", "--group-size", "64",
+                                      "--no-gptaq"]]),
+    # One command, one calibration pass: SparseGPT then GPTQ per linear; GPTAQ matches the dense model's outputs.
+    ("sparsegpt 2:4 + GPTQ w4 g64, one pass", [["quantize", "{src}", "--method", "gptq", "--bits", "4",
+                                               "--group-size", "64", "--prune-pattern", "2:4"]]),
     ("sparsegpt 2:4 damp 0.1", [["prune", "{src}", "--method", "sparsegpt", "--pattern", "2:4", "--damp", "0.1"]]),
     ("structured mlp 25%", [["prune", "{src}", "--structured", "mlp", "--ratio", "0.25"]]),
     ("structured heads 25%", [["prune", "{src}", "--structured", "heads", "--ratio", "0.25"]]),
@@ -79,6 +83,7 @@ def markdown(results: list[dict]) -> str:
                           for d in EVAL_SETS]
                     lines.append(f"- {m} {target}: " + ", ".join(fr))
         for a, b in (("sparsegpt 2:4", "wanda 2:4"), ("sparsegpt 2:4 + GPTQ w4 g64", "sparsegpt 2:4"),
+                     ("sparsegpt 2:4 + GPTQ w4 g64, one pass", "sparsegpt 2:4"),
                      ("sparsegpt 2:4 damp 0.1", "wanda 2:4")):
             if a in by_name and b in by_name:
                 ratios = ", ".join(f"{d} {by_name[a]['ppl'][d] / by_name[b]['ppl'][d]:.3f}x" for d in EVAL_SETS)
