@@ -54,8 +54,13 @@ def run_row(name: str, commands: list[list[str]], args, workdir: Path) -> dict:
     info, _ = run_json(["models", "info", src, "--json"])
     prune_facts = facts_all.get("prune")
     # a quantized artifact stores packed codes: count the parameters of the pruned (dense-shaped) model
+    # (pruned inside `quantize --prune-pattern`: the dense model's count; its non-zeros are not counted, "-")
+    pruned_in_quantize = "--prune-pattern" in commands[-1]
+    if pruned_in_quantize:
+        info, _ = run_json(["models", "info", MODEL, "--json"])
     row["num_parameters"] = prune_facts["num_parameters_after"] if prune_facts else info["num_parameters"]
-    row["num_nonzero"] = prune_facts["num_nonzero_after"] if prune_facts else info["num_parameters"]
+    row["num_nonzero"] = (prune_facts["num_nonzero_after"] if prune_facts else
+                          None if pruned_in_quantize else info["num_parameters"])
     row["linear_sparsity"] = prune_facts["linear_sparsity"] if prune_facts else 0.0
     return row
 
@@ -66,7 +71,8 @@ def markdown(results: list[dict]) -> str:
              "peak RSS GB |", "|---|" + "---:|" * (len(EVAL_SETS) + 4)]
     for r in results:
         ppl = " | ".join(f"{r['ppl'][d]:.3f}" for d in EVAL_SETS)
-        lines.append(f"| {r['name']} | {ppl} | {r['num_parameters']:,} | {r['num_nonzero']:,} | "
+        nonzero = "-" if r["num_nonzero"] is None else f"{r['num_nonzero']:,}"
+        lines.append(f"| {r['name']} | {ppl} | {r['num_parameters']:,} | {nonzero} | "
                      f"{r['wall_s'] if r['name'] != 'dense' else '-'} | "
                      f"{r['peak_rss_bytes'] / 2**30:.2f} |" if r["name"] != "dense" else
                      f"| {r['name']} | {ppl} | {r['num_parameters']:,} | {r['num_nonzero']:,} | - | - |")
