@@ -39,7 +39,7 @@ variants:
     (GOOD.replace("name: t", "name: t\ndefaults: {num_samples: many}"), r":2: defaults.num_samples: .*integer"),
     (GOOD.replace("group_size: 32", "group_size: 32, colour: red"), r":6: variants.q\[0\].quantize: .*colour"),
     (GOOD.replace("bits: 4", "bits: 5"), r":6: variants.q\[0\].quantize: .*bits"),
-    (GOOD.replace("quantize:", "distil:"), r"unknown stage 'distil'; allowed: bnb, prune, quantize"),
+    (GOOD.replace("quantize:", "distil:"), r"unknown stage 'distil'; allowed: bnb, cast, prune, quantize"),
     (GOOD + "baseline: nope\n", r"baseline 'nope' is not a variant; allowed: fp32, q"),
     (GOOD + "evaluate: {tasks: {names: [mmlu]}}\n", r":7: evaluate.tasks.names: .*unknown task 'mmlu'; allowed:"),
 ])
