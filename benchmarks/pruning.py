@@ -51,13 +51,11 @@ def run_row(name: str, commands: list[list[str]], args, workdir: Path) -> dict:
         src = str(out)
     row = {"name": name, "commands": ["llmopt " + " ".join(c) for c in commands], "wall_s": round(wall, 1),
            "peak_rss_bytes": peak, "ppl": evaluate(src, args.eval_tokens)}
-    info, _ = run_json(["models", "info", src, "--json"])
     prune_facts = facts_all.get("prune")
     # a quantized artifact stores packed codes: count the parameters of the pruned (dense-shaped) model
     # (pruned inside `quantize --prune-pattern`: the dense model's count; its non-zeros are not counted, "-")
     pruned_in_quantize = "--prune-pattern" in commands[-1]
-    if pruned_in_quantize:
-        info, _ = run_json(["models", "info", MODEL, "--json"])
+    info, _ = run_json(["models", "info", MODEL if pruned_in_quantize else src, "--json"])
     row["num_parameters"] = prune_facts["num_parameters_after"] if prune_facts else info["num_parameters"]
     row["num_nonzero"] = (prune_facts["num_nonzero_after"] if prune_facts else
                           None if pruned_in_quantize else info["num_parameters"])

@@ -36,12 +36,13 @@ class QuantizeResult:
 
 def check_model_fits(model, config: QuantizeConfig) -> None:
     """Fail before any work if the scheme cannot apply to some linear (e.g. group size not dividing K)."""
-    nm = getattr(config, "prune_nm", None)
-    for name, linear in quantizable_linears(model).items():
+    linears = quantizable_linears(model)
+    for name, linear in linears.items():
         config.scheme.check(linear.in_features, name)
-        if nm is not None and linear.in_features % nm[1]:
-            raise ConfigError(f"prune pattern {nm[0]}:{nm[1]} needs in_features divisible by {nm[1]}: "
-                              f"{name} has {linear.in_features}")
+    if getattr(config, "prune_nm", None) is not None:
+        from llmopt.prune.masks import check_nm_fits
+
+        check_nm_fits(linears, config.prune_nm)
 
 
 def quantize_model(model, tokenizer, config: QuantizeConfig,

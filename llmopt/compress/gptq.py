@@ -106,7 +106,7 @@ def gptq_quantize_weight(
             err = (wcol - dq) / hinv1[i, i]
             if before1 is not None:
                 before1[i] = wcol
-                w1[i:].addr_(correction[col, i1 + i:i2], before1[i])  # P[j, j] = 0: column j itself stays
+                w1[i:].addr_(correction[col, col:i2], before1[i])  # P[j, j] = 0: column j itself stays
             w1[i:].addr_(hinv1[i, i:], err, alpha=-1)
             err1[i] = err
         w[:, i2:] -= err1.t() @ hinv[i1:i2, i2:]

@@ -155,6 +155,7 @@ def _run_stage(layer, index, names, algorithm, hidden, batches, device_kwargs, d
     the algorithm; with `reference` = (unchanged layer, its hidden stream, finish), first collect the same
     linears' inputs in the uncompressed model and hand them over alongside; with `finish`, the reference pass
     runs to the end and replaces its hidden stream with the layer's outputs."""
+    reference_layer, reference_hidden, finish = reference if reference is not None else (None, None, False)
     pending: set[str] = set()
     reference_inputs: dict[str, torch.Tensor] = {}
 
@@ -162,12 +163,12 @@ def _run_stage(layer, index, names, algorithm, hidden, batches, device_kwargs, d
         def hook(module, args):
             if collect:
                 reference_inputs[name] = args[0]
-            elif reference is None:
+            elif reference_layer is None:
                 algorithm.add_batch(index, name, module, args[0])
             else:
                 algorithm.add_batch(index, name, module, args[0], reference=reference_inputs[name])
             pending.discard(name)
-            if not pending and not (collect and reference[2]):  # the rest of the layer is not needed
+            if not pending and not (collect and finish):  # the rest of the layer is not needed
                 raise _StopForward
 
         return hook
@@ -181,14 +182,14 @@ def _run_stage(layer, index, names, algorithm, hidden, batches, device_kwargs, d
             return None
 
     handles = [get_module(layer, n).register_forward_pre_hook(make_hook(n, False)) for n in names]
-    if reference is not None:
-        handles += [get_module(reference[0], n).register_forward_pre_hook(make_hook(n, True)) for n in names]
+    if reference_layer is not None:
+        handles += [get_module(reference_layer, n).register_forward_pre_hook(make_hook(n, True)) for n in names]
     try:
         for b, rows in batches:
-            if reference is not None:
-                out = run(reference[0], reference[1], b, rows)
-                if reference[2]:
-                    reference[1][rows] = _layer_output(out).to("cpu", reference[1].dtype)
+            if reference_layer is not None:
+                out = run(reference_layer, reference_hidden, b, rows)
+                if finish:
+                    reference_hidden[rows] = _layer_output(out).to("cpu", reference_hidden.dtype)
             run(layer, hidden, b, rows)
             reference_inputs.clear()
     finally:

@@ -12,6 +12,7 @@ from llmopt.compress.base import quantizable_linears
 from llmopt.core.errors import ConfigError
 from llmopt.prune.base import PRUNE_METHODS
 from llmopt.prune.config import SparsityConfig
+from llmopt.prune.masks import check_nm_fits
 
 
 def _load_methods() -> None:
@@ -30,12 +31,8 @@ def sparsify_model(model, tokenizer, config: SparsityConfig,
     from llmopt.core.calibration import apply_algorithm
 
     _load_methods()
-    nm = config.nm
-    if nm is not None:
-        for name, linear in quantizable_linears(model).items():
-            if linear.in_features % nm[1]:
-                raise ConfigError(f"pattern {config.pattern} needs in_features divisible by {nm[1]}: "
-                                  f"{name} has {linear.in_features}")
+    if config.nm is not None:
+        check_nm_fits(quantizable_linears(model), config.nm)
     pruner = PRUNE_METHODS.get(config.method).pruner_cls(config, model)
     start = time.perf_counter()
     facts = apply_algorithm(model, tokenizer, pruner, config.calibration if config.needs_calibration else None,

@@ -18,6 +18,14 @@ def parse_nm(pattern: str) -> tuple[int, int]:
     return n, m
 
 
+def check_nm_fits(linears: dict, nm: tuple[int, int]) -> None:
+    """Fail before any work unless M divides every linear's in_features (`linears`: name -> nn.Linear)."""
+    n, m = nm
+    for name, linear in linears.items():
+        if linear.in_features % m:
+            raise ConfigError(f"pattern {n}:{m} needs in_features divisible by {m}: {name} has {linear.in_features}")
+
+
 def unstructured_mask(scores: torch.Tensor, sparsity: float, per_row: bool = False) -> torch.Tensor:
     """Prune the `sparsity` fraction of lowest scores, over the whole matrix or within each output row."""
     if per_row:
