@@ -121,7 +121,9 @@ class Recipe(_Strict):
 
     def stage_options(self, options: dict) -> dict:
         """A stage's options with the recipe's calibration defaults filled in."""
-        return {**{k: getattr(self.defaults, k) for k in ("calib", "num_samples", "seqlen", "seed")}, **options}
+        from llmopt.recipe.stages import DEFAULTED_KEYS
+
+        return {**{k: getattr(self.defaults, k) for k in DEFAULTED_KEYS}, **options}
 
 
 def _line_of(node, loc: tuple) -> int | None:

@@ -14,6 +14,9 @@ from llmopt.core.errors import ConfigError
 from llmopt.core.registry import Registry
 
 CALIBRATION_KEYS = ("calib", "num_samples", "seqlen", "batch_size", "seed", "device", "compute_dtype")
+# The recipe's `defaults` filled into every stage's options (Recipe.stage_options); stages that take no
+# calibration accept and ignore them.
+DEFAULTED_KEYS = ("calib", "num_samples", "seqlen", "seed")
 QUANT_FORMAT_DEFAULT = {"rtn": "compressed-tensors", "gptq": "gptq", "awq": "awq"}
 
 
@@ -78,7 +81,7 @@ BNB_TYPES = ("nf4", "fp4", "int8")
 
 
 def _validate_bnb(options: dict) -> None:
-    unknown = set(options) - {"quant_type", "compute_dtype", "seed", "calib", "num_samples", "seqlen"}
+    unknown = set(options) - {"quant_type", "compute_dtype", *DEFAULTED_KEYS}
     if unknown:
         raise ConfigError(f"unknown bnb option {sorted(unknown)[0]!r}; allowed: quant_type, compute_dtype")
     if options.get("quant_type", "nf4") not in BNB_TYPES:
@@ -123,7 +126,7 @@ CAST_DTYPES = ("bfloat16", "float16", "float32")
 
 
 def _validate_cast(options: dict) -> None:
-    unknown = set(options) - {"dtype", "seed", "calib", "num_samples", "seqlen"}
+    unknown = set(options) - {"dtype", *DEFAULTED_KEYS}
     if unknown:
         raise ConfigError(f"unknown cast option {sorted(unknown)[0]!r}; allowed: dtype")
     if options.get("dtype") not in CAST_DTYPES:
