@@ -177,7 +177,7 @@ class AWQQuantizer(Quantizer):
                         x = x / transforms[name]
                     self.search[key] = search_clip(x, module.weight.data.cpu(), scheme, cfg.clip_grid,
                                                    cfg.max_clip_shrink)
-                module.weight.data = clip_weight(module.weight.data, self.search[key], scheme)
+                module.weight.data.copy_(clip_weight(module.weight.data, self.search[key], scheme))
             self.store(layer_index, name, module, quantize_rtn(module.weight.data, scheme, cfg.mse, module.bias))
         self.inputs.clear()
         self.abs_sums.clear()

@@ -32,7 +32,10 @@ class Quantizer:
 
     def store(self, layer_index: int, name: str, module: nn.Linear, qweight: QuantizedWeight) -> None:
         self.results[self.full_name(layer_index, name)] = qweight
-        module.weight.data = qweight.dequantize(module.weight.dtype).to(module.weight.device)
+        # In place: a model loaded from safetensors is backed by the file's memory map; writing into it keeps
+        # one copy of each weight resident, where a new tensor would leave the mapped pages resident beside it
+        # (peak RSS +540 MB on SmolLM2).
+        module.weight.data.copy_(qweight.dequantize(module.weight.dtype))
 
     def stages(self, adapter: ArchAdapter) -> list[tuple[str, ...]]:
         return [adapter.linears]

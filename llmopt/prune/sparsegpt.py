@@ -84,7 +84,7 @@ class SparseGPTPruner(Pruner):
                 continue
             new, mask = sparsegpt_prune_weight(module.weight.data, hessian, self.config.sparsity, self.config.nm,
                                                self.config.damp, self.config.block_size)
-            module.weight.data = new.to(module.weight.dtype)
+            module.weight.data.copy_(new)  # in place: see Quantizer.store
             self.masks[self.full_name(layer_index, name)] = mask
 
 

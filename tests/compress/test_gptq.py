@@ -25,6 +25,21 @@ def test_hessian_accumulator_is_two_over_n_xtx():
     torch.testing.assert_close(acc.hessian, 2 / 300 * x.t() @ x, rtol=1e-5, atol=1e-5)
 
 
+def test_bf16_inputs_accumulate_as_exactly_as_fp32():
+    """bf16 calibration inputs take the bf16 matmul units with fp32 accumulation: batch by batch, H and the
+    GPTAQ cross term agree with a float64 computation to fp32 rounding, and the global setting is restored."""
+    torch.manual_seed(0)
+    x = (torch.randn(3000, 96) * 3).bfloat16()
+    x_ref = (x.float() + 0.05 * torch.randn(3000, 96)).bfloat16()
+    acc = HessianAccumulator(96)
+    for rows in (slice(0, 1000), slice(1000, 1800), slice(1800, 3000)):
+        acc.add(x[rows], reference=x_ref[rows])
+    x64, ref64 = x.double(), x_ref.double()
+    torch.testing.assert_close(acc.hessian.double(), 2 / 3000 * x64.t() @ x64, rtol=1e-5, atol=1e-4)
+    torch.testing.assert_close(acc.cross.double(), 2 / 3000 * (ref64 - x64).t() @ x64, rtol=1e-4, atol=1e-4)
+    assert torch.backends.mkldnn.matmul.fp32_precision == "none"
+
+
 @pytest.mark.parametrize("scheme", [QuantScheme(4, 32, True), QuantScheme(4, 32, False), QuantScheme(3, -1, True)])
 @pytest.mark.parametrize("act_order,static_groups", [(False, True), (True, True), (True, False), (False, False)])
 def test_gptq_beats_rtn_on_layer_output_error(scheme, act_order, static_groups):
@@ -123,3 +138,4 @@ def test_gptaq_matches_the_full_precision_outputs_better_than_gptq(act_order):
 
     assert error(gptaq) < 0.85 * error(plain)
     torch.testing.assert_close(acc.cross, 2 / 2048 * (x_ref - x).t() @ x, rtol=1e-4, atol=1e-4)
+
