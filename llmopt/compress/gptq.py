@@ -162,24 +162,45 @@ class GPTQQuantizer(Quantizer):
     def process(self, layer_index, layer, names):
         from llmopt.core.adapters import get_module
 
+        # Linears fed the same input share one Hessian (q/k/v, gate/up). GPTQ treats the rows of a weight
+        # independently given H, so they are quantized as one stacked weight: the same result, with a third of
+        # the column loop's per-column overhead for q/k/v.
+        groups: list[tuple[object, list]] = []  # (statistics, [(name, module)])
         for name in names:
-            module = get_module(layer, name)
             statistics = self.hessians.take(name)
-            hessian = statistics.hessian
             if self.is_ignored(self.full_name(layer_index, name)):
                 continue
+            member = (name, get_module(layer, name))
+            for shared, members in groups:
+                if shared is statistics:
+                    members.append(member)
+                    break
+            else:
+                groups.append((statistics, [member]))
+        for statistics, members in groups:
+            weight = torch.cat([module.weight.data for _, module in members])  # [sum N, K]
             options = dict(damp=self.config.damp, block_size=self.config.block_size,
                            act_order=self.config.act_order, static_groups=self.config.static_groups,
-                           mse=self.config.mse, bias=module.bias, cross=statistics.cross,
-                           cross_alpha=self.config.gptaq_alpha)
+                           mse=self.config.mse, cross=statistics.cross, cross_alpha=self.config.gptaq_alpha)
             if self.config.prune_nm is not None:
-                qweight = prune_and_quantize_weight(module.weight.data, hessian, self.config.scheme,
+                stacked = prune_and_quantize_weight(weight, statistics.hessian, self.config.scheme,
                                                     self.config.prune_nm, self.config.prune_damp, **options)
             else:
                 keep = self.keep_sparsity and self.config.sym
-                qweight = gptq_quantize_weight(module.weight.data, hessian, self.config.scheme,
-                                               mask=(module.weight.data == 0) if keep else None, **options)
-            self.store(layer_index, name, module, qweight)
+                stacked = gptq_quantize_weight(weight, statistics.hessian, self.config.scheme,
+                                               mask=(weight == 0) if keep else None, **options)
+            first = 0
+            for name, module in members:
+                rows = slice(first, first + module.out_features)
+                first = rows.stop
+                self.store(layer_index, name, module, rows_of(stacked, rows, module.bias))
+
+
+def rows_of(stacked: QuantizedWeight, rows: slice, bias: torch.Tensor | None) -> QuantizedWeight:
+    """The QuantizedWeight of some output rows of a stacked one (g_idx is shared by all rows)."""
+    return QuantizedWeight(stacked.q[rows].contiguous(), stacked.scales[rows].contiguous(),
+                           stacked.zeros[rows].contiguous(), stacked.g_idx.clone(), stacked.scheme,
+                           None if bias is None else bias.detach().float().clone())
 
 
 QUANT_METHODS.add("gptq", QuantMethod("gptq", GPTQConfig, GPTQQuantizer))

@@ -139,3 +139,24 @@ def test_gptaq_matches_the_full_precision_outputs_better_than_gptq(act_order):
     assert error(gptaq) < 0.85 * error(plain)
     torch.testing.assert_close(acc.cross, 2 / 2048 * (x_ref - x).t() @ x, rtol=1e-4, atol=1e-4)
 
+
+
+@pytest.mark.parametrize("act_order", [False, True])
+def test_stacked_rows_quantize_as_they_would_alone(act_order):
+    """GPTQQuantizer stacks linears that share a Hessian (q/k/v, gate/up): rows are independent given H, so
+    each part of the stacked result equals quantizing that weight on its own (with the GPTAQ term too)."""
+    from llmopt.compress.gptq import rows_of
+
+    torch.manual_seed(5)
+    x = correlated_inputs(k=64)
+    acc = HessianAccumulator(64)
+    acc.add(x, reference=x + 0.05 * torch.randn_like(x))
+    scheme = QuantScheme(4, 16, True)
+    w1, w2 = torch.randn(24, 64), torch.randn(8, 64)
+    options = dict(act_order=act_order, mse=True, damp=0.1, cross=acc.cross)
+    stacked = gptq_quantize_weight(torch.cat([w1, w2]), acc.hessian, scheme, **options)
+    for w, rows in ((w1, slice(0, 24)), (w2, slice(24, 32))):
+        alone = gptq_quantize_weight(w, acc.hessian, scheme, **options)
+        part = rows_of(stacked, rows, None)
+        assert torch.equal(part.q, alone.q) and torch.equal(part.g_idx, alone.g_idx)
+        torch.testing.assert_close(part.scales, alone.scales)
