@@ -29,7 +29,6 @@ demo: $(STAMP)
 	$(BIN)/python scripts/demo.py
 	$(BIN)/llmopt recipe run recipes/demo.yaml -o runs/demo > /dev/null
 	$(BIN)/llmopt report runs/demo -o runs/demo/report.html --markdown runs/demo/report.md
-	@cat runs/demo/report.md
 	@echo "report: runs/demo/report.html (Markdown: runs/demo/report.md)"
 
 test: $(STAMP)

@@ -12,7 +12,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from llmopt.compress.quant import QuantizedWeight
-from llmopt.runtime.kernels.quant_matmul import can_pack_int4, int4_matmul, int8_matmul, pack_int4, pack_int8
+from llmopt.runtime.kernels.quant_matmul import (can_pack_int4, int4_dequantize, int4_matmul, int8_matmul, pack_int4,
+                                                 pack_int8, pack_nibbles)
 
 
 class _QuantLinearBase(nn.Module):
@@ -39,7 +40,13 @@ class _QuantLinearBase(nn.Module):
 
 
 class Int4PackedLinear(_QuantLinearBase):
+    """aten's int4 kernel for few rows (decode: it reads 4-bit weights, the memory-bound case); for many rows
+    (prefill, large decode batches) the weight is dequantized whole and multiplied by the dense GEMM, which on
+    CPUs with bf16 matrix units is several times faster than the int4 kernel there (docs/results/runtime.md).
+    The plain nibble copy for that costs another half byte per weight."""
+
     kind = "int4"
+    dequantize_min_rows = 256  # the measured crossover on SmolLM2's shapes, bf16, 2 cores (benchmarks/int4_matmul.py)
 
     def __init__(self, qweight: QuantizedWeight, dtype: torch.dtype):
         super().__init__(qweight, dtype)
@@ -47,8 +54,11 @@ class Int4PackedLinear(_QuantLinearBase):
             qweight.q, qweight.scales, qweight.zeros, qweight.scheme.group_size, dtype)
         self.register_buffer("packed", packed)
         self.register_buffer("scales_and_offsets", scales_and_offsets)
+        self.register_buffer("nibbles", pack_nibbles(qweight.q))
 
     def _matmul(self, x2d):
+        if x2d.shape[0] >= self.dequantize_min_rows:
+            return F.linear(x2d, int4_dequantize(self.nibbles, self.scales_and_offsets, self.kernel_group))
         return int4_matmul(x2d, self.packed, self.scales_and_offsets, self.kernel_group)
 
 

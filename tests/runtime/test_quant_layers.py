@@ -39,12 +39,23 @@ def test_int4_packed_matches_reference(n, k, bits, group_size, sym, dtype):
     qw = qweight(n, k, bits, group_size, sym, bias=True)
     layer = quantized_linear(qw, dtype)
     assert isinstance(layer, Int4PackedLinear)
-    x = torch.randn(2, 5, k)
-    y = layer(x.to(dtype))
-    assert y.shape == (2, 5, n) and y.dtype == dtype
-    expected = reference(x.reshape(-1, k).to(dtype), qw).reshape(2, 5, n)
     tol = 1e-4 if dtype == torch.float32 else 5e-2
-    torch.testing.assert_close(y.float(), expected.float(), rtol=tol, atol=tol * expected.abs().max().item())
+    for rows in (5, layer.dequantize_min_rows):  # the int4 kernel, then the dequantize-whole path
+        x = torch.randn(2, rows, k)
+        y = layer(x.to(dtype))
+        assert y.shape == (2, rows, n) and y.dtype == dtype
+        expected = reference(x.reshape(-1, k).to(dtype), qw).reshape(2, rows, n)
+        torch.testing.assert_close(y.float(), expected.float(), rtol=tol, atol=tol * expected.abs().max().item())
+
+
+def test_int4_dequantize_is_the_kernels_weight():
+    """Dequantizing the nibble copy gives exactly what the int4 kernel multiplies by (x = identity)."""
+    from llmopt.runtime.kernels.quant_matmul import int4_dequantize, int4_matmul
+
+    layer = quantized_linear(qweight(48, 192, 4, 96, False), torch.float32)
+    dense = int4_dequantize(layer.nibbles, layer.scales_and_offsets, layer.kernel_group)
+    through_kernel = int4_matmul(torch.eye(192), layer.packed, layer.scales_and_offsets, layer.kernel_group).t()
+    torch.testing.assert_close(dense, through_kernel, rtol=1e-6, atol=1e-6)
 
 
 @pytest.mark.parametrize("sym", [True, False])

@@ -59,6 +59,24 @@ def int4_matmul(x: torch.Tensor, packed: torch.Tensor, scales_and_offsets: torch
     return torch.ops.aten._weight_int4pack_mm_for_cpu(x, packed, kernel_group, scales_and_offsets)
 
 
+def pack_nibbles(q: torch.Tensor) -> torch.Tensor:
+    """Codes [N, K] (< 16, K even) -> [N, K/2] uint8, column 2j in the low nibble and 2j+1 in the high one:
+    a plain layout beside aten's tiled one, for dequantizing the weight whole."""
+    q = q.to(torch.uint8)
+    return (q[:, 0::2] | (q[:, 1::2] << 4)).contiguous()
+
+
+def int4_dequantize(nibbles: torch.Tensor, scales_and_offsets: torch.Tensor, kernel_group: int) -> torch.Tensor:
+    """The dense weight [N, K] in the dtype of scales_and_offsets, w = (q - 8) * scale + offset per kernel
+    group: the same arithmetic as `_weight_int4pack_mm_for_cpu`."""
+    n = nibbles.shape[0]
+    dtype = scales_and_offsets.dtype
+    q = torch.stack([nibbles & 15, nibbles >> 4], dim=-1).reshape(n, -1, kernel_group).to(dtype)  # [N, G', g]
+    scales = scales_and_offsets[..., 0].t().unsqueeze(-1)  # [N, G', 1]
+    offsets = scales_and_offsets[..., 1].t().unsqueeze(-1)
+    return torch.addcmul(offsets, q - 8, scales).reshape(n, -1)
+
+
 def pack_int8(q: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor, dtype: torch.dtype
               ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
     """Per-channel 8-bit codes [N, K], scales/zeros [N, 1] -> (signed codes, scales [N], correction [N] or None).

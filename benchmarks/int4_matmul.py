@@ -1,0 +1,59 @@
+"""When does dequantizing an int4 weight whole and running the dense GEMM beat aten's int4 kernel on CPU?
+
+SmolLM2-135M's linear shapes, bf16 activations, w4 g64 codes; rows M = tokens in the step. Prints a table and
+writes docs/results/int4_matmul.json. Int4PackedLinear.dequantize_min_rows comes from this crossover.
+
+    python benchmarks/int4_matmul.py
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+SHAPES = {"q/o (576 -> 576)": (576, 576), "k/v (576 -> 192)": (192, 576), "gate/up (576 -> 1536)": (1536, 576),
+          "down (1536 -> 576)": (576, 1536)}
+ROWS = (1, 4, 8, 16, 32, 64, 256, 4096)
+
+
+def best_of(fn, repeats: int = 5) -> float:
+    fn()
+    times = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - start)
+    return min(times)
+
+
+def main() -> None:
+    from llmopt.compress.quant import QuantScheme, quantize_rtn
+    from llmopt.runtime.kernels.quant_matmul import int4_dequantize, int4_matmul
+    from llmopt.runtime.layers import quantized_linear
+
+    rows_out = []
+    print(f"threads {torch.get_num_threads()}; ms per call (int4 kernel / dequantize + dense GEMM)")
+    for label, (n, k) in SHAPES.items():
+        layer = quantized_linear(quantize_rtn(torch.randn(n, k), QuantScheme(4, 64, True)), torch.bfloat16)
+        cells = []
+        for m in ROWS:
+            x = torch.randn(m, k).bfloat16()
+            kernel = best_of(lambda: int4_matmul(x, layer.packed, layer.scales_and_offsets, layer.kernel_group))
+            dense = best_of(lambda: F.linear(x, int4_dequantize(layer.nibbles, layer.scales_and_offsets,
+                                                                layer.kernel_group)))
+            rows_out.append({"shape": label, "rows": m, "int4_kernel_ms": kernel * 1e3, "dequantize_gemm_ms": dense * 1e3})
+            cells.append(f"M={m}: {kernel * 1e3:.2f}/{dense * 1e3:.2f}")
+        print(f"{label:22s} " + "  ".join(cells))
+    out = Path(__file__).parent.parent / "docs" / "results" / "int4_matmul.json"
+    out.parent.mkdir(exist_ok=True)
+    out.write_text(json.dumps({"threads": torch.get_num_threads(), "rows": rows_out}, indent=1))
+    print(f"wrote {out}")
+
+
+if __name__ == "__main__":
+    with torch.inference_mode():
+        main()
