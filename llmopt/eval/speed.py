@@ -53,7 +53,10 @@ def model_cost(model: nn.Module, kv_dtype: torch.dtype) -> ModelCost:
     adapter = adapter_for(model)
     layers = get_module(model, adapter.layers)
     lm_head = get_module(model, adapter.lm_head)
-    weight_bytes = _bytes(list(layers.parameters()) + list(layers.buffers())) + _bytes(lm_head.parameters())
+    # Buffers a layer reads only for many-row steps (int4's plain nibble copy) are not decode traffic.
+    decode_buffers = [b for m in layers.modules() for name, b in m.named_buffers(recurse=False)
+                      if name not in getattr(m, "prefill_only_buffers", ())]
+    weight_bytes = _bytes(list(layers.parameters()) + decode_buffers) + _bytes(lm_head.parameters())
     linear_params = sum(getattr(m, "in_features", 0) * getattr(m, "out_features", 0) for m in layers.modules()
                         if hasattr(m, "in_features") and not list(m.children()))
     linear_params += lm_head.in_features * lm_head.out_features

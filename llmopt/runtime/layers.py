@@ -46,6 +46,7 @@ class Int4PackedLinear(_QuantLinearBase):
     The plain nibble copy for that costs another half byte per weight."""
 
     kind = "int4"
+    prefill_only_buffers = ("nibbles",)  # not decode traffic (eval.speed.model_cost)
     dequantize_min_rows = 256  # the measured crossover on SmolLM2's shapes, bf16, 2 cores (benchmarks/int4_matmul.py)
 
     def __init__(self, qweight: QuantizedWeight, dtype: torch.dtype):

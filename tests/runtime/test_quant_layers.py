@@ -109,3 +109,18 @@ def test_artifact_with_packed_kernels_matches_dequantized(gptq_artifact):
     ps = [[5, 9, 200, 31], list(range(40, 77))]
     expected = [hf_generate(packed, tok, [p], params)[0] for p in ps]
     assert Engine(packed, tok, EngineConfig(block_size=4, kv_cache_bytes=2**20)).generate(ps, params) == expected
+
+
+def test_decode_bytes_count_the_int4_kernel_weights_not_the_prefill_copy(gptq_artifact):
+    """MBU's bytes per decode step: int4 linears count their packed weights and scales, not the nibble copy
+    that only many-row steps read."""
+    from llmopt.eval.speed import model_cost
+
+    packed, _, _ = load_model(str(gptq_artifact), packed_kernels=True)
+    int4 = [m for m in packed.modules() if isinstance(m, Int4PackedLinear)]
+    nibble_bytes = sum(m.nibbles.numel() for m in int4)
+    everything = sum(t.numel() * t.element_size() for t in list(packed.model.layers.parameters())
+                     + list(packed.model.layers.buffers()))
+    lm_head = packed.lm_head.weight
+    assert model_cost(packed, torch.float32).weight_bytes == (
+        everything - nibble_bytes + lm_head.numel() * lm_head.element_size())
