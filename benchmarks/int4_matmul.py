@@ -9,7 +9,6 @@ writes docs/results/int4_matmul.json. Int4PackedLinear.dequantize_min_rows comes
 from __future__ import annotations
 
 import json
-import time
 from pathlib import Path
 
 import torch
@@ -20,18 +19,9 @@ SHAPES = {"q/o (576 -> 576)": (576, 576), "k/v (576 -> 192)": (192, 576), "gate/
 ROWS = (1, 4, 8, 16, 32, 64, 256, 4096)
 
 
-def best_of(fn, repeats: int = 5) -> float:
-    fn()
-    times = []
-    for _ in range(repeats):
-        start = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - start)
-    return min(times)
-
-
 def main() -> None:
     from llmopt.compress.quant import QuantScheme, quantize_rtn
+    from llmopt.eval.speed import _timed  # best of 5 calls
     from llmopt.runtime.kernels.quant_matmul import int4_dequantize, int4_matmul
     from llmopt.runtime.layers import quantized_linear
 
@@ -42,9 +32,9 @@ def main() -> None:
         cells = []
         for m in ROWS:
             x = torch.randn(m, k).bfloat16()
-            kernel = best_of(lambda: int4_matmul(x, layer.packed, layer.scales_and_offsets, layer.kernel_group))
-            dense = best_of(lambda: F.linear(x, int4_dequantize(layer.nibbles, layer.scales_and_offsets,
-                                                                layer.kernel_group)))
+            kernel = _timed(lambda: int4_matmul(x, layer.packed, layer.scales_and_offsets, layer.kernel_group), "cpu")
+            dense = _timed(lambda: F.linear(x, int4_dequantize(layer.nibbles, layer.scales_and_offsets,
+                                                               layer.kernel_group)), "cpu")
             rows_out.append({"shape": label, "rows": m, "int4_kernel_ms": kernel * 1e3, "dequantize_gemm_ms": dense * 1e3})
             cells.append(f"M={m}: {kernel * 1e3:.2f}/{dense * 1e3:.2f}")
         print(f"{label:22s} " + "  ".join(cells))

@@ -165,19 +165,12 @@ class GPTQQuantizer(Quantizer):
         # Linears fed the same input share one Hessian (q/k/v, gate/up). GPTQ treats the rows of a weight
         # independently given H, so they are quantized as one stacked weight: the same result, with a third of
         # the column loop's per-column overhead for q/k/v.
-        groups: list[tuple[object, list]] = []  # (statistics, [(name, module)])
+        groups: dict[int, tuple[object, list]] = {}  # id(statistics) -> (statistics, [(name, module)])
         for name in names:
             statistics = self.hessians.take(name)
-            if self.is_ignored(self.full_name(layer_index, name)):
-                continue
-            member = (name, get_module(layer, name))
-            for shared, members in groups:
-                if shared is statistics:
-                    members.append(member)
-                    break
-            else:
-                groups.append((statistics, [member]))
-        for statistics, members in groups:
+            if not self.is_ignored(self.full_name(layer_index, name)):
+                groups.setdefault(id(statistics), (statistics, []))[1].append((name, get_module(layer, name)))
+        for statistics, members in groups.values():
             weight = torch.cat([module.weight.data for _, module in members])  # [sum N, K]
             options = dict(damp=self.config.damp, block_size=self.config.block_size,
                            act_order=self.config.act_order, static_groups=self.config.static_groups,
