@@ -143,6 +143,8 @@ class GPTQQuantizer(Quantizer):
     with `prune_pattern` each linear is pruned to N:M by SparseGPT and then quantized, in one calibration pass.
     """
 
+    changes_only_stage_linears = True  # see calibration.LayerwiseAlgorithm
+
     def __init__(self, config: GPTQConfig, model):
         super().__init__(config, model)
         self.hessians = SharedInputHessians()

@@ -23,6 +23,9 @@ class ArchAdapter:
     input_norm: str = "input_layernorm"
     post_attention_norm: str = "post_attention_layernorm"
     attention: str = "self_attn"
+    # The attention module's last op: its output is attention_output(its input) (the calibration pipeline
+    # replays it from cached inputs once the other attention linears are final).
+    attention_output: str = "self_attn.o_proj"
     mlp: str = "mlp"
     # Linears of one decoder layer, in GPTQ's "true sequential" order: each inner list is quantized
     # together and the later lists see the already-quantized earlier ones.

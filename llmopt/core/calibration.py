@@ -17,15 +17,17 @@ norms) in fp32; the copy is refreshed from the fp32 layer after every change.
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import ctypes
 import time
+from contextlib import contextmanager
 from typing import Callable, Protocol
 
 import torch
 from torch import nn
 
-from llmopt.core.adapters import ArchAdapter, adapter_for, get_module
+from llmopt.core.adapters import ArchAdapter, adapter_for, get_module, set_module
 
 
 class LayerwiseAlgorithm(Protocol):
@@ -43,6 +45,8 @@ class LayerwiseAlgorithm(Protocol):
 
     # Optional: `uses_reference_inputs = True` makes add_batch receive `reference=`, the same linear's input
     # [..., in_features] for the same tokens in the uncompressed model.
+    # Optional: `changes_only_stage_linears = True` promises that process() changes nothing but the weights of
+    # the stage's linears, which lets later passes replay the attention from cached inputs (_ReplayedAttention).
 
 
 class _StopForward(Exception):
@@ -121,29 +125,38 @@ def run_layerwise(
     batches = [(i, slice(i * batch_size, (i + 1) * batch_size)) for i in range(len(kwargs_per_batch))]
     device_kwargs = [_to(kw, device, compute_dtype) for kw in kwargs_per_batch]
     uses_reference = getattr(algorithm, "uses_reference_inputs", False)
-    reference_hidden = hidden.clone() if uses_reference else None  # the uncompressed model's stream
+    quantized = _Stream(hidden)
+    original = _Stream(hidden.clone()) if uses_reference else None  # the uncompressed model's stream
     for index, layer in enumerate(layers):
         layer.to(device)
         # The layer that runs the samples: the fp32 layer itself, or a lower-precision copy of it.
         runner = layer if compute_dtype == torch.float32 else copy.deepcopy(layer).to(compute_dtype)
-        reference = copy.deepcopy(layer).to(compute_dtype) if uses_reference else None
         stages = algorithm.stages(adapter)
+        replay_from = _attention_replay_start(adapter, algorithm, stages)
+        quantized.start_layer(runner)
+        if original is not None:
+            original.start_layer(copy.deepcopy(layer).to(compute_dtype))
         for stage, names in enumerate(stages):
+            capture = replay_from is not None and stage >= replay_from
             # The last stage's reference pass runs the whole layer and leaves the uncompressed model's outputs
-            # in reference_hidden (its inputs are not needed again).
-            _run_stage(runner, index, names, algorithm, hidden, batches, device_kwargs, device, compute_dtype,
-                       None if reference is None else (reference, reference_hidden, stage == len(stages) - 1))
+            # in the original stream (its inputs are not needed again).
+            _run_stage(quantized, original, index, names, algorithm, batches, device_kwargs, device, compute_dtype,
+                       adapter, capture, finish=stage == len(stages) - 1)
             algorithm.process(index, layer, names)
             if runner is not layer:
                 runner.load_state_dict(layer.state_dict())  # copies and casts the changed weights
         observe = getattr(algorithm, "observe_layer", None)  # optional: sees each layer's input and output
-        for b, rows in batches:  # recompute outputs with the changed weights
-            inputs = hidden[rows].to(device, compute_dtype)
-            out = _layer_output(runner(inputs, **device_kwargs[b]))
-            if observe is not None:
-                observe(index, inputs, out)
-            hidden[rows] = out.to("cpu", hidden.dtype)
-        del runner, reference
+        with quantized.replaying(adapter, device, len(batches)) as replay:
+            for b, rows in batches:  # recompute outputs with the changed weights
+                replay.rows = rows
+                inputs = hidden[rows].to(device, compute_dtype)
+                out = _layer_output(runner(inputs, **device_kwargs[b]))
+                if observe is not None:
+                    observe(index, inputs, out)
+                hidden[rows] = out.to("cpu", hidden.dtype)
+        quantized.layer = runner = None
+        if original is not None:
+            original.layer = None
         layer.to("cpu")
         _release_freed_memory()
         if progress is not None:
@@ -160,21 +173,98 @@ def _release_freed_memory() -> None:
         pass
 
 
-def _run_stage(layer, index, names, algorithm, hidden, batches, device_kwargs, device, compute_dtype,
-               reference=None) -> None:
-    """Feed each batch through `layer` until every linear in `names` has its input, handing the inputs to
-    the algorithm; with `reference` = (unchanged layer, its hidden stream, finish), first collect the same
-    linears' inputs in the uncompressed model and hand them over alongside; with `finish`, the reference pass
-    runs to the end and replaces its hidden stream with the layer's outputs."""
-    reference_layer, reference_hidden, finish = reference if reference is not None else (None, None, False)
+class _Stream:
+    """One stream of hidden states through the layers (the compressed model's, or the original model's for
+    GPTAQ): the layer that runs it, its inputs [S, T, H], and the cached inputs of the layer's attention output
+    projection [S, T, K] once they are final (see _ReplayedAttention)."""
+
+    def __init__(self, hidden: torch.Tensor):
+        self.hidden = hidden
+        self.layer: nn.Module | None = None
+        self.attention_inputs: torch.Tensor | None = None  # allocated once, reused by every layer
+        self.captured: set[int] = set()  # batch indices whose attention inputs are cached for this layer
+
+    def start_layer(self, layer: nn.Module) -> None:
+        self.layer = layer
+        self.captured.clear()
+
+    def capture_hook(self, batch: list):
+        """A pre-hook for the attention output projection that caches its input for batch[0] = (b, rows)."""
+        def hook(module, args):
+            b, rows = batch[0]
+            x = args[0]
+            if self.attention_inputs is None:
+                self.attention_inputs = torch.empty((self.hidden.shape[0], *x.shape[1:]), dtype=x.dtype)
+            self.attention_inputs[rows] = x.to("cpu")
+            self.captured.add(b)
+        return hook
+
+    @contextmanager
+    def replaying(self, adapter: ArchAdapter, device: torch.device, num_batches: int):
+        """Stand in for the layer's attention with its output projection over the cached inputs, when every
+        batch's are cached; yields the stand-in (set its `rows` per batch) or a dummy."""
+        if len(self.captured) < num_batches:
+            yield _NoReplay()
+            return
+        attention = get_module(self.layer, adapter.attention)
+        stand_in = _ReplayedAttention(get_module(self.layer, adapter.attention_output), self.attention_inputs, device)
+        set_module(self.layer, adapter.attention, stand_in)
+        try:
+            yield stand_in
+        finally:
+            set_module(self.layer, adapter.attention, attention)
+
+
+class _NoReplay:
+    rows = None
+
+
+class _ReplayedAttention(nn.Module):
+    """Once every attention linear but the output projection is final (an algorithm that changes only its
+    stage's linears, after the q/k/v stage), the attention's output for a batch is output_proj(A) with A that
+    projection's inputs, cached from one pass. Later passes (the gate/up and down stages, the output
+    recompute; GPTAQ's reference stream too) then skip norm, q/k/v, rotary and SDPA. Exact: A is the same
+    tensor the full attention would produce again."""
+
+    def __init__(self, output_proj: nn.Module, inputs: torch.Tensor, device: torch.device):
+        super().__init__()
+        self.output_proj = output_proj
+        self.inputs, self.device = inputs, device
+        self.rows: slice | None = None
+
+    def forward(self, *args, **kwargs):
+        return self.output_proj(self.inputs[self.rows].to(self.device)), None
+
+
+def _attention_replay_start(adapter: ArchAdapter, algorithm, stages) -> int | None:
+    """The first stage whose passes may cache the attention output projection's inputs: the one after every
+    other attention linear is processed. None when the algorithm may change more than its stage's linears
+    (AWQ scales norms and v_proj for o_proj), which would make the cache stale."""
+    if not getattr(algorithm, "changes_only_stage_linears", False):
+        return None
+    prefix = adapter.attention + "."
+    earlier = [i for i, names in enumerate(stages)
+               if any(n.startswith(prefix) and n != adapter.attention_output for n in names)]
+    return max(earlier) + 1 if earlier else 0
+
+
+def _run_stage(quantized: _Stream, original: _Stream | None, index, names, algorithm, batches, device_kwargs,
+               device, compute_dtype, adapter: ArchAdapter, capture: bool, finish: bool) -> None:
+    """Feed each batch through the quantized stream's layer until every linear in `names` has its input,
+    handing the inputs to the algorithm. With the `original` stream (GPTAQ), first collect the same linears'
+    inputs in the uncompressed model and hand them over alongside; with `finish`, that pass runs to the end
+    and replaces the original stream's hidden states with the layer's outputs. With `capture`, passes that
+    reach the attention output projection cache its inputs (for _ReplayedAttention)."""
     pending: set[str] = set()
     reference_inputs: dict[str, torch.Tensor] = {}
+    current: list = [None]  # (batch index, rows) being run, for the capture hooks
+    num_batches = len(batches)
 
     def make_hook(name, collect):
         def hook(module, args):
             if collect:
                 reference_inputs[name] = args[0]
-            elif reference_layer is None:
+            elif original is None:
                 algorithm.add_batch(index, name, module, args[0])
             else:
                 algorithm.add_batch(index, name, module, args[0], reference=reference_inputs[name])
@@ -184,25 +274,34 @@ def _run_stage(layer, index, names, algorithm, hidden, batches, device_kwargs, d
 
         return hook
 
-    def run(module, states, b, rows):
+    def run(stream, replay, b, rows):
         pending.clear()
         pending.update(names)
+        current[0] = (b, rows)
+        replay.rows = rows
         try:
-            return module(states[rows].to(device, compute_dtype), **device_kwargs[b])
+            return stream.layer(stream.hidden[rows].to(device, compute_dtype), **device_kwargs[b])
         except _StopForward:
             return None
 
-    handles = [get_module(layer, n).register_forward_pre_hook(make_hook(n, False)) for n in names]
-    if reference_layer is not None:
-        handles += [get_module(reference_layer, n).register_forward_pre_hook(make_hook(n, True)) for n in names]
+    streams = [quantized] if original is None else [original, quantized]
+    handles = []
+    for stream in streams:
+        if capture and len(stream.captured) < num_batches:  # registered first: runs before a stopping hook
+            output_proj = get_module(stream.layer, adapter.attention_output)
+            handles.append(output_proj.register_forward_pre_hook(stream.capture_hook(current)))
+        handles += [get_module(stream.layer, n).register_forward_pre_hook(make_hook(n, stream is original))
+                    for n in names]
     try:
-        for b, rows in batches:
-            if reference_layer is not None:
-                out = run(reference_layer, reference_hidden, b, rows)
-                if finish:
-                    reference_hidden[rows] = _layer_output(out).to("cpu", reference_hidden.dtype)
-            run(layer, hidden, b, rows)
-            reference_inputs.clear()
+        with contextlib.ExitStack() as stack:
+            replays = {id(s): stack.enter_context(s.replaying(adapter, device, num_batches)) for s in streams}
+            for b, rows in batches:
+                if original is not None:
+                    out = run(original, replays[id(original)], b, rows)
+                    if finish:
+                        original.hidden[rows] = _layer_output(out).to("cpu", original.hidden.dtype)
+                run(quantized, replays[id(quantized)], b, rows)
+                reference_inputs.clear()
     finally:
         for h in handles:
             h.remove()

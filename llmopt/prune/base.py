@@ -17,6 +17,8 @@ from llmopt.prune.masks import nm_mask, unstructured_mask
 class Pruner(Quantizer):
     """Like a Quantizer (same pipeline, same ignore rules) but the result of each linear is its mask."""
 
+    changes_only_stage_linears = True  # see calibration.LayerwiseAlgorithm
+
     def __init__(self, config: SparsityConfig, model: nn.Module):
         super().__init__(config, model)
         self.masks: dict[str, torch.Tensor] = {}

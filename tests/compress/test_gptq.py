@@ -26,8 +26,9 @@ def test_hessian_accumulator_is_two_over_n_xtx():
 
 
 def test_bf16_inputs_accumulate_as_exactly_as_fp32():
-    """bf16 calibration inputs take the bf16 matmul units with fp32 accumulation: batch by batch, H and the
-    GPTAQ cross term agree with a float64 computation to fp32 rounding, and the global setting is restored."""
+    """bf16 calibration inputs take the bf16 matmul units with fp32 accumulation: batch by batch, H agrees
+    with a float64 computation to fp32 rounding, the GPTAQ cross term to bf16 precision, and the global
+    setting is restored."""
     torch.manual_seed(0)
     x = (torch.randn(3000, 96) * 3).bfloat16()
     x_ref = (x.float() + 0.05 * torch.randn(3000, 96)).bfloat16()
@@ -36,7 +37,9 @@ def test_bf16_inputs_accumulate_as_exactly_as_fp32():
         acc.add(x[rows], reference=x_ref[rows])
     x64, ref64 = x.double(), x_ref.double()
     torch.testing.assert_close(acc.hessian.double(), 2 / 3000 * x64.t() @ x64, rtol=1e-5, atol=1e-4)
-    torch.testing.assert_close(acc.cross.double(), 2 / 3000 * (ref64 - x64).t() @ x64, rtol=1e-4, atol=1e-4)
+    # The cross term takes the bf16 GEMM (a correction: bf16 rounding of the drift and of each product).
+    expected_cross = 2 / 3000 * (ref64 - x64).t() @ x64
+    assert (acc.cross.double() - expected_cross).norm() <= 5e-3 * expected_cross.norm()
     assert torch.backends.mkldnn.matmul.fp32_precision == "none"
 
 

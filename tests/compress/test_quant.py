@@ -50,3 +50,22 @@ def test_bad_schemes_are_clear_errors():
         QuantScheme(4, 128).check(576, "model.layers.0.mlp.up_proj")
     with pytest.raises(ConfigError, match="--bits 5"):
         QuantScheme(5, 64).check(128)
+
+
+@pytest.mark.parametrize("scheme", [QuantScheme(4, 16, True), QuantScheme(3, 16, False), QuantScheme(2, -1, True)])
+def test_mse_qparams_picks_the_ratio_a_direct_search_picks(scheme):
+    from llmopt.compress.quant import fake_quantize
+
+    w = torch.randn(40000, 16) * torch.rand(40000, 1)  # more rows than one chunk of the in-place search
+    scale, zero = mse_qparams(w, scheme)
+    # The search written directly: every ratio's error, then the first minimum per row.
+    ratios = [1 - i / 40 for i in range(int(0.6 * 40) + 1)]
+    errors, params = [], []
+    for ratio in ratios:
+        s, z = compute_qparams(w, scheme, ratio)
+        errors.append((fake_quantize(w, s[:, None], z[:, None], scheme.maxq) - w).abs().pow(2.4).sum(1))
+        params.append((s, z))
+    best = torch.stack(errors).argmin(0)
+    rows = torch.arange(w.shape[0])
+    torch.testing.assert_close(scale, torch.stack([p[0] for p in params])[best, rows])
+    torch.testing.assert_close(zero, torch.stack([p[1] for p in params])[best, rows])

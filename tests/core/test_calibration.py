@@ -98,3 +98,51 @@ def test_reference_stream_is_the_original_model_and_the_main_stream_the_changed_
         torch.testing.assert_close(torch.cat(rec.references[key]), before[key], rtol=1e-5, atol=1e-5)
         torch.testing.assert_close(torch.cat(rec.inputs[key]), after[key], rtol=1e-5, atol=1e-5)
     assert not torch.allclose(before[(1, "mlp.down_proj")], after[(1, "mlp.down_proj")])
+
+
+class StageOnlyRecorder(ReferenceRecorder):
+    """Changes only its stage's linears, and says so: later passes replay the attention from cached inputs."""
+
+    changes_only_stage_linears = True
+
+
+def _count_attention_passes(model):
+    counts = {}
+    for i, layer in enumerate(decoder_layers(model)):
+        def hook(module, args, kwargs, key=i):
+            counts[key] = counts.get(key, 0) + 1
+        layer.self_attn.register_forward_pre_hook(hook, with_kwargs=True)
+    return counts
+
+
+def test_replayed_attention_feeds_the_same_inputs_and_skips_the_attention():
+    import copy
+
+    for compute_dtype in (torch.float32, torch.bfloat16):
+        model, _ = build_tiny_model("llama", seed=0)
+        original = copy.deepcopy(model)
+        ids = torch.randint(0, 256, (7, 16), generator=torch.Generator().manual_seed(2))
+        rec = StageOnlyRecorder()
+        if compute_dtype == torch.float32:  # (a bf16 runner is a copy: its hooks are not the model's)
+            counts = _count_attention_passes(model)
+        run_layerwise(model, ids, rec, batch_size=3, compute_dtype=compute_dtype)
+        if compute_dtype == torch.float32:
+            # 3 batches x 2 streams (the reference layer is a copy, hooks included) x 2 passes: the q/k/v
+            # stage's (stops inside) and the o stage's (caches o's inputs); the gate/up and down stages and the
+            # output recompute replay. Without replay: 3 x (5 + 4) = 27.
+            assert counts == {0: 12, 1: 12}
+        before, after = reference_inputs(original.to(compute_dtype), ids), reference_inputs(model.to(compute_dtype), ids)
+        tolerance = 1e-5 if compute_dtype == torch.float32 else 6e-2  # bf16: rounding in different places
+        for key in before:
+            torch.testing.assert_close(torch.cat(rec.references[key]).float(), before[key].float(),
+                                       rtol=tolerance, atol=tolerance)
+            torch.testing.assert_close(torch.cat(rec.inputs[key]).float(), after[key].float(),
+                                       rtol=tolerance, atol=tolerance)
+
+
+def test_algorithms_that_may_change_other_weights_are_not_replayed():
+    model, _ = build_tiny_model("llama", seed=0)
+    ids = torch.randint(0, 256, (6, 16), generator=torch.Generator().manual_seed(3))
+    counts = _count_attention_passes(model)
+    run_layerwise(model, ids, Recorder(), batch_size=3)
+    assert counts == {0: 10, 1: 10}  # 2 batches x (4 stages + the recompute)
