@@ -13,7 +13,7 @@ from torch import nn
 
 from llmopt.compress.quant import QuantizedWeight
 from llmopt.runtime.kernels.quant_matmul import (can_pack_int4, int4_dequantize, int4_matmul, int8_matmul, pack_int4,
-                                                 pack_int8, pack_nibbles)
+                                                 pack_int4_codes, pack_int8, pack_nibbles, unpack_nibbles)
 
 
 class _QuantLinearBase(nn.Module):
@@ -57,6 +57,29 @@ class Int4PackedLinear(_QuantLinearBase):
         self.register_buffer("scales_and_offsets", scales_and_offsets)
         self.register_buffer("nibbles", pack_nibbles(qweight.q))
 
+    @classmethod
+    def stack(cls, parts: list["Int4PackedLinear"]) -> "Int4PackedLinear":
+        """One layer computing cat([part(x) for part in parts], -1) in one kernel call (q/k/v, gate/up): the
+        parts' rows stacked. Exact: the kernel computes each output column on its own. Needs the same
+        in_features, kernel group and dtype (`can_stack`)."""
+        nibbles = torch.cat([p.nibbles for p in parts])  # [sum N, K/2]
+        fused = cls.__new__(cls)
+        nn.Module.__init__(fused)
+        first = parts[0]
+        fused.in_features, fused.out_features = first.in_features, nibbles.shape[0]
+        fused.dtype, fused.kernel_group = first.dtype, first.kernel_group
+        fused.bias = _stacked_bias(parts, first.dtype)
+        fused.register_buffer("packed", pack_int4_codes(unpack_nibbles(nibbles)))
+        fused.register_buffer("scales_and_offsets", torch.cat([p.scales_and_offsets for p in parts], dim=1))
+        fused.register_buffer("nibbles", nibbles)
+        return fused
+
+    @staticmethod
+    def can_stack(parts: list[nn.Module]) -> bool:
+        first = parts[0]
+        return all(type(p) is Int4PackedLinear and p.in_features == first.in_features and p.dtype == first.dtype
+                   and p.kernel_group == first.kernel_group for p in parts)
+
     def _matmul(self, x2d):
         if x2d.shape[0] >= self.dequantize_min_rows:
             return F.linear(x2d, int4_dequantize(self.nibbles, self.scales_and_offsets, self.kernel_group))
@@ -73,8 +96,37 @@ class Int8PackedLinear(_QuantLinearBase):
         self.register_buffer("scale", scale)
         self.register_buffer("correction", correction)
 
+    @classmethod
+    def stack(cls, parts: list["Int8PackedLinear"]) -> "Int8PackedLinear":
+        """One layer computing cat([part(x) for part in parts], -1) in one kernel call (exact, as for int4)."""
+        fused = cls.__new__(cls)
+        nn.Module.__init__(fused)
+        first = parts[0]
+        fused.in_features, fused.dtype = first.in_features, first.dtype
+        fused.out_features = sum(p.out_features for p in parts)
+        fused.bias = _stacked_bias(parts, first.dtype)
+        fused.register_buffer("signed", torch.cat([p.signed for p in parts]))
+        fused.register_buffer("scale", torch.cat([p.scale for p in parts]))
+        corrections = [p.correction if p.correction is not None else torch.zeros_like(p.scale) for p in parts]
+        has_correction = any(p.correction is not None for p in parts)
+        fused.register_buffer("correction", torch.cat(corrections) if has_correction else None)
+        return fused
+
+    @staticmethod
+    def can_stack(parts: list[nn.Module]) -> bool:
+        first = parts[0]
+        return all(type(p) is Int8PackedLinear and p.in_features == first.in_features and p.dtype == first.dtype
+                   for p in parts)
+
     def _matmul(self, x2d):
         return int8_matmul(x2d, self.signed, self.scale, self.correction)
+
+
+def _stacked_bias(parts: list[nn.Module], dtype: torch.dtype) -> nn.Parameter | None:
+    if all(p.bias is None for p in parts):
+        return None
+    bias = torch.cat([p.bias if p.bias is not None else torch.zeros(p.out_features, dtype=dtype) for p in parts])
+    return nn.Parameter(bias, requires_grad=False)
 
 
 class TritonW4A16Linear(_QuantLinearBase):
@@ -183,8 +235,13 @@ def fuse_linears(parts: list[nn.Module], prepack: bool) -> nn.Module:
     """One module computing cat([part(x) for part in parts], -1).
 
     prepack=False keeps each part's own numerics (a single part is returned as is); prepack=True stacks dense
-    parts into one (prepacked) matmul. Quantized parts always run as themselves."""
+    parts into one (prepacked) matmul, and int4 / int8 packed parts into one kernel call (exact). Other
+    quantized parts run as themselves."""
     dense = all(type(p) is nn.Linear for p in parts)
     if prepack and dense:
         return FusedDenseLinear(parts, prepack=True)
+    if prepack and len(parts) > 1:
+        for packed in (Int4PackedLinear, Int8PackedLinear):
+            if packed.can_stack(parts):
+                return packed.stack(parts)
     return parts[0] if len(parts) == 1 else ConcatLinears(parts)

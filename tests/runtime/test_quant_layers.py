@@ -72,6 +72,23 @@ def test_int8_packed_matches_reference(sym, dtype):
                                atol=tol * expected.abs().max().item())
 
 
+@pytest.mark.parametrize("bits,group_size,sym,kind", [(4, 32, True, Int4PackedLinear), (4, 32, False, Int4PackedLinear),
+                                                      (8, -1, True, Int8PackedLinear), (8, -1, False, Int8PackedLinear)])
+def test_stacked_packed_linears_equal_their_parts_side_by_side(bits, group_size, sym, kind):
+    """q/k/v and gate/up run as one kernel call: the same outputs as each part alone, concatenated."""
+    from llmopt.runtime.layers import fuse_linears
+
+    parts = [quantized_linear(qweight(n, 96, bits, group_size, sym, seed=n, bias=n == 32), torch.bfloat16)
+             for n in (48, 16, 32)]
+    fused = fuse_linears(parts, prepack=True)
+    assert type(fused) is kind and fused.out_features == 96
+    for rows in (3, Int4PackedLinear.dequantize_min_rows):  # int4: the kernel, then the dequantize-whole path
+        x = torch.randn(rows, 96).bfloat16()
+        torch.testing.assert_close(fused(x), torch.cat([p(x) for p in parts], dim=-1), rtol=0, atol=0)
+    # The exact path keeps each part as it is.
+    assert type(fuse_linears(parts, prepack=False)).__name__ == "ConcatLinears"
+
+
 def test_layout_choice_falls_back_to_dense_where_no_kernel_fits():
     assert packed_kind(qweight(32, 64, 4, 32, True), "cpu") == "int4"
     assert packed_kind(qweight(40, 64, 4, 32, True), "cpu") == "dense"  # N not a multiple of 16

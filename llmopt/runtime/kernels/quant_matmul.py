@@ -48,9 +48,14 @@ def pack_int4(q: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor, group_
     repeat = (k if group_size == -1 else group_size) // kernel_group
     scales = scales.float().repeat_interleave(repeat, dim=1)  # [N, G']
     offsets = (8 - zeros.float().repeat_interleave(repeat, dim=1)) * scales
-    packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(q.to(torch.int32).contiguous(), 1)
+    packed = pack_int4_codes(q)
     scales_and_offsets = torch.stack([scales, offsets], dim=-1).transpose(0, 1).contiguous().to(dtype)
     return packed, scales_and_offsets, kernel_group
+
+
+def pack_int4_codes(q: torch.Tensor) -> torch.Tensor:
+    """Codes [N, K] (< 16) -> aten's packed int4 layout for `_weight_int4pack_mm_for_cpu`."""
+    return torch.ops.aten._convert_weight_to_int4pack_for_cpu(q.to(torch.int32).contiguous(), 1)
 
 
 def int4_matmul(x: torch.Tensor, packed: torch.Tensor, scales_and_offsets: torch.Tensor,
@@ -64,6 +69,11 @@ def pack_nibbles(q: torch.Tensor) -> torch.Tensor:
     a plain layout beside aten's tiled one, for dequantizing the weight whole."""
     q = q.to(torch.uint8)
     return (q[:, 0::2] | (q[:, 1::2] << 4)).contiguous()
+
+
+def unpack_nibbles(nibbles: torch.Tensor) -> torch.Tensor:
+    """The inverse of pack_nibbles: [N, K/2] uint8 -> codes [N, K] uint8."""
+    return torch.stack([nibbles & 15, nibbles >> 4], dim=-1).reshape(nibbles.shape[0], -1)
 
 
 def int4_dequantize(nibbles: torch.Tensor, scales_and_offsets: torch.Tensor, kernel_group: int) -> torch.Tensor:
