@@ -21,7 +21,6 @@ import contextlib
 import copy
 import ctypes
 import time
-from contextlib import contextmanager
 from typing import Callable, Protocol
 
 import torch
@@ -199,7 +198,7 @@ class _Stream:
             self.captured.add(b)
         return hook
 
-    @contextmanager
+    @contextlib.contextmanager
     def replaying(self, adapter: ArchAdapter, device: torch.device, num_batches: int):
         """Stand in for the layer's attention with its output projection over the cached inputs, when every
         batch's are cached; yields the stand-in (set its `rows` per batch) or a dummy."""
@@ -223,7 +222,7 @@ class _ReplayedAttention(nn.Module):
     """Once every attention linear but the output projection is final (an algorithm that changes only its
     stage's linears, after the q/k/v stage), the attention's output for a batch is output_proj(A) with A that
     projection's inputs, cached from one pass. Later passes (the gate/up and down stages, the output
-    recompute; GPTAQ's reference stream too) then skip norm, q/k/v, rotary and SDPA. Exact: A is the same
+    recompute; GPTAQ's reference stream too) then skip q/k/v, rotary and SDPA. Exact: A is the same
     tensor the full attention would produce again."""
 
     def __init__(self, output_proj: nn.Module, inputs: torch.Tensor, device: torch.device):
