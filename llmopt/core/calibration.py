@@ -205,13 +205,17 @@ class _Stream:
         if len(self.captured) < num_batches:
             yield _NoReplay()
             return
-        attention = get_module(self.layer, adapter.attention)
+        attention, input_norm = get_module(self.layer, adapter.attention), get_module(self.layer, adapter.input_norm)
         stand_in = _ReplayedAttention(get_module(self.layer, adapter.attention_output), self.attention_inputs, device)
         set_module(self.layer, adapter.attention, stand_in)
+        # The input norm feeds only the attention, which now ignores its input: skip it too (HF's RMSNorm is
+        # ~9 ms per batch in bf16 here, 5 calls per layer and batch saved with GPTAQ).
+        set_module(self.layer, adapter.input_norm, nn.Identity())
         try:
             yield stand_in
         finally:
             set_module(self.layer, adapter.attention, attention)
+            set_module(self.layer, adapter.input_norm, input_norm)
 
 
 class _NoReplay:

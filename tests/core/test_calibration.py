@@ -106,12 +106,12 @@ class StageOnlyRecorder(ReferenceRecorder):
     changes_only_stage_linears = True
 
 
-def _count_attention_passes(model):
+def _count_attention_passes(model, module="self_attn"):
     counts = {}
     for i, layer in enumerate(decoder_layers(model)):
         def hook(module, args, kwargs, key=i):
             counts[key] = counts.get(key, 0) + 1
-        layer.self_attn.register_forward_pre_hook(hook, with_kwargs=True)
+        getattr(layer, module).register_forward_pre_hook(hook, with_kwargs=True)
     return counts
 
 
@@ -125,12 +125,14 @@ def test_replayed_attention_feeds_the_same_inputs_and_skips_the_attention():
         rec = StageOnlyRecorder()
         if compute_dtype == torch.float32:  # (a bf16 runner is a copy: its hooks are not the model's)
             counts = _count_attention_passes(model)
+            norm_counts = _count_attention_passes(model, "input_layernorm")
         run_layerwise(model, ids, rec, batch_size=3, compute_dtype=compute_dtype)
         if compute_dtype == torch.float32:
             # 3 batches x 2 streams (the reference layer is a copy, hooks included) x 2 passes: the q/k/v
             # stage's (stops inside) and the o stage's (caches o's inputs); the gate/up and down stages and the
             # output recompute replay. Without replay: 3 x (5 + 4) = 27.
             assert counts == {0: 12, 1: 12}
+            assert norm_counts == counts  # the input norm feeds only the attention: skipped with it
         before, after = reference_inputs(original.to(compute_dtype), ids), reference_inputs(model.to(compute_dtype), ids)
         tolerance = 1e-5 if compute_dtype == torch.float32 else 6e-2  # bf16: rounding in different places
         for key in before:
