@@ -145,9 +145,9 @@ def run_layerwise(
             if runner is not layer:
                 runner.load_state_dict(layer.state_dict())  # copies and casts the changed weights
         observe = getattr(algorithm, "observe_layer", None)  # optional: sees each layer's input and output
-        with quantized.replaying(adapter, device, len(batches)) as replay:
+        with quantized.replaying(adapter, device, len(batches)):
             for b, rows in batches:  # recompute outputs with the changed weights
-                replay.rows = rows
+                quantized.batch = (b, rows)
                 inputs = hidden[rows].to(device, compute_dtype)
                 out = _layer_output(runner(inputs, **device_kwargs[b]))
                 if observe is not None:
@@ -182,44 +182,39 @@ class _Stream:
         self.layer: nn.Module | None = None
         self.attention_inputs: torch.Tensor | None = None  # allocated once, reused by every layer
         self.captured: set[int] = set()  # batch indices whose attention inputs are cached for this layer
+        self.batch: tuple[int, slice] | None = None  # (index, rows) of the batch being run
 
     def start_layer(self, layer: nn.Module) -> None:
         self.layer = layer
         self.captured.clear()
 
-    def capture_hook(self, batch: list):
-        """A pre-hook for the attention output projection that caches its input for batch[0] = (b, rows)."""
-        def hook(module, args):
-            b, rows = batch[0]
-            x = args[0]
-            if self.attention_inputs is None:
-                self.attention_inputs = torch.empty((self.hidden.shape[0], *x.shape[1:]), dtype=x.dtype)
-            self.attention_inputs[rows] = x.to("cpu")
-            self.captured.add(b)
-        return hook
+    def capture_hook(self, module, args) -> None:
+        """A pre-hook for the attention output projection: caches its input for the batch being run."""
+        b, rows = self.batch
+        x = args[0]
+        if self.attention_inputs is None:
+            self.attention_inputs = torch.empty((self.hidden.shape[0], *x.shape[1:]), dtype=x.dtype)
+        self.attention_inputs[rows] = x.to("cpu")
+        self.captured.add(b)
 
     @contextlib.contextmanager
     def replaying(self, adapter: ArchAdapter, device: torch.device, num_batches: int):
-        """Stand in for the layer's attention with its output projection over the cached inputs, when every
-        batch's are cached; yields the stand-in (set its `rows` per batch) or a dummy."""
+        """Stand in for the layer's attention with its output projection over the cached inputs of the batch
+        being run, when every batch's are cached; else leave the layer as it is."""
         if len(self.captured) < num_batches:
-            yield _NoReplay()
+            yield
             return
         attention, input_norm = get_module(self.layer, adapter.attention), get_module(self.layer, adapter.input_norm)
-        stand_in = _ReplayedAttention(get_module(self.layer, adapter.attention_output), self.attention_inputs, device)
+        stand_in = _ReplayedAttention(get_module(self.layer, adapter.attention_output), self, device)
         set_module(self.layer, adapter.attention, stand_in)
         # The input norm feeds only the attention, which now ignores its input: skip it too (HF's RMSNorm is
         # ~9 ms per batch in bf16 here, 5 calls per layer and batch saved with GPTAQ).
         set_module(self.layer, adapter.input_norm, nn.Identity())
         try:
-            yield stand_in
+            yield
         finally:
             set_module(self.layer, adapter.attention, attention)
             set_module(self.layer, adapter.input_norm, input_norm)
-
-
-class _NoReplay:
-    rows = None
 
 
 class _ReplayedAttention(nn.Module):
@@ -229,14 +224,14 @@ class _ReplayedAttention(nn.Module):
     recompute; GPTAQ's reference stream too) then skip q/k/v, rotary and SDPA. Exact: A is the same
     tensor the full attention would produce again."""
 
-    def __init__(self, output_proj: nn.Module, inputs: torch.Tensor, device: torch.device):
+    def __init__(self, output_proj: nn.Module, stream: _Stream, device: torch.device):
         super().__init__()
         self.output_proj = output_proj
-        self.inputs, self.device = inputs, device
-        self.rows: slice | None = None
+        self.stream, self.device = stream, device
 
     def forward(self, *args, **kwargs):
-        return self.output_proj(self.inputs[self.rows].to(self.device)), None
+        rows = self.stream.batch[1]
+        return self.output_proj(self.stream.attention_inputs[rows].to(self.device)), None
 
 
 def _attention_replay_start(adapter: ArchAdapter, algorithm, stages) -> int | None:
@@ -260,7 +255,6 @@ def _run_stage(quantized: _Stream, original: _Stream | None, index, names, algor
     reach the attention output projection cache its inputs (for _ReplayedAttention)."""
     pending: set[str] = set()
     reference_inputs: dict[str, torch.Tensor] = {}
-    current: list = [None]  # (batch index, rows) being run, for the capture hooks
     num_batches = len(batches)
 
     def make_hook(name, collect):
@@ -277,11 +271,10 @@ def _run_stage(quantized: _Stream, original: _Stream | None, index, names, algor
 
         return hook
 
-    def run(stream, replay, b, rows):
+    def run(stream, b, rows):
         pending.clear()
         pending.update(names)
-        current[0] = (b, rows)
-        replay.rows = rows
+        stream.batch = (b, rows)
         try:
             return stream.layer(stream.hidden[rows].to(device, compute_dtype), **device_kwargs[b])
         except _StopForward:
@@ -292,18 +285,19 @@ def _run_stage(quantized: _Stream, original: _Stream | None, index, names, algor
     for stream in streams:
         if capture and len(stream.captured) < num_batches:  # registered first: runs before a stopping hook
             output_proj = get_module(stream.layer, adapter.attention_output)
-            handles.append(output_proj.register_forward_pre_hook(stream.capture_hook(current)))
+            handles.append(output_proj.register_forward_pre_hook(stream.capture_hook))
         handles += [get_module(stream.layer, n).register_forward_pre_hook(make_hook(n, stream is original))
                     for n in names]
     try:
         with contextlib.ExitStack() as stack:
-            replays = {id(s): stack.enter_context(s.replaying(adapter, device, num_batches)) for s in streams}
+            for stream in streams:
+                stack.enter_context(stream.replaying(adapter, device, num_batches))
             for b, rows in batches:
                 if original is not None:
-                    out = run(original, replays[id(original)], b, rows)
+                    out = run(original, b, rows)
                     if finish:
                         original.hidden[rows] = _layer_output(out).to("cpu", original.hidden.dtype)
-                run(quantized, replays[id(quantized)], b, rows)
+                run(quantized, b, rows)
                 reference_inputs.clear()
     finally:
         for h in handles:

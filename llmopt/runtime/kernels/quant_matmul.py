@@ -81,7 +81,7 @@ def int4_dequantize(nibbles: torch.Tensor, scales_and_offsets: torch.Tensor, ker
     group: the same arithmetic as `_weight_int4pack_mm_for_cpu`."""
     n = nibbles.shape[0]
     dtype = scales_and_offsets.dtype
-    q = torch.stack([nibbles & 15, nibbles >> 4], dim=-1).reshape(n, -1, kernel_group).to(dtype)  # [N, G', g]
+    q = unpack_nibbles(nibbles).reshape(n, -1, kernel_group).to(dtype)  # [N, G', g]
     scales = scales_and_offsets[..., 0].t().unsqueeze(-1)  # [N, G', 1]
     offsets = scales_and_offsets[..., 1].t().unsqueeze(-1)
     return torch.addcmul(offsets, q - 8, scales).reshape(n, -1)
