@@ -49,6 +49,13 @@ class ArchAdapter:
     def linears(self) -> tuple[str, ...]:
         return tuple(name for group in self.sequential for name in group)
 
+    @property
+    def fed_same_input(self) -> dict[str, tuple[str, ...]]:
+        """Linear -> the linears fed the very same tensor (a norm's output: q/k/v, gate/up), itself included.
+        The calibration pipeline hands them one input when the first of them is reached."""
+        norms = (self.input_norm, self.post_attention_norm)
+        return {name: group for source, group in self.smooth_groups if source in norms for name in group}
+
 
 ADAPTERS: tuple[ArchAdapter, ...] = (
     ArchAdapter("llama", ("llama",)),

@@ -257,15 +257,25 @@ def _run_stage(quantized: _Stream, original: _Stream | None, index, names, algor
     reference_inputs: dict[str, torch.Tensor] = {}
     num_batches = len(batches)
 
-    def make_hook(name, collect):
+    # Linears of this stage fed the same tensor get it when the first of them is reached: running that one
+    # and the next just to reach their hooks would waste a matmul each (q and k for q/k/v, gate for gate/up).
+    siblings = {name: [n for n in adapter.fed_same_input.get(name, (name,)) if n in names] or [name]
+                for name in names}
+
+    def make_hook(stream, name, collect):
+        modules = {n: get_module(stream.layer, n) for n in siblings[name]}
+
         def hook(module, args):
-            if collect:
-                reference_inputs[name] = args[0]
-            elif original is None:
-                algorithm.add_batch(index, name, module, args[0])
-            else:
-                algorithm.add_batch(index, name, module, args[0], reference=reference_inputs[name])
-            pending.discard(name)
+            for sibling in siblings[name]:
+                if sibling not in pending:
+                    continue
+                if collect:
+                    reference_inputs[sibling] = args[0]
+                elif original is None:
+                    algorithm.add_batch(index, sibling, modules[sibling], args[0])
+                else:
+                    algorithm.add_batch(index, sibling, modules[sibling], args[0], reference=reference_inputs[sibling])
+                pending.discard(sibling)
             if not pending and not (collect and finish):  # the rest of the layer is not needed
                 raise _StopForward
 
@@ -286,7 +296,7 @@ def _run_stage(quantized: _Stream, original: _Stream | None, index, names, algor
         if capture and len(stream.captured) < num_batches:  # registered first: runs before a stopping hook
             output_proj = get_module(stream.layer, adapter.attention_output)
             handles.append(output_proj.register_forward_pre_hook(stream.capture_hook))
-        handles += [get_module(stream.layer, n).register_forward_pre_hook(make_hook(n, stream is original))
+        handles += [get_module(stream.layer, n).register_forward_pre_hook(make_hook(stream, n, stream is original))
                     for n in names]
     try:
         with contextlib.ExitStack() as stack:

@@ -148,3 +148,26 @@ def test_algorithms_that_may_change_other_weights_are_not_replayed():
     counts = _count_attention_passes(model)
     run_layerwise(model, ids, Recorder(), batch_size=3)
     assert counts == {0: 10, 1: 10}  # 2 batches x (4 stages + the recompute)
+
+
+def test_linears_fed_the_same_input_are_handed_it_without_running_the_first():
+    """q/k/v (and gate/up) share one input: the stage pass stops at the first of them, so no projection runs
+    just to reach the next one's hook. Counts the linears that actually ran, per layer."""
+    model, _ = build_tiny_model("llama", seed=0)
+    ids = torch.randint(0, 256, (6, 16), generator=torch.Generator().manual_seed(3))
+    adapter = adapter_for(model)
+    runs = {}
+    for i, layer in enumerate(decoder_layers(model)):
+        for name in adapter.linears:
+            def hook(module, args, output, key=(i, name.rsplit(".", 1)[1])):
+                runs[key] = runs.get(key, 0) + 1
+            get_module(layer, name).register_forward_hook(hook)
+    rec = Recorder()
+    run_layerwise(model, ids, rec, batch_size=3)
+    # Per batch (no replay for this recorder): the q/k/v stage runs none of them; q/k/v run in the o, gate/up
+    # and down stages and the recompute; gate/up in the down stage and the recompute.
+    expected = {"q_proj": 4, "k_proj": 4, "v_proj": 4, "o_proj": 3, "gate_proj": 2, "up_proj": 2, "down_proj": 1}
+    assert runs == {(i, name): 2 * count for i in range(2) for name, count in expected.items()}
+    assert all(rec.inputs[(0, "self_attn.q_proj")][b] is rec.inputs[(0, "self_attn.v_proj")][b] or
+               torch.equal(rec.inputs[(0, "self_attn.q_proj")][b], rec.inputs[(0, "self_attn.v_proj")][b])
+               for b in range(2))
