@@ -25,6 +25,20 @@ def test_hessian_accumulator_is_two_over_n_xtx():
     torch.testing.assert_close(acc.hessian, 2 / 300 * x.t() @ x, rtol=1e-5, atol=1e-5)
 
 
+def test_wide_hessians_accumulate_the_upper_triangle_and_mirror_it():
+    """From HessianAccumulator.SYMMETRIC_FROM on, only the row blocks' upper trapezoids are accumulated: H
+    read between batches and at the end is still the whole symmetric 2/n X^T X (K not divisible by the blocks)."""
+    k = HessianAccumulator.SYMMETRIC_FROM + 77
+    x = torch.randn(400, k)
+    acc = HessianAccumulator(k)
+    acc.add(x[:150])
+    torch.testing.assert_close(acc.hessian, 2 / 150 * x[:150].t() @ x[:150], rtol=1e-5, atol=1e-5)
+    acc.add(x[150:])
+    expected = 2 / 400 * x.t() @ x
+    torch.testing.assert_close(acc.hessian, expected, rtol=1e-5, atol=1e-5)
+    assert torch.equal(acc.hessian, acc.hessian.t())
+
+
 def test_bf16_inputs_accumulate_as_exactly_as_fp32():
     """bf16 calibration inputs take the bf16 matmul units with fp32 accumulation: batch by batch, H agrees
     with a float64 computation to fp32 rounding, the GPTAQ cross term to bf16 precision, and the global
