@@ -24,7 +24,10 @@ from llmopt.runtime.sampling import SamplingParams
 
 
 def decode_layer(decoder, h, cos, sin, k_cache, v_cache, slot_mapping, block_tables, mask, block):
-    """The fast path's decode-only layer (RuntimeDecoder.forward + _attend_decodes), as one traceable function."""
+    """The fast path's decode-only layer (RuntimeDecoder.forward + store_kv + _attend_decodes), as one traceable
+    function. Written out rather than calling those: under dynamic=True `_attend_decodes` derives SDPA's
+    enable_gqa from q's (symbolic) shape, which SDPA rejects, and a new metadata object per step would fail
+    dynamo's guards; here the head counts are plain ints and only tensors go in."""
     nq, nkv, hd = decoder.num_heads, decoder.num_kv_heads, decoder.head_dim
     t = h.shape[0]
     qkv = block.qkv(runtime_model._rms_norm_fast(block.input_norm, h))

@@ -22,8 +22,9 @@ import tempfile
 import time
 from pathlib import Path
 
+from quantization import EVAL_SETS, evaluate  # the quantization benchmark's perplexity protocol (beside this file)
+
 MODEL = "smollm2-135m"
-EVAL_SETS = ("wikitext2", "pystdlib")
 
 # Runs in the peer's environment: argv = source folder, calibration ids (safetensors), output folder.
 PEER_SCRIPT = '''
@@ -69,15 +70,6 @@ def peak_rss_of(command: list[str]) -> tuple[dict, int]:
     rss = json.loads(stderr.strip().splitlines()[-1])["peak_rss_bytes"]
     reported = json.loads([line for line in stdout.splitlines() if line.startswith("{")][-1])
     return {"process_wall_s": round(wall, 1), **reported}, rss
-
-
-def evaluate(artifact: str) -> dict:
-    out = {}
-    for dataset in EVAL_SETS:
-        result = subprocess.run([sys.executable, "-m", "llmopt", "eval", "ppl", artifact, "--dataset", dataset,
-                                 "--max-tokens", "32768", "--json"], capture_output=True, text=True, check=True)
-        out[dataset] = round(json.loads(result.stdout.strip().splitlines()[-1])["ppl"], 3)
-    return out
 
 
 def main() -> None:
@@ -130,9 +122,9 @@ def main() -> None:
                      "ratio": round(median("llmopt", key) / median("llm-compressor", key), 3)}
                for key in ("quantize_wall_s", "process_wall_s", "peak_rss_bytes")}
     if args.eval:
-        summary["ppl"] = {"fp32": evaluate(MODEL),
-                          "llmopt": evaluate(next(r["artifact"] for r in runs if r["tool"] == "llmopt")),
-                          "llm-compressor": evaluate(next(r["artifact"] for r in runs if r["tool"] == "llm-compressor"))}
+        first = {tool: next(r["artifact"] for r in runs if r["tool"] == tool) for tool in ("llmopt", "llm-compressor")}
+        summary["ppl"] = {name: {d: round(ppl, 3) for d, ppl in evaluate(model, 32768).items()}
+                          for name, model in (("fp32", MODEL), *first.items())}
     print("\n| figure | llmopt | llm-compressor | ratio |\n|---|---|---|---|")
     for key in ("quantize_wall_s", "process_wall_s", "peak_rss_bytes"):
         s = summary[key]

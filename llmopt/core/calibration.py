@@ -259,8 +259,7 @@ def _run_stage(quantized: _Stream, original: _Stream | None, index, names, algor
 
     # Linears of this stage fed the same tensor get it when the first of them is reached: running that one
     # and the next just to reach their hooks would waste a matmul each (q and k for q/k/v, gate for gate/up).
-    siblings = {name: [n for n in adapter.fed_same_input.get(name, (name,)) if n in names] or [name]
-                for name in names}
+    siblings = {name: [n for n in adapter.fed_same_input.get(name, (name,)) if n in names] for name in names}
 
     def make_hook(stream, name, collect):
         modules = {n: get_module(stream.layer, n) for n in siblings[name]}
