@@ -21,6 +21,7 @@ from torch import nn
 from llmopt.core.adapters import adapter_for, get_module
 from llmopt.core.errors import UnsupportedArchitectureError
 from llmopt.runtime.kernels.attention import AttentionMetadata, paged_attention, store_kv
+from llmopt.runtime.kernels.cpu_ops import cpu_ops
 from llmopt.runtime.layers import fuse_linears
 
 SUPPORTED = ("llama", "mistral", "qwen2", "qwen3")
@@ -44,10 +45,13 @@ class Block:
     k_norm: nn.Module | None
 
 
+def _norm_eps(norm: nn.Module) -> float:
+    return getattr(norm, "variance_epsilon", None) or getattr(norm, "eps", 1e-6)
+
+
 def _rms_norm_fast(norm: nn.Module, x: torch.Tensor) -> torch.Tensor:
     # transformers' RMSNorm: normalize in fp32, cast back, then scale by the weight
-    eps = getattr(norm, "variance_epsilon", None) or getattr(norm, "eps", 1e-6)
-    return F.rms_norm(x.float(), (x.shape[-1],), eps=eps).to(x.dtype) * norm.weight
+    return F.rms_norm(x.float(), (x.shape[-1],), eps=_norm_eps(norm)).to(x.dtype) * norm.weight
 
 
 class RuntimeDecoder(nn.Module):
@@ -73,6 +77,10 @@ class RuntimeDecoder(nn.Module):
         self.scale = self.head_dim ** -0.5
         self.blocks = [self._block(layer) for layer in self.layers]
         self.logits_head = fuse_linears([self.lm_head], prepack=self.fast)
+        # the compiled fused element-wise ops (kernels/csrc/fused_cpu.cpp) serve the fast path on CPU
+        self.fused_ops = None
+        if self.fast and param.device.type == "cpu" and all(b.q_norm is None for b in self.blocks):
+            self.fused_ops = cpu_ops()
 
     def _block(self, layer) -> Block:
         attn, mlp = layer.self_attn, layer.mlp
@@ -95,6 +103,8 @@ class RuntimeDecoder(nn.Module):
         """input_ids, positions [T] -> final hidden states [T, hidden]."""
         h = self.embed(input_ids)  # [T, hidden]
         cos, sin = self.rotary(h.unsqueeze(0), positions.unsqueeze(0))
+        if self.fused_ops is not None:
+            return self._forward_fused(h, cos[0], sin[0], meta, kv_caches)
         cos, sin = cos[0].unsqueeze(1), sin[0].unsqueeze(1)  # [T, 1, head_dim]
         num_tokens = input_ids.shape[0]
         nq, nkv, hd = self.num_heads, self.num_kv_heads, self.head_dim
@@ -120,6 +130,30 @@ class RuntimeDecoder(nn.Module):
             gate, up = block.gate_up(x).chunk(2, dim=-1)
             h = h + block.down_proj(F.silu(gate) * up)
         return self._norm(self.norm, h)
+
+    def _forward_fused(self, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, meta: AttentionMetadata,
+                       kv_caches: list[tuple[torch.Tensor, torch.Tensor]]) -> torch.Tensor:
+        """The fast path with each run of element-wise ops as one compiled call: the residual add fused with
+        the next norm (h updated in place), rotary in place on q and k, silu(gate) * up. Same roundings as
+        the torch ops they replace (tests compare bit for bit). h [T, hidden]; cos, sin [T, head_dim]."""
+        ops = self.fused_ops
+        num_tokens = h.shape[0]
+        nq, nkv, hd = self.num_heads, self.num_kv_heads, self.head_dim
+        norms = [b.input_norm for b in self.blocks[1:]] + [self.norm]
+        x = ops.rms_norm(h, self.blocks[0].input_norm.weight, _norm_eps(self.blocks[0].input_norm))
+        for block, next_norm, (k_cache, v_cache) in zip(self.blocks, norms, kv_caches):
+            qkv = block.qkv(x)  # [T, (H + 2 KVH) * D]
+            ops.rotary_(qkv, cos, sin, nq + nkv)
+            q = qkv[:, : nq * hd].view(num_tokens, nq, hd)
+            k = qkv[:, nq * hd:(nq + nkv) * hd].view(num_tokens, nkv, hd)
+            v = qkv[:, (nq + nkv) * hd:].view(num_tokens, nkv, hd)
+            store_kv(k, v, k_cache, v_cache, meta.slot_mapping)
+            o = paged_attention(q, k_cache, v_cache, meta, self.scale)
+            x = ops.add_rms_norm_(h, block.o_proj(o.reshape(num_tokens, -1)), block.post_norm.weight,
+                                  _norm_eps(block.post_norm))
+            mlp = block.down_proj(ops.silu_mul(block.gate_up(x)))
+            x = ops.add_rms_norm_(h, mlp, next_norm.weight, _norm_eps(next_norm))
+        return x
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         return self.logits_head(hidden).float()

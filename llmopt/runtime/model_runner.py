@@ -9,6 +9,7 @@ import torch
 
 from llmopt.core.errors import ConfigError
 from llmopt.runtime.kernels.attention import AttentionMetadata
+from llmopt.runtime.kernels.cpu_ops import cpu_ops
 from llmopt.runtime.model import RuntimeDecoder
 from llmopt.runtime.sampler import sample, token_logprobs
 from llmopt.runtime.scheduler import SchedulerOutput
@@ -81,7 +82,9 @@ class ModelRunner:
         rows = [row for row, _ in sample_rows]
         last_hidden = hidden if rows == list(range(hidden.shape[0])) else hidden[rows]
         logits = self.decoder.logits(last_hidden).cpu()  # [S, vocab] fp32
-        greedy = logits.argmax(dim=-1).tolist()  # one call for the whole batch; most requests are greedy
+        # one call for the whole batch (most requests are greedy); torch.argmax is slow on wide rows
+        ops = cpu_ops()
+        greedy = (ops.argmax_rows(logits) if ops is not None else logits.argmax(dim=-1)).tolist()
         for i, (_, seq) in enumerate(sample_rows):
             params = seq.params
             if params.is_greedy:

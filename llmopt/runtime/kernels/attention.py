@@ -5,7 +5,9 @@ Shapes: q [T, num_heads, head_dim] for the T tokens of this step (sequences conc
 k_cache / v_cache [num_blocks, block_size, num_kv_heads, head_dim].
 
 On CUDA tensors the Triton kernels (triton_store_kv, triton_decode_attention, triton_prefill_attention) run
-instead; these functions stay their reference.
+instead; on CPU with a bf16/fp16 cache, decodes go to the compiled kernel (csrc/paged_attention_cpu.cpp) that
+reads the blocks in place. These functions stay their reference (and the fp32 path, which must match
+transformers token for token, keeps them).
 
 Per step the metadata is built once (`AttentionMetadata.build`) and read by every layer: sequences whose
 step is a single token (decodes) are attended together in one padded batch; sequences with several new
@@ -19,6 +21,8 @@ from functools import lru_cache
 
 import torch
 import torch.nn.functional as F
+
+from llmopt.runtime.kernels.cpu_ops import cpu_ops
 
 
 @dataclass
@@ -35,6 +39,7 @@ class DecodeGroup:
     rows: torch.Tensor  # [B] positions in the flat batch of the single new token of each sequence
     block_tables: torch.Tensor  # [B, max_blocks] (padded with block 0; the mask hides the padding)
     mask: torch.Tensor  # [B, 1, 1, max_blocks * block_size] bool: slot < context_len
+    context_lens: torch.Tensor  # [B] int64
     contiguous: bool  # rows are 0..B-1 in order (no gather/scatter needed)
 
 
@@ -70,7 +75,7 @@ class AttentionMetadata:
             tables = torch.tensor([t + [0] * (width - len(t)) for t in decode_tables], device=device)
             lens = torch.tensor(decode_lens, device=device)
             mask = torch.arange(width * block_size, device=device).unsqueeze(0) < lens.unsqueeze(1)
-            decode = DecodeGroup(torch.tensor(decode_rows, device=device), tables, mask[:, None, None, :],
+            decode = DecodeGroup(torch.tensor(decode_rows, device=device), tables, mask[:, None, None, :], lens,
                                  decode_rows == list(range(len(decode_rows))))
         device_tensors = None
         if torch.device(device).type == "cuda":
@@ -122,6 +127,11 @@ def store_kv(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: t
 def _attend_decodes(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, decode: DecodeGroup,
                     scale: float) -> torch.Tensor:
     """q [B, num_heads, head_dim] -> [B, num_heads, head_dim], each over its own cached keys."""
+    if k_cache.dtype != torch.float32 and k_cache.device.type == "cpu":
+        ops = cpu_ops()
+        if ops is not None:
+            return ops.paged_decode_attention(q.to(k_cache.dtype), k_cache, v_cache, decode.block_tables,
+                                              decode.context_lens, scale).to(q.dtype)
     num_seqs, width = decode.block_tables.shape
     num_blocks, block_size, num_kv_heads, head_dim = k_cache.shape
     # index_select over whole blocks (rows of block_size * kv_heads * hd) is a plain memcpy per block, several

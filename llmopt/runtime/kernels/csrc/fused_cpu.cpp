@@ -1,0 +1,325 @@
+// Fused element-wise ops of the decoder layer and greedy sampling (CPU).
+//
+// At decode the tensors are tiny ([B, hidden] with B = 1..64) and each torch op costs ~10-25 us of dispatch,
+// allocation and thread start-up whatever its size: the ~12 element-wise ops per layer were ~20% of a batch-64
+// bf16 step and more at batch 1. Each function here is one pass in fp32 registers with the same roundings to
+// the storage dtype that transformers' modules apply (normalize in fp32 then cast, scale by the weight in the
+// storage dtype; silu rounded before the product), and torch.argmax's tie and NaN rules.
+#include <ATen/ATen.h>
+#include <ATen/Parallel.h>
+#include <torch/library.h>
+
+#include <algorithm>
+#include <cmath>
+#include <limits>
+#include <type_traits>
+
+#if defined(__AVX512F__)
+#include <immintrin.h>
+#endif
+
+namespace {
+
+inline float to_float(float x) { return x; }
+inline float to_float(at::BFloat16 x) { return static_cast<float>(x); }
+inline float to_float(at::Half x) { return static_cast<float>(x); }
+template <typename T>
+inline T from_float(float x) { return static_cast<T>(x); }  // round to nearest even, as torch casts
+
+#if defined(__AVX512F__)
+inline __m512 load16(const float* p) { return _mm512_loadu_ps(p); }
+inline __m512 load16(const at::BFloat16* p) {
+  __m256i raw = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
+  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(raw), 16));
+}
+inline __m512 load16(const at::Half* p) {
+  return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
+}
+inline void store16(float* p, __m512 v) { _mm512_storeu_ps(p, v); }
+inline void store16(at::BFloat16* p, __m512 v) {
+#if defined(__AVX512BF16__)
+  _mm256_storeu_si256(reinterpret_cast<__m256i*>(p), (__m256i)_mm512_cvtneps_pbh(v));
+#else
+  // round to nearest even on the bit pattern (finite values; NaN keeps a NaN pattern via the or below)
+  const __m512i bits = _mm512_castps_si512(v);
+  const __m512i lsb = _mm512_and_si512(_mm512_srli_epi32(bits, 16), _mm512_set1_epi32(1));
+  __m512i r = _mm512_srli_epi32(_mm512_add_epi32(_mm512_add_epi32(bits, _mm512_set1_epi32(0x7fff)), lsb), 16);
+  const __mmask16 nan = _mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q);
+  r = _mm512_mask_mov_epi32(r, nan, _mm512_set1_epi32(0x7fc0));
+  _mm256_storeu_si256(reinterpret_cast<__m256i*>(p), _mm512_cvtepi32_epi16(r));
+#endif
+}
+inline void store16(at::Half* p, __m512 v) {
+  _mm256_storeu_si256(reinterpret_cast<__m256i*>(p), _mm512_cvtps_ph(v, _MM_FROUND_TO_NEAREST_INT));
+}
+// Rounds through the storage dtype, as a torch op that returns that dtype would.
+template <typename T>
+inline __m512 round_to(__m512 v) {
+  if constexpr (std::is_same_v<T, float>) {
+    return v;
+#if defined(__AVX512BF16__)
+  } else if constexpr (std::is_same_v<T, at::BFloat16>) {
+    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32((__m256i)_mm512_cvtneps_pbh(v)), 16));
+#endif
+  } else {
+    alignas(64) T tmp[16];
+    store16(tmp, v);
+    return load16(tmp);
+  }
+}
+// exp over all finite inputs: 2^n * poly(r), |r| <= ln2 / 2, degree-7 Taylor (relative error ~1e-7).
+inline __m512 exp16(__m512 x) {
+  x = _mm512_min_ps(_mm512_max_ps(x, _mm512_set1_ps(-87.0f)), _mm512_set1_ps(88.0f));
+  const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
+                                        _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693359375f), x);
+  r = _mm512_fnmadd_ps(n, _mm512_set1_ps(-2.12194440e-4f), r);
+  __m512 p = _mm512_set1_ps(1.0f / 5040);
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f / 720));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f / 120));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f / 24));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f / 6));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(0.5f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f));
+  return _mm512_scalef_ps(p, n);
+}
+#endif
+
+// Rows per parallel task: small batches stay on one thread (starting the pool costs more than the work).
+inline int64_t grain_rows(int64_t row_elements) { return std::max<int64_t>(1, 32768 / std::max<int64_t>(row_elements, 1)); }
+
+// out = weight * to_dtype(x * rsqrt(mean(x^2) + eps)), x in fp32; with `residual`, x = residual + delta first
+// (rounded to the dtype and written back to residual, as `h = h + delta` would leave it).
+template <typename T>
+void rms_norm_rows(T* residual, const T* delta, const T* weight, T* out, int64_t rows, int64_t hidden, float eps) {
+  at::parallel_for(0, rows, grain_rows(hidden), [&](int64_t begin, int64_t end) {
+    for (int64_t r = begin; r < end; ++r) {
+      T* x = residual + r * hidden;
+      const T* d = delta ? delta + r * hidden : nullptr;
+      T* o = out + r * hidden;
+      float sum = 0.f;
+      int64_t i = 0;
+#if defined(__AVX512F__)
+      __m512 vsum = _mm512_setzero_ps();
+      for (; i + 16 <= hidden; i += 16) {
+        __m512 v = load16(x + i);
+        if (d) {
+          v = round_to<T>(_mm512_add_ps(v, load16(d + i)));
+          store16(x + i, v);
+        }
+        vsum = _mm512_fmadd_ps(v, v, vsum);
+      }
+      sum = _mm512_reduce_add_ps(vsum);
+#endif
+      for (; i < hidden; ++i) {
+        float v = to_float(x[i]);
+        if (d) {
+          x[i] = from_float<T>(v + to_float(d[i]));
+          v = to_float(x[i]);
+        }
+        sum += v * v;
+      }
+      const float inv = 1.f / std::sqrt(sum / hidden + eps);
+      i = 0;
+#if defined(__AVX512F__)
+      const __m512 vinv = _mm512_set1_ps(inv);
+      for (; i + 16 <= hidden; i += 16)
+        store16(o + i, _mm512_mul_ps(round_to<T>(_mm512_mul_ps(load16(x + i), vinv)), load16(weight + i)));
+#endif
+      for (; i < hidden; ++i) o[i] = from_float<T>(to_float(from_float<T>(to_float(x[i]) * inv)) * to_float(weight[i]));
+    }
+  });
+}
+
+// Rotary embedding in place on the first `num_heads` heads of each row of x [rows, >= num_heads * head_dim]
+// (q and k of the fused qkv output): x = x * cos + rotate_half(x) * sin, each product and the sum rounded to
+// the storage dtype as the three torch ops would. cos, sin [rows, head_dim].
+template <typename T>
+void rotary_rows(T* x, int64_t row_stride, const T* cos, const T* sin, int64_t rows, int64_t num_heads,
+                 int64_t head_dim) {
+  const int64_t half = head_dim / 2;
+  at::parallel_for(0, rows, grain_rows(num_heads * head_dim), [&](int64_t begin, int64_t end) {
+    for (int64_t r = begin; r < end; ++r) {
+      const T* c = cos + r * head_dim;
+      const T* s = sin + r * head_dim;
+      for (int64_t h = 0; h < num_heads; ++h) {
+        T* v = x + r * row_stride + h * head_dim;
+        int64_t i = 0;
+#if defined(__AVX512F__)
+        for (; i + 16 <= half; i += 16) {
+          const __m512 x1 = load16(v + i), x2 = load16(v + half + i);
+          const __m512 lo = _mm512_add_ps(round_to<T>(_mm512_mul_ps(x1, load16(c + i))),
+                                          round_to<T>(_mm512_mul_ps(_mm512_sub_ps(_mm512_setzero_ps(), x2), load16(s + i))));
+          const __m512 hi = _mm512_add_ps(round_to<T>(_mm512_mul_ps(x2, load16(c + half + i))),
+                                          round_to<T>(_mm512_mul_ps(x1, load16(s + half + i))));
+          store16(v + i, lo);
+          store16(v + half + i, hi);
+        }
+#endif
+        for (; i < half; ++i) {
+          const float x1 = to_float(v[i]), x2 = to_float(v[half + i]);
+          const float lo = to_float(from_float<T>(x1 * to_float(c[i]))) + to_float(from_float<T>(-x2 * to_float(s[i])));
+          const float hi = to_float(from_float<T>(x2 * to_float(c[half + i]))) +
+                           to_float(from_float<T>(x1 * to_float(s[half + i])));
+          v[i] = from_float<T>(lo);
+          v[half + i] = from_float<T>(hi);
+        }
+      }
+    }
+  });
+}
+
+// gate_up [rows, 2 * inter] -> out [rows, inter] = to_dtype(silu(gate)) * up
+template <typename T>
+void silu_mul_rows(const T* gate_up, T* out, int64_t rows, int64_t inter) {
+  at::parallel_for(0, rows, grain_rows(2 * inter), [&](int64_t begin, int64_t end) {
+    for (int64_t r = begin; r < end; ++r) {
+      const T* g = gate_up + r * 2 * inter;
+      const T* u = g + inter;
+      T* o = out + r * inter;
+      int64_t i = 0;
+#if defined(__AVX512F__)
+      for (; i + 16 <= inter; i += 16) {
+        const __m512 x = load16(g + i);
+        const __m512 s = _mm512_div_ps(x, _mm512_add_ps(_mm512_set1_ps(1.f), exp16(_mm512_sub_ps(_mm512_setzero_ps(), x))));
+        store16(o + i, _mm512_mul_ps(round_to<T>(s), load16(u + i)));
+      }
+#endif
+      for (; i < inter; ++i) {
+        const float x = to_float(g[i]);
+        o[i] = from_float<T>(to_float(from_float<T>(x / (1.f + std::exp(-x)))) * to_float(u[i]));
+      }
+    }
+  });
+}
+
+#define LLMOPT_DISPATCH(tensor, ...)                                                            \
+  [&] {                                                                                         \
+    switch (tensor.scalar_type()) {                                                             \
+      case at::kFloat: { using scalar_t = float; return __VA_ARGS__(); }                        \
+      case at::kBFloat16: { using scalar_t = at::BFloat16; return __VA_ARGS__(); }              \
+      case at::kHalf: { using scalar_t = at::Half; return __VA_ARGS__(); }                      \
+      default: TORCH_CHECK(false, "float32, bfloat16 or float16 expected");                     \
+    }                                                                                           \
+  }()
+
+void check_rows(const at::Tensor& x, const at::Tensor& weight) {
+  TORCH_CHECK(x.dim() == 2 && x.is_contiguous(), "a contiguous [rows, hidden] tensor expected");
+  TORCH_CHECK(weight.dim() == 1 && weight.size(0) == x.size(1) && weight.scalar_type() == x.scalar_type(),
+              "weight [hidden] of the input's dtype expected");
+}
+
+at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& weight, double eps) {
+  check_rows(x, weight);
+  const at::Tensor w = weight.contiguous();
+  at::Tensor out = at::empty_like(x);
+  LLMOPT_DISPATCH(x, [&] {
+    rms_norm_rows<scalar_t>(const_cast<scalar_t*>(x.data_ptr<scalar_t>()), nullptr, w.data_ptr<scalar_t>(),
+                            out.data_ptr<scalar_t>(), x.size(0), x.size(1), static_cast<float>(eps));
+  });
+  return out;
+}
+
+// residual += delta (in place), returns rms_norm(residual)
+at::Tensor add_rms_norm_(at::Tensor& residual, const at::Tensor& delta, const at::Tensor& weight, double eps) {
+  check_rows(residual, weight);
+  TORCH_CHECK(delta.sizes() == residual.sizes() && delta.scalar_type() == residual.scalar_type(),
+              "delta must match the residual");
+  const at::Tensor d = delta.contiguous(), w = weight.contiguous();
+  at::Tensor out = at::empty_like(residual);
+  LLMOPT_DISPATCH(residual, [&] {
+    rms_norm_rows<scalar_t>(residual.data_ptr<scalar_t>(), d.data_ptr<scalar_t>(), w.data_ptr<scalar_t>(),
+                            out.data_ptr<scalar_t>(), residual.size(0), residual.size(1), static_cast<float>(eps));
+  });
+  return out;
+}
+
+at::Tensor silu_mul(const at::Tensor& gate_up) {
+  TORCH_CHECK(gate_up.dim() == 2 && gate_up.size(1) % 2 == 0, "gate_up [rows, 2 * intermediate] expected");
+  const at::Tensor gu = gate_up.contiguous();
+  at::Tensor out = at::empty({gu.size(0), gu.size(1) / 2}, gu.options());
+  LLMOPT_DISPATCH(gu, [&] {
+    silu_mul_rows<scalar_t>(gu.data_ptr<scalar_t>(), out.data_ptr<scalar_t>(), gu.size(0), gu.size(1) / 2);
+  });
+  return out;
+}
+
+void rotary_(at::Tensor& x, const at::Tensor& cos, const at::Tensor& sin, int64_t num_heads) {
+  TORCH_CHECK(x.dim() == 2 && x.stride(1) == 1, "x [rows, columns] with contiguous rows expected");
+  TORCH_CHECK(cos.dim() == 2 && cos.sizes() == sin.sizes() && cos.size(0) == x.size(0) && cos.size(1) % 2 == 0,
+              "cos, sin [rows, head_dim] expected");
+  TORCH_CHECK(num_heads * cos.size(1) <= x.size(1), "more heads than columns");
+  TORCH_CHECK(cos.scalar_type() == x.scalar_type() && sin.scalar_type() == x.scalar_type(), "dtypes differ");
+  const at::Tensor c = cos.contiguous(), s = sin.contiguous();
+  LLMOPT_DISPATCH(x, [&] {
+    rotary_rows<scalar_t>(x.data_ptr<scalar_t>(), x.stride(0), c.data_ptr<scalar_t>(), s.data_ptr<scalar_t>(),
+                          x.size(0), num_heads, c.size(1));
+  });
+}
+
+// Row-wise argmax of fp32 logits [rows, vocab] -> int64 [rows]: the first maximal index, NaN counting as the
+// maximum (torch.argmax's rules).
+at::Tensor argmax_rows(const at::Tensor& logits) {
+  TORCH_CHECK(logits.dim() == 2 && logits.scalar_type() == at::kFloat, "fp32 logits [rows, vocab] expected");
+  const at::Tensor x = logits.contiguous();
+  const int64_t rows = x.size(0), vocab = x.size(1);
+  TORCH_CHECK(vocab > 0, "empty rows");
+  at::Tensor out = at::empty({rows}, x.options().dtype(at::kLong));
+  const float* p = x.data_ptr<float>();
+  int64_t* o = out.data_ptr<int64_t>();
+  at::parallel_for(0, rows, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t r = begin; r < end; ++r) {
+      const float* row = p + r * vocab;
+      float best = -std::numeric_limits<float>::infinity();
+      bool nan = false;
+      int64_t i = 0;
+#if defined(__AVX512F__)
+      __m512 vmax = _mm512_set1_ps(best);
+      __mmask16 any_nan = 0;
+      for (; i + 16 <= vocab; i += 16) {
+        const __m512 v = _mm512_loadu_ps(row + i);
+        any_nan |= _mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q);
+        vmax = _mm512_max_ps(vmax, v);
+      }
+      best = _mm512_reduce_max_ps(vmax);
+      nan = any_nan != 0;
+#endif
+      for (; i < vocab; ++i) {
+        nan |= std::isnan(row[i]);
+        best = std::max(best, row[i]);
+      }
+      int64_t index = -1, j = 0;
+#if defined(__AVX512F__)
+      const __m512 vbest = _mm512_set1_ps(best);
+      for (; index < 0 && j + 16 <= vocab; j += 16) {
+        const __m512 v = _mm512_loadu_ps(row + j);
+        const __mmask16 hit = nan ? _mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q) : _mm512_cmp_ps_mask(v, vbest, _CMP_EQ_OQ);
+        if (hit) index = j + __builtin_ctz(hit);
+      }
+#endif
+      for (; index < 0 && j < vocab; ++j)
+        if (nan ? std::isnan(row[j]) : row[j] == best) index = j;
+      o[r] = index;
+    }
+  });
+  return out;
+}
+
+}  // namespace
+
+TORCH_LIBRARY_FRAGMENT(llmopt_cpu, m) {
+  m.def("rms_norm(Tensor x, Tensor weight, float eps) -> Tensor");
+  m.def("add_rms_norm_(Tensor(a!) residual, Tensor delta, Tensor weight, float eps) -> Tensor");
+  m.def("silu_mul(Tensor gate_up) -> Tensor");
+  m.def("argmax_rows(Tensor logits) -> Tensor");
+  m.def("rotary_(Tensor(a!) x, Tensor cos, Tensor sin, int num_heads) -> ()");
+}
+
+TORCH_LIBRARY_IMPL(llmopt_cpu, CPU, m) {
+  m.impl("rms_norm", rms_norm);
+  m.impl("add_rms_norm_", add_rms_norm_);
+  m.impl("silu_mul", silu_mul);
+  m.impl("argmax_rows", argmax_rows);
+  m.impl("rotary_", rotary_);
+}

@@ -1,0 +1,390 @@
+// Decode attention over the paged KV cache, read in place (CPU).
+//
+// The torch path gathers every sequence's KV blocks into a padded copy (index_select) and then runs SDPA over
+// it: the cache is read twice and written once per layer, and at batch 64 that copy plus SDPA is ~40% of a
+// decode step. This kernel reads each sequence's blocks where they lie, once for K and once for V.
+//
+// Shapes: q [B, num_heads, head_dim]; k_cache, v_cache [num_blocks, block_size, num_kv_heads, head_dim];
+// block_tables [B, max_blocks] int64; context_lens [B] int64 (tokens in the cache, the new one included);
+// returns [B, num_heads, head_dim] in q's dtype. GQA: query head j reads KV head j / (num_heads / num_kv_heads),
+// as transformers' repeat_kv and SDPA's enable_gqa do.
+//
+// Per work item (a sequence, or one KV head of it when there are few sequences): scores [group, ctx] = q . k *
+// scale in fp32 (first pass over K), a softmax per query head, then out = p . v accumulated in fp32 (second pass
+// over V). Nothing is padded: each sequence reads exactly its context_len rows.
+#include <ATen/ATen.h>
+#include <ATen/Parallel.h>
+#include <torch/library.h>
+
+#include <algorithm>
+#include <limits>
+#include <type_traits>
+#include <cmath>
+#include <vector>
+
+#if defined(__AVX512F__)
+#include <immintrin.h>
+#endif
+
+namespace {
+
+inline float to_float(float x) { return x; }
+inline float to_float(at::BFloat16 x) { return static_cast<float>(x); }
+inline float to_float(at::Half x) { return static_cast<float>(x); }
+
+#if defined(__AVX512F__)
+constexpr bool kVectorized = true;
+
+// 16 values -> 16 fp32 lanes.
+inline __m512 load16(const float* p) { return _mm512_loadu_ps(p); }
+inline __m512 load16(const at::BFloat16* p) {
+  // bf16 is the top half of an fp32: widen to 32 bits and shift into place
+  __m256i raw = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
+  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(raw), 16));
+}
+inline __m512 load16(const at::Half* p) {
+  return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
+}
+
+// exp for x <= 0 (softmax inputs after subtracting the max): 2^n * poly(r), r = x - n ln2 in [-ln2/2, ln2/2];
+// degree-7 Taylor polynomial, relative error ~1e-7.
+inline __m512 exp16(__m512 x) {
+  x = _mm512_max_ps(x, _mm512_set1_ps(-87.0f));
+  const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
+                                        _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693359375f), x);
+  r = _mm512_fnmadd_ps(n, _mm512_set1_ps(-2.12194440e-4f), r);
+  __m512 p = _mm512_set1_ps(1.0f / 5040);
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f / 720));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f / 120));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f / 24));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f / 6));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(0.5f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f));
+  return _mm512_scalef_ps(p, n);
+}
+#else
+constexpr bool kVectorized = false;
+#endif
+
+inline float max_of(const float* s, int64_t n) {
+  float max = -std::numeric_limits<float>::infinity();
+  int64_t i = 0;
+#if defined(__AVX512F__)
+  __m512 vmax = _mm512_set1_ps(max);
+  for (; i + 16 <= n; i += 16) vmax = _mm512_max_ps(vmax, _mm512_loadu_ps(s + i));
+  max = _mm512_reduce_max_ps(vmax);
+#endif
+  for (; i < n; ++i) max = std::max(max, s[i]);
+  return max;
+}
+
+// exp(x - max) in place over n values; returns their sum.
+inline float softmax_numerators(float* s, int64_t n, float max) {
+  float sum = 0.f;
+  int64_t i = 0;
+#if defined(__AVX512F__)
+  __m512 vsum = _mm512_setzero_ps();
+  const __m512 vmax = _mm512_set1_ps(max);
+  for (; i + 16 <= n; i += 16) {
+    __m512 e = exp16(_mm512_sub_ps(_mm512_loadu_ps(s + i), vmax));
+    _mm512_storeu_ps(s + i, e);
+    vsum = _mm512_add_ps(vsum, e);
+  }
+  sum = _mm512_reduce_add_ps(vsum);
+#endif
+  for (; i < n; ++i) {
+    s[i] = std::exp(s[i] - max);
+    sum += s[i];
+  }
+  return sum;
+}
+
+
+// Heads [h0, h1) of one sequence, every query head of the group reading each key/value row once. Rows of a
+// block are contiguous over the KV heads ([block_size, num_kv_heads, head_dim]), so an item that takes all the
+// heads of a sequence streams each block front to back: on a cache read cold from memory (the usual case: 30
+// layers of KV do not stay in cache between steps) this is ~25% faster than one item per (sequence, head).
+// q_f [num_heads, head_dim] fp32, pre-scaled; scores [group * (h1 - h0), ctx]; out [num_heads, head_dim] fp32.
+struct Item {
+  const int64_t* table;
+  int64_t ctx, h0, h1;
+};
+
+struct Layout {
+  int64_t block_size, num_kv_heads, head_dim, group, block_stride, token_stride;
+};
+
+#if defined(__AVX512F__)
+// r[i] = sum of the 16 lanes of v[i], for 16 vectors (a transpose-and-add: 45 shuffles/adds instead of 16
+// horizontal reductions of 8 each).
+inline __m512 reduce16x16(__m512* v) {
+  __m512 s[8], t[4], u[2];
+  for (int i = 0; i < 8; ++i)  // per 128-bit lane: [a0+a2, b0+b2, a1+a3, b1+b3]
+    s[i] = _mm512_add_ps(_mm512_unpacklo_ps(v[2 * i], v[2 * i + 1]), _mm512_unpackhi_ps(v[2 * i], v[2 * i + 1]));
+  for (int i = 0; i < 4; ++i)  // per 128-bit lane: partial sums of 4 consecutive vectors
+    t[i] = _mm512_add_ps(_mm512_shuffle_ps(s[2 * i], s[2 * i + 1], 0x44), _mm512_shuffle_ps(s[2 * i], s[2 * i + 1], 0xEE));
+  for (int i = 0; i < 2; ++i)  // lanes [t0 L0+L1, t0 L2+L3, t1 L0+L1, t1 L2+L3]
+    u[i] = _mm512_add_ps(_mm512_shuffle_f32x4(t[2 * i], t[2 * i + 1], 0x88), _mm512_shuffle_f32x4(t[2 * i], t[2 * i + 1], 0xDD));
+  return _mm512_add_ps(_mm512_shuffle_f32x4(u[0], u[1], 0x88), _mm512_shuffle_f32x4(u[0], u[1], 0xDD));
+}
+
+// Pass 1, any dtype: one key row at a time, its chunks converted once and reused by the group's query heads.
+template <typename T, int G, int CH>
+void scores_rows(const float* q_f, const T* k_ptr, const Item& it, const Layout& L, float scale, float* scores) {
+  const int64_t ctx = it.ctx;
+  for (int64_t t0 = 0; t0 < ctx; t0 += L.block_size) {
+    const T* kb = k_ptr + it.table[t0 / L.block_size] * L.block_stride;
+    const int64_t n = std::min(L.block_size, ctx - t0);
+    for (int64_t i = 0; i < n; ++i) {
+      for (int64_t h = it.h0; h < it.h1; ++h) {
+        const T* krow = kb + i * L.token_stride + h * CH * 16;
+        __m512 kv[CH];
+        for (int c = 0; c < CH; ++c) kv[c] = load16(krow + c * 16);
+        for (int g = 0; g < G; ++g) {
+          const float* qg = q_f + (h * G + g) * CH * 16;
+          __m512 s = _mm512_mul_ps(_mm512_loadu_ps(qg), kv[0]);
+          for (int c = 1; c < CH; ++c) s = _mm512_fmadd_ps(_mm512_loadu_ps(qg + c * 16), kv[c], s);
+          scores[((h - it.h0) * G + g) * ctx + t0 + i] = _mm512_reduce_add_ps(s) * scale;
+        }
+      }
+    }
+  }
+}
+
+#if defined(__AVX512BF16__)
+// Pass 1 for bf16 caches (block_size a multiple of 16): 16 rows at a time per query head, dot products straight
+// from the stored bf16 pairs (vdpbf16ps, fp32 accumulation; q rounded to bf16, which it already is), reduced
+// together.
+template <int G, int CH>
+void scores_bf16(const float* q_f, const at::BFloat16* k_ptr, const Item& it, const Layout& L, float scale,
+                 float* scores) {
+  const int64_t ctx = it.ctx, nh = it.h1 - it.h0;
+  __m512bh qb[64][G][CH / 2];
+  for (int64_t h = 0; h < nh; ++h)
+    for (int g = 0; g < G; ++g)
+      for (int c = 0; c < CH / 2; ++c) {
+        const float* qg = q_f + ((it.h0 + h) * G + g) * CH * 16 + c * 32;
+        qb[h][g][c] = _mm512_cvtne2ps_pbh(_mm512_loadu_ps(qg + 16), _mm512_loadu_ps(qg));
+      }
+  // rows outer, heads inner: a group of 16 rows (all heads: contiguous) is used up while it is in L1
+  for (int64_t t0 = 0; t0 < ctx; t0 += 16) {
+    const at::BFloat16* rows = k_ptr + it.table[t0 / L.block_size] * L.block_stride + (t0 % L.block_size) * L.token_stride;
+    const int64_t n = std::min<int64_t>(16, ctx - t0);
+    for (int64_t h = 0; h < nh; ++h) {
+      const at::BFloat16* head_rows = rows + (it.h0 + h) * CH * 16;
+      for (int g = 0; g < G; ++g) {
+        __m512 acc[16];
+        for (int i = 0; i < 16; ++i) {
+          acc[i] = _mm512_setzero_ps();
+          if (i < n)
+            for (int c = 0; c < CH / 2; ++c)
+              acc[i] = _mm512_dpbf16_ps(acc[i], qb[h][g][c],
+                                        (__m512bh)_mm512_loadu_si512(head_rows + i * L.token_stride + c * 32));
+        }
+        const __m512 sums = _mm512_mul_ps(reduce16x16(acc), _mm512_set1_ps(scale));
+        _mm512_mask_storeu_ps(scores + (h * G + g) * ctx + t0, (__mmask16)((1u << n) - 1), sums);
+      }
+    }
+  }
+}
+#endif
+
+// G = group size and CH = head_dim / 16 known at compile time: key/value chunks and the output accumulators
+// stay in registers.
+template <typename T, int G, int CH>
+void attend_heads(const float* q_f, const T* k_ptr, const T* v_ptr, const Item& it, const Layout& L, float scale,
+                  float* scores, float* out) {
+  const int64_t ctx = it.ctx, nh = it.h1 - it.h0;
+#if defined(__AVX512BF16__)
+  if constexpr (std::is_same_v<T, at::BFloat16> && CH % 2 == 0) {
+    if (L.block_size % 16 == 0) scores_bf16<G, CH>(q_f, k_ptr, it, L, scale, scores);
+    else scores_rows<T, G, CH>(q_f, k_ptr, it, L, scale, scores);
+  } else {
+    scores_rows<T, G, CH>(q_f, k_ptr, it, L, scale, scores);
+  }
+#else
+  scores_rows<T, G, CH>(q_f, k_ptr, it, L, scale, scores);
+#endif
+  float inv_sum[8 * 64];  // G <= 8 query heads per KV head, at most 64 KV heads
+  for (int64_t j = 0; j < nh * G; ++j) {
+    float* s = scores + j * ctx;
+    inv_sum[j] = 1.f / softmax_numerators(s, ctx, max_of(s, ctx));
+  }
+  // pass 2, per block and head: the block's rows of this head are in L1 after the first head touched the block
+  __m512 acc[64][G][CH];  // registers for the head in flight; the rest wait in L1
+  const int64_t heads = std::min<int64_t>(nh, 64);
+  for (int64_t h = 0; h < heads; ++h)
+    for (int g = 0; g < G; ++g)
+      for (int c = 0; c < CH; ++c) acc[h][g][c] = _mm512_setzero_ps();
+  for (int64_t t0 = 0; t0 < ctx; t0 += L.block_size) {
+    const T* vb = v_ptr + it.table[t0 / L.block_size] * L.block_stride;
+    const int64_t n = std::min(L.block_size, ctx - t0);
+    for (int64_t h = it.h0; h < it.h1; ++h) {
+      __m512 a[G][CH];
+      for (int g = 0; g < G; ++g)
+        for (int c = 0; c < CH; ++c) a[g][c] = acc[h - it.h0][g][c];
+      const float* p = scores + (h - it.h0) * G * ctx + t0;
+      for (int64_t i = 0; i < n; ++i) {
+        const T* vrow = vb + i * L.token_stride + h * CH * 16;
+        __m512 vv[CH];
+        for (int c = 0; c < CH; ++c) vv[c] = load16(vrow + c * 16);
+        for (int g = 0; g < G; ++g) {
+          const __m512 pg = _mm512_set1_ps(p[g * ctx + i]);
+          for (int c = 0; c < CH; ++c) a[g][c] = _mm512_fmadd_ps(pg, vv[c], a[g][c]);
+        }
+      }
+      for (int g = 0; g < G; ++g)
+        for (int c = 0; c < CH; ++c) acc[h - it.h0][g][c] = a[g][c];
+    }
+  }
+  for (int64_t h = 0; h < nh; ++h)
+    for (int g = 0; g < G; ++g)
+      for (int c = 0; c < CH; ++c)
+        _mm512_storeu_ps(out + ((it.h0 + h) * G + g) * CH * 16 + c * 16,
+                         _mm512_mul_ps(acc[h][g][c], _mm512_set1_ps(inv_sum[h * G + g])));
+}
+#endif
+
+// Any shape, any build: the same two passes in scalar code.
+template <typename T>
+void attend_heads_generic(const float* q_f, const T* k_ptr, const T* v_ptr, const Item& it, const Layout& L,
+                          float scale, float* scores, float* out) {
+  const int64_t ctx = it.ctx, G = L.group, D = L.head_dim, nh = it.h1 - it.h0;
+  for (int64_t t = 0; t < ctx; ++t) {
+    const T* krow = k_ptr + it.table[t / L.block_size] * L.block_stride + (t % L.block_size) * L.token_stride;
+    for (int64_t h = it.h0; h < it.h1; ++h)
+      for (int64_t g = 0; g < G; ++g) {
+        const float* qg = q_f + (h * G + g) * D;
+        float s = 0.f;
+        for (int64_t d = 0; d < D; ++d) s += qg[d] * to_float(krow[h * D + d]);
+        scores[((h - it.h0) * G + g) * ctx + t] = s * scale;
+      }
+  }
+  std::vector<float> inv_sum(nh * G);
+  for (int64_t j = 0; j < nh * G; ++j) {
+    float* s = scores + j * ctx;
+    inv_sum[j] = 1.f / softmax_numerators(s, ctx, max_of(s, ctx));
+  }
+  float* acc = out + it.h0 * G * D;
+  std::fill(acc, acc + nh * G * D, 0.f);
+  for (int64_t t = 0; t < ctx; ++t) {
+    const T* vrow = v_ptr + it.table[t / L.block_size] * L.block_stride + (t % L.block_size) * L.token_stride;
+    for (int64_t h = it.h0; h < it.h1; ++h)
+      for (int64_t g = 0; g < G; ++g) {
+        const int64_t j = (h - it.h0) * G + g;
+        const float p = scores[j * ctx + t];
+        for (int64_t d = 0; d < D; ++d) acc[j * D + d] += p * to_float(vrow[h * D + d]);
+      }
+  }
+  for (int64_t j = 0; j < nh * G; ++j)
+    for (int64_t d = 0; d < D; ++d) acc[j * D + d] *= inv_sum[j];
+}
+
+template <typename T>
+using AttendFn = void (*)(const float*, const T*, const T*, const Item&, const Layout&, float, float*, float*);
+
+#if defined(__AVX512F__)
+template <typename T, int CH>
+AttendFn<T> pick_group(int64_t group) {
+  switch (group) {
+    case 1: return attend_heads<T, 1, CH>;
+    case 2: return attend_heads<T, 2, CH>;
+    case 3: return attend_heads<T, 3, CH>;
+    case 4: return attend_heads<T, 4, CH>;
+    case 5: return attend_heads<T, 5, CH>;
+    case 6: return attend_heads<T, 6, CH>;
+    case 7: return attend_heads<T, 7, CH>;
+    case 8: return attend_heads<T, 8, CH>;
+    default: return attend_heads_generic<T>;
+  }
+}
+#endif
+
+template <typename T>
+AttendFn<T> pick_attend(const Layout& L) {
+#if defined(__AVX512F__)
+  if (L.num_kv_heads <= 64) {
+    if (L.head_dim == 32) return pick_group<T, 2>(L.group);
+    if (L.head_dim == 64) return pick_group<T, 4>(L.group);
+    if (L.head_dim == 128) return pick_group<T, 8>(L.group);
+  }
+#endif
+  return attend_heads_generic<T>;
+}
+
+template <typename T>
+void decode_attention_impl(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
+                           const at::Tensor& block_tables, const at::Tensor& context_lens, double scale,
+                           at::Tensor& out) {
+  const int64_t num_seqs = q.size(0), num_heads = q.size(1), head_dim = q.size(2);
+  const int64_t num_kv_heads = k_cache.size(2), block_size = k_cache.size(1);
+  const Layout L{block_size, num_kv_heads, head_dim, num_heads / num_kv_heads, block_size * num_kv_heads * head_dim,
+                 num_kv_heads * head_dim};
+  const int64_t max_blocks = block_tables.size(1);
+  const T* q_ptr = q.data_ptr<T>();
+  const T* k_ptr = k_cache.data_ptr<T>();
+  const T* v_ptr = v_cache.data_ptr<T>();
+  const int64_t* tables = block_tables.data_ptr<int64_t>();
+  const int64_t* lens = context_lens.data_ptr<int64_t>();
+  T* out_ptr = out.data_ptr<T>();
+  const float fscale = static_cast<float>(scale);
+  const AttendFn<T> attend = pick_attend<T>(L);
+  // Whole sequences per item when there are enough to keep every thread busy; else split the KV heads too.
+  const int64_t heads_per_item = num_seqs >= 2 * at::get_num_threads() ? num_kv_heads : 1;
+  const int64_t items_per_seq = num_kv_heads / heads_per_item;
+
+  at::parallel_for(0, num_seqs * items_per_seq, 1, [&](int64_t begin, int64_t end) {
+    std::vector<float> q_f(num_heads * head_dim), acc(num_heads * head_dim), scores;
+    for (int64_t idx = begin; idx < end; ++idx) {
+      const int64_t seq = idx / items_per_seq, h0 = (idx % items_per_seq) * heads_per_item;
+      const Item it{tables + seq * max_blocks, lens[seq], h0, h0 + heads_per_item};
+      TORCH_CHECK(it.ctx >= 1 && it.ctx <= max_blocks * block_size, "context length outside its block table");
+      const int64_t first = h0 * L.group * head_dim, count = heads_per_item * L.group * head_dim;
+      const T* qs = q_ptr + seq * num_heads * head_dim;
+      for (int64_t j = first; j < first + count; ++j) q_f[j] = to_float(qs[j]);
+      scores.resize(heads_per_item * L.group * it.ctx);
+      attend(q_f.data(), k_ptr, v_ptr, it, L, fscale, scores.data(), acc.data());
+      T* os = out_ptr + seq * num_heads * head_dim;
+      for (int64_t j = first; j < first + count; ++j) os[j] = static_cast<T>(acc[j]);
+    }
+  });
+}
+
+at::Tensor paged_decode_attention(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
+                                  const at::Tensor& block_tables, const at::Tensor& context_lens, double scale) {
+  TORCH_CHECK(q.dim() == 3 && k_cache.dim() == 4 && v_cache.sizes() == k_cache.sizes(),
+              "q [B, H, D] and caches [blocks, block_size, kv_heads, D] expected");
+  TORCH_CHECK(q.scalar_type() == k_cache.scalar_type() && k_cache.scalar_type() == v_cache.scalar_type(),
+              "q and the caches must share a dtype");
+  TORCH_CHECK(q.size(2) == k_cache.size(3) && q.size(1) % k_cache.size(2) == 0, "head counts or sizes disagree");
+  TORCH_CHECK(block_tables.scalar_type() == at::kLong && context_lens.scalar_type() == at::kLong,
+              "block_tables and context_lens must be int64");
+  TORCH_CHECK(block_tables.size(0) == q.size(0) && context_lens.size(0) == q.size(0), "one row per sequence");
+  const at::Tensor qc = q.contiguous(), kc = k_cache.contiguous(), vc = v_cache.contiguous();
+  const at::Tensor tables = block_tables.contiguous(), lens = context_lens.contiguous();
+  at::Tensor out = at::empty_like(qc);
+  if (q.scalar_type() == at::kFloat) {
+    decode_attention_impl<float>(qc, kc, vc, tables, lens, scale, out);
+  } else if (q.scalar_type() == at::kBFloat16) {
+    decode_attention_impl<at::BFloat16>(qc, kc, vc, tables, lens, scale, out);
+  } else if (q.scalar_type() == at::kHalf) {
+    decode_attention_impl<at::Half>(qc, kc, vc, tables, lens, scale, out);
+  } else {
+    TORCH_CHECK(false, "float32, bfloat16 or float16 expected");
+  }
+  return out;
+}
+
+bool vectorized() { return kVectorized; }
+
+}  // namespace
+
+TORCH_LIBRARY(llmopt_cpu, m) {
+  m.def("paged_decode_attention(Tensor q, Tensor k_cache, Tensor v_cache, Tensor block_tables, "
+        "Tensor context_lens, float scale) -> Tensor");
+  m.def("vectorized", &vectorized);  // whether this build has the AVX-512 paths
+}
+
+TORCH_LIBRARY_IMPL(llmopt_cpu, CPU, m) { m.impl("paged_decode_attention", paged_decode_attention); }

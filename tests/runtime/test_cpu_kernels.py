@@ -1,0 +1,152 @@
+"""The compiled CPU kernels (llmopt/runtime/kernels/csrc) against the plain-torch reference, at small and odd
+shapes that reach every code path: the AVX-512 paths specialized on (group, head_dim) (bf16 dot products 16 rows
+at a time when the block size allows, one row at a time otherwise), the scalar path for other shapes, whole
+sequences per work item and one KV head per item."""
+
+import pytest
+import torch
+
+from llmopt.runtime.kernels import attention
+from llmopt.runtime.kernels.attention import AttentionMetadata, paged_attention
+from llmopt.runtime.kernels.cpu_ops import cpu_ops
+
+
+def paged_setup(context_lens, num_heads, num_kv_heads, head_dim, page, dtype, seed=0):
+    """Random caches with shuffled block tables for len(context_lens) sequences, and their queries."""
+    g = torch.Generator().manual_seed(seed)
+    pages = [(c + page - 1) // page for c in context_lens]
+    num_blocks = sum(pages) + 3
+    order = torch.randperm(num_blocks, generator=g).tolist()
+    tables, used = [], 0
+    for n in pages:
+        tables.append(order[used:used + n])
+        used += n
+    k_cache = torch.randn(num_blocks, page, num_kv_heads, head_dim, generator=g).to(dtype)
+    v_cache = torch.randn(num_blocks, page, num_kv_heads, head_dim, generator=g).to(dtype)
+    q = torch.randn(len(context_lens), num_heads, head_dim, generator=g).to(dtype)
+    meta = AttentionMetadata.build(list(range(len(context_lens) + 1)), context_lens, tables,
+                                   torch.zeros(len(context_lens), dtype=torch.long), page)
+    return q, k_cache, v_cache, meta
+
+
+def test_cpu_kernels_build():
+    # CI machines have a compiler: a build failure must fail here, not silently fall back to torch
+    ops = cpu_ops()
+    assert ops is not None
+    assert isinstance(ops.vectorized(), bool)
+
+
+@pytest.mark.parametrize("context_lens,num_heads,num_kv_heads,head_dim,page", [
+    ([5], 4, 2, 16, 4),  # scalar path (head_dim 16), one sequence: one KV head per item
+    ([1, 17, 33], 6, 2, 24, 8),  # scalar path, odd head_dim
+    ([40, 3, 16, 31, 64], 9, 3, 64, 16),  # SmolLM2's heads; partial groups of 16 rows; whole sequences per item
+    ([70], 8, 1, 64, 16),  # group 8, a single KV head
+    ([100, 7], 4, 4, 128, 16),  # no GQA, head_dim 128
+    ([33, 50, 8, 9], 16, 2, 32, 8),  # block size 8: one row at a time
+    ([20] * 6, 18, 2, 64, 16),  # group 9: beyond the specialized ones
+])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+def test_paged_decode_attention_matches_reference(context_lens, num_heads, num_kv_heads, head_dim, page, dtype):
+    q, k_cache, v_cache, meta = paged_setup(context_lens, num_heads, num_kv_heads, head_dim, page, dtype)
+    scale = head_dim ** -0.5
+    expected = paged_attention(q.float(), k_cache.float(), v_cache.float(), meta, scale)  # fp32: torch path
+    out = cpu_ops().paged_decode_attention(q, k_cache, v_cache, meta.decode.block_tables, meta.decode.context_lens,
+                                           scale)
+    assert out.dtype == dtype and out.shape == q.shape
+    tol = 1e-5 if dtype == torch.float32 else 2e-2
+    torch.testing.assert_close(out.float(), expected, rtol=tol, atol=tol)
+
+
+def test_bf16_decodes_use_the_kernel(monkeypatch):
+    ops = cpu_ops()
+    calls = []
+
+    class Spy:
+        def paged_decode_attention(self, *args):
+            calls.append(args)
+            return ops.paged_decode_attention(*args)
+
+    monkeypatch.setattr(attention, "cpu_ops", lambda: Spy())
+    q, k_cache, v_cache, meta = paged_setup([12, 40, 3], 6, 2, 64, 16, torch.bfloat16)
+    out = paged_attention(q, k_cache, v_cache, meta, 0.125)
+    assert len(calls) == 1
+    expected = paged_attention(q.float(), k_cache.float(), v_cache.float(), meta, 0.125)
+    assert len(calls) == 1  # fp32 keeps the torch path (it must match transformers token for token)
+    torch.testing.assert_close(out.float(), expected, rtol=2e-2, atol=2e-2)
+
+
+def test_context_beyond_block_table_is_an_error():
+    q, k_cache, v_cache, meta = paged_setup([20], 4, 2, 64, 16, torch.bfloat16)
+    with pytest.raises(RuntimeError, match="context length"):
+        cpu_ops().paged_decode_attention(q, k_cache, v_cache, meta.decode.block_tables, torch.tensor([33]), 0.125)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("rows,hidden", [(1, 576), (5, 40), (70, 99)])  # scalar tails; one thread and several
+def test_fused_elementwise_ops_match_torch(dtype, rows, hidden):
+    import torch.nn.functional as F
+
+    from llmopt.runtime.model import rotate_half
+
+    ops = cpu_ops()
+    g = torch.Generator().manual_seed(0)
+    x = (torch.randn(rows, hidden, generator=g) * 3).to(dtype)
+    delta = torch.randn(rows, hidden, generator=g).to(dtype)
+    weight = torch.randn(hidden, generator=g).to(dtype)
+
+    def norm(t):
+        return F.rms_norm(t.float(), (hidden,), eps=1e-5).to(dtype) * weight
+
+    tol = {"rtol": 1e-6, "atol": 1e-6} if dtype == torch.float32 else {"rtol": 0, "atol": 0}
+    torch.testing.assert_close(ops.rms_norm(x, weight, 1e-5), norm(x), **tol)
+    residual = x.clone()
+    normed = ops.add_rms_norm_(residual, delta, weight, 1e-5)
+    assert torch.equal(residual, x + delta)
+    torch.testing.assert_close(normed, norm(x + delta), **tol)
+
+    gate_up = (torch.randn(rows, 2 * hidden, generator=g) * 4).to(dtype)
+    gate, up = gate_up.chunk(2, dim=-1)
+    torch.testing.assert_close(ops.silu_mul(gate_up), F.silu(gate) * up, rtol=1e-6 if dtype == torch.float32 else 0,
+                               atol=1e-6 if dtype == torch.float32 else 0)
+
+    head_dim, heads = 2 * (hidden // 2), 3
+    qkv = torch.randn(rows, (heads + 1) * head_dim, generator=g).to(dtype)
+    angles = torch.randn(rows, head_dim // 2, generator=g)
+    cos, sin = torch.cat([angles, angles], -1).cos().to(dtype), torch.cat([angles, angles], -1).sin().to(dtype)
+    qk = qkv[:, : heads * head_dim].view(rows, heads, head_dim)
+    expected = qk * cos[:, None] + rotate_half(qk) * sin[:, None]
+    rotated = qkv.clone()
+    ops.rotary_(rotated, cos, sin, heads)
+    torch.testing.assert_close(rotated[:, : heads * head_dim].view(rows, heads, head_dim), expected, **tol)
+    assert torch.equal(rotated[:, heads * head_dim:], qkv[:, heads * head_dim:])  # v untouched
+
+
+def test_argmax_rows_follows_torch_argmax():
+    g = torch.Generator().manual_seed(0)
+    logits = torch.randn(6, 1000, generator=g)
+    logits[1, 10] = logits[1, 990] = 50.0  # ties: the first index
+    logits[2, 999] = 60.0  # in the scalar tail
+    logits[3, 7] = logits[3, 500] = float("nan")  # NaN counts as the maximum
+    logits[4] = float("-inf")
+    assert torch.equal(cpu_ops().argmax_rows(logits), logits.argmax(dim=-1))
+
+
+def test_decoder_with_fused_ops_matches_the_torch_ops():
+    from llmopt.core.tiny import build_tiny_model
+    from llmopt.runtime.engine import Engine, EngineConfig
+    from llmopt.runtime.sampling import SamplingParams
+
+    model, tok = build_tiny_model("llama", seed=0)
+    model = model.to(torch.bfloat16)
+    g = torch.Generator().manual_seed(0)
+    prompts = [torch.randint(0, 250, (n,), generator=g).tolist() for n in (3, 17, 40, 9)]
+    params = SamplingParams(max_tokens=16, ignore_eos=True)
+    outputs = []
+    for fused in (True, False):
+        engine = Engine(model, tok, EngineConfig(block_size=4, fast_path=True))
+        decoder = engine.runner.decoder
+        assert decoder.fused_ops is not None
+        if not fused:
+            decoder.fused_ops = None
+        outputs.append(engine.generate(prompts, params))
+    assert outputs[0] == outputs[1]
