@@ -229,6 +229,9 @@ def bench_runtime(name: str, model_name: str, spec: WorkloadSpec, config: BenchC
     metrics.update(engine_metrics(engine.step_stats, model_cost(model, engine.runner.kv_dtype), peaks,
                                   engine.scheduler.num_preemptions, hit_rate, metrics["duration"]))
     metrics["peak_bandwidth"], metrics["peak_flops"] = peaks.bandwidth, peaks.flops
+    # TTFT of the requests that found their prefix cached (the first of each prefix pays the full prefill)
+    hits = [r.ttft for r in records if r.num_cached_tokens > 0]
+    metrics["mean_ttft_prefix_hit_ms"] = 1000 * sum(hits) / len(hits) if hits else None
     return RunResult(name, model_name, {"backend": "runtime", **asdict(config), "workload": asdict(spec)},
                      metrics, records, [s.num_seqs for s in engine.step_stats])
 

@@ -29,11 +29,14 @@ class _QuantLinearBase(nn.Module):
         raise NotImplementedError
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        lead = x.shape[:-1]
-        y = self._matmul(x.reshape(-1, self.in_features).to(self.dtype))
+        x2d = x if x.dim() == 2 else x.reshape(-1, self.in_features)
+        # (dtype casts only when needed: at batch-1 decode each no-op call still costs a few us, x 120 per step)
+        y = self._matmul(x2d if x2d.dtype == self.dtype else x2d.to(self.dtype))
         if self.bias is not None:
             y = y + self.bias
-        return y.reshape(*lead, self.out_features).to(x.dtype)
+        if x.dim() != 2:
+            y = y.reshape(*x.shape[:-1], self.out_features)
+        return y if y.dtype == x.dtype else y.to(x.dtype)
 
     def extra_repr(self) -> str:
         return f"in={self.in_features}, out={self.out_features}, kind={self.kind}"

@@ -156,4 +156,10 @@ class RuntimeDecoder(nn.Module):
         return x
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        weight = getattr(self.lm_head, "weight", None)
+        if (self.fused_ops is not None and hidden.shape[0] == 1 and type(self.lm_head) is nn.Linear
+                and self.lm_head.bias is None and weight.dtype == hidden.dtype == torch.bfloat16):
+            # batch-1 decode: the vocab x hidden weight (57 MB for SmolLM2, the model's own tied weight) streamed
+            # by one matrix-vector kernel
+            return self.fused_ops.bf16_gemv(hidden, weight).float()
         return self.logits_head(hidden).float()

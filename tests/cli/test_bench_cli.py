@@ -36,6 +36,8 @@ def test_bench_prefix_repetition_hits_the_cache_and_static_mode_runs(tiny_llama_
     metrics = json.loads(out.read_text())["runs"][0]["metrics"]
     assert metrics["prefix_cache_hit_rate"] > 0.5  # 4 of 6 requests find their 32-token prefix cached
     assert metrics["max_batch_size"] == 1
+    # the TTFT of those 4 requests, in ms (the 2 cold ones are left out)
+    assert 0 < metrics["mean_ttft_prefix_hit_ms"] < 1000 * metrics["duration"]
 
 
 def test_bench_bad_input(tiny_llama_dir, tmp_path):

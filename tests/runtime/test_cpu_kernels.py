@@ -148,5 +148,32 @@ def test_decoder_with_fused_ops_matches_the_torch_ops():
         assert decoder.fused_ops is not None
         if not fused:
             decoder.fused_ops = None
-        outputs.append(engine.generate(prompts, params))
+        # the batch, then one prompt alone (batch-1 steps: the lm_head runs as bf16_gemv with the fused ops)
+        outputs.append((engine.generate(prompts, params), engine.generate(prompts[1:2], params)))
     assert outputs[0] == outputs[1]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_store_kv_writes_strided_rows_into_their_slots(dtype):
+    g = torch.Generator().manual_seed(0)
+    num_blocks, block_size, kv_heads, head_dim, tokens = 6, 4, 2, 8, 5
+    qkv = torch.randn(tokens, (3 + 2 * kv_heads) * head_dim, generator=g).to(dtype)  # k, v: views into it
+    k = qkv[:, 3 * head_dim:(3 + kv_heads) * head_dim].view(tokens, kv_heads, head_dim)
+    v = qkv[:, (3 + kv_heads) * head_dim:].view(tokens, kv_heads, head_dim)
+    slots = torch.tensor([3, 17, 0, 23, 9])
+    caches = [torch.randn(num_blocks, block_size, kv_heads, head_dim, generator=g).to(dtype) for _ in range(2)]
+    expected = [c.clone() for c in caches]
+    expected[0].view(-1, kv_heads, head_dim)[slots] = k
+    expected[1].view(-1, kv_heads, head_dim)[slots] = v
+    cpu_ops().store_kv_(caches[0], caches[1], k, v, slots)
+    assert torch.equal(caches[0], expected[0]) and torch.equal(caches[1], expected[1])
+    with pytest.raises(RuntimeError, match="slot outside"):
+        cpu_ops().store_kv_(caches[0], caches[1], k, v, torch.tensor([0, 1, 2, 3, 24]))
+
+
+def test_bf16_gemv_matches_a_float_matmul():
+    g = torch.Generator().manual_seed(0)
+    weight = torch.randn(1000, 100, generator=g).to(torch.bfloat16)  # K = 100: a scalar tail after 3 x 32
+    x = torch.randn(1, 100, generator=g).to(torch.bfloat16)
+    expected = (x.float() @ weight.float().t()).to(torch.bfloat16)
+    torch.testing.assert_close(cpu_ops().bf16_gemv(x, weight), expected, rtol=1e-2, atol=1e-2)

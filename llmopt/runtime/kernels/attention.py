@@ -119,6 +119,10 @@ def store_kv(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: t
         from llmopt.runtime.kernels.triton_store_kv import store_kv as triton_store_kv
 
         return triton_store_kv(k, v, k_cache, v_cache, slot_mapping)
+    if k_cache.device.type == "cpu" and k.dtype == k_cache.dtype and k.stride(-1) == 1 and v.stride(-1) == 1:
+        ops = cpu_ops()
+        if ops is not None:
+            return ops.store_kv_(k_cache, v_cache, k, v, slot_mapping)
     num_kv_heads, head_dim = k_cache.shape[-2:]
     k_cache.view(-1, num_kv_heads, head_dim)[slot_mapping] = k.to(k_cache.dtype)
     v_cache.view(-1, num_kv_heads, head_dim)[slot_mapping] = v.to(v_cache.dtype)
@@ -130,8 +134,9 @@ def _attend_decodes(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
     if k_cache.dtype != torch.float32 and k_cache.device.type == "cpu":
         ops = cpu_ops()
         if ops is not None:
-            return ops.paged_decode_attention(q.to(k_cache.dtype), k_cache, v_cache, decode.block_tables,
-                                              decode.context_lens, scale).to(q.dtype)
+            out = ops.paged_decode_attention(q if q.dtype == k_cache.dtype else q.to(k_cache.dtype), k_cache,
+                                             v_cache, decode.block_tables, decode.context_lens, scale)
+            return out if out.dtype == q.dtype else out.to(q.dtype)
     num_seqs, width = decode.block_tables.shape
     num_blocks, block_size, num_kv_heads, head_dim = k_cache.shape
     # index_select over whole blocks (rows of block_size * kv_heads * hd) is a plain memcpy per block, several

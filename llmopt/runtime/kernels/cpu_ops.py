@@ -30,7 +30,7 @@ def cpu_ops():
 
         load(name="llmopt_cpu_kernels", sources=[str(s) for s in SOURCES], is_python_module=False,
              extra_cflags=["-O3", "-march=native", "-fopenmp"], extra_ldflags=["-fopenmp"], verbose=False)
-    except Exception as exc:  # no compiler, missing headers: the torch path serves instead
+    except Exception as exc:  # noqa: BLE001  (no compiler, missing headers: the torch path serves instead)
         log.warning("llmopt CPU kernels unavailable (%s); using the plain-torch path", str(exc).splitlines()[0])
         return None
     return torch.ops.llmopt_cpu

@@ -1,4 +1,4 @@
-// Fused element-wise ops of the decoder layer and greedy sampling (CPU).
+// Fused element-wise ops of the decoder layer, the KV store, greedy sampling, and the batch-1 lm_head (CPU).
 //
 // At decode the tensors are tiny ([B, hidden] with B = 1..64) and each torch op costs ~10-25 us of dispatch,
 // allocation and thread start-up whatever its size: the ~12 element-wise ops per layer were ~20% of a batch-64
@@ -11,6 +11,7 @@
 
 #include <algorithm>
 #include <cmath>
+#include <cstring>
 #include <limits>
 #include <type_traits>
 
@@ -306,6 +307,67 @@ at::Tensor argmax_rows(const at::Tensor& logits) {
   return out;
 }
 
+
+// k, v [T, kv_heads, head_dim] (rows may be strided: views into the fused qkv output) -> their cache slots
+// (caches [num_blocks, block_size, kv_heads, head_dim], slot = block * block_size + offset): one call instead
+// of two index_put.
+void store_kv_(at::Tensor& k_cache, at::Tensor& v_cache, const at::Tensor& k, const at::Tensor& v,
+               const at::Tensor& slot_mapping) {
+  TORCH_CHECK(k_cache.is_contiguous() && v_cache.is_contiguous() && k_cache.sizes() == v_cache.sizes(),
+              "contiguous caches of one shape expected");
+  TORCH_CHECK(k.dim() == 3 && k.sizes() == v.sizes() && k.size(1) * k.size(2) == k_cache.size(2) * k_cache.size(3),
+              "k, v [T, kv_heads, head_dim] expected");
+  TORCH_CHECK(k.stride(2) == 1 && k.stride(1) == k.size(2) && v.stride(2) == 1 && v.stride(1) == v.size(2),
+              "each token's k and v must be contiguous");
+  TORCH_CHECK(k.scalar_type() == k_cache.scalar_type() && v.scalar_type() == v_cache.scalar_type(),
+              "k, v must have the cache's dtype");
+  TORCH_CHECK(slot_mapping.scalar_type() == at::kLong && slot_mapping.numel() == k.size(0), "one slot per token");
+  const at::Tensor slots = slot_mapping.contiguous();
+  const int64_t* sp = slots.data_ptr<int64_t>();
+  const int64_t num_slots = k_cache.size(0) * k_cache.size(1);
+  const int64_t row_bytes = k.size(1) * k.size(2) * k.element_size();
+  char* kc = static_cast<char*>(k_cache.data_ptr());
+  char* vc = static_cast<char*>(v_cache.data_ptr());
+  const char* kp = static_cast<const char*>(k.data_ptr());
+  const char* vp = static_cast<const char*>(v.data_ptr());
+  const int64_t k_stride = k.stride(0) * k.element_size(), v_stride = v.stride(0) * v.element_size();
+  for (int64_t t = 0; t < k.size(0); ++t) {
+    TORCH_CHECK(sp[t] >= 0 && sp[t] < num_slots, "slot outside the cache");
+    std::memcpy(kc + sp[t] * row_bytes, kp + t * k_stride, row_bytes);
+    std::memcpy(vc + sp[t] * row_bytes, vp + t * v_stride, row_bytes);
+  }
+}
+
+// y [1, N] = x [1, K] @ weight [N, K]^T in bf16 for one row (batch-1 decode's lm_head: 49152 x 576 for SmolLM2,
+// read once at ~15% more bandwidth than oneDNN's linear reaches on it here), fp32 accumulation.
+at::Tensor bf16_gemv(const at::Tensor& x, const at::Tensor& weight) {
+  TORCH_CHECK(x.dim() == 2 && x.size(0) == 1 && weight.dim() == 2 && weight.size(1) == x.size(1),
+              "x [1, K] and weight [N, K] expected");
+  TORCH_CHECK(x.scalar_type() == at::kBFloat16 && weight.scalar_type() == at::kBFloat16, "bf16 expected");
+  const int64_t K = x.size(1), N = weight.size(0);
+  const at::Tensor xc = x.contiguous(), wc = weight.contiguous();
+  at::Tensor y = at::empty({1, N}, x.options());
+  const at::BFloat16* xp = xc.data_ptr<at::BFloat16>();
+  const at::BFloat16* wp = wc.data_ptr<at::BFloat16>();
+  at::BFloat16* yp = y.data_ptr<at::BFloat16>();
+  at::parallel_for(0, N, 64, [&](int64_t begin, int64_t end) {
+    for (int64_t n = begin; n < end; ++n) {
+      const at::BFloat16* row = wp + n * K;
+      int64_t k = 0;
+      float sum = 0.f;
+#if defined(__AVX512BF16__)
+      __m512 acc = _mm512_setzero_ps();
+      for (; k + 32 <= K; k += 32)
+        acc = _mm512_dpbf16_ps(acc, (__m512bh)_mm512_loadu_si512(row + k), (__m512bh)_mm512_loadu_si512(xp + k));
+      sum = _mm512_reduce_add_ps(acc);
+#endif
+      for (; k < K; ++k) sum += static_cast<float>(row[k]) * static_cast<float>(xp[k]);
+      yp[n] = c10::BFloat16(sum);
+    }
+  });
+  return y;
+}
+
 }  // namespace
 
 TORCH_LIBRARY_FRAGMENT(llmopt_cpu, m) {
@@ -314,6 +376,8 @@ TORCH_LIBRARY_FRAGMENT(llmopt_cpu, m) {
   m.def("silu_mul(Tensor gate_up) -> Tensor");
   m.def("argmax_rows(Tensor logits) -> Tensor");
   m.def("rotary_(Tensor(a!) x, Tensor cos, Tensor sin, int num_heads) -> ()");
+  m.def("store_kv_(Tensor(a!) k_cache, Tensor(b!) v_cache, Tensor k, Tensor v, Tensor slot_mapping) -> ()");
+  m.def("bf16_gemv(Tensor x, Tensor weight) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(llmopt_cpu, CPU, m) {
@@ -322,4 +386,6 @@ TORCH_LIBRARY_IMPL(llmopt_cpu, CPU, m) {
   m.impl("silu_mul", silu_mul);
   m.impl("argmax_rows", argmax_rows);
   m.impl("rotary_", rotary_);
+  m.impl("store_kv_", store_kv_);
+  m.impl("bf16_gemv", bf16_gemv);
 }
