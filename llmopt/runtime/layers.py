@@ -7,11 +7,14 @@ groups aten's kernel can express), int8-packed (8-bit per channel), else a dense
 
 from __future__ import annotations
 
+import threading
+
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 from llmopt.compress.quant import QuantizedWeight
+from llmopt.runtime.kernels.cpu_ops import cpu_ops
 from llmopt.runtime.kernels.quant_matmul import (can_pack_int4, int4_dequantize, int4_matmul, int8_matmul, pack_int4,
                                                  pack_int4_codes, pack_int8, pack_nibbles, unpack_nibbles)
 
@@ -43,14 +46,16 @@ class _QuantLinearBase(nn.Module):
 
 
 class Int4PackedLinear(_QuantLinearBase):
-    """aten's int4 kernel for few rows (decode: it reads 4-bit weights, the memory-bound case); for many rows
-    (prefill, large decode batches) the weight is dequantized whole and multiplied by the dense GEMM, which on
+    """aten's int4 kernel for few rows (decode: it reads 4-bit weights, the memory-bound case); for more rows
+    (prefill, decode batches of 16+) the weight is dequantized whole and multiplied by the dense GEMM, which on
     CPUs with bf16 matrix units is several times faster than the int4 kernel there (docs/results/runtime.md).
     The plain nibble copy for that costs another half byte per weight."""
 
     kind = "int4"
     prefill_only_buffers = ("nibbles",)  # not decode traffic (eval.speed.model_cost)
     dequantize_min_rows = 256  # the measured crossover on SmolLM2's shapes, bf16, 2 cores (benchmarks/int4_matmul.py)
+    # the same with the compiled dequantization (kernels/csrc/int4_cpu.cpp, ~30x faster than the torch one)
+    compiled_dequantize_min_rows = 16
 
     def __init__(self, qweight: QuantizedWeight, dtype: torch.dtype):
         super().__init__(qweight, dtype)
@@ -84,9 +89,28 @@ class Int4PackedLinear(_QuantLinearBase):
                    and p.kernel_group == first.kernel_group for p in parts)
 
     def _matmul(self, x2d):
-        if x2d.shape[0] >= self.dequantize_min_rows:
+        rows = x2d.shape[0]
+        ops = cpu_ops() if rows >= self.compiled_dequantize_min_rows and x2d.device.type == "cpu" else None
+        if ops is not None:  # one compiled pass into a reused buffer, then the dense GEMM
+            weight = _dequantize_buffer(self.out_features * self.in_features, self.scales_and_offsets.dtype)
+            weight = weight.view(self.out_features, self.in_features)
+            ops.int4_dequantize_out(self.nibbles, self.scales_and_offsets, self.kernel_group, weight)
+            return F.linear(x2d, weight)
+        if rows >= self.dequantize_min_rows:
             return F.linear(x2d, int4_dequantize(self.nibbles, self.scales_and_offsets, self.kernel_group))
         return int4_matmul(x2d, self.packed, self.scales_and_offsets, self.kernel_group)
+
+
+_buffers = threading.local()
+
+
+def _dequantize_buffer(numel: int, dtype: torch.dtype) -> torch.Tensor:
+    """A per-thread scratch buffer for one dequantized weight at a time (the GEMM reading it finishes before
+    the next layer dequantizes): no allocation, and no page faults on fresh memory, per call."""
+    buf = getattr(_buffers, "dequantized", None)
+    if buf is None or buf.numel() < numel or buf.dtype != dtype:
+        buf = _buffers.dequantized = torch.empty(numel, dtype=dtype)
+    return buf[:numel]
 
 
 class Int8PackedLinear(_QuantLinearBase):

@@ -40,7 +40,8 @@ def test_int4_packed_matches_reference(n, k, bits, group_size, sym, dtype):
     layer = quantized_linear(qw, dtype)
     assert isinstance(layer, Int4PackedLinear)
     tol = 1e-4 if dtype == torch.float32 else 5e-2
-    for rows in (5, layer.dequantize_min_rows):  # the int4 kernel, then the dequantize-whole path
+    # the int4 kernel, the compiled dequantize-whole path, the same at prefill sizes
+    for rows in (5, layer.compiled_dequantize_min_rows, layer.dequantize_min_rows):
         x = torch.randn(2, rows, k)
         y = layer(x.to(dtype))
         assert y.shape == (2, rows, n) and y.dtype == dtype
@@ -56,6 +57,28 @@ def test_int4_dequantize_is_the_kernels_weight():
     dense = int4_dequantize(layer.nibbles, layer.scales_and_offsets, layer.kernel_group)
     through_kernel = int4_matmul(torch.eye(192), layer.packed, layer.scales_and_offsets, layer.kernel_group).t()
     torch.testing.assert_close(dense, through_kernel, rtol=1e-6, atol=1e-6)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_compiled_int4_dequantization_is_bit_exact(dtype, monkeypatch):
+    from llmopt.runtime import layers
+    from llmopt.runtime.kernels.cpu_ops import cpu_ops
+    from llmopt.runtime.kernels.quant_matmul import int4_dequantize
+
+    layer = quantized_linear(qweight(48, 192, 4, 96, False), dtype)  # kernel groups of 32
+    out = torch.empty(48, 192, dtype=dtype)
+    cpu_ops().int4_dequantize_out(layer.nibbles, layer.scales_and_offsets, layer.kernel_group, out)
+    expected = int4_dequantize(layer.nibbles, layer.scales_and_offsets, layer.kernel_group)
+    if dtype == torch.bfloat16:  # rounded once from fp32, as the torch expression: the same bits
+        assert torch.equal(out, expected)
+    torch.testing.assert_close(out, expected, rtol=1e-6, atol=1e-6)  # fp32: fused multiply-add vs two roundings
+    # the layer at 20 rows: compiled dequantization + GEMM, or (no compiled kernels) aten's int4 kernel
+    x = torch.randn(20, 192).to(dtype)
+    compiled = layer(x)
+    torch.testing.assert_close(compiled, torch.nn.functional.linear(x, out), rtol=0, atol=0)
+    monkeypatch.setattr(layers, "cpu_ops", lambda: None)
+    tol = 1e-4 if dtype == torch.float32 else 5e-2
+    torch.testing.assert_close(layer(x).float(), compiled.float(), rtol=tol, atol=tol * compiled.abs().max().item())
 
 
 @pytest.mark.parametrize("sym", [True, False])
@@ -82,7 +105,7 @@ def test_stacked_packed_linears_equal_their_parts_side_by_side(bits, group_size,
              for n in (48, 16, 32)]
     fused = fuse_linears(parts, prepack=True)
     assert type(fused) is kind and fused.out_features == 96
-    for rows in (3, Int4PackedLinear.dequantize_min_rows):  # int4: the kernel, then the dequantize-whole path
+    for rows in (3, 20, Int4PackedLinear.dequantize_min_rows):  # int4: the kernel, then the dequantize-whole paths
         x = torch.randn(rows, 96).bfloat16()
         torch.testing.assert_close(fused(x), torch.cat([p(x) for p in parts], dim=-1), rtol=0, atol=0)
     # The exact path keeps each part as it is.

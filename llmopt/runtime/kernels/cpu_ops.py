@@ -17,7 +17,8 @@ import torch
 
 log = logging.getLogger(__name__)
 
-SOURCES = [Path(__file__).parent / "csrc" / name for name in ("paged_attention_cpu.cpp", "fused_cpu.cpp")]
+SOURCES = [Path(__file__).parent / "csrc" / name
+           for name in ("paged_attention_cpu.cpp", "fused_cpu.cpp", "int4_cpu.cpp")]
 
 
 @lru_cache(maxsize=1)
