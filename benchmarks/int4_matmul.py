@@ -1,7 +1,9 @@
 """When does dequantizing an int4 weight whole and running the dense GEMM beat aten's int4 kernel on CPU?
 
-SmolLM2-135M's linear shapes, bf16 activations, w4 g64 codes; rows M = tokens in the step. Prints a table and
-writes docs/results/int4_matmul.json. Int4PackedLinear.dequantize_min_rows comes from this crossover.
+SmolLM2-135M's linear shapes, bf16 activations, w4 g64 codes; rows M = tokens in the step. Three ways: aten's
+int4 kernel, the torch dequantization + GEMM, the compiled dequantization (kernels/csrc/int4_cpu.cpp) + GEMM.
+Prints a table and writes docs/results/int4_matmul.json. Int4PackedLinear.dequantize_min_rows and
+compiled_dequantize_min_rows come from these crossovers.
 
     python benchmarks/int4_matmul.py
 """
@@ -22,21 +24,33 @@ ROWS = (1, 4, 8, 16, 32, 64, 256, 4096)
 def main() -> None:
     from llmopt.compress.quant import QuantScheme, quantize_rtn
     from llmopt.eval.speed import _timed  # best of 5 calls
+    from llmopt.runtime.kernels.cpu_ops import cpu_ops
     from llmopt.runtime.kernels.quant_matmul import int4_dequantize, int4_matmul
     from llmopt.runtime.layers import quantized_linear
 
+    ops = cpu_ops()
+
     rows_out = []
-    print(f"threads {torch.get_num_threads()}; ms per call (int4 kernel / dequantize + dense GEMM)")
+    print(f"threads {torch.get_num_threads()}; ms per call (int4 kernel / torch dequantize + GEMM / compiled "
+          "dequantize + GEMM)")
     for label, (n, k) in SHAPES.items():
         layer = quantized_linear(quantize_rtn(torch.randn(n, k), QuantScheme(4, 64, True)), torch.bfloat16)
         cells = []
+        weight = torch.empty(n, k, dtype=torch.bfloat16)
+
+        def compiled(x, layer=layer, weight=weight):
+            ops.int4_dequantize_out(layer.nibbles, layer.scales_and_offsets, layer.kernel_group, weight)
+            return F.linear(x, weight)
+
         for m in ROWS:
             x = torch.randn(m, k).bfloat16()
             kernel = _timed(lambda: int4_matmul(x, layer.packed, layer.scales_and_offsets, layer.kernel_group), "cpu")
             dense = _timed(lambda: F.linear(x, int4_dequantize(layer.nibbles, layer.scales_and_offsets,
                                                                layer.kernel_group)), "cpu")
-            rows_out.append({"shape": label, "rows": m, "int4_kernel_ms": kernel * 1e3, "dequantize_gemm_ms": dense * 1e3})
-            cells.append(f"M={m}: {kernel * 1e3:.2f}/{dense * 1e3:.2f}")
+            fast = _timed(lambda: compiled(x), "cpu") if ops is not None else float("nan")
+            rows_out.append({"shape": label, "rows": m, "int4_kernel_ms": kernel * 1e3, "dequantize_gemm_ms": dense * 1e3,
+                             "compiled_dequantize_gemm_ms": fast * 1e3})
+            cells.append(f"M={m}: {kernel * 1e3:.2f}/{dense * 1e3:.2f}/{fast * 1e3:.2f}")
         print(f"{label:22s} " + "  ".join(cells))
     out = Path(__file__).parent.parent / "docs" / "results" / "int4_matmul.json"
     out.parent.mkdir(exist_ok=True)

@@ -4,7 +4,8 @@
     and transformers' generate (static batches of 32, bf16) as the baseline;
 (b) ShareGPT prompts at a request rate that loads the machine: continuous vs static;
 (c) batch 1: TTFT (128 prompt tokens) and TPOT, fp32 / bf16 / int4;
-(d) prefix repetition (1024-token shared prefixes): prefix cache on vs off.
+(d) prefix repetition (1024-token shared prefixes): prefix cache on vs off;
+(e) (a)'s headline ratio again, bf16 continuous and HF alternating (--pairs), not part of the default sections.
 
     python benchmarks/runtime.py --int4 /tmp/q --json docs/results/runtime.json --markdown docs/results/runtime.md
 (`--int4` is a GPTQ w4 artifact: `llmopt quantize smollm2-135m --method gptq --bits 4 --group-size 64 -o /tmp/q`.)
@@ -14,6 +15,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import statistics
 from dataclasses import replace
 from pathlib import Path
 
@@ -47,6 +49,25 @@ def section_a(args, rows):
     print("hf", rows["a"][-1]["metrics"]["output_throughput"], flush=True)
 
 
+def section_e(args, rows):
+    """(a)'s headline ratio with the two runs alternating (runtime, HF, HF, runtime, ...): this machine's speed
+    drifts by 15-50% within an hour, which one pass in a fixed order can turn into a wrong ratio."""
+    spec = WorkloadSpec("random", num_requests=args.num_requests, input_len=128, output_len=128)
+    base = BenchConfig(dtype="bfloat16", max_num_seqs=64, kv_cache_bytes=1 << 30)
+    for i in range(2 * args.pairs):
+        runtime_turn = (i % 4) in (0, 3)
+        if runtime_turn:
+            run = bench_runtime("bf16 continuous", MODEL, spec, base)
+        else:
+            run = bench_hf("baseline", MODEL, spec, base)
+        label = "bf16 continuous" if runtime_turn else "hf generate bf16 (batch 32)"
+        rows["e"].append(row(f"{label} #{i // 2 + 1}", run))
+        print(label, rows["e"][-1]["metrics"]["output_throughput"], flush=True)
+    ours = [r["metrics"]["output_throughput"] for r in rows["e"] if r["name"].startswith("bf16")]
+    theirs = [r["metrics"]["output_throughput"] for r in rows["e"] if r["name"].startswith("hf")]
+    print(f"ratio of medians {statistics.median(ours) / statistics.median(theirs):.2f}", flush=True)
+
+
 def section_b(args, rows):
     spec = WorkloadSpec("sharegpt", num_requests=args.sharegpt_requests, input_len=256, output_len=128,
                         request_rate=args.sharegpt_rate, seed=0)
@@ -78,7 +99,8 @@ def section_d(args, rows):
 
 
 TITLES = {"a": "(a) 64 requests, 128 in / 128 out", "b": "(b) ShareGPT at a loading request rate",
-          "c": "(c) batch 1 (128-token prompts)", "d": "(d) prefix repetition, 1024-token shared prefixes"}
+          "c": "(c) batch 1 (128-token prompts)", "d": "(d) prefix repetition, 1024-token shared prefixes",
+          "e": "(e) (a)'s bf16 continuous vs HF, alternating runs"}
 
 
 def markdown(rows: dict) -> str:
@@ -105,13 +127,14 @@ def main() -> None:
     parser.add_argument("--sharegpt-rate", type=float, default=8.0)
     parser.add_argument("--json", default="docs/results/runtime.json")
     parser.add_argument("--markdown", default=None)
+    parser.add_argument("--pairs", type=int, default=3, help="section e: runtime/HF pairs")
     args = parser.parse_args()
     path = Path(args.json)
     rows = json.loads(path.read_text()) if path.exists() else {}
-    rows = {s: rows.get(s, []) for s in "abcd"}
+    rows = {s: rows.get(s, []) for s in "abcde"}
     for section in args.sections:
         rows[section] = []
-        {"a": section_a, "b": section_b, "c": section_c, "d": section_d}[section](args, rows)
+        {"a": section_a, "b": section_b, "c": section_c, "d": section_d, "e": section_e}[section](args, rows)
         path.parent.mkdir(parents=True, exist_ok=True)
         path.write_text(json.dumps(rows, indent=1, default=str))
     table = markdown(rows)

@@ -119,7 +119,8 @@ def store_kv(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: t
         from llmopt.runtime.kernels.triton_store_kv import store_kv as triton_store_kv
 
         return triton_store_kv(k, v, k_cache, v_cache, slot_mapping)
-    if k_cache.device.type == "cpu" and k.dtype == k_cache.dtype and k.stride(-1) == 1 and v.stride(-1) == 1:
+    if (k_cache.device.type == "cpu" and k.dtype == k_cache.dtype == v.dtype
+            and k.stride(-1) == v.stride(-1) == 1 and k.stride(1) == v.stride(1) == k.shape[2]):
         ops = cpu_ops()
         if ops is not None:
             return ops.store_kv_(k_cache, v_cache, k, v, slot_mapping)

@@ -17,6 +17,7 @@ import torch
 
 log = logging.getLogger(__name__)
 
+NAME = "llmopt_cpu_kernels"
 SOURCES = [Path(__file__).parent / "csrc" / name
            for name in ("paged_attention_cpu.cpp", "fused_cpu.cpp", "int4_cpu.cpp")]
 
@@ -27,9 +28,11 @@ def cpu_ops():
     if os.environ.get("LLMOPT_CPU_KERNELS", "1") == "0":
         return None
     try:
-        from torch.utils.cpp_extension import load
+        from torch.utils.cpp_extension import _get_build_directory, load
 
-        load(name="llmopt_cpu_kernels", sources=[str(s) for s in SOURCES], is_python_module=False,
+        if not any(Path(_get_build_directory(NAME, verbose=False)).glob(f"{NAME}*.so")):
+            log.info("compiling the CPU kernels (once per machine, ~30 s)")  # not printed: stdout carries JSON
+        load(name=NAME, sources=[str(s) for s in SOURCES], is_python_module=False,
              extra_cflags=["-O3", "-march=native", "-fopenmp"], extra_ldflags=["-fopenmp"], verbose=False)
     except Exception as exc:  # noqa: BLE001  (no compiler, missing headers: the torch path serves instead)
         log.warning("llmopt CPU kernels unavailable (%s); using the plain-torch path", str(exc).splitlines()[0])
