@@ -173,7 +173,7 @@ def test_store_kv_writes_strided_rows_into_their_slots(dtype):
 
 def test_bf16_gemv_matches_a_float_matmul():
     g = torch.Generator().manual_seed(0)
-    weight = torch.randn(1000, 100, generator=g).to(torch.bfloat16)  # K = 100: a scalar tail after 3 x 32
+    weight = torch.randn(1001, 100, generator=g).to(torch.bfloat16)  # K = 100: a scalar tail; odd rows
     x = torch.randn(1, 100, generator=g).to(torch.bfloat16)
     expected = (x.float() @ weight.float().t()).to(torch.bfloat16)
     torch.testing.assert_close(cpu_ops().bf16_gemv(x, weight), expected, rtol=1e-2, atol=1e-2)
