@@ -8,6 +8,8 @@ pruned). Two numerics modes:
 - fast (bf16/fp16 on CPU by default): q/k/v and gate/up fused into one matmul each, dense weights prepacked
   for oneDNN, one fused RMSNorm and one rotary application for q and k together. Same maths, different
   rounding order (the bf16 results differ from transformers' by bf16 rounding, as any two bf16 kernels do).
+  On CPU with the compiled kernels (kernels/cpu_ops.py) the element-wise runs are single calls
+  (`_forward_fused`) and the batch-1 lm_head a matrix-vector kernel.
 """
 
 from __future__ import annotations
