@@ -106,7 +106,8 @@ inline float softmax_numerators(float* s, int64_t n, float max) {
 // block are contiguous over the KV heads ([block_size, num_kv_heads, head_dim]), so an item that takes all the
 // heads of a sequence streams each block front to back: on a cache read cold from memory (the usual case: 30
 // layers of KV do not stay in cache between steps) this is ~25% faster than one item per (sequence, head).
-// q_f [num_heads, head_dim] fp32, pre-scaled; scores [group * (h1 - h0), ctx]; out [num_heads, head_dim] fp32.
+// q_f [num_heads, head_dim] fp32 (the scale is applied to the scores); scores [group * (h1 - h0), ctx];
+// out [num_heads, head_dim] fp32.
 struct Item {
   const int64_t* table;
   int64_t ctx, h0, h1;
