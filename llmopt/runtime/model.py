@@ -83,12 +83,13 @@ class RuntimeDecoder(nn.Module):
         self.fused_ops = None
         if self.fast and param.device.type == "cpu" and all(b.q_norm is None for b in self.blocks):
             self.fused_ops = cpu_ops()
-        # per layer: the four projections' forward, (weight, eps) of the post-attention norm and of the norm
-        # that follows the layer (the next layer's input norm, or the final one)
-        next_norms = [b.input_norm for b in self.blocks[1:]] + [self.norm]
-        self._fused_layers = [(b.qkv.forward, b.o_proj.forward, b.gate_up.forward, b.down_proj.forward,
-                               (b.post_norm.weight, _norm_eps(b.post_norm)), (n.weight, _norm_eps(n)))
-                              for b, n in zip(self.blocks, next_norms)]
+            # per layer: the four projections' forward, (weight, eps) of the post-attention norm and of the norm
+            # that follows the layer (the next layer's input norm, or the final one)
+            norms = [b.input_norm for b in self.blocks] + [self.norm]
+            self._first_norm = (norms[0].weight, _norm_eps(norms[0]))
+            self._fused_layers = [(b.qkv.forward, b.o_proj.forward, b.gate_up.forward, b.down_proj.forward,
+                                   (b.post_norm.weight, _norm_eps(b.post_norm)), (n.weight, _norm_eps(n)))
+                                  for b, n in zip(self.blocks, norms[1:])]
 
     def _block(self, layer) -> Block:
         attn, mlp = layer.self_attn, layer.mlp
@@ -147,8 +148,7 @@ class RuntimeDecoder(nn.Module):
         ops = self.fused_ops
         num_tokens = h.shape[0]
         nq, nkv, hd = self.num_heads, self.num_kv_heads, self.head_dim
-        first_norm = self.blocks[0].input_norm
-        x = ops.rms_norm(h, first_norm.weight, _norm_eps(first_norm))
+        x = ops.rms_norm(h, *self._first_norm)
         # (the projections' forward called directly: nn.Module's call machinery is ~3 us x 4 per layer, which
         # shows at batch-1 decode; the runtime registers no hooks)
         for (qkv_proj, o_proj, gate_up, down_proj, post_norm, next_norm), (k_cache, v_cache) in zip(

@@ -9,20 +9,14 @@ import torch
 from llmopt.runtime.kernels import attention
 from llmopt.runtime.kernels.attention import AttentionMetadata, paged_attention
 from llmopt.runtime.kernels.cpu_ops import cpu_ops
+from tests.runtime.test_triton_kernels import paged_setup as triton_paged_setup
 
 
 def paged_setup(context_lens, num_heads, num_kv_heads, head_dim, page, dtype, seed=0):
-    """Random caches with shuffled block tables for len(context_lens) sequences, and their queries."""
-    g = torch.Generator().manual_seed(seed)
-    pages = [(c + page - 1) // page for c in context_lens]
-    num_blocks = sum(pages) + 3
-    order = torch.randperm(num_blocks, generator=g).tolist()
-    tables, used = [], 0
-    for n in pages:
-        tables.append(order[used:used + n])
-        used += n
-    k_cache = torch.randn(num_blocks, page, num_kv_heads, head_dim, generator=g).to(dtype)
-    v_cache = torch.randn(num_blocks, page, num_kv_heads, head_dim, generator=g).to(dtype)
+    """The Triton tests' random caches and shuffled block tables, on CPU, with queries and the metadata."""
+    k_cache, v_cache, tables = triton_paged_setup(context_lens, num_heads, num_kv_heads, head_dim, page, dtype, seed,
+                                                  device="cpu")
+    g = torch.Generator().manual_seed(seed + 1)
     q = torch.randn(len(context_lens), num_heads, head_dim, generator=g).to(dtype)
     meta = AttentionMetadata.build(list(range(len(context_lens) + 1)), context_lens, tables,
                                    torch.zeros(len(context_lens), dtype=torch.long), page)

@@ -25,7 +25,7 @@ from llmopt.runtime.kernels.triton_w4a16 import pack_w4a16, w4a16_matmul  # noqa
 DEVICE = "cuda" if CUDA else "cpu"
 
 
-def paged_setup(context_lens, num_heads, num_kv_heads, head_dim, page, dtype, seed=0):
+def paged_setup(context_lens, num_heads, num_kv_heads, head_dim, page, dtype, seed=0, device=DEVICE):
     """Random caches and shuffled block tables holding len(context_lens) sequences."""
     g = torch.Generator().manual_seed(seed)
     pages = [(c + page - 1) // page for c in context_lens]
@@ -35,8 +35,8 @@ def paged_setup(context_lens, num_heads, num_kv_heads, head_dim, page, dtype, se
     for n in pages:
         tables.append(order[used:used + n])
         used += n
-    k_cache = torch.randn(num_blocks, page, num_kv_heads, head_dim, generator=g).to(dtype).to(DEVICE)
-    v_cache = torch.randn(num_blocks, page, num_kv_heads, head_dim, generator=g).to(dtype).to(DEVICE)
+    k_cache = torch.randn(num_blocks, page, num_kv_heads, head_dim, generator=g).to(dtype).to(device)
+    v_cache = torch.randn(num_blocks, page, num_kv_heads, head_dim, generator=g).to(dtype).to(device)
     return k_cache, v_cache, tables
 
 

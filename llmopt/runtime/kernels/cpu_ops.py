@@ -28,10 +28,8 @@ def cpu_ops():
     if os.environ.get("LLMOPT_CPU_KERNELS", "1") == "0":
         return None
     try:
-        from torch.utils.cpp_extension import _get_build_directory, load
+        from torch.utils.cpp_extension import load
 
-        if not any(Path(_get_build_directory(NAME, verbose=False)).glob(f"{NAME}*.so")):
-            log.info("compiling the CPU kernels (once per machine, ~30 s)")  # not printed: stdout carries JSON
         load(name=NAME, sources=[str(s) for s in SOURCES], is_python_module=False,
              extra_cflags=["-O3", "-march=native", "-fopenmp"], extra_ldflags=["-fopenmp"], verbose=False)
     except Exception as exc:  # noqa: BLE001  (no compiler, missing headers: the torch path serves instead)

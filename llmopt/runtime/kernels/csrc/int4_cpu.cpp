@@ -14,9 +14,7 @@
 #include <cmath>
 #include <type_traits>
 
-#if defined(__AVX512F__)
-#include <immintrin.h>
-#endif
+#include "simd.h"
 
 namespace {
 
@@ -66,22 +64,13 @@ void int4_dequantize_out(const at::Tensor& nibbles, const at::Tensor& scales_and
               "out [N, K] contiguous, of the scales' dtype expected");
   const at::Tensor nib = nibbles.contiguous(), so = scales_and_offsets.contiguous();
   const uint8_t* np = nib.data_ptr<uint8_t>();
-  auto run = [&](auto* typed_out) {
-    using T = std::remove_pointer_t<decltype(typed_out)>;
-    const T* sp = so.data_ptr<T>();
+  LLMOPT_DISPATCH(out, [&] {
+    const scalar_t* sp = so.data_ptr<scalar_t>();
+    scalar_t* op = out.data_ptr<scalar_t>();
     at::parallel_for(0, N, 16, [&](int64_t begin, int64_t end) {
-      dequantize_rows<T>(np, sp, typed_out, N, K, group, begin, end);
+      dequantize_rows<scalar_t>(np, sp, op, N, K, group, begin, end);
     });
-  };
-  if (out.scalar_type() == at::kBFloat16) {
-    run(out.data_ptr<at::BFloat16>());
-  } else if (out.scalar_type() == at::kHalf) {
-    run(out.data_ptr<at::Half>());
-  } else if (out.scalar_type() == at::kFloat) {
-    run(out.data_ptr<float>());
-  } else {
-    TORCH_CHECK(false, "bfloat16, float16 or float32 expected");
-  }
+  });
 }
 
 }  // namespace

@@ -17,53 +17,19 @@
 #include <torch/library.h>
 
 #include <algorithm>
+#include <cmath>
 #include <limits>
 #include <type_traits>
-#include <cmath>
 #include <vector>
 
-#if defined(__AVX512F__)
-#include <immintrin.h>
-#endif
+#include "simd.h"
 
 namespace {
 
-inline float to_float(float x) { return x; }
-inline float to_float(at::BFloat16 x) { return static_cast<float>(x); }
-inline float to_float(at::Half x) { return static_cast<float>(x); }
+using namespace llmopt_cpu;
 
 #if defined(__AVX512F__)
 constexpr bool kVectorized = true;
-
-// 16 values -> 16 fp32 lanes.
-inline __m512 load16(const float* p) { return _mm512_loadu_ps(p); }
-inline __m512 load16(const at::BFloat16* p) {
-  // bf16 is the top half of an fp32: widen to 32 bits and shift into place
-  __m256i raw = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
-  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(raw), 16));
-}
-inline __m512 load16(const at::Half* p) {
-  return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
-}
-
-// exp for x <= 0 (softmax inputs after subtracting the max): 2^n * poly(r), r = x - n ln2 in [-ln2/2, ln2/2];
-// degree-7 Taylor polynomial, relative error ~1e-7.
-inline __m512 exp16(__m512 x) {
-  x = _mm512_max_ps(x, _mm512_set1_ps(-87.0f));
-  const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
-                                        _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-  __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693359375f), x);
-  r = _mm512_fnmadd_ps(n, _mm512_set1_ps(-2.12194440e-4f), r);
-  __m512 p = _mm512_set1_ps(1.0f / 5040);
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f / 720));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f / 120));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f / 24));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f / 6));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(0.5f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f));
-  return _mm512_scalef_ps(p, n);
-}
 #else
 constexpr bool kVectorized = false;
 #endif
@@ -393,15 +359,7 @@ at::Tensor paged_decode_attention(const at::Tensor& q, const at::Tensor& k_cache
   const at::Tensor qc = q.contiguous(), kc = k_cache.contiguous(), vc = v_cache.contiguous();
   const at::Tensor tables = block_tables.contiguous(), lens = context_lens.contiguous();
   at::Tensor out = at::empty_like(qc);
-  if (q.scalar_type() == at::kFloat) {
-    decode_attention_impl<float>(qc, kc, vc, tables, lens, scale, out);
-  } else if (q.scalar_type() == at::kBFloat16) {
-    decode_attention_impl<at::BFloat16>(qc, kc, vc, tables, lens, scale, out);
-  } else if (q.scalar_type() == at::kHalf) {
-    decode_attention_impl<at::Half>(qc, kc, vc, tables, lens, scale, out);
-  } else {
-    TORCH_CHECK(false, "float32, bfloat16 or float16 expected");
-  }
+  LLMOPT_DISPATCH(qc, [&] { decode_attention_impl<scalar_t>(qc, kc, vc, tables, lens, scale, out); });
   return out;
 }
 
