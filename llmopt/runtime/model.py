@@ -164,11 +164,14 @@ class RuntimeDecoder(nn.Module):
             x = ops.add_rms_norm_(h, down_proj(ops.silu_mul(gate_up(x))), *next_norm)
         return x
 
-    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
+    def logits(self, hidden: torch.Tensor, as_float: bool = True) -> torch.Tensor:
+        """[S, hidden] -> [S, vocab], fp32 (as_float) or as the head computed them (the model's dtype)."""
         weight = getattr(self.lm_head, "weight", None)
         if (self.fused_ops is not None and hidden.shape[0] == 1 and type(self.lm_head) is nn.Linear
                 and self.lm_head.bias is None and weight.dtype == hidden.dtype == torch.bfloat16):
             # batch-1 decode: the vocab x hidden weight (57 MB for SmolLM2, the model's own tied weight) streamed
             # by one matrix-vector kernel
-            return self.fused_ops.bf16_gemv(hidden, weight).float()
-        return self.logits_head(hidden).float()
+            logits = self.fused_ops.bf16_gemv(hidden, weight)
+        else:
+            logits = self.logits_head(hidden)
+        return logits.float() if as_float else logits

@@ -81,19 +81,22 @@ class ModelRunner:
             return result
         rows = [row for row, _ in sample_rows]
         last_hidden = hidden if rows == list(range(hidden.shape[0])) else hidden[rows]
-        logits = self.decoder.logits(last_hidden).cpu()  # [S, vocab] fp32
+        # [S, vocab] in the model's dtype: the greedy rows need no fp32 copy (argmax over bf16 values is the
+        # argmax over their exact fp32 values); rows that sample or report logprobs are converted one by one
+        logits = self.decoder.logits(last_hidden, as_float=False).cpu()
         # one call for the whole batch (most requests are greedy); torch.argmax is slow on wide rows
         ops = cpu_ops()
-        greedy = (ops.argmax_rows(logits) if ops is not None else logits.argmax(dim=-1)).tolist()
+        greedy = (ops.argmax_rows(logits) if ops is not None else logits.float().argmax(dim=-1)).tolist()
         for i, (_, seq) in enumerate(sample_rows):
             params = seq.params
+            row = None if params.is_greedy and params.logprobs is None else logits[i].float()
             if params.is_greedy:
                 token = greedy[i]
             else:
-                token = sample(logits[i], params, self._generator(seq))
+                token = sample(row, params, self._generator(seq))
             result.tokens[seq.seq_id] = token
             if params.logprobs is not None:
-                result.logprobs[seq.seq_id] = token_logprobs(logits[i], token, params.logprobs)
+                result.logprobs[seq.seq_id] = token_logprobs(row, token, params.logprobs)
         return result
 
     def _generator(self, seq) -> torch.Generator | None:

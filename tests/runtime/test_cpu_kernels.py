@@ -115,14 +115,17 @@ def test_fused_elementwise_ops_match_torch(dtype, rows, hidden):
     assert torch.equal(rotated[:, heads * head_dim:], qkv[:, heads * head_dim:])  # v untouched
 
 
-def test_argmax_rows_follows_torch_argmax():
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+def test_argmax_rows_follows_torch_argmax(dtype):
     g = torch.Generator().manual_seed(0)
-    logits = torch.randn(6, 1000, generator=g)
+    logits = torch.randn(6, 1000, generator=g).to(dtype)
     logits[1, 10] = logits[1, 990] = 50.0  # ties: the first index
     logits[2, 999] = 60.0  # in the scalar tail
     logits[3, 7] = logits[3, 500] = float("nan")  # NaN counts as the maximum
     logits[4] = float("-inf")
-    assert torch.equal(cpu_ops().argmax_rows(logits), logits.argmax(dim=-1))
+    logits[5, 3] = logits[5, 4] = 1e-3  # bf16 ties that fp32 values would not make
+    logits[5, 3] += 1e-6
+    assert torch.equal(cpu_ops().argmax_rows(logits), logits.float().argmax(dim=-1))
 
 
 def test_decoder_with_fused_ops_matches_the_torch_ops():
