@@ -185,8 +185,13 @@ class BlockManager:
             node = child
 
     def free(self, seq: Sequence) -> None:
-        """Release the sequence's blocks: uncached ones return to the free list, cached ones stay evictable."""
+        """Release the sequence's blocks: uncached ones return to the free list, cached ones stay evictable
+        (last used now: cache_full_blocks runs only when a block fills, so this is their last access)."""
+        now = self._tick()
         for block_id in reversed(seq.block_table):
+            node = self.node_of_block.get(block_id)
+            if node is not None:
+                node.last_access = now
             self.ref_counts[block_id] -= 1
             assert self.ref_counts[block_id] >= 0, "block freed twice"
             if self.ref_counts[block_id] == 0 and block_id not in self.node_of_block:

@@ -152,8 +152,10 @@ class Scheduler:
         for item in out.scheduled:
             seq = item.seq
             samples = item.samples
+            full_blocks = seq.num_computed_tokens // self.block_manager.block_size
             seq.num_computed_tokens += item.num_new_tokens
-            self.block_manager.cache_full_blocks(seq)
+            if seq.num_computed_tokens // self.block_manager.block_size > full_blocks:  # a block just filled
+                self.block_manager.cache_full_blocks(seq)
             if not samples:
                 continue
             token = sampled[seq.seq_id]
