@@ -133,7 +133,7 @@ class RuntimeDecoder(nn.Module):
                 q, k = qk[:, :nq], qk[:, nq:]
             v = qkv[:, (nq + nkv) * hd:].view(num_tokens, nkv, hd)
             store_kv(k, v, k_cache, v_cache, meta.slot_mapping)
-            o = paged_attention(q, k_cache, v_cache, meta, self.scale)
+            o = paged_attention(q, k_cache, v_cache, meta, self.scale, k, v)
             h = h + block.o_proj(o.reshape(num_tokens, -1))
             x = self._norm(block.post_norm, h)
             gate, up = block.gate_up(x).chunk(2, dim=-1)
@@ -159,7 +159,7 @@ class RuntimeDecoder(nn.Module):
             k = qkv[:, nq * hd:(nq + nkv) * hd].view(num_tokens, nkv, hd)
             v = qkv[:, (nq + nkv) * hd:].view(num_tokens, nkv, hd)
             store_kv(k, v, k_cache, v_cache, meta.slot_mapping)
-            o = paged_attention(q, k_cache, v_cache, meta, self.scale)
+            o = paged_attention(q, k_cache, v_cache, meta, self.scale, k, v)
             x = ops.add_rms_norm_(h, o_proj(o.reshape(num_tokens, -1)), *post_norm)
             x = ops.add_rms_norm_(h, down_proj(ops.silu_mul(gate_up(x))), *next_norm)
         return x
