@@ -47,6 +47,12 @@ class Block:
     k_norm: nn.Module | None
 
 
+def _forward_2d(module: nn.Module):
+    """The module's forward for [T, in] inputs, bound once (a prepacked dense linear's skips the module)."""
+    forward_2d = getattr(module, "forward_2d", None)
+    return forward_2d() if forward_2d is not None else module.forward
+
+
 def _norm_eps(norm: nn.Module) -> float:
     return getattr(norm, "variance_epsilon", None) or getattr(norm, "eps", 1e-6)
 
@@ -87,7 +93,7 @@ class RuntimeDecoder(nn.Module):
             # that follows the layer (the next layer's input norm, or the final one)
             norms = [b.input_norm for b in self.blocks] + [self.norm]
             self._first_norm = (norms[0].weight, _norm_eps(norms[0]))
-            self._fused_layers = [(b.qkv.forward, b.o_proj.forward, b.gate_up.forward, b.down_proj.forward,
+            self._fused_layers = [(*(_forward_2d(m) for m in (b.qkv, b.o_proj, b.gate_up, b.down_proj)),
                                    (b.post_norm.weight, _norm_eps(b.post_norm)), (n.weight, _norm_eps(n)))
                                   for b, n in zip(self.blocks, norms[1:])]
 
