@@ -174,3 +174,31 @@ def test_bf16_gemv_matches_a_float_matmul():
     x = torch.randn(1, 100, generator=g).to(torch.bfloat16)
     expected = (x.float() @ weight.float().t()).to(torch.bfloat16)
     torch.testing.assert_close(cpu_ops().bf16_gemv(x, weight), expected, rtol=1e-2, atol=1e-2)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_prefill_attention_over_this_steps_keys_matches_the_cache_path(dtype):
+    # fresh prompts (nothing cached before: equal-length neighbours batched into one causal SDPA) next to a
+    # decode and a prompt with a cached prefix (those keep the per-sequence path): same output either way
+    from llmopt.runtime.kernels.attention import _fresh_runs, paged_attention
+
+    new_lens = [5, 5, 5, 7, 1, 9, 5]
+    context_lens = [5, 5, 5, 7, 10, 12, 5]
+    page, num_heads, num_kv_heads, head_dim = 4, 6, 2, 16
+    k_cache, v_cache, tables = triton_paged_setup(context_lens, num_heads, num_kv_heads, head_dim, page, dtype, 3,
+                                                  device="cpu")
+    starts = [0]
+    slots = []
+    for table, ctx, new in zip(tables, context_lens, new_lens):
+        starts.append(starts[-1] + new)
+        slots += [table[p // page] * page + p % page for p in range(ctx - new, ctx)]
+    slots = torch.tensor(slots)
+    meta = AttentionMetadata.build(starts, context_lens, tables, slots, page)
+    assert _fresh_runs(meta.prefills)[0] == [(0, 3, 5), (15, 1, 7), (32, 1, 5)]
+    q = torch.randn(starts[-1], num_heads, head_dim, generator=torch.Generator().manual_seed(4)).to(dtype)
+    k_new = k_cache.view(-1, num_kv_heads, head_dim)[slots]
+    v_new = v_cache.view(-1, num_kv_heads, head_dim)[slots]
+    expected = paged_attention(q, k_cache, v_cache, meta, head_dim ** -0.5)
+    out = paged_attention(q, k_cache, v_cache, meta, head_dim ** -0.5, k_new, v_new)
+    tol = {"atol": 1e-5, "rtol": 1e-5} if dtype == torch.float32 else {"atol": 2e-2, "rtol": 2e-2}
+    torch.testing.assert_close(out, expected, **tol)
