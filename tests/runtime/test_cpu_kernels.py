@@ -1,7 +1,7 @@
 """The compiled CPU kernels (llmopt/runtime/kernels/csrc) against the plain-torch reference, at small and odd
 shapes that reach every code path: the AVX-512 paths specialized on (group, head_dim) (bf16 dot products 16 rows
 at a time when the block size allows, one row at a time otherwise), the scalar path for other shapes, whole
-sequences per work item and one KV head per item."""
+sequences per work item and one KV head per item. Also the prefill attention's batched path over this step's keys."""
 
 import pytest
 import torch
