@@ -10,6 +10,7 @@ import torch
 from llmopt.core.errors import ConfigError
 from llmopt.runtime.kernels.attention import AttentionMetadata
 from llmopt.runtime.kernels.cpu_ops import cpu_ops
+from llmopt.runtime.host_memory import keep_freed_host_memory
 from llmopt.runtime.model import RuntimeDecoder
 from llmopt.runtime.sampler import sample, token_logprobs
 from llmopt.runtime.scheduler import SchedulerOutput
@@ -31,6 +32,8 @@ class ModelRunner:
                  fast: bool | None = None):
         self.decoder = RuntimeDecoder(hf_model, fast)
         self.device = next(hf_model.parameters()).device
+        if self.device.type == "cpu":
+            keep_freed_host_memory()  # each step's activations reuse freed memory instead of new pages
         self.kv_dtype = kv_dtype or next(hf_model.parameters()).dtype
         self.block_size = block_size
         per_block = kv_bytes_per_block(self.decoder, block_size, self.kv_dtype)
