@@ -51,6 +51,17 @@ def test_paged_decode_attention_matches_reference(context_lens, num_heads, num_k
     torch.testing.assert_close(out.float(), expected, rtol=tol, atol=tol)
 
 
+def test_paged_decode_attention_reads_q_as_a_view_of_wider_rows():
+    # the decoder passes q as a view into the fused q/k/v output: rows strided, heads contiguous
+    q, k_cache, v_cache, meta = paged_setup([12, 40, 3, 17], 6, 2, 64, 16, torch.bfloat16)
+    rows = torch.randn(q.shape[0], 10, 64).to(torch.bfloat16)
+    rows[:, 2:8] = q
+    view = rows[:, 2:8]
+    assert not view.is_contiguous()
+    args = (k_cache, v_cache, meta.decode.block_tables, meta.decode.context_lens, 0.125)
+    assert torch.equal(cpu_ops().paged_decode_attention(view, *args), cpu_ops().paged_decode_attention(q, *args))
+
+
 def test_bf16_decodes_use_the_kernel(monkeypatch):
     ops = cpu_ops()
     calls = []

@@ -359,7 +359,7 @@ void decode_attention_impl(const at::Tensor& q, const at::Tensor& k_cache, const
       const Item it{tables + seq * max_blocks, lens[seq], h0, h0 + heads_per_item};
       TORCH_CHECK(it.ctx >= 1 && it.ctx <= max_blocks * block_size, "context length outside its block table");
       const int64_t first = h0 * L.group * head_dim, count = heads_per_item * L.group * head_dim;
-      const T* qs = q_ptr + seq * num_heads * head_dim;
+      const T* qs = q_ptr + seq * q.stride(0);
       for (int64_t j = first; j < first + count; ++j) q_f[j] = to_float(qs[j]);
       scores.resize(heads_per_item * L.group * it.ctx);
       attend(q_f.data(), k_ptr, v_ptr, it, L, fscale, scores.data(), acc.data());
@@ -379,9 +379,12 @@ at::Tensor paged_decode_attention(const at::Tensor& q, const at::Tensor& k_cache
   TORCH_CHECK(block_tables.scalar_type() == at::kLong && context_lens.scalar_type() == at::kLong,
               "block_tables and context_lens must be int64");
   TORCH_CHECK(block_tables.size(0) == q.size(0) && context_lens.size(0) == q.size(0), "one row per sequence");
-  const at::Tensor qc = q.contiguous(), kc = k_cache.contiguous(), vc = v_cache.contiguous();
+  // q may be a view into the fused q/k/v projection's rows (the decoder's case): only its heads need to be
+  // contiguous within a row
+  const at::Tensor qc = q.stride(2) == 1 && q.stride(1) == q.size(2) ? q : q.contiguous();
+  const at::Tensor kc = k_cache.contiguous(), vc = v_cache.contiguous();
   const at::Tensor tables = block_tables.contiguous(), lens = context_lens.contiguous();
-  at::Tensor out = at::empty_like(qc);
+  at::Tensor out = at::empty(qc.sizes(), qc.options());
   LLMOPT_DISPATCH(qc, [&] { decode_attention_impl<scalar_t>(qc, kc, vc, tables, lens, scale, out); });
   return out;
 }
