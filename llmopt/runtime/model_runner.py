@@ -8,9 +8,9 @@ from dataclasses import dataclass, field
 import torch
 
 from llmopt.core.errors import ConfigError
+from llmopt.runtime.host_memory import keep_freed_host_memory
 from llmopt.runtime.kernels.attention import AttentionMetadata
 from llmopt.runtime.kernels.cpu_ops import cpu_ops
-from llmopt.runtime.host_memory import keep_freed_host_memory
 from llmopt.runtime.model import RuntimeDecoder
 from llmopt.runtime.sampler import sample, token_logprobs
 from llmopt.runtime.scheduler import SchedulerOutput

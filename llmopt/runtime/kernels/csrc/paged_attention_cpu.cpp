@@ -102,10 +102,11 @@ inline const char* row_bytes_of(const at::BFloat16* base, const Item& it, const 
 }
 
 // Requests this item's heads [h0, h1) of one bf16 row (CH * 32 bytes per head).
-template <int HINT>  // _MM_HINT_T0 / _T1 (an enum in gcc, an int in clang)
+template <int HINT>  // _MM_HINT_T0 / _T2 (an enum in gcc, an int in clang)
 inline void prefetch_row(const char* row, const Item& it, int ch) {
   const int64_t head_bytes = ch * 32;
-  for (int64_t off = it.h0 * head_bytes; off < it.h1 * head_bytes; off += 64) _mm_prefetch(row + off, static_cast<decltype(_MM_HINT_T0)>(HINT));
+  for (int64_t off = it.h0 * head_bytes; off < it.h1 * head_bytes; off += 64)
+    _mm_prefetch(row + off, static_cast<decltype(_MM_HINT_T0)>(HINT));
 }
 
 // r[i] = sum of the 16 lanes of v[i], for 16 vectors (a transpose-and-add: 45 shuffles/adds instead of 16
@@ -150,7 +151,7 @@ void scores_rows(const float* q_f, const T* k_ptr, const Item& it, const Layout&
 // slower cold), dot products straight from the stored bf16 pairs (vdpbf16ps, fp32 accumulation; q rounded to
 // bf16, which it already is), the 16 partial vectors of each query head parked in L1 and reduced together.
 // Blocks lie anywhere in the cache, where the hardware prefetcher cannot follow, so with each key row this
-// requests the same row of the next 16 (into L1) and of this item's value rows (into L2, for pass 2): spread
+// requests the same row of the next 16 (into L1) and of this item's value rows (T2, for pass 2): spread
 // over the loop, a few lines per row, this keeps the memory busy without the stalls of requesting a whole
 // block at once, and took the kernel from ~9 to ~16 GB/s on a cold cache (the machine's streaming rate).
 template <int G, int CH>
