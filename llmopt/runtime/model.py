@@ -155,9 +155,6 @@ class RuntimeDecoder(nn.Module):
         num_tokens = h.shape[0]
         nq, nkv, hd = self.num_heads, self.num_kv_heads, self.head_dim
         x = ops.rms_norm(h, *self._first_norm)
-        # decode-only steps (most of them) call the KV store and the attention kernel directly: the general
-        # wrappers' checks cost ~30 us per layer
-        decode = meta.decode if meta.decode is not None and meta.decode.contiguous and not meta.prefills else None
         # (the projections' forward called directly: nn.Module's call machinery is ~3 us x 4 per layer, which
         # shows at batch-1 decode; the runtime registers no hooks)
         for (qkv_proj, o_proj, gate_up, down_proj, post_norm, next_norm), (k_cache, v_cache) in zip(
@@ -167,13 +164,8 @@ class RuntimeDecoder(nn.Module):
             q = qkv[:, : nq * hd].view(num_tokens, nq, hd)
             k = qkv[:, nq * hd:(nq + nkv) * hd].view(num_tokens, nkv, hd)
             v = qkv[:, (nq + nkv) * hd:].view(num_tokens, nkv, hd)
-            if decode is not None and k_cache.dtype == qkv.dtype:
-                ops.store_kv_(k_cache, v_cache, k, v, meta.slot_mapping)
-                o = ops.paged_decode_attention(q, k_cache, v_cache, decode.block_tables, decode.context_lens,
-                                               self.scale)
-            else:
-                store_kv(k, v, k_cache, v_cache, meta.slot_mapping)
-                o = paged_attention(q, k_cache, v_cache, meta, self.scale, k, v)
+            store_kv(k, v, k_cache, v_cache, meta.slot_mapping)
+            o = paged_attention(q, k_cache, v_cache, meta, self.scale, k, v)
             x = ops.add_rms_norm_(h, o_proj(o.reshape(num_tokens, -1)), *post_norm)
             x = ops.add_rms_norm_(h, down_proj(ops.silu_mul(gate_up(x))), *next_norm)
         return x
