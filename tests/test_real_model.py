@@ -83,5 +83,6 @@ def test_smollm2_runtime_greedy_equals_transformers(smollm2):
     prompts = [text[i * 300: i * 300 + n] for i, n in enumerate((5, 17, 33, 64, 100, 128, 200, 250))]
     params = SamplingParams(max_tokens=64, ignore_eos=True)
     expected = [hf_generate(model, tokenizer, [p], params)[0] for p in prompts]
-    engine = Engine(model, tokenizer, EngineConfig(max_num_batched_tokens=256))  # chunked prefill too
+    # exact mode (the model's own modules), chunked prefill too
+    engine = Engine(model, tokenizer, EngineConfig(max_num_batched_tokens=256, fast_path=False))
     assert engine.generate(prompts, params) == expected

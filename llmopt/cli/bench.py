@@ -9,7 +9,8 @@ from typing import Annotated, Optional
 
 import typer
 
-from llmopt.cli.options import DeviceOpt, Dtype, DtypeOpt, ModelArg, SeedOpt
+from llmopt.cli.options import DeviceOpt, Dtype, DtypeOpt, ModelArg, SeedOpt, resolve_dtype_option
+from llmopt.runtime.defaults import KV_CACHE_MEMORY_FRACTION
 
 SHOWN = [  # (metric key, label) in the terminal table
     ("request_throughput", "requests/s"), ("output_throughput", "output tok/s"),
@@ -46,12 +47,17 @@ def bench(
     max_num_seqs: Annotated[int, typer.Option("--max-num-seqs")] = 64,
     max_num_batched_tokens: Annotated[int, typer.Option("--max-num-batched-tokens")] = 2048,
     block_size: Annotated[int, typer.Option("--block-size")] = 16,
-    kv_cache_bytes: Annotated[int, typer.Option("--kv-cache-bytes")] = 512 * 2**20,
+    kv_cache_bytes: Annotated[Optional[int], typer.Option(
+        "--kv-cache-bytes", help="KV cache size in bytes (default: --kv-cache-memory-fraction of the available "
+        "memory).")] = None,
+    kv_cache_memory_fraction: Annotated[float, typer.Option(
+        "--kv-cache-memory-fraction", help="Default KV cache size as a fraction of the memory available at start "
+        "(host memory on CPU, free device memory on CUDA).")] = KV_CACHE_MEMORY_FRACTION,
     no_prefix_cache: Annotated[bool, typer.Option("--no-prefix-cache")] = False,
     peak_bandwidth: Annotated[Optional[float], typer.Option("--peak-bandwidth", help="GB/s (else measured).")] = None,
     peak_flops: Annotated[Optional[float], typer.Option("--peak-flops", help="TFLOP/s (else measured).")] = None,
     threads: Annotated[Optional[int], typer.Option("--threads", help="torch threads (default: torch's).")] = None,
-    dtype: DtypeOpt = Dtype.bfloat16,
+    dtype: DtypeOpt = Dtype.auto,
     device: DeviceOpt = "cpu",
     seed: SeedOpt = 0,
     json_out: Annotated[Optional[Path], typer.Option("--json", help="Write every run and request here.")] = None,
@@ -70,14 +76,24 @@ def bench(
         raise ConfigError(f"--dataset-path {dataset_path} does not exist")
     spec = WorkloadSpec(dataset, num_requests, input_len, output_len, range_ratio, prefix_len, num_prefixes,
                         request_rate, seed, dataset_path)
+    slo_pairs = tuple(parse_slo(slo).items())
     config = BenchConfig(
-        dtype=dtype.value, device=device, batching=batching, max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
+        dtype=resolve_dtype_option(dtype, device), device=device, kv_cache_memory_fraction=kv_cache_memory_fraction,
+        batching=batching, max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
         block_size=block_size, kv_cache_bytes=kv_cache_bytes, enable_prefix_cache=not no_prefix_cache,
-        max_concurrency=max_concurrency, hf_batch_size=hf_batch_size, slo=tuple(parse_slo(slo).items()),
+        max_concurrency=max_concurrency, hf_batch_size=hf_batch_size, slo=slo_pairs,
         peak_bandwidth=peak_bandwidth * 1e9 if peak_bandwidth else None,
         peak_flops=peak_flops * 1e12 if peak_flops else None, num_threads=threads)
+    from llmopt.core.hardware import cpu_line
+
+    stderr.print(f"CPU: {cpu_line()}", highlight=False, markup=False, soft_wrap=True)
     with progress_bar("requests") as update:
         runs = run_bench(model, spec, config, baseline, update)
+    for run in runs:
+        if "kv_cache" in run.config:
+            stderr.print(f"{run.name}: {run.config['kv_cache']}", highlight=False, markup=False, soft_wrap=True)
+        for error in run.metrics.get("peak_errors") or []:
+            stderr.print(f"{run.name}: {error}", highlight=False, markup=False, soft_wrap=True)
     if json_out is not None:
         json_out.parent.mkdir(parents=True, exist_ok=True)
         tmp = json_out.with_suffix(json_out.suffix + ".tmp")

@@ -1,17 +1,31 @@
-"""`llmopt env`: versions, device, threads, and where data and models are found."""
+"""`llmopt env`: the CPU and what it computes fast, versions, device, threads, and where data and models are found."""
 
 from __future__ import annotations
+
+from typing import Annotated
+
+import typer
 
 from llmopt.cli.options import JsonOpt
 from llmopt.cli.output import print_json, print_table
 
 
-def env(as_json: JsonOpt = False) -> None:
-    """Print versions, the compute device, threads and the data and model locations."""
+def env(
+    as_json: JsonOpt = False,
+    measure: Annotated[bool, typer.Option(
+        "--measure/--no-measure", help="Include the memory bandwidth and GEMM rates (measured once per machine, "
+        "a few seconds, then cached).")] = True,
+    remeasure: Annotated[bool, typer.Option("--remeasure", help="Measure the rates again.")] = False,
+) -> None:
+    """Print the CPU (features, kernel ISA, the dtype `auto` resolves to, measured rates), versions, the compute
+    device, threads and the data and model locations."""
     from llmopt.core.environment import environment_facts
+    from llmopt.core.hardware import hardware_facts
 
-    facts = environment_facts()
+    facts = {**hardware_facts(measure=measure or remeasure, refresh=remeasure), **environment_facts()}
     if as_json:
         print_json(facts)
     else:
-        print_table("llmopt environment", facts)
+        print_table("llmopt environment", {k: (", ".join(v) if isinstance(v, list) else
+                                               ", ".join(f"{n} {b // 1024} KiB" for n, b in v.items())
+                                               if isinstance(v, dict) else v) for k, v in facts.items()})

@@ -8,7 +8,7 @@ import typer
 
 from llmopt.cli.options import (
     DatasetOpt, DeviceOpt, Dtype, DtypeOpt, JsonOpt, MaxTokensOpt, ModelArg, SeqlenOpt, TextFieldOpt,
-    TrustRemoteCodeOpt,
+    TrustRemoteCodeOpt, resolve_dtype_option,
 )
 from llmopt.cli.output import print_json, print_table, progress_bar
 
@@ -38,11 +38,12 @@ def ppl(
         raise ConfigError(f"--seqlen must be at least 2 (got {seqlen})")
     if max_tokens is not None and max_tokens < seqlen:
         raise ConfigError(f"--max-tokens ({max_tokens}) must be at least --seqlen ({seqlen})")
-    lm, tokenizer, source = load_model(model, dtype=dtype.value, device=device, trust_remote_code=trust_remote_code)
+    resolved = resolve_dtype_option(dtype, device)
+    lm, tokenizer, source = load_model(model, dtype=resolved, device=device, trust_remote_code=trust_remote_code)
     token_ids = tokenize_corpus(tokenizer, dataset, max_tokens, "eval", text_field)
     with progress_bar(f"ppl {dataset}") as update:
         result = perplexity(lm, token_ids, seqlen=seqlen, batch_size=batch_size, progress=update)
-    facts = {**result.to_dict(), "model": model, "dataset": dataset, "dtype": dtype.value}
+    facts = {**result.to_dict(), "model": model, "dataset": dataset, "dtype": resolved}
     if as_json:
         print_json(facts)
     else:
@@ -57,7 +58,7 @@ def tasks(
     ] = "arc_easy,arc_challenge,piqa,hellaswag,lambada,winogrande",
     limit: Annotated[Optional[int], typer.Option("--limit", help="First N documents of each task.")] = None,
     batch_size: Annotated[int, typer.Option("--batch-size", help="Sequences per forward pass.")] = 16,
-    dtype: DtypeOpt = Dtype.float32,
+    dtype: DtypeOpt = Dtype.auto,
     device: DeviceOpt = "cpu",
     as_json: JsonOpt = False,
     trust_remote_code: TrustRemoteCodeOpt = False,
@@ -73,13 +74,14 @@ def tasks(
         raise ConfigError(f"unknown task {unknown[0] if unknown else '(none)'!r}: choose from {', '.join(TASKS.names())}")
     if limit is not None and limit < 1:
         raise ConfigError(f"--limit must be at least 1 (got {limit})")
-    lm, tokenizer, _ = load_model(model, dtype=dtype.value, device=device, trust_remote_code=trust_remote_code)
+    resolved = resolve_dtype_option(dtype, device)
+    lm, tokenizer, _ = load_model(model, dtype=resolved, device=device, trust_remote_code=trust_remote_code)
     results = {}
     for name in names:
         with progress_bar(name) as update:
             results[name] = evaluate_task(lm, tokenizer, name, limit, batch_size, update)
     if as_json:
-        print_json({"model": model, "limit": limit, "tasks": results})
+        print_json({"model": model, "limit": limit, "dtype": resolved, "tasks": results})
     else:
         print_table(f"task accuracy of {model}", [{"task": k, **{m: v.get(m) for m in ("acc", "acc_norm", "ppl",
                                                    "num_docs")}} for k, v in results.items()])

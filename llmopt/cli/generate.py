@@ -7,7 +7,9 @@ from typing import Annotated
 
 import typer
 
-from llmopt.cli.options import DeviceOpt, Dtype, DtypeOpt, JsonOpt, ModelArg, SeedOpt, TrustRemoteCodeOpt
+from llmopt.cli.options import (
+    DeviceOpt, Dtype, DtypeOpt, JsonOpt, ModelArg, SeedOpt, TrustRemoteCodeOpt, resolve_dtype_option,
+)
 from llmopt.cli.output import print_json, stdout
 
 
@@ -30,7 +32,7 @@ def generate(
     backend: Annotated[Backend, typer.Option(
         "--backend", help="llmopt's runtime (paged KV cache, continuous batching) or transformers' generate.")
     ] = Backend.runtime,
-    dtype: DtypeOpt = Dtype.float32,
+    dtype: DtypeOpt = Dtype.auto,
     device: DeviceOpt = "cpu",
     as_json: JsonOpt = False,
     trust_remote_code: TrustRemoteCodeOpt = False,
@@ -48,7 +50,8 @@ def generate(
         raise ConfigError("--stop needs the runtime backend: drop --backend hf")
     runtime = backend is Backend.runtime
     # the runtime serves quantized artifacts through its packed int4/int8 layers
-    lm, tokenizer, _ = load_model(model, dtype=dtype.value, device=device, trust_remote_code=trust_remote_code,
+    lm, tokenizer, _ = load_model(model, dtype=resolve_dtype_option(dtype, device), device=device,
+                                  trust_remote_code=trust_remote_code,
                                   packed_kernels=runtime)
     prompt_ids = encode_prompts(tokenizer, prompt, chat)
     if not runtime:

@@ -9,6 +9,7 @@ import typer
 
 
 class Dtype(str, Enum):
+    auto = "auto"
     float32 = "float32"
     bfloat16 = "bfloat16"
     float16 = "float16"
@@ -18,7 +19,9 @@ ModelArg = Annotated[str, typer.Argument(
     help="An alias (smollm2-135m, tiny-random-llama), a model or llmopt artifact folder, a .gguf file, or a hub id.",
     show_default=False,
 )]
-DtypeOpt = Annotated[Dtype, typer.Option("--dtype", help="Weights and compute dtype.")]
+DtypeOpt = Annotated[Dtype, typer.Option(
+    "--dtype", help="Weights and compute dtype; auto: bfloat16 on CUDA and on CPUs with bf16 units "
+    "(AVX512_BF16, AMX, Arm BF16), else float32.")]
 DeviceOpt = Annotated[str, typer.Option("--device", help="cpu, cuda or cuda:N.")]
 JsonOpt = Annotated[bool, typer.Option("--json", help="Print exactly one JSON object on stdout.")]
 SeedOpt = Annotated[int, typer.Option("--seed", help="Random seed.")]
@@ -33,3 +36,28 @@ SeqlenOpt = Annotated[int, typer.Option("--seqlen", help="Tokens per window / sa
 MaxTokensOpt = Annotated[Optional[int], typer.Option("--max-tokens", help="Use at most this many tokens of the text.")]
 OutputOpt = Annotated[str, typer.Option("-o", "--output", help="Output folder (written atomically).")]
 OverwriteOpt = Annotated[bool, typer.Option("--overwrite", help="Replace an existing output folder.")]
+
+
+def resolve_dtype_option(dtype: Dtype | str, device: str) -> str:
+    """The concrete dtype for --dtype / --calib-dtype; prints once (stderr) what auto chose, or that an explicit
+    half precision will be slow on this CPU."""
+    from llmopt.cli.output import stderr
+    from llmopt.core.hardware import dtype_note, resolve_dtype
+
+    name = dtype.value if isinstance(dtype, Enum) else dtype
+    note = dtype_note(name, device)
+    if note:
+        stderr.print(note, highlight=False, markup=False, soft_wrap=True)
+    return resolve_dtype(name, device)
+
+
+def calib_dtype_label(dtype: Enum | str, device: str) -> str:
+    """The calibration forwards' dtype as the progress bar names it: 'float32 (auto)', or the explicit choice with
+    the warning when it will be slow on this CPU. (Calibration configs resolve 'auto' themselves.)"""
+    from llmopt.core.hardware import dtype_note, resolve_dtype
+
+    name = dtype.value if isinstance(dtype, Enum) else dtype
+    if name == "auto":
+        return f"{resolve_dtype(name, device)} (auto)"
+    note = dtype_note(name, device)
+    return f"{name}, slow here: no native units" if note else name

@@ -7,7 +7,9 @@ from typing import Annotated, Optional
 
 import typer
 
-from llmopt.cli.options import JsonOpt, ModelArg, OutputOpt, OverwriteOpt, SeedOpt, TrustRemoteCodeOpt
+from llmopt.cli.options import (
+    JsonOpt, ModelArg, OutputOpt, OverwriteOpt, SeedOpt, TrustRemoteCodeOpt, calib_dtype_label,
+)
 from llmopt.cli.output import print_json, print_table, progress_bar
 from llmopt.cli.quantize import CalibDtype
 
@@ -43,7 +45,7 @@ def prune(
     seqlen: Annotated[int, typer.Option("--seqlen", help="Tokens per calibration sample.")] = 512,
     batch_size: Annotated[int, typer.Option("--batch-size", help="Calibration samples per forward.")] = 8,
     calib_dtype: Annotated[CalibDtype, typer.Option("--calib-dtype", help="dtype of calibration forwards.")
-                           ] = CalibDtype.bfloat16,
+                           ] = CalibDtype.auto,
     device: Annotated[str, typer.Option("--device", help="Where layers are calibrated.")] = "cpu",
     seed: SeedOpt = 0,
     overwrite: OverwriteOpt = False,
@@ -71,7 +73,7 @@ def prune(
             raise ConfigError("--ratio and --scores apply to --structured pruning only")
         settings = dict(method=method.value, sparsity=sparsity, pattern=pattern, ignore=ignore or [], damp=damp,
                         num_samples=num_samples or 128, **calibration)
-    with progress_bar("pruning layers") as update:
+    with progress_bar(f"pruning layers ({calib_dtype_label(calib_dtype, device)} forwards)") as update:
         facts = prune_to_artifact(model, output, settings, overwrite, trust_remote_code, update)
     if as_json:
         print_json(facts)

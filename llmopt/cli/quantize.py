@@ -7,7 +7,9 @@ from typing import Annotated, Optional
 
 import typer
 
-from llmopt.cli.options import JsonOpt, ModelArg, OutputOpt, OverwriteOpt, SeedOpt, TrustRemoteCodeOpt
+from llmopt.cli.options import (
+    JsonOpt, ModelArg, OutputOpt, OverwriteOpt, SeedOpt, TrustRemoteCodeOpt, calib_dtype_label,
+)
 from llmopt.cli.output import print_json, print_table, progress_bar
 
 
@@ -24,6 +26,7 @@ class FormatName(str, Enum):
 
 
 class CalibDtype(str, Enum):
+    auto = "auto"
     float32 = "float32"
     bfloat16 = "bfloat16"
 
@@ -64,7 +67,7 @@ def quantize(
     batch_size: Annotated[int, typer.Option("--batch-size", help="Calibration samples per forward.")] = 8,
     calib_dtype: Annotated[CalibDtype, typer.Option(
         "--calib-dtype", help="dtype of the calibration forwards; weights and statistics stay fp32.")
-    ] = CalibDtype.bfloat16,
+    ] = CalibDtype.auto,
     ignore: Annotated[Optional[list[str]], typer.Option("--ignore", help="Glob of linears to keep dense.")] = None,
     awq_search: Annotated[Optional[str], typer.Option(
         "--awq-search", help="AWQ: re-apply scales/clips saved in an artifact instead of searching.")] = None,
@@ -94,7 +97,7 @@ def quantize(
         settings.update({k: v for k, v in given.items() if k != "awq_search" and v is not None})
     if awq_search is not None:
         settings["search_file"] = awq_search
-    with progress_bar(f"{method.value} layers") as update:
+    with progress_bar(f"{method.value} layers ({calib_dtype_label(calib_dtype, device)} forwards)") as update:
         facts = quantize_to_artifact(
             model, output, method.value, settings, (fmt.value if fmt else DEFAULT_FORMAT[method.value]),
             overwrite=overwrite, trust_remote_code=trust_remote_code, progress=update,

@@ -18,8 +18,18 @@ class CalibrationConfig(BaseModel):
     seed: int = 0
     batch_size: int = Field(8, ge=1)
     device: str = "cpu"
-    compute_dtype: Literal["float32", "bfloat16"] = Field(
-        "bfloat16", description="dtype of the calibration forwards (weights and statistics stay fp32)")
+    compute_dtype: Literal["auto", "float32", "bfloat16"] = Field(
+        "auto", description="dtype of the calibration forwards (weights and statistics stay fp32); auto: bfloat16 "
+        "where the device multiplies it natively, else float32 (resolved when the config is made)")
+
+    @model_validator(mode="after")
+    def _resolve_auto_dtype(self):
+        if self.compute_dtype == "auto":
+            from llmopt.core.hardware import resolve_dtype
+
+            resolved = resolve_dtype("auto", self.device)
+            self.compute_dtype = "bfloat16" if resolved in ("bfloat16", "float16") else "float32"
+        return self
 
 
 class QuantizeConfig(BaseModel):

@@ -224,8 +224,12 @@ def load_model(
 
     hf_logging.disable_progress_bar()
     source = name_or_source if isinstance(name_or_source, ModelSource) else resolve_model(name_or_source)
+    if dtype == "auto":  # the fastest accurate dtype for this device (core.hardware.resolve_dtype)
+        from llmopt.core.hardware import resolve_dtype
+
+        dtype = resolve_dtype(dtype, device)
     if dtype not in DTYPES:
-        raise ModelLoadError(f"unknown dtype {dtype!r}: choose one of {', '.join(DTYPES)}")
+        raise ModelLoadError(f"unknown dtype {dtype!r}: choose one of auto, {', '.join(DTYPES)}")
     config = load_config(source, trust_remote_code)
     adapter_for(config)  # unsupported families fail here, naming the supported ones
     if source.kind == "artifact":

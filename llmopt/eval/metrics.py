@@ -56,7 +56,7 @@ class RequestRecord:
 class HardwarePeaks:
     bandwidth: float  # bytes/s
     flops: float  # FLOP/s
-    source: str  # "given" or "measured"
+    source: str  # where each came from ("given", "measured ...", "theoretical ...")
 
 
 @dataclass
@@ -144,17 +144,29 @@ def engine_metrics(steps: list[StepStats], cost: ModelCost | None, peaks: Hardwa
         "max_batch_size": max((s.num_seqs for s in steps), default=0),
         "mean_kv_cache_usage": float(np.mean([s.kv_usage for s in steps])) if steps else 0.0,
         "max_kv_cache_usage": max((s.kv_usage for s in steps), default=0.0),
-        "mbu": None, "mfu": None, "peaks_source": None,
+        "mbu": None, "mfu": None, "peaks_source": None, "peak_errors": [],
     }
     if cost is not None and peaks is not None and steps:
         if decode_steps:
             moved = sum(cost.weight_bytes + s.num_context_tokens * cost.kv_bytes_per_token for s in decode_steps)
-            metrics["mbu"] = moved / decode_time / peaks.bandwidth
+            metrics["mbu"] = _utilization("MBU", moved / decode_time, peaks.bandwidth, metrics["peak_errors"])
         flops = sum(2 * cost.linear_params * (s.num_prefill_tokens + s.num_decode_tokens)
                     + cost.attention_flops_per_context_token * s.num_attention_pairs for s in steps)
-        metrics["mfu"] = flops / duration / peaks.flops if duration else None
+        if duration:
+            metrics["mfu"] = _utilization("MFU", flops / duration, peaks.flops, metrics["peak_errors"])
         metrics["peaks_source"] = peaks.source
     return metrics
+
+
+def _utilization(name: str, achieved: float, peak: float, errors: list[str]) -> float | None:
+    """achieved / peak, which can never exceed 1: a larger ratio means the peak is wrong (a clock or bandwidth
+    below the real one, or weights served from cache), so the figure is withheld and the error recorded."""
+    ratio = achieved / peak
+    if ratio > 1.0:
+        errors.append(f"{name} would be {ratio:.2f}: the achieved {achieved:.3g}/s exceeds the peak {peak:.3g}/s, "
+                      "so that peak is wrong for this run")
+        return None
+    return ratio
 
 
 def records_to_json(records: list[RequestRecord]) -> list[dict]:

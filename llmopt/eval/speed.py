@@ -19,19 +19,21 @@ from llmopt.eval.metrics import (
     HardwarePeaks, ModelCost, RequestRecord, RunResult, engine_metrics, request_metrics,
 )
 from llmopt.eval.workloads import BenchRequest, WorkloadSpec, build_workload
+from llmopt.runtime.defaults import KV_CACHE_MEMORY_FRACTION
 
 ProgressFn = Callable[[int, int], None]  # (completed, total)
 
 
 @dataclass(frozen=True)
 class BenchConfig:
-    dtype: str = "bfloat16"
+    dtype: str = "auto"  # resolved once per bench (core.hardware.resolve_dtype); the baseline runs in the same
     device: str = "cpu"
     batching: str = "continuous"  # or "static"
     max_num_seqs: int = 64
     max_num_batched_tokens: int = 2048
     block_size: int = 16
-    kv_cache_bytes: int = 512 * 2**20
+    kv_cache_bytes: int | None = None  # None: kv_cache_memory_fraction of the available memory
+    kv_cache_memory_fraction: float = KV_CACHE_MEMORY_FRACTION
     enable_prefix_cache: bool = True
     max_concurrency: int | None = None
     hf_batch_size: int = 32
@@ -84,9 +86,20 @@ def _timed(fn, device: str) -> float:
 
 def measure_peaks(dtype: torch.dtype, bandwidth: float | None = None, flops: float | None = None,
                   device: str = "cpu") -> HardwarePeaks:
-    """Peak bandwidth and FLOP/s: the given values, else a short copy test and a matmul test (best of 5)."""
+    """Peak bandwidth and FLOP/s: the given values; else on CPU the machine's (core.hardware: a copy beyond the
+    last-level cache, and the units' theoretical rate for `dtype` or the measured GEMM rate where higher,
+    measured once per machine); on other devices a short copy test and a matmul test (best of 5)."""
     if bandwidth is not None and flops is not None:
         return HardwarePeaks(bandwidth, flops, "given")
+    if torch.device(device).type == "cpu":
+        from llmopt.core.hardware import measured_rates, peak_flops
+
+        flops_source = "given"
+        if flops is None:
+            flops, flops_source = peak_flops(dtype)
+        bandwidth_source = "given" if bandwidth is not None else "measured copy beyond the last-level cache"
+        bandwidth = bandwidth if bandwidth is not None else measured_rates().bandwidth
+        return HardwarePeaks(bandwidth, flops, f"bandwidth: {bandwidth_source}; FLOP/s: {flops_source}")
     if bandwidth is None:
         src = torch.ones(64 * 2**20 // 4, dtype=torch.float32, device=device)  # 64 MiB, beyond the caches
         dst = torch.empty_like(src)
@@ -202,11 +215,20 @@ def run_hf_static(model, tokenizer, requests: list[BenchRequest], batch_size: in
 
 
 # --- one run ----------------------------------------------------------------------------------------
+def _resolved(config: BenchConfig) -> BenchConfig:
+    """The config with dtype 'auto' replaced by what it means on this device."""
+    from dataclasses import replace
+
+    from llmopt.core.hardware import resolve_dtype
+
+    return replace(config, dtype=resolve_dtype(config.dtype, config.device))
+
+
 def engine_config_for(config: BenchConfig):
     from llmopt.runtime.engine import EngineConfig
 
     return EngineConfig(block_size=config.block_size, kv_cache_bytes=config.kv_cache_bytes,
-                        max_num_seqs=config.max_num_seqs, max_num_batched_tokens=config.max_num_batched_tokens,
+                        kv_cache_memory_fraction=config.kv_cache_memory_fraction, max_num_seqs=config.max_num_seqs, max_num_batched_tokens=config.max_num_batched_tokens,
                         enable_prefix_cache=config.enable_prefix_cache, policy=config.batching)
 
 
@@ -216,6 +238,7 @@ def bench_runtime(name: str, model_name: str, spec: WorkloadSpec, config: BenchC
     from llmopt.core.models import DTYPES, load_model
     from llmopt.runtime.engine import Engine
 
+    config = _resolved(config)
     model, tokenizer, _ = load_model(model_name, dtype=config.dtype, device=config.device, packed_kernels=True)
     engine = Engine(model, tokenizer, engine_config_for(config))
     vocab_size = model.config.vocab_size
@@ -229,10 +252,13 @@ def bench_runtime(name: str, model_name: str, spec: WorkloadSpec, config: BenchC
     metrics.update(engine_metrics(engine.step_stats, model_cost(model, engine.runner.kv_dtype), peaks,
                                   engine.scheduler.num_preemptions, hit_rate, metrics["duration"]))
     metrics["peak_bandwidth"], metrics["peak_flops"] = peaks.bandwidth, peaks.flops
+    metrics["kv_cache_bytes"], metrics["kv_cache_tokens"] = (engine.runner.kv_cache_bytes,
+                                                             engine.runner.num_blocks * engine.runner.block_size)
     # TTFT of the requests that found their prefix cached (the first of each prefix pays the full prefill)
     hits = [r.ttft for r in records if r.num_cached_tokens > 0]
     metrics["mean_ttft_prefix_hit_ms"] = 1000 * sum(hits) / len(hits) if hits else None
-    return RunResult(name, model_name, {"backend": "runtime", **asdict(config), "workload": asdict(spec)},
+    return RunResult(name, model_name, {"backend": "runtime", **asdict(config), "workload": asdict(spec),
+                                        "kv_cache": engine.runner.kv_cache_summary(), "hardware": _hardware(config)},
                      metrics, records, [s.num_seqs for s in engine.step_stats])
 
 
@@ -240,6 +266,7 @@ def bench_hf(name: str, model_name: str, spec: WorkloadSpec, config: BenchConfig
              progress: ProgressFn | None = None) -> RunResult:
     from llmopt.core.models import load_model
 
+    config = _resolved(config)
     model, tokenizer, _ = load_model(model_name, dtype=config.dtype, device=config.device)
     requests = build_workload(spec, tokenizer, model.config.vocab_size)
     warm = [BenchRequest(r.prompt_token_ids, 2) for r in requests[:2]]
@@ -247,14 +274,26 @@ def bench_hf(name: str, model_name: str, spec: WorkloadSpec, config: BenchConfig
     records, _ = run_hf_static(model, tokenizer, requests, config.hf_batch_size, progress)
     metrics = request_metrics(records, dict(config.slo))
     return RunResult(name, model_name, {"backend": "hf", "dtype": config.dtype, "batch_size": config.hf_batch_size,
-                                        "workload": asdict(spec)}, metrics, records)
+                                        "workload": asdict(spec), "hardware": _hardware(config)}, metrics, records)
+
+
+def _hardware(config: BenchConfig) -> dict:
+    """The machine a run measured (every benchmark JSON names its CPU)."""
+    from llmopt.core.hardware import hardware_facts
+
+    facts = hardware_facts(measure=torch.device(config.device).type == "cpu")
+    if torch.device(config.device).type == "cuda":
+        facts["gpu"] = torch.cuda.get_device_name(torch.device(config.device))
+    return facts
 
 
 def bench(model_name: str, spec: WorkloadSpec, config: BenchConfig, baseline: str | None = None,
           progress: ProgressFn | None = None) -> list[RunResult]:
-    """The model's run, then the baseline's (named 'baseline'): 'hf' or another MODEL through the runtime."""
+    """The model's run, then the baseline's (named 'baseline'): 'hf' or another MODEL through the runtime, both
+    in the same resolved dtype."""
     if config.num_threads:
         torch.set_num_threads(config.num_threads)
+    config = _resolved(config)
     runs = [bench_runtime(model_name, model_name, spec, config, progress)]
     if baseline == "hf":
         runs.append(bench_hf("baseline", model_name, spec, config, progress))

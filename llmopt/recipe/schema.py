@@ -73,7 +73,7 @@ class BenchSpec(_Strict):
     output_len: int = 64
     range_ratio: float = 0.0
     request_rate: float = float("inf")
-    dtype: str = "bfloat16"
+    dtype: str = "auto"  # bfloat16 where the CPU multiplies it natively, else float32 (core.hardware)
     max_num_seqs: int = 64
     slo: Optional[str] = None
 

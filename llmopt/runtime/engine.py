@@ -8,6 +8,7 @@ from typing import Iterator
 
 from llmopt.core.errors import ConfigError
 from llmopt.runtime.block_manager import BlockManager
+from llmopt.runtime.defaults import KV_CACHE_MEMORY_FRACTION
 from llmopt.runtime.model_runner import ModelRunner
 from llmopt.runtime.sampling import SamplingParams
 from llmopt.runtime.scheduler import Scheduler, SchedulerConfig
@@ -18,13 +19,14 @@ from llmopt.runtime.stats import StepStats
 @dataclass(frozen=True)
 class EngineConfig:
     block_size: int = 16
-    kv_cache_bytes: int = 256 * 2**20
+    kv_cache_bytes: int | None = None  # None: kv_cache_memory_fraction of the available memory (model_runner)
+    kv_cache_memory_fraction: float = KV_CACHE_MEMORY_FRACTION
     max_num_seqs: int = 64
     max_num_batched_tokens: int = 2048
     enable_chunked_prefill: bool = True
     enable_prefix_cache: bool = True
     policy: str = "continuous"
-    fast_path: bool | None = None  # fused/prepacked projections; default: on for bf16/fp16 on CPU (model.py)
+    fast_path: bool | None = None  # fused projections and compiled kernels; default: on for CPU (model.py)
 
 
 @dataclass
@@ -40,7 +42,9 @@ class Engine:
         self.config = config or EngineConfig()
         self.tokenizer = tokenizer
         self.runner = ModelRunner(hf_model, self.config.block_size, self.config.kv_cache_bytes,
-                                  fast=self.config.fast_path)
+                                  fast=self.config.fast_path,
+                                  kv_cache_memory_fraction=self.config.kv_cache_memory_fraction,
+                                  max_num_seqs=self.config.max_num_seqs)
         self.block_manager = BlockManager(self.runner.num_blocks, self.config.block_size,
                                           self.config.enable_prefix_cache)
         self.scheduler = Scheduler(

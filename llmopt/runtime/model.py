@@ -3,13 +3,14 @@ batch of all scheduled tokens, attention over the paged KV cache.
 
 It reads the weights of a loaded transformers model (any artifact llmopt reads: dense, packed int4/int8,
 pruned). Two numerics modes:
-- exact (fp32, and whatever `fast=False` asks for): the model's own modules for every op, so greedy tokens
-  match transformers token for token;
-- fast (bf16/fp16 on CPU by default): q/k/v and gate/up fused into one matmul each, dense weights prepacked
-  for oneDNN, one fused RMSNorm and one rotary application for q and k together. Same maths, different
-  rounding order (the bf16 results differ from transformers' by bf16 rounding, as any two bf16 kernels do).
-  On CPU with the compiled kernels (kernels/cpu_ops.py) the element-wise runs are single calls
-  (`_forward_fused`) and the batch-1 lm_head a matrix-vector kernel.
+- exact (`fast=False`; the default off CPU): the model's own modules for every op, so greedy tokens match
+  transformers token for token in fp32;
+- fast (the default on CPU, every dtype): q/k/v and gate/up fused into one matmul each (bf16 weights prepacked
+  for oneDNN), one fused RMSNorm and one rotary application for q and k together. Same maths, different
+  rounding order: bf16 results differ from transformers' by bf16 rounding, as any two bf16 kernels do; fp32
+  logits stay within ~1e-5 relative of the exact mode's. On CPU with the compiled kernels (kernels/cpu_ops.py)
+  the element-wise runs are single calls (`_forward_fused`), decode attention reads the paged cache in place,
+  and the batch-1 lm_head is a matrix-vector kernel.
 """
 
 from __future__ import annotations
@@ -72,7 +73,7 @@ class RuntimeDecoder(nn.Module):
                 f"the runtime supports {', '.join(SUPPORTED)}; {adapter.family} runs with --backend hf")
         param = next(hf_model.parameters())
         self.dtype = param.dtype
-        self.fast = fast if fast is not None else (param.device.type == "cpu" and self.dtype != torch.float32)
+        self.fast = fast if fast is not None else param.device.type == "cpu"
         self.config = config
         self.embed = get_module(hf_model, adapter.embed)
         self.layers = get_module(hf_model, adapter.layers)
@@ -139,7 +140,7 @@ class RuntimeDecoder(nn.Module):
                 q, k = qk[:, :nq], qk[:, nq:]
             v = qkv[:, (nq + nkv) * hd:].view(num_tokens, nkv, hd)
             store_kv(k, v, k_cache, v_cache, meta.slot_mapping)
-            o = paged_attention(q, k_cache, v_cache, meta, self.scale, k, v)
+            o = paged_attention(q, k_cache, v_cache, meta, self.scale, k, v, compiled=self.fast)
             h = h + block.o_proj(o.reshape(num_tokens, -1))
             x = self._norm(block.post_norm, h)
             gate, up = block.gate_up(x).chunk(2, dim=-1)
@@ -165,7 +166,7 @@ class RuntimeDecoder(nn.Module):
             k = qkv[:, nq * hd:(nq + nkv) * hd].view(num_tokens, nkv, hd)
             v = qkv[:, (nq + nkv) * hd:].view(num_tokens, nkv, hd)
             store_kv(k, v, k_cache, v_cache, meta.slot_mapping)
-            o = paged_attention(q, k_cache, v_cache, meta, self.scale, k, v)
+            o = paged_attention(q, k_cache, v_cache, meta, self.scale, k, v, compiled=True)
             x = ops.add_rms_norm_(h, o_proj(o.reshape(num_tokens, -1)), *post_norm)
             x = ops.add_rms_norm_(h, down_proj(ops.silu_mul(gate_up(x))), *next_norm)
         return x
@@ -174,10 +175,10 @@ class RuntimeDecoder(nn.Module):
         """[S, hidden] -> [S, vocab], fp32 (as_float) or as the head computed them (the model's dtype)."""
         weight = getattr(self.lm_head, "weight", None)
         if (self.fused_ops is not None and hidden.shape[0] == 1 and type(self.lm_head) is nn.Linear
-                and self.lm_head.bias is None and weight.dtype == hidden.dtype == torch.bfloat16):
-            # batch-1 decode: the vocab x hidden weight (57 MB for SmolLM2, the model's own tied weight) streamed
-            # by one matrix-vector kernel
-            logits = self.fused_ops.bf16_gemv(hidden, weight)
+                and self.lm_head.bias is None and weight.dtype == hidden.dtype):
+            # batch-1 decode: the vocab x hidden weight (57 MB for SmolLM2 in bf16, the model's own tied weight)
+            # streamed by one matrix-vector kernel
+            logits = self.fused_ops.gemv(hidden, weight)
         else:
             logits = self.logits_head(hidden)
         return logits.float() if as_float else logits

@@ -3,11 +3,15 @@ step into one forward over all scheduled tokens, and samples."""
 
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass, field
 
+import numpy as np
+import psutil
 import torch
 
 from llmopt.core.errors import ConfigError
+from llmopt.runtime.defaults import KV_CACHE_MEMORY_FRACTION
 from llmopt.runtime.host_memory import keep_freed_host_memory
 from llmopt.runtime.kernels.attention import AttentionMetadata
 from llmopt.runtime.kernels.cpu_ops import cpu_ops
@@ -22,14 +26,45 @@ class StepResult:
     logprobs: dict[int, dict[int, float]] = field(default_factory=dict)  # seq_id -> {token: logprob}
 
 
+log = logging.getLogger(__name__)
+
+
+
 def kv_bytes_per_block(decoder: RuntimeDecoder, block_size: int, dtype: torch.dtype) -> int:
     element = torch.tensor([], dtype=dtype).element_size()
     return 2 * decoder.num_layers * block_size * decoder.num_kv_heads * decoder.head_dim * element
 
 
+def available_memory(device: torch.device) -> int:
+    """Bytes the KV cache may be taken from: free device memory on CUDA, available host memory elsewhere."""
+    if device.type == "cuda":
+        return torch.cuda.mem_get_info(device)[0]
+    return psutil.virtual_memory().available
+
+
+def default_kv_cache_bytes(device: torch.device, fraction: float, max_useful_bytes: int | None = None) -> int:
+    """fraction x available memory, no more than the engine could ever fill (max_useful_bytes)."""
+    if not 0 < fraction <= 0.95:
+        raise ConfigError(f"--kv-cache-memory-fraction {fraction}: give a fraction in (0, 0.95]")
+    budget = int(available_memory(device) * fraction)
+    return min(budget, max_useful_bytes) if max_useful_bytes else budget
+
+
+def zeros_lazily(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """A zero tensor; on CPU from calloc'ed memory (numpy's zeros), whose pages the OS commits on first write."""
+    if device.type != "cpu":
+        return torch.zeros(shape, dtype=dtype, device=device)
+    element = torch.tensor([], dtype=dtype).element_size()
+    raw = np.zeros(int(np.prod(shape)) * element, dtype=np.uint8)
+    return torch.from_numpy(raw).view(dtype).view(shape)
+
+
 class ModelRunner:
-    def __init__(self, hf_model, block_size: int, kv_cache_bytes: int, kv_dtype: torch.dtype | None = None,
-                 fast: bool | None = None):
+    def __init__(self, hf_model, block_size: int, kv_cache_bytes: int | None = None,
+                 kv_dtype: torch.dtype | None = None, fast: bool | None = None,
+                 kv_cache_memory_fraction: float = KV_CACHE_MEMORY_FRACTION, max_num_seqs: int | None = None):
+        """kv_cache_bytes None: sized from the machine (default_kv_cache_bytes), up to what max_num_seqs
+        sequences of the model's full context could hold."""
         self.decoder = RuntimeDecoder(hf_model, fast)
         self.device = next(hf_model.parameters()).device
         if self.device.type == "cpu":
@@ -37,15 +72,30 @@ class ModelRunner:
         self.kv_dtype = kv_dtype or next(hf_model.parameters()).dtype
         self.block_size = block_size
         per_block = kv_bytes_per_block(self.decoder, block_size, self.kv_dtype)
+        self.kv_cache_source = "given"
+        if kv_cache_bytes is None:
+            context = getattr(hf_model.config, "max_position_embeddings", None)
+            useful = (max_num_seqs * -(-context // block_size) * per_block) if context and max_num_seqs else None
+            kv_cache_bytes = default_kv_cache_bytes(self.device, kv_cache_memory_fraction, useful)
+            self.kv_cache_source = f"{kv_cache_memory_fraction:.0%} of available memory"
+            if useful is not None and kv_cache_bytes == useful:
+                self.kv_cache_source = f"{max_num_seqs} sequences x the full context"
         self.num_blocks = kv_cache_bytes // per_block
         if self.num_blocks < 1:
             raise ConfigError(f"--kv-cache-bytes {kv_cache_bytes} holds no block of {block_size} tokens "
                               f"({per_block} bytes each): raise it")
+        self.kv_cache_bytes = self.num_blocks * per_block
         shape = (self.num_blocks, block_size, self.decoder.num_kv_heads, self.decoder.head_dim)
-        self.kv_caches = [(torch.zeros(shape, dtype=self.kv_dtype, device=self.device),
-                           torch.zeros(shape, dtype=self.kv_dtype, device=self.device))
+        self.kv_caches = [(zeros_lazily(shape, self.kv_dtype, self.device), zeros_lazily(shape, self.kv_dtype, self.device))
                           for _ in range(self.decoder.num_layers)]
+        log.info(self.kv_cache_summary())
         self.generators: dict[int, torch.Generator] = {}
+
+    def kv_cache_summary(self) -> str:
+        """One line for start-up: the KV cache's size, where it came from, and the tokens it holds."""
+        dtype = str(self.kv_dtype).removeprefix("torch.")
+        return (f"KV cache: {self.kv_cache_bytes / 2**30:.2f} GiB ({self.kv_cache_source}), "
+                f"{self.num_blocks * self.block_size:,} tokens in {dtype}")
 
     def copy_blocks(self, copies: list[tuple[int, int]]) -> None:
         for k_cache, v_cache in self.kv_caches:

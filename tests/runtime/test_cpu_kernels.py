@@ -1,11 +1,13 @@
-"""The compiled CPU kernels (llmopt/runtime/kernels/csrc) against the plain-torch reference, at small and odd
-shapes that reach every code path: the AVX-512 paths specialized on (group, head_dim) (bf16 dot products 16 rows
-at a time when the block size allows, one row at a time otherwise), the scalar path for other shapes, whole
-sequences per work item and one KV head per item. Also the prefill attention's batched path over this step's keys."""
+"""The compiled CPU kernels (llmopt/runtime/kernels/csrc) against the plain-torch reference, in every build this
+CPU can run (scalar, avx2, avx512, avx512_bf16: the `ops` fixture), at small and odd shapes that reach every code
+path: the vector paths specialized on (group, head_dim) (AVX512_BF16 dot products 16 rows at a time when the
+block size allows, one row at a time otherwise), the scalar path for other shapes, whole sequences per work item
+and one KV head per item. Also the prefill attention's batched path over this step's keys."""
 
 import pytest
 import torch
 
+from llmopt.core.hardware import supported_kernel_isas
 from llmopt.runtime.kernels import attention
 from llmopt.runtime.kernels.attention import AttentionMetadata, paged_attention
 from llmopt.runtime.kernels.cpu_ops import cpu_ops
@@ -23,11 +25,17 @@ def paged_setup(context_lens, num_heads, num_kv_heads, head_dim, page, dtype, se
     return q, k_cache, v_cache, meta
 
 
-def test_cpu_kernels_build():
+@pytest.fixture(params=supported_kernel_isas())
+def ops(request):
+    """Each build of the kernels this CPU can execute."""
+    built = cpu_ops(request.param)
+    assert built is not None, f"the {request.param} kernels failed to build"
+    return built
+
+
+def test_cpu_kernels_build(ops):
     # CI machines have a compiler: a build failure must fail here, not silently fall back to torch
-    ops = cpu_ops()
-    assert ops is not None
-    assert isinstance(ops.vectorized(), bool)
+    assert ops.vectorized() == (ops.isa() != "scalar")
 
 
 @pytest.mark.parametrize("context_lens,num_heads,num_kv_heads,head_dim,page", [
@@ -40,18 +48,18 @@ def test_cpu_kernels_build():
     ([20] * 6, 18, 2, 64, 16),  # group 9: beyond the specialized ones
 ])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
-def test_paged_decode_attention_matches_reference(context_lens, num_heads, num_kv_heads, head_dim, page, dtype):
+def test_paged_decode_attention_matches_reference(ops, context_lens, num_heads, num_kv_heads, head_dim, page, dtype):
     q, k_cache, v_cache, meta = paged_setup(context_lens, num_heads, num_kv_heads, head_dim, page, dtype)
     scale = head_dim ** -0.5
     expected = paged_attention(q.float(), k_cache.float(), v_cache.float(), meta, scale)  # fp32: torch path
-    out = cpu_ops().paged_decode_attention(q, k_cache, v_cache, meta.decode.block_tables, meta.decode.context_lens,
+    out = ops.paged_decode_attention(q, k_cache, v_cache, meta.decode.block_tables, meta.decode.context_lens,
                                            scale)
     assert out.dtype == dtype and out.shape == q.shape
     tol = 1e-5 if dtype == torch.float32 else 2e-2
     torch.testing.assert_close(out.float(), expected, rtol=tol, atol=tol)
 
 
-def test_paged_decode_attention_reads_q_as_a_view_of_wider_rows():
+def test_paged_decode_attention_reads_q_as_a_view_of_wider_rows(ops):
     # the decoder passes q as a view into the fused q/k/v output: rows strided, heads contiguous
     q, k_cache, v_cache, meta = paged_setup([12, 40, 3, 17], 6, 2, 64, 16, torch.bfloat16)
     rows = torch.randn(q.shape[0], 10, 64).to(torch.bfloat16)
@@ -59,7 +67,7 @@ def test_paged_decode_attention_reads_q_as_a_view_of_wider_rows():
     view = rows[:, 2:8]
     assert not view.is_contiguous()
     args = (k_cache, v_cache, meta.decode.block_tables, meta.decode.context_lens, 0.125)
-    assert torch.equal(cpu_ops().paged_decode_attention(view, *args), cpu_ops().paged_decode_attention(q, *args))
+    assert torch.equal(ops.paged_decode_attention(view, *args), ops.paged_decode_attention(q, *args))
 
 
 def test_bf16_decodes_use_the_kernel(monkeypatch):
@@ -80,20 +88,19 @@ def test_bf16_decodes_use_the_kernel(monkeypatch):
     torch.testing.assert_close(out.float(), expected, rtol=2e-2, atol=2e-2)
 
 
-def test_context_beyond_block_table_is_an_error():
+def test_context_beyond_block_table_is_an_error(ops):
     q, k_cache, v_cache, meta = paged_setup([20], 4, 2, 64, 16, torch.bfloat16)
     with pytest.raises(RuntimeError, match="context length"):
-        cpu_ops().paged_decode_attention(q, k_cache, v_cache, meta.decode.block_tables, torch.tensor([33]), 0.125)
+        ops.paged_decode_attention(q, k_cache, v_cache, meta.decode.block_tables, torch.tensor([33]), 0.125)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("rows,hidden", [(1, 576), (5, 40), (70, 99)])  # scalar tails; one thread and several
-def test_fused_elementwise_ops_match_torch(dtype, rows, hidden):
+def test_fused_elementwise_ops_match_torch(ops, dtype, rows, hidden):
     import torch.nn.functional as F
 
     from llmopt.runtime.model import rotate_half
 
-    ops = cpu_ops()
     g = torch.Generator().manual_seed(0)
     x = (torch.randn(rows, hidden, generator=g) * 3).to(dtype)
     delta = torch.randn(rows, hidden, generator=g).to(dtype)
@@ -127,7 +134,7 @@ def test_fused_elementwise_ops_match_torch(dtype, rows, hidden):
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
-def test_argmax_rows_follows_torch_argmax(dtype):
+def test_argmax_rows_follows_torch_argmax(ops, dtype):
     g = torch.Generator().manual_seed(0)
     logits = torch.randn(6, 1000, generator=g).to(dtype)
     logits[1, 10] = logits[1, 990] = 50.0  # ties: the first index
@@ -136,7 +143,7 @@ def test_argmax_rows_follows_torch_argmax(dtype):
     logits[4] = float("-inf")
     logits[5, 3] = logits[5, 4] = 1e-3  # bf16 ties that fp32 values would not make
     logits[5, 3] += 1e-6
-    assert torch.equal(cpu_ops().argmax_rows(logits), logits.float().argmax(dim=-1))
+    assert torch.equal(ops.argmax_rows(logits), logits.float().argmax(dim=-1))
 
 
 def test_decoder_with_fused_ops_matches_the_torch_ops():
@@ -162,7 +169,7 @@ def test_decoder_with_fused_ops_matches_the_torch_ops():
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_store_kv_writes_strided_rows_into_their_slots(dtype):
+def test_store_kv_writes_strided_rows_into_their_slots(ops, dtype):
     g = torch.Generator().manual_seed(0)
     num_blocks, block_size, kv_heads, head_dim, tokens = 6, 4, 2, 8, 5
     qkv = torch.randn(tokens, (3 + 2 * kv_heads) * head_dim, generator=g).to(dtype)  # k, v: views into it
@@ -173,18 +180,21 @@ def test_store_kv_writes_strided_rows_into_their_slots(dtype):
     expected = [c.clone() for c in caches]
     expected[0].view(-1, kv_heads, head_dim)[slots] = k
     expected[1].view(-1, kv_heads, head_dim)[slots] = v
-    cpu_ops().store_kv_(caches[0], caches[1], k, v, slots)
+    ops.store_kv_(caches[0], caches[1], k, v, slots)
     assert torch.equal(caches[0], expected[0]) and torch.equal(caches[1], expected[1])
     with pytest.raises(RuntimeError, match="slot outside"):
-        cpu_ops().store_kv_(caches[0], caches[1], k, v, torch.tensor([0, 1, 2, 3, 24]))
+        ops.store_kv_(caches[0], caches[1], k, v, torch.tensor([0, 1, 2, 3, 24]))
 
 
-def test_bf16_gemv_matches_a_float_matmul():
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("k", [100, 576])  # K = 100: a scalar tail
+def test_gemv_matches_a_float_matmul(ops, dtype, k):
     g = torch.Generator().manual_seed(0)
-    weight = torch.randn(1001, 100, generator=g).to(torch.bfloat16)  # K = 100: a scalar tail; odd rows
-    x = torch.randn(1, 100, generator=g).to(torch.bfloat16)
-    expected = (x.float() @ weight.float().t()).to(torch.bfloat16)
-    torch.testing.assert_close(cpu_ops().bf16_gemv(x, weight), expected, rtol=1e-2, atol=1e-2)
+    weight = torch.randn(1001, k, generator=g).to(dtype)  # odd rows: 4-row groups and a remainder
+    x = torch.randn(1, k, generator=g).to(dtype)
+    expected = (x.float() @ weight.float().t()).to(dtype)
+    tol = 1e-5 if dtype == torch.float32 else 1e-2
+    torch.testing.assert_close(ops.gemv(x, weight), expected, rtol=tol, atol=tol)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])

@@ -5,9 +5,10 @@ Shapes: q [T, num_heads, head_dim] for the T tokens of this step (sequences conc
 k_cache / v_cache [num_blocks, block_size, num_kv_heads, head_dim].
 
 On CUDA tensors the Triton kernels (triton_store_kv, triton_decode_attention, triton_prefill_attention) run
-instead; on CPU with a bf16/fp16 cache, decodes go to the compiled kernel (csrc/paged_attention_cpu.cpp) that
-reads the blocks in place. These functions stay their reference (and the fp32 path, which must match
-transformers token for token, keeps them).
+instead; on CPU, decodes go to the compiled kernel (csrc/paged_attention_cpu.cpp) that reads the blocks in
+place: by default for bf16/fp16 caches, and for fp32 when the caller asks (`compiled=True`: the runtime's fast
+mode). These functions stay their reference (and the exact fp32 mode, which must match transformers token for
+token, keeps them).
 
 Per step the metadata is built once (`AttentionMetadata.build`) and read by every layer: sequences whose
 step is a single token (decodes) are attended together in one padded batch; sequences with several new
@@ -130,9 +131,12 @@ def store_kv(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: t
 
 
 def _attend_decodes(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, decode: DecodeGroup,
-                    scale: float) -> torch.Tensor:
-    """q [B, num_heads, head_dim] -> [B, num_heads, head_dim], each over its own cached keys."""
-    if k_cache.dtype != torch.float32 and k_cache.device.type == "cpu":
+                    scale: float, compiled: bool | None = None) -> torch.Tensor:
+    """q [B, num_heads, head_dim] -> [B, num_heads, head_dim], each over its own cached keys. compiled: use the
+    CPU kernel (None: for half-precision caches only)."""
+    if compiled is None:
+        compiled = k_cache.dtype != torch.float32
+    if compiled and k_cache.device.type == "cpu":
         ops = cpu_ops()
         if ops is not None:
             out = ops.paged_decode_attention(q if q.dtype == k_cache.dtype else q.to(k_cache.dtype), k_cache,
@@ -168,22 +172,24 @@ def _fresh_runs(prefills: list[PrefillGroup]) -> tuple[list[tuple[int, int, int]
 
 
 def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, meta: AttentionMetadata,
-                    scale: float, k_new: torch.Tensor | None = None, v_new: torch.Tensor | None = None) -> torch.Tensor:
+                    scale: float, k_new: torch.Tensor | None = None, v_new: torch.Tensor | None = None,
+                    compiled: bool | None = None) -> torch.Tensor:
     """Causal attention of each sequence's new queries over its cached keys; returns [T, num_heads, head_dim].
 
     k_new, v_new [T, num_kv_heads, head_dim]: this step's keys and values (already stored): prompts with nothing
     cached before attend over them directly, equal-length ones in one batched causal SDPA (a 2048-token chunk of
-    128-token prompts: one call per layer instead of 16 gathers, masks and calls)."""
+    128-token prompts: one call per layer instead of 16 gathers, masks and calls). compiled: decodes through the
+    CPU kernel (None: for half-precision caches only)."""
     if meta.device_tensors is not None and triton_available():
         return _triton_paged_attention(q, k_cache, v_cache, meta, scale)
     num_kv_heads, head_dim = k_cache.shape[2:]
     num_heads = q.shape[1]
     if meta.decode is not None and meta.decode.contiguous and not meta.prefills:
-        return _attend_decodes(q, k_cache, v_cache, meta.decode, scale)
+        return _attend_decodes(q, k_cache, v_cache, meta.decode, scale, compiled)
     out = torch.empty_like(q)
     if meta.decode is not None:
         rows = meta.decode.rows
-        out[rows] = _attend_decodes(q[rows], k_cache, v_cache, meta.decode, scale)
+        out[rows] = _attend_decodes(q[rows], k_cache, v_cache, meta.decode, scale, compiled)
     prefills = meta.prefills
     if k_new is not None and k_new.dtype == k_cache.dtype:
         runs, prefills = _fresh_runs(prefills)

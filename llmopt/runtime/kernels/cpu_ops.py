@@ -1,9 +1,19 @@
 """The runtime's compiled CPU kernels (csrc/*.cpp), built on first use with torch's C++ extension loader.
 
-They are an accelerator, not a requirement: where no compiler is available (or LLMOPT_CPU_KERNELS=0) `cpu_ops()`
-returns None and the runtime keeps its plain-torch path, which the kernels are tested against. Compiled with
--march=native for the machine it runs on; torch caches the build (TORCH_EXTENSIONS_DIR, default
-~/.cache/torch_extensions) and rebuilds when the source or flags change.
+The same sources are built once per instruction set, each with explicit flags (never -march=native) under its
+own name, so a kernel cache made on one CPU never runs instructions another lacks:
+- scalar: the plain loops (any CPU; on Arm the compiler vectorizes them for NEON);
+- avx2: 8-lane AVX2 + FMA + F16C (Haswell and later, AMD Zen);
+- avx512: AVX-512 F/BW/VL/DQ (Skylake-SP, Cascade Lake);
+- avx512_bf16: plus AVX512_BF16 dot products (Cooper Lake, Sapphire Rapids and later, AMD Zen 4 and later).
+`cpu_ops()` loads the build for the features this process may use (core.hardware.kernel_isa: LLMOPT_CPU_ISA
+forces a lower one); each build registers its ops as torch.ops.llmopt_cpu_<isa>, so tests load several side by
+side.
+
+They are an accelerator, not a requirement: where no compiler is available (or LLMOPT_CPU_KERNELS=0)
+`cpu_ops()` returns None and the runtime keeps its plain-torch path, which the kernels are tested against.
+torch caches each build (TORCH_EXTENSIONS_DIR, default ~/.cache/torch_extensions) and rebuilds when the source
+or flags change.
 """
 
 from __future__ import annotations
@@ -15,24 +25,48 @@ from pathlib import Path
 
 import torch
 
+from llmopt.core.hardware import X86_ISAS, cpu_info, kernel_isa
+
 log = logging.getLogger(__name__)
 
-NAME = "llmopt_cpu_kernels"
 SOURCES = [Path(__file__).parent / "csrc" / name
            for name in ("paged_attention_cpu.cpp", "fused_cpu.cpp", "int4_cpu.cpp")]
+_X86_FLAGS = {
+    "scalar": [],
+    "avx2": ["-mavx2", "-mfma", "-mf16c"],
+    "avx512": ["-mavx2", "-mfma", "-mf16c", "-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq"],
+    "avx512_bf16": ["-mavx2", "-mfma", "-mf16c", "-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq",
+                    "-mavx512bf16"],
+}
 
 
-@lru_cache(maxsize=1)
-def cpu_ops():
-    """torch.ops.llmopt_cpu once built, else None (the reason is logged once)."""
+def isa_flags(isa: str) -> list[str]:
+    if isa not in X86_ISAS:
+        raise ValueError(f"unknown kernel ISA {isa!r}")
+    return _X86_FLAGS[isa] if cpu_info().is_x86 else []
+
+
+@lru_cache(maxsize=None)
+def _load(isa: str):
+    from torch.utils.cpp_extension import load
+
+    load(name=f"llmopt_cpu_kernels_{isa}", sources=[str(s) for s in SOURCES], is_python_module=False,
+         extra_cflags=["-O3", "-fopenmp", *isa_flags(isa), f"-DLLMOPT_NS=llmopt_cpu_{isa}",
+                       f"-DLLMOPT_ISA={isa}"],
+         extra_ldflags=["-fopenmp"], verbose=False)
+    return getattr(torch.ops, f"llmopt_cpu_{isa}")
+
+
+@lru_cache(maxsize=None)
+def cpu_ops(isa: str | None = None):
+    """torch.ops.llmopt_cpu_<isa> for `isa` (default: this process's kernel_isa()) once built, else None (the
+    reason is logged once)."""
     if os.environ.get("LLMOPT_CPU_KERNELS", "1") == "0":
         return None
+    isa = isa or kernel_isa()
     try:
-        from torch.utils.cpp_extension import load
-
-        load(name=NAME, sources=[str(s) for s in SOURCES], is_python_module=False,
-             extra_cflags=["-O3", "-march=native", "-fopenmp"], extra_ldflags=["-fopenmp"], verbose=False)
+        return _load(isa)
     except Exception as exc:  # noqa: BLE001  (no compiler, missing headers: the torch path serves instead)
-        log.warning("llmopt CPU kernels unavailable (%s); using the plain-torch path", str(exc).splitlines()[0])
+        log.warning("llmopt CPU kernels (%s) unavailable (%s); using the plain-torch path", isa,
+                    str(exc).splitlines()[0] if str(exc) else type(exc).__name__)
         return None
-    return torch.ops.llmopt_cpu

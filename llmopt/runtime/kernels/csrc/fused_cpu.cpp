@@ -13,6 +13,7 @@
 #include <cmath>
 #include <cstring>
 #include <limits>
+#include <type_traits>
 
 #include "simd.h"
 
@@ -34,17 +35,17 @@ void rms_norm_rows(T* residual, const T* delta, const T* weight, T* out, int64_t
       T* o = out + r * hidden;
       float sum = 0.f;
       int64_t i = 0;
-#if defined(__AVX512F__)
-      __m512 vsum = _mm512_setzero_ps();
+#if defined(LLMOPT_VEC)
+      Vec vsum = vzero();
       for (; i + 16 <= hidden; i += 16) {
-        __m512 v = load16(x + i);
+        Vec v = load16(x + i);
         if (d) {
-          v = round_to<T>(_mm512_add_ps(v, load16(d + i)));
+          v = round_to<T>(v + load16(d + i));
           store16(x + i, v);
         }
-        vsum = _mm512_fmadd_ps(v, v, vsum);
+        vsum = vfma(v, v, vsum);
       }
-      sum = _mm512_reduce_add_ps(vsum);
+      sum = reduce_add(vsum);
 #endif
       for (; i < hidden; ++i) {
         float v = to_float(x[i]);
@@ -56,10 +57,9 @@ void rms_norm_rows(T* residual, const T* delta, const T* weight, T* out, int64_t
       }
       const float inv = 1.f / std::sqrt(sum / hidden + eps);
       i = 0;
-#if defined(__AVX512F__)
-      const __m512 vinv = _mm512_set1_ps(inv);
-      for (; i + 16 <= hidden; i += 16)
-        store16(o + i, _mm512_mul_ps(round_to<T>(_mm512_mul_ps(load16(x + i), vinv)), load16(weight + i)));
+#if defined(LLMOPT_VEC)
+      const Vec vinv = vset1(inv);
+      for (; i + 16 <= hidden; i += 16) store16(o + i, round_to<T>(load16(x + i) * vinv) * load16(weight + i));
 #endif
       for (; i < hidden; ++i) o[i] = from_float<T>(to_float(from_float<T>(to_float(x[i]) * inv)) * to_float(weight[i]));
     }
@@ -80,13 +80,11 @@ void rotary_rows(T* x, int64_t row_stride, const T* cos, const T* sin, int64_t r
       for (int64_t h = 0; h < num_heads; ++h) {
         T* v = x + r * row_stride + h * head_dim;
         int64_t i = 0;
-#if defined(__AVX512F__)
+#if defined(LLMOPT_VEC)
         for (; i + 16 <= half; i += 16) {
-          const __m512 x1 = load16(v + i), x2 = load16(v + half + i);
-          const __m512 lo = _mm512_add_ps(round_to<T>(_mm512_mul_ps(x1, load16(c + i))),
-                                          round_to<T>(_mm512_mul_ps(_mm512_sub_ps(_mm512_setzero_ps(), x2), load16(s + i))));
-          const __m512 hi = _mm512_add_ps(round_to<T>(_mm512_mul_ps(x2, load16(c + half + i))),
-                                          round_to<T>(_mm512_mul_ps(x1, load16(s + half + i))));
+          const Vec x1 = load16(v + i), x2 = load16(v + half + i);
+          const Vec lo = round_to<T>(x1 * load16(c + i)) + round_to<T>((vzero() - x2) * load16(s + i));
+          const Vec hi = round_to<T>(x2 * load16(c + half + i)) + round_to<T>(x1 * load16(s + half + i));
           store16(v + i, lo);
           store16(v + half + i, hi);
         }
@@ -113,11 +111,10 @@ void silu_mul_rows(const T* gate_up, T* out, int64_t rows, int64_t inter) {
       const T* u = g + inter;
       T* o = out + r * inter;
       int64_t i = 0;
-#if defined(__AVX512F__)
+#if defined(LLMOPT_VEC)
       for (; i + 16 <= inter; i += 16) {
-        const __m512 x = load16(g + i);
-        const __m512 s = _mm512_div_ps(x, _mm512_add_ps(_mm512_set1_ps(1.f), exp16(_mm512_sub_ps(_mm512_setzero_ps(), x))));
-        store16(o + i, _mm512_mul_ps(round_to<T>(s), load16(u + i)));
+        const Vec x = load16(g + i);
+        store16(o + i, round_to<T>(x / (vset1(1.f) + exp16(vzero() - x))) * load16(u + i));
       }
 #endif
       for (; i < inter; ++i) {
@@ -193,15 +190,15 @@ void argmax_rows_impl(const T* p, int64_t rows, int64_t vocab, int64_t* o) {
       float best = -std::numeric_limits<float>::infinity();
       bool nan = false;
       int64_t i = 0;
-#if defined(__AVX512F__)
-      __m512 vmax = _mm512_set1_ps(best);
-      __mmask16 any_nan = 0;
+#if defined(LLMOPT_VEC)
+      Vec vbig = vset1(best);
+      Mask any_nan = 0;
       for (; i + 16 <= vocab; i += 16) {
-        const __m512 v = load16(row + i);
-        any_nan |= _mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q);
-        vmax = _mm512_max_ps(vmax, v);
+        const Vec v = load16(row + i);
+        any_nan |= nan_mask(v);
+        vbig = vmax(vbig, v);
       }
-      best = _mm512_reduce_max_ps(vmax);
+      best = reduce_max(vbig);
       nan = any_nan != 0;
 #endif
       for (; i < vocab; ++i) {
@@ -210,11 +207,11 @@ void argmax_rows_impl(const T* p, int64_t rows, int64_t vocab, int64_t* o) {
         best = std::max(best, v);
       }
       int64_t index = -1, j = 0;
-#if defined(__AVX512F__)
-      const __m512 vbest = _mm512_set1_ps(best);
+#if defined(LLMOPT_VEC)
+      const Vec vbest = vset1(best);
       for (; index < 0 && j + 16 <= vocab; j += 16) {
-        const __m512 v = load16(row + j);
-        const __mmask16 hit = nan ? _mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q) : _mm512_cmp_ps_mask(v, vbest, _CMP_EQ_OQ);
+        const Vec v = load16(row + j);
+        const Mask hit = nan ? nan_mask(v) : eq_mask(v, vbest);
         if (hit) index = j + __builtin_ctz(hit);
       }
 #endif
@@ -268,26 +265,19 @@ void store_kv_(at::Tensor& k_cache, at::Tensor& v_cache, const at::Tensor& k, co
   }
 }
 
-// y [1, N] = x [1, K] @ weight [N, K]^T in bf16 for one row (batch-1 decode's lm_head: 49152 x 576 for SmolLM2,
-// read once at ~15% more bandwidth than oneDNN's linear reaches on it here), fp32 accumulation.
-at::Tensor bf16_gemv(const at::Tensor& x, const at::Tensor& weight) {
-  TORCH_CHECK(x.dim() == 2 && x.size(0) == 1 && weight.dim() == 2 && weight.size(1) == x.size(1),
-              "x [1, K] and weight [N, K] expected");
-  TORCH_CHECK(x.scalar_type() == at::kBFloat16 && weight.scalar_type() == at::kBFloat16, "bf16 expected");
-  const int64_t K = x.size(1), N = weight.size(0);
-  const at::Tensor xc = x.contiguous(), wc = weight.contiguous();
-  at::Tensor y = at::empty({1, N}, x.options());
-  const at::BFloat16* xp = xc.data_ptr<at::BFloat16>();
-  const at::BFloat16* wp = wc.data_ptr<at::BFloat16>();
-  at::BFloat16* yp = y.data_ptr<at::BFloat16>();
-  at::parallel_for(0, N, 64, [&](int64_t begin, int64_t end) {
-    int64_t n = begin;
+// y [1, N] = x [1, K] @ weight [N, K]^T for one row, fp32 accumulation, in x's dtype (batch-1 decode's lm_head:
+// 49152 x 576 for SmolLM2, read once per token, usually from memory). 4 rows at a time: 4 independent
+// accumulation chains and 4 memory streams, the rows 8 ahead requested early. With AVX512_BF16 a bf16 weight is
+// multiplied straight from its stored pairs (vdpbf16ps, x rounded to bf16, which it already is): ~15% more
+// bandwidth than oneDNN's linear reaches on it.
+template <typename T>
+void gemv_rows(const T* xp, const T* wp, T* yp, int64_t K, int64_t begin, int64_t end) {
+  int64_t n = begin;
 #if defined(__AVX512BF16__)
-    // 4 rows at a time: 4 independent accumulation chains and 4 memory streams; the rows 8 ahead are
-    // requested early (the weight is read once per token, usually from memory)
+  if constexpr (std::is_same_v<T, at::BFloat16>) {
     const int64_t vec_k = K - K % 32;
     for (; n + 4 <= end; n += 4) {
-      const at::BFloat16* row = wp + n * K;
+      const T* row = wp + n * K;
       for (int64_t off = 0; off < 4 * K * 2; off += 64) _mm_prefetch(reinterpret_cast<const char*>(row + 8 * K) + off, _MM_HINT_T0);
       __m512 acc[4] = {_mm512_setzero_ps(), _mm512_setzero_ps(), _mm512_setzero_ps(), _mm512_setzero_ps()};
       for (int64_t k = 0; k < vec_k; k += 32) {
@@ -297,39 +287,72 @@ at::Tensor bf16_gemv(const at::Tensor& x, const at::Tensor& weight) {
       }
       for (int r = 0; r < 4; ++r) {
         float sum = _mm512_reduce_add_ps(acc[r]);
-        for (int64_t k = vec_k; k < K; ++k) sum += static_cast<float>(row[r * K + k]) * static_cast<float>(xp[k]);
-        yp[n + r] = c10::BFloat16(sum);
+        for (int64_t k = vec_k; k < K; ++k) sum += to_float(row[r * K + k]) * to_float(xp[k]);
+        yp[n + r] = from_float<T>(sum);
       }
     }
+  }
 #endif
-    for (; n < end; ++n) {
-      const at::BFloat16* row = wp + n * K;
-      float sum = 0.f;
-      for (int64_t k = 0; k < K; ++k) sum += static_cast<float>(row[k]) * static_cast<float>(xp[k]);
-      yp[n] = c10::BFloat16(sum);
+#if defined(LLMOPT_VEC)
+  const int64_t vec_k = K - K % 16;
+  for (; n + 4 <= end; n += 4) {
+    const T* row = wp + n * K;
+    for (int64_t off = 0; off < 4 * K * static_cast<int64_t>(sizeof(T)); off += 64)
+      _mm_prefetch(reinterpret_cast<const char*>(row + 8 * K) + off, _MM_HINT_T0);
+    Vec acc[4] = {vzero(), vzero(), vzero(), vzero()};
+    for (int64_t k = 0; k < vec_k; k += 16) {
+      const Vec xv = load16(xp + k);
+      for (int r = 0; r < 4; ++r) acc[r] = vfma(load16(row + r * K + k), xv, acc[r]);
     }
+    for (int r = 0; r < 4; ++r) {
+      float sum = reduce_add(acc[r]);
+      for (int64_t k = vec_k; k < K; ++k) sum += to_float(row[r * K + k]) * to_float(xp[k]);
+      yp[n + r] = from_float<T>(sum);
+    }
+  }
+#endif
+  for (; n < end; ++n) {
+    const T* row = wp + n * K;
+    float sum = 0.f;
+    for (int64_t k = 0; k < K; ++k) sum += to_float(row[k]) * to_float(xp[k]);
+    yp[n] = from_float<T>(sum);
+  }
+}
+
+at::Tensor gemv(const at::Tensor& x, const at::Tensor& weight) {
+  TORCH_CHECK(x.dim() == 2 && x.size(0) == 1 && weight.dim() == 2 && weight.size(1) == x.size(1),
+              "x [1, K] and weight [N, K] expected");
+  TORCH_CHECK(x.scalar_type() == weight.scalar_type(), "x and weight must share a dtype");
+  const int64_t K = x.size(1), N = weight.size(0);
+  const at::Tensor xc = x.contiguous(), wc = weight.contiguous();
+  at::Tensor y = at::empty({1, N}, x.options());
+  LLMOPT_DISPATCH(xc, [&] {
+    const scalar_t* xp = xc.data_ptr<scalar_t>();
+    const scalar_t* wp = wc.data_ptr<scalar_t>();
+    scalar_t* yp = y.data_ptr<scalar_t>();
+    at::parallel_for(0, N, 64, [&](int64_t begin, int64_t end) { gemv_rows<scalar_t>(xp, wp, yp, K, begin, end); });
   });
   return y;
 }
 
 }  // namespace
 
-TORCH_LIBRARY_FRAGMENT(llmopt_cpu, m) {
+LLMOPT_LIBRARY_FRAGMENT(LLMOPT_NS, m) {
   m.def("rms_norm(Tensor x, Tensor weight, float eps) -> Tensor");
   m.def("add_rms_norm_(Tensor(a!) residual, Tensor delta, Tensor weight, float eps) -> Tensor");
   m.def("silu_mul(Tensor gate_up) -> Tensor");
   m.def("argmax_rows(Tensor logits) -> Tensor");
   m.def("rotary_(Tensor(a!) x, Tensor cos, Tensor sin, int num_heads) -> ()");
   m.def("store_kv_(Tensor(a!) k_cache, Tensor(b!) v_cache, Tensor k, Tensor v, Tensor slot_mapping) -> ()");
-  m.def("bf16_gemv(Tensor x, Tensor weight) -> Tensor");
+  m.def("gemv(Tensor x, Tensor weight) -> Tensor");
 }
 
-TORCH_LIBRARY_IMPL(llmopt_cpu, CPU, m) {
+LLMOPT_LIBRARY_IMPL(LLMOPT_NS, CPU, m) {
   m.impl("rms_norm", rms_norm);
   m.impl("add_rms_norm_", add_rms_norm_);
   m.impl("silu_mul", silu_mul);
   m.impl("argmax_rows", argmax_rows);
   m.impl("rotary_", rotary_);
   m.impl("store_kv_", store_kv_);
-  m.impl("bf16_gemv", bf16_gemv);
+  m.impl("gemv", gemv);
 }

@@ -1,5 +1,5 @@
-// int4 weights dequantized whole into a bf16 matrix, for the dense GEMM that then runs on the CPU's bf16
-// matrix units: at 16+ rows (prefill chunks, large decode batches) that beats aten's int4 kernel, whose cost
+// int4 weights dequantized whole into a dense matrix (bf16, fp16 or fp32), for the dense GEMM that then runs on
+// the CPU's matrix or FMA units: at 16+ rows (prefill chunks, large decode batches) that beats aten's int4 kernel, whose cost
 // grows linearly with the rows. The torch expression of the same arithmetic (quant_matmul.int4_dequantize) takes
 // 1.5-3 ms per SmolLM2 linear; this one pass takes ~0.1-0.3 ms.
 //
@@ -18,6 +18,8 @@
 
 namespace {
 
+using namespace llmopt_cpu;
+
 template <typename T>
 void dequantize_rows(const uint8_t* nibbles, const T* so, T* out, int64_t N, int64_t K, int64_t group,
                      int64_t begin, int64_t end) {
@@ -29,17 +31,16 @@ void dequantize_rows(const uint8_t* nibbles, const T* so, T* out, int64_t N, int
       const float scale = static_cast<float>(so[(g * N + n) * 2]);
       const float offset = static_cast<float>(so[(g * N + n) * 2 + 1]);
       int64_t k = g * group;
-#if defined(__AVX512BF16__)
-      if constexpr (std::is_same_v<T, at::BFloat16>) {
-        const __m512 vs = _mm512_set1_ps(scale), vo = _mm512_set1_ps(offset), eight = _mm512_set1_ps(8.f);
+#if defined(LLMOPT_VEC)
+      {
+        const Vec vs = vset1(scale), vo = vset1(offset), eight = vset1(8.f);
         const __m128i low = _mm_set1_epi8(0x0F);
         for (; k + 32 <= (g + 1) * group; k += 32) {  // 16 bytes -> 32 codes in column order
           const __m128i v = _mm_loadu_si128(reinterpret_cast<const __m128i*>(row + k / 2));
           const __m128i lo = _mm_and_si128(v, low), hi = _mm_and_si128(_mm_srli_epi16(v, 4), low);
-          const __m128i first = _mm_unpacklo_epi8(lo, hi), second = _mm_unpackhi_epi8(lo, hi);  // codes 0-15, 16-31
-          const __m512 w0 = _mm512_fmadd_ps(_mm512_sub_ps(_mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(first)), eight), vs, vo);
-          const __m512 w1 = _mm512_fmadd_ps(_mm512_sub_ps(_mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(second)), eight), vs, vo);
-          _mm512_storeu_si512(o + k, (__m512i)_mm512_cvtne2ps_pbh(w1, w0));
+          // codes 0-15 and 16-31, each w = fma(q - 8, scale, offset) rounded once to T
+          store16(o + k, vfma(from_bytes(_mm_unpacklo_epi8(lo, hi)) - eight, vs, vo));
+          store16(o + k + 16, vfma(from_bytes(_mm_unpackhi_epi8(lo, hi)) - eight, vs, vo));
         }
       }
 #endif
@@ -75,8 +76,8 @@ void int4_dequantize_out(const at::Tensor& nibbles, const at::Tensor& scales_and
 
 }  // namespace
 
-TORCH_LIBRARY_FRAGMENT(llmopt_cpu, m) {
+LLMOPT_LIBRARY_FRAGMENT(LLMOPT_NS, m) {
   m.def("int4_dequantize_out(Tensor nibbles, Tensor scales_and_offsets, int group, Tensor(a!) out) -> ()");
 }
 
-TORCH_LIBRARY_IMPL(llmopt_cpu, CPU, m) { m.impl("int4_dequantize_out", int4_dequantize_out); }
+LLMOPT_LIBRARY_IMPL(LLMOPT_NS, CPU, m) { m.impl("int4_dequantize_out", int4_dequantize_out); }

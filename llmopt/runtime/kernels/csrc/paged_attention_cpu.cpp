@@ -19,6 +19,7 @@
 #include <algorithm>
 #include <cmath>
 #include <limits>
+#include <string>
 #include <type_traits>
 #include <vector>
 
@@ -28,7 +29,7 @@ namespace {
 
 using namespace llmopt_cpu;
 
-#if defined(__AVX512F__)
+#if defined(LLMOPT_VEC)
 constexpr bool kVectorized = true;
 #else
 constexpr bool kVectorized = false;
@@ -37,10 +38,10 @@ constexpr bool kVectorized = false;
 inline float max_of(const float* s, int64_t n) {
   float max = -std::numeric_limits<float>::infinity();
   int64_t i = 0;
-#if defined(__AVX512F__)
-  __m512 vmax = _mm512_set1_ps(max);
-  for (; i + 16 <= n; i += 16) vmax = _mm512_max_ps(vmax, _mm512_loadu_ps(s + i));
-  max = _mm512_reduce_max_ps(vmax);
+#if defined(LLMOPT_VEC)
+  Vec vbig = vset1(max);
+  for (; i + 16 <= n; i += 16) vbig = vmax(vbig, load16(s + i));
+  max = reduce_max(vbig);
 #endif
   for (; i < n; ++i) max = std::max(max, s[i]);
   return max;
@@ -50,15 +51,15 @@ inline float max_of(const float* s, int64_t n) {
 inline float softmax_numerators(float* s, int64_t n, float max) {
   float sum = 0.f;
   int64_t i = 0;
-#if defined(__AVX512F__)
-  __m512 vsum = _mm512_setzero_ps();
-  const __m512 vmax = _mm512_set1_ps(max);
+#if defined(LLMOPT_VEC)
+  Vec vsum = vzero();
+  const Vec vbig = vset1(max);
   for (; i + 16 <= n; i += 16) {
-    __m512 e = exp16(_mm512_sub_ps(_mm512_loadu_ps(s + i), vmax));
-    _mm512_storeu_ps(s + i, e);
-    vsum = _mm512_add_ps(vsum, e);
+    const Vec e = exp16(load16(s + i) - vbig);
+    store16(s + i, e);
+    vsum = vsum + e;
   }
-  sum = _mm512_reduce_add_ps(vsum);
+  sum = reduce_add(vsum);
 #endif
   for (; i < n; ++i) {
     s[i] = std::exp(s[i] - max);
@@ -83,7 +84,7 @@ struct Layout {
   int64_t block_size, num_kv_heads, head_dim, group, block_stride, token_stride;
 };
 
-#if defined(__AVX512F__)
+#if defined(LLMOPT_VEC)
 // Requests the rows of this item's next block (from token t0 + block_size on) into L1.
 template <typename T>
 inline void prefetch_next_block(const T* base, const Item& it, const Layout& L, int64_t t0) {
@@ -109,6 +110,7 @@ inline void prefetch_row(const char* row, const Item& it, int ch) {
     _mm_prefetch(row + off, static_cast<decltype(_MM_HINT_T0)>(HINT));
 }
 
+#if defined(__AVX512BF16__)
 // r[i] = sum of the 16 lanes of v[i], for 16 vectors (a transpose-and-add: 45 shuffles/adds instead of 16
 // horizontal reductions of 8 each).
 inline __m512 reduce16x16(__m512* v) {
@@ -121,6 +123,7 @@ inline __m512 reduce16x16(__m512* v) {
     u[i] = _mm512_add_ps(_mm512_shuffle_f32x4(t[2 * i], t[2 * i + 1], 0x88), _mm512_shuffle_f32x4(t[2 * i], t[2 * i + 1], 0xDD));
   return _mm512_add_ps(_mm512_shuffle_f32x4(u[0], u[1], 0x88), _mm512_shuffle_f32x4(u[0], u[1], 0xDD));
 }
+#endif
 
 // Pass 1, any dtype: one key row at a time, its chunks converted once and reused by the group's query heads.
 template <typename T, int G, int CH>
@@ -132,13 +135,13 @@ void scores_rows(const float* q_f, const T* k_ptr, const Item& it, const Layout&
     for (int64_t i = 0; i < n; ++i) {
       for (int64_t h = it.h0; h < it.h1; ++h) {
         const T* krow = kb + i * L.token_stride + h * CH * 16;
-        __m512 kv[CH];
+        Vec kv[CH];
         for (int c = 0; c < CH; ++c) kv[c] = load16(krow + c * 16);
         for (int g = 0; g < G; ++g) {
           const float* qg = q_f + (h * G + g) * CH * 16;
-          __m512 s = _mm512_mul_ps(_mm512_loadu_ps(qg), kv[0]);
-          for (int c = 1; c < CH; ++c) s = _mm512_fmadd_ps(_mm512_loadu_ps(qg + c * 16), kv[c], s);
-          scores[((h - it.h0) * G + g) * ctx + t0 + i] = _mm512_reduce_add_ps(s) * scale;
+          Vec s = load16(qg) * kv[0];
+          for (int c = 1; c < CH; ++c) s = vfma(load16(qg + c * 16), kv[c], s);
+          scores[((h - it.h0) * G + g) * ctx + t0 + i] = reduce_add(s) * scale;
         }
       }
     }
@@ -226,10 +229,10 @@ void attend_heads(const float* q_f, const T* k_ptr, const T* v_ptr, const Item& 
   }
   // pass 2, per block and head; unless pass 1 requested the value rows, the block is requested whole first
   // (the heads' passes then find it in L1) and the next one while this one is computed
-  static thread_local std::vector<__m512> acc_buf;
+  static thread_local std::vector<Vec> acc_buf;
   if (acc_buf.size() < static_cast<size_t>(nh * G * CH)) acc_buf.resize(nh * G * CH);
-  __m512* acc = acc_buf.data();  // [nh][G][CH]: registers for the head in flight, the rest wait in L1
-  for (int64_t j = 0; j < nh * G * CH; ++j) acc[j] = _mm512_setzero_ps();
+  Vec* acc = acc_buf.data();  // [nh][G][CH]: registers for the head in flight, the rest wait in L1
+  for (int64_t j = 0; j < nh * G * CH; ++j) acc[j] = vzero();
   if (!values_requested) {
     const char* first = reinterpret_cast<const char*>(v_ptr + it.table[0] * L.block_stride);
     const int64_t bytes = std::min(L.block_size, ctx) * L.token_stride * static_cast<int64_t>(sizeof(T));
@@ -240,17 +243,17 @@ void attend_heads(const float* q_f, const T* k_ptr, const T* v_ptr, const Item& 
     const int64_t n = std::min(L.block_size, ctx - t0);
     if (!values_requested) prefetch_next_block(v_ptr, it, L, t0);
     for (int64_t h = it.h0; h < it.h1; ++h) {
-      __m512 a[G][CH];
+      Vec a[G][CH];
       for (int g = 0; g < G; ++g)
         for (int c = 0; c < CH; ++c) a[g][c] = acc[((h - it.h0) * G + g) * CH + c];
       const float* p = scores + (h - it.h0) * G * ctx + t0;
       for (int64_t i = 0; i < n; ++i) {
         const T* vrow = vb + i * L.token_stride + h * CH * 16;
-        __m512 vv[CH];
+        Vec vv[CH];
         for (int c = 0; c < CH; ++c) vv[c] = load16(vrow + c * 16);
         for (int g = 0; g < G; ++g) {
-          const __m512 pg = _mm512_set1_ps(p[g * ctx + i]);
-          for (int c = 0; c < CH; ++c) a[g][c] = _mm512_fmadd_ps(pg, vv[c], a[g][c]);
+          const Vec pg = vset1(p[g * ctx + i]);
+          for (int c = 0; c < CH; ++c) a[g][c] = vfma(pg, vv[c], a[g][c]);
         }
       }
       for (int g = 0; g < G; ++g)
@@ -260,8 +263,7 @@ void attend_heads(const float* q_f, const T* k_ptr, const T* v_ptr, const Item& 
   for (int64_t h = 0; h < nh; ++h)
     for (int g = 0; g < G; ++g)
       for (int c = 0; c < CH; ++c)
-        _mm512_storeu_ps(out + ((it.h0 + h) * G + g) * CH * 16 + c * 16,
-                         _mm512_mul_ps(acc[(h * G + g) * CH + c], _mm512_set1_ps(inv_sum[h * G + g])));
+        store16(out + ((it.h0 + h) * G + g) * CH * 16 + c * 16, acc[(h * G + g) * CH + c] * vset1(inv_sum[h * G + g]));
 }
 #endif
 
@@ -303,7 +305,7 @@ void attend_heads_generic(const float* q_f, const T* k_ptr, const T* v_ptr, cons
 template <typename T>
 using AttendFn = void (*)(const float*, const T*, const T*, const Item&, const Layout&, float, float*, float*);
 
-#if defined(__AVX512F__)
+#if defined(LLMOPT_VEC)
 template <typename T, int CH>
 AttendFn<T> pick_group(int64_t group) {
   switch (group) {
@@ -322,7 +324,7 @@ AttendFn<T> pick_group(int64_t group) {
 
 template <typename T>
 AttendFn<T> pick_attend(const Layout& L) {
-#if defined(__AVX512F__)
+#if defined(LLMOPT_VEC)
   if (L.num_kv_heads <= 64) {
     if (L.head_dim == 32) return pick_group<T, 2>(L.group);
     if (L.head_dim == 64) return pick_group<T, 4>(L.group);
@@ -392,12 +394,15 @@ at::Tensor paged_decode_attention(const at::Tensor& q, const at::Tensor& k_cache
 
 bool vectorized() { return kVectorized; }
 
+std::string isa() { return LLMOPT_STR(LLMOPT_ISA); }
+
 }  // namespace
 
-TORCH_LIBRARY(llmopt_cpu, m) {
+LLMOPT_LIBRARY(LLMOPT_NS, m) {
   m.def("paged_decode_attention(Tensor q, Tensor k_cache, Tensor v_cache, Tensor block_tables, "
         "Tensor context_lens, float scale) -> Tensor");
-  m.def("vectorized", &vectorized);  // whether this build has the AVX-512 paths
+  m.def("vectorized", &vectorized);  // whether this build has the vector (AVX2 or AVX-512) paths
+  m.def("isa", &isa);  // the instruction set this build was compiled for
 }
 
-TORCH_LIBRARY_IMPL(llmopt_cpu, CPU, m) { m.impl("paged_decode_attention", paged_decode_attention); }
+LLMOPT_LIBRARY_IMPL(LLMOPT_NS, CPU, m) { m.impl("paged_decode_attention", paged_decode_attention); }
