@@ -13,8 +13,8 @@ from llmopt.cli.output import print_json, print_table
 def env(
     as_json: JsonOpt = False,
     measure: Annotated[bool, typer.Option(
-        "--measure/--no-measure", help="Include the memory bandwidth and GEMM rates (measured once per machine, "
-        "a few seconds, then cached).")] = True,
+        "--measure/--no-measure", help="Show the memory bandwidth and GEMM rates (measured once per machine, a "
+        "few seconds, then cached).")] = True,
     remeasure: Annotated[bool, typer.Option("--remeasure", help="Measure the rates again.")] = False,
 ) -> None:
     """Print the CPU (features, kernel ISA, the dtype `auto` resolves to, measured rates), versions, the compute

@@ -38,11 +38,10 @@ def generate(
     trust_remote_code: TrustRemoteCodeOpt = False,
 ) -> None:
     """Generate a completion for each --prompt."""
+    from llmopt.core.errors import ConfigError
     from llmopt.core.models import load_model
     from llmopt.runtime.hf import encode_prompts, hf_generate
     from llmopt.runtime.sampling import SamplingParams
-
-    from llmopt.core.errors import ConfigError
 
     params = SamplingParams(max_tokens=max_tokens, temperature=temperature, top_p=top_p, top_k=top_k, seed=seed,
                             stop=tuple(stop or ()))

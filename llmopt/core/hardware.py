@@ -7,9 +7,11 @@
   `LLMOPT_CPU_ISA` (our compiled kernels), `ONEDNN_MAX_CPU_ISA` (oneDNN) and `ATEN_CPU_CAPABILITY` (torch's own
   kernels). A test of an AVX2-only CPU on an AVX-512 one sets all three (`avx2`, `AVX2`, `avx2`).
 - `kernel_isa()`: which build of the compiled CPU kernels to load (scalar, avx2, avx512, avx512_bf16).
-- `resolve_dtype("auto")`: bf16 compute only where it is fast (CUDA; CPUs that multiply bf16 natively:
-  AVX512_BF16, AMX-BF16, Arm BF16), else fp32. On a CPU without bf16 units torch's bf16 matmuls run 3-80x
-  slower than fp32.
+- `resolve_dtype("auto")`: bf16 compute only where it is fast: CUDA, and CPUs that multiply bf16 natively
+  (AVX512_BF16, AMX-BF16, Arm BF16) *and* whose measured bf16 GEMM rate is at least their fp32 rate; else fp32.
+  On a CPU without bf16 units torch's bf16 matmuls run 3-80x slower than fp32; with AVX512_BF16 but no AMX
+  (vdpbf16ps only) oneDNN's bf16 GEMMs can still trail MKL's fp32 ones (166 vs 269 GFLOP/s measured on one
+  such Xeon, where fp32 also served and calibrated faster).
 - `measured_rates()`: memory bandwidth and fp32 / bf16 GEMM rates, measured once per machine and cached under
   $LLMOPT_HOME/hardware; `peak_flops()` combines them with the units' theoretical rate for MFU.
 """
@@ -198,6 +200,14 @@ def native_fp16() -> bool:
 DTYPE_CHOICES = ("auto", "float32", "bfloat16", "float16")
 
 
+def bf16_faster() -> bool:
+    """Whether bf16 compute pays on this CPU: bf16 units, and bf16 GEMMs measured at least as fast as fp32."""
+    if not native_bf16():
+        return False
+    rates = measured_rates()
+    return rates.gemm_bf16 >= rates.gemm_fp32
+
+
 def resolve_dtype(name: str, device: str | torch.device = "cpu") -> str:
     """'auto' -> the fastest dtype that keeps bf16-level accuracy on this device; other names pass through."""
     if name not in DTYPE_CHOICES:
@@ -207,7 +217,7 @@ def resolve_dtype(name: str, device: str | torch.device = "cpu") -> str:
     kind = torch.device(device).type
     if kind == "cuda":
         return "bfloat16" if torch.cuda.is_available() and torch.cuda.is_bf16_supported() else "float16"
-    if kind == "cpu" and native_bf16():
+    if kind == "cpu" and bf16_faster():
         return "bfloat16"
     return "float32"
 
@@ -222,10 +232,19 @@ def dtype_note(requested: str, device: str | torch.device = "cpu") -> str | None
     vector = kernel_isa() if cpu_info().is_x86 else ("neon" if "neon" in features else "scalar")
     if requested == "auto":
         resolved = resolve_dtype(requested, device)
-        why = f"bf16 units: {' '.join(bf16_units)}" if resolved == "bfloat16" else f"no bf16 units; {vector}"
+        if resolved == "bfloat16":
+            why = f"bf16 units: {' '.join(bf16_units)}"
+        elif bf16_units:
+            rates = measured_rates()
+            why = (f"{' '.join(bf16_units)}, but bf16 GEMMs measured slower than fp32 here: "
+                   f"{rates.gemm_bf16 / 1e9:.0f} vs {rates.gemm_fp32 / 1e9:.0f} GFLOP/s")
+        else:
+            why = f"no bf16 units; {vector}"
         return f"dtype auto -> {resolved} ({why})"
     if requested == "bfloat16" and not native_bf16():
         return f"warning: bfloat16 on a CPU without bf16 units ({vector}) is slow; auto would use float32"
+    if requested == "bfloat16" and not bf16_faster():
+        return "note: bf16 GEMMs measured slower than fp32 on this CPU; auto would use float32"
     if requested == "float16" and not native_fp16():
         return f"warning: float16 on a CPU without fp16 units ({vector}) is slow; auto would use float32"
     return None
@@ -339,7 +358,8 @@ def cpu_line() -> str:
 
 
 def hardware_facts(measure: bool = True, refresh: bool = False) -> dict:
-    """Everything above as one JSON-able dict (for `llmopt env` and benchmark JSON)."""
+    """Everything above as one JSON-able dict (for `llmopt env` and benchmark JSON); measure=False leaves out
+    the measured rates (which `auto` still reads where the CPU has bf16 units)."""
     info = cpu_info()
     facts = {
         "cpu": cpu_line(),

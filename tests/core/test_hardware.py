@@ -45,18 +45,25 @@ Features\t: fp asimd evtstrm aes pmull sha1 sha2 crc32 atomics fphp asimdhp cpui
 CPU implementer\t: 0x41
 """
 SIMULATION_VARIABLES = ("LLMOPT_CPU_ISA", "ONEDNN_MAX_CPU_ISA", "ATEN_CPU_CAPABILITY")
+REAL_MEASURED_RATES = hardware.measured_rates
+
+
+def rates(fp32: float, bf16: float) -> hardware.MeasuredRates:
+    return hardware.MeasuredRates(bandwidth=20e9, gemm_fp32=fp32, gemm_bf16=bf16, threads=2, measured_at="test")
 
 
 @pytest.fixture
 def fake_cpu(monkeypatch):
-    """fake_cpu(cpuinfo_text, arch): this process sees that CPU until the test ends."""
+    """fake_cpu(cpuinfo_text, arch, fp32=..., bf16=...): this process sees that CPU, with those measured GEMM
+    rates (bf16 faster by default, as with AMX), until the test ends."""
     for name in SIMULATION_VARIABLES:
         monkeypatch.delenv(name, raising=False)
 
-    def install(text: str, arch: str = "x86_64"):
+    def install(text: str, arch: str = "x86_64", fp32: float = 1e11, bf16: float = 3e11):
         real_read = hardware._read
         monkeypatch.setattr(hardware, "_read", lambda path: text if path == "/proc/cpuinfo" else real_read(path))
         monkeypatch.setattr(hardware.platform, "machine", lambda: arch)
+        monkeypatch.setattr(hardware, "measured_rates", lambda refresh=False: rates(fp32, bf16))
         hardware.cpu_info.cache_clear()
 
     yield install
@@ -88,6 +95,16 @@ def test_sapphire_rapids_computes_in_bf16_on_amx(fake_cpu):
     assert hardware.dtype_note("auto") == "dtype auto -> bfloat16 (bf16 units: amx_bf16 avx512_bf16)"
     assert hardware.flops_per_cycle(torch.bfloat16) == 1024 and hardware.flops_per_cycle(torch.float32) == 64
     assert hardware.theoretical_flops(torch.float32, threads=1) == pytest.approx(2.0e9 * 64)
+
+
+def test_bf16_units_that_trail_fp32_gemms_compute_in_fp32(fake_cpu):
+    # AVX512_BF16 without AMX: oneDNN's bf16 GEMMs measured slower than MKL's fp32 ones
+    fake_cpu(SAPPHIRE_RAPIDS.replace(" amx_bf16 amx_tile amx_int8", ""), fp32=2.7e11, bf16=1.7e11)
+    assert hardware.native_bf16() and hardware.kernel_isa() == "avx512_bf16"
+    assert hardware.resolve_dtype("auto") == "float32"
+    assert hardware.dtype_note("auto") == ("dtype auto -> float32 (avx512_bf16, but bf16 GEMMs measured slower "
+                                           "than fp32 here: 170 vs 270 GFLOP/s)")
+    assert "slower than fp32" in hardware.dtype_note("bfloat16")
 
 
 def test_avx512_without_bf16_units(fake_cpu):
@@ -156,6 +173,7 @@ def test_rates_are_measured_once_and_cached(tmp_path, monkeypatch):
 
 def test_peak_flops_takes_the_measured_rate_when_the_clock_understates_it(fake_cpu, tmp_path, monkeypatch):
     fake_cpu(EPYC_AVX2)
+    monkeypatch.setattr(hardware, "measured_rates", REAL_MEASURED_RATES)  # real, over the fake measurements below
     monkeypatch.setenv("LLMOPT_HOME", str(tmp_path))
     monkeypatch.setattr(hardware, "_measure_bandwidth", lambda: 20e9)
     monkeypatch.setattr(hardware, "_measure_gemm", lambda dtype: 1e9)
