@@ -48,6 +48,9 @@ def main() -> None:
     config = make_config("gptq", bits=4, group_size=64, gptaq=not args.no_gptaq)
     start = time.perf_counter()
     quantize_model(model, tokenizer, config)
+    from llmopt.core.hardware import cpu_line
+
+    print(f"CPU: {cpu_line()}")
     result = {"layers": args.layers, "gptaq": not args.no_gptaq, "total_s": time.perf_counter() - start,
               **{k: round(v, 2) for k, v in phases.items()}}
     print("| " + " | ".join(result) + " |\n|" + "---|" * len(result))

@@ -17,6 +17,7 @@ import time
 import torch
 import torch.nn.functional as F
 
+from llmopt.core.hardware import cpu_line
 from llmopt.core.models import load_model
 from llmopt.runtime import model as runtime_model
 from llmopt.runtime.engine import Engine, EngineConfig
@@ -117,7 +118,7 @@ def main() -> None:
         print(rows[-1], flush=True)
     if args.json:
         with open(args.json, "w") as f:
-            json.dump({"model": args.model, "rows": rows}, f, indent=2)
+            json.dump({"cpu": cpu_line(), "model": args.model, "rows": rows}, f, indent=2)
 
 
 if __name__ == "__main__":

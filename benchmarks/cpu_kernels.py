@@ -48,8 +48,10 @@ def main() -> None:
         for pair in range(args.pairs):  # on/off, then off/on: neither always runs first
             for kernels in ((True, False) if pair % 2 == 0 else (False, True)):
                 (on if kernels else off).append(run(model, batch, kernels))
+        from llmopt.core.hardware import cpu_line
+
         row = {"model": label, "batch": batch, "kernels_on_ms": on, "kernels_off_ms": off,
-               "ratio": statistics.median(on) / statistics.median(off)}
+               "ratio": statistics.median(on) / statistics.median(off), "cpu": cpu_line()}
         rows.append(row)
         print(row, flush=True)
     Path(args.json).write_text(json.dumps(rows, indent=1))

@@ -52,7 +52,9 @@ def main() -> None:
         row = {"variant": label, **{f"B={b} ms/step": round(step_ms(model, tokenizer, b, fast), 1) for b in batches}}
         rows.append(row)
         print(row, flush=True)
-    Path(args.json).write_text(json.dumps(rows, indent=1))
+    from llmopt.core.hardware import cpu_line
+
+    Path(args.json).write_text(json.dumps({"cpu": cpu_line(), "rows": rows}, indent=1))
     keys = list(rows[0])
     print("| " + " | ".join(keys) + " |\n|---|" + "---:|" * (len(keys) - 1))
     for row in rows:

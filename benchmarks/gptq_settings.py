@@ -16,6 +16,7 @@ import time
 
 def main() -> None:
     from llmopt.compress.api import make_config, quantize_model
+    from llmopt.core.hardware import cpu_line
     from llmopt.core.datasets import tokenize_corpus
     from llmopt.core.models import load_model
     from llmopt.eval.perplexity import perplexity
@@ -36,7 +37,7 @@ def main() -> None:
             quantize_model(model, tokenizer, make_config(method, **settings))
         wall = time.perf_counter() - start
         ppl = {d: round(perplexity(model, ids, 512, 4).ppl, 4) for d, ids in evals.items()}
-        results.append({"settings": json.loads(spec), "ppl": ppl, "quantize_s": round(wall, 1)})
+        results.append({"settings": json.loads(spec), "ppl": ppl, "quantize_s": round(wall, 1), "cpu": cpu_line()})
         print(json.dumps(results[-1]), flush=True)
 
 

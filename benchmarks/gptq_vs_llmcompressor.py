@@ -136,7 +136,9 @@ def main() -> None:
                   f"{p['llm-compressor'][dataset]} | |")
     if args.json:
         with open(args.json, "w") as f:
-            json.dump({"command": " ".join(sys.argv), "date": time.strftime("%Y-%m-%d %H:%M"),
+            from llmopt.core.hardware import cpu_line
+
+            json.dump({"command": " ".join(sys.argv), "date": time.strftime("%Y-%m-%d %H:%M"), "cpu": cpu_line(),
                        "threads": os.cpu_count(), "runs": runs, "summary": summary}, f, indent=2)
 
 

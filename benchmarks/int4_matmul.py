@@ -23,6 +23,7 @@ ROWS = (1, 4, 8, 16, 32, 64, 256, 4096)
 
 def main() -> None:
     from llmopt.compress.quant import QuantScheme, quantize_rtn
+    from llmopt.core.hardware import cpu_line
     from llmopt.eval.speed import _timed  # best of 5 calls
     from llmopt.runtime.kernels.cpu_ops import cpu_ops
     from llmopt.runtime.kernels.quant_matmul import int4_dequantize, int4_matmul
@@ -54,7 +55,7 @@ def main() -> None:
         print(f"{label:22s} " + "  ".join(cells))
     out = Path(__file__).parent.parent / "docs" / "results" / "int4_matmul.json"
     out.parent.mkdir(exist_ok=True)
-    out.write_text(json.dumps({"threads": torch.get_num_threads(), "rows": rows_out}, indent=1))
+    out.write_text(json.dumps({"cpu": cpu_line(), "threads": torch.get_num_threads(), "rows": rows_out}, indent=1))
     print(f"wrote {out}")
 
 

@@ -16,6 +16,8 @@ from pathlib import Path
 
 from quantization import EVAL_SETS, MODEL, evaluate, run_json
 
+from llmopt.core.hardware import cpu_line
+
 ROWS = [  # name -> list of commands (each: llmopt args with {src} and {out})
     ("dense", []),
     *[(f"{m} 50%", [["prune", "{src}", "--method", m, "--sparsity", "0.5"]]) for m in ("magnitude", "wanda", "sparsegpt")],
@@ -113,7 +115,7 @@ def main() -> None:
             if name in done or (args.only and not any(s in name for s in args.only.split(";"))):
                 continue
             start = time.perf_counter()
-            results.append(run_row(name, commands, args, Path(tmp)))
+            results.append({**run_row(name, commands, args, Path(tmp)), "cpu": cpu_line()})
             path.parent.mkdir(parents=True, exist_ok=True)
             path.write_text(json.dumps(results, indent=1))
             print(f"{name:<32} {results[-1]['ppl']} ({time.perf_counter() - start:.0f} s)", flush=True)

@@ -17,6 +17,8 @@ import tempfile
 import time
 from pathlib import Path
 
+from llmopt.core.hardware import cpu_line
+
 MODEL = "smollm2-135m"
 EVAL_SETS = ("wikitext2", "pystdlib")
 SETTINGS = {  # name -> quantize options
@@ -141,6 +143,7 @@ def main() -> None:
                 continue
             start = time.perf_counter()
             result = run_row(row, args, Path(tmp))
+            result["cpu"] = cpu_line()
             results.append(result)
             path.parent.mkdir(parents=True, exist_ok=True)
             path.write_text(json.dumps(results, indent=1))

@@ -65,6 +65,7 @@ class ModelCost:
     linear_params: int  # parameters in matmuls (for 2 * params FLOPs per token)
     kv_bytes_per_token: int
     attention_flops_per_context_token: int  # per query token, per cached token: 4 * layers * heads * head_dim
+    head_params: int = 0  # of linear_params, the lm_head's: computed only for the rows that are sampled
 
 
 def parse_slo(text: str | None) -> dict[str, float]:
@@ -150,7 +151,10 @@ def engine_metrics(steps: list[StepStats], cost: ModelCost | None, peaks: Hardwa
         if decode_steps:
             moved = sum(cost.weight_bytes + s.num_context_tokens * cost.kv_bytes_per_token for s in decode_steps)
             metrics["mbu"] = _utilization("MBU", moved / decode_time, peaks.bandwidth, metrics["peak_errors"])
-        flops = sum(2 * cost.linear_params * (s.num_prefill_tokens + s.num_decode_tokens)
+        # the lm_head runs on sampled rows only: every decode row (a prompt's last chunk samples one more row
+        # per request, left out: the MFU errs low)
+        body = cost.linear_params - cost.head_params
+        flops = sum(2 * body * (s.num_prefill_tokens + s.num_decode_tokens) + 2 * cost.head_params * s.num_decode_tokens
                     + cost.attention_flops_per_context_token * s.num_attention_pairs for s in steps)
         if duration:
             metrics["mfu"] = _utilization("MFU", flops / duration, peaks.flops, metrics["peak_errors"])

@@ -69,7 +69,7 @@ def model_cost(model: nn.Module, kv_dtype: torch.dtype) -> ModelCost:
     element = torch.tensor([], dtype=kv_dtype).element_size()
     num_layers = len(layers)
     return ModelCost(weight_bytes, linear_params, 2 * num_layers * kv_heads * head_dim * element,
-                     4 * num_layers * heads * head_dim)
+                     4 * num_layers * heads * head_dim, lm_head.in_features * lm_head.out_features)
 
 
 def _timed(fn, device: str) -> float:

@@ -52,7 +52,9 @@ class Int4PackedLinear(_QuantLinearBase):
     The plain nibble copy for that costs another half byte per weight."""
 
     kind = "int4"
-    prefill_only_buffers = ("nibbles",)  # not decode traffic (eval.speed.model_cost)
+    # two copies of the codes, one read per step (aten's layout for bf16 decode, nibbles otherwise; the same
+    # size): eval.speed.model_cost counts one
+    prefill_only_buffers = ("nibbles",)
     dequantize_min_rows = 256  # the measured crossover on SmolLM2's shapes, bf16, 2 cores (benchmarks/int4_matmul.py)
     # the same with the compiled dequantization (kernels/csrc/int4_cpu.cpp, ~30x faster than the torch one)
     compiled_dequantize_min_rows = 16
@@ -90,8 +92,12 @@ class Int4PackedLinear(_QuantLinearBase):
 
     def _matmul(self, x2d):
         rows = x2d.shape[0]
-        ops = cpu_ops() if rows >= self.compiled_dequantize_min_rows and x2d.device.type == "cpu" else None
-        if ops is not None:  # one compiled pass into a reused buffer, then the dense GEMM
+        ops = cpu_ops() if x2d.device.type == "cpu" else None
+        if ops is not None and rows < self.compiled_dequantize_min_rows and x2d.dtype != torch.bfloat16:
+            # few rows in fp32 / fp16: straight from the codes (aten's kernel serves bf16 well, fp32 ~20x slower)
+            return ops.int4_matmul_rows(x2d, self.nibbles, self.scales_and_offsets, self.kernel_group)
+        if ops is not None and rows >= self.compiled_dequantize_min_rows:
+            # one compiled pass into a reused buffer, then the dense GEMM
             weight = _dequantize_buffer(self.out_features * self.in_features, self.scales_and_offsets.dtype)
             weight = weight.view(self.out_features, self.in_features)
             ops.int4_dequantize_out(self.nibbles, self.scales_and_offsets, self.kernel_group, weight)

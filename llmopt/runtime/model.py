@@ -63,6 +63,18 @@ def _rms_norm_fast(norm: nn.Module, x: torch.Tensor) -> torch.Tensor:
     return F.rms_norm(x.float(), (x.shape[-1],), eps=_norm_eps(norm)).to(x.dtype) * norm.weight
 
 
+def exactly_narrowed(weight: torch.Tensor) -> torch.Tensor:
+    """An fp32 weight as fp16 or bf16 when every value survives the round trip (an artifact's fp16 lm_head
+    loaded in fp32: half the bytes per batch-1 token, the same logits), else the weight itself."""
+    if weight.dtype != torch.float32:
+        return weight
+    for narrow in (torch.float16, torch.bfloat16):
+        candidate = weight.to(narrow)
+        if torch.equal(candidate.float(), weight):
+            return candidate
+    return weight
+
+
 class RuntimeDecoder(nn.Module):
     def __init__(self, hf_model, fast: bool | None = None):
         super().__init__()
@@ -86,6 +98,7 @@ class RuntimeDecoder(nn.Module):
         self.scale = self.head_dim ** -0.5
         self.blocks = [self._block(layer) for layer in self.layers]
         self.logits_head = fuse_linears([self.lm_head], prepack=self.fast)
+        self._gemv_weight = None  # the lm_head weight for batch-1 decode (below)
         # the compiled fused element-wise ops (kernels/csrc/fused_cpu.cpp) serve the fast path on CPU
         self.fused_ops = None
         if self.fast and param.device.type == "cpu" and all(b.q_norm is None for b in self.blocks):
@@ -97,6 +110,8 @@ class RuntimeDecoder(nn.Module):
             self._fused_layers = [(*(_forward_2d(m) for m in (b.qkv, b.o_proj, b.gate_up, b.down_proj)),
                                    (b.post_norm.weight, _norm_eps(b.post_norm)), (n.weight, _norm_eps(n)))
                                   for b, n in zip(self.blocks, norms[1:])]
+            if type(self.lm_head) is nn.Linear and self.lm_head.bias is None:
+                self._gemv_weight = exactly_narrowed(self.lm_head.weight.detach())
 
     def _block(self, layer) -> Block:
         attn, mlp = layer.self_attn, layer.mlp
@@ -173,11 +188,11 @@ class RuntimeDecoder(nn.Module):
 
     def logits(self, hidden: torch.Tensor, as_float: bool = True) -> torch.Tensor:
         """[S, hidden] -> [S, vocab], fp32 (as_float) or as the head computed them (the model's dtype)."""
-        weight = getattr(self.lm_head, "weight", None)
-        if (self.fused_ops is not None and hidden.shape[0] == 1 and type(self.lm_head) is nn.Linear
-                and self.lm_head.bias is None and weight.dtype == hidden.dtype):
-            # batch-1 decode: the vocab x hidden weight (57 MB for SmolLM2 in bf16, the model's own tied weight)
-            # streamed by one matrix-vector kernel
+        weight = self._gemv_weight
+        if self.fused_ops is not None and hidden.shape[0] == 1 and weight is not None and (
+                weight.dtype == hidden.dtype or hidden.dtype == torch.float32):
+            # batch-1 decode: the vocab x hidden weight (57 MB for SmolLM2 in bf16) streamed by one matrix-vector
+            # kernel
             logits = self.fused_ops.gemv(hidden, weight)
         else:
             logits = self.logits_head(hidden)

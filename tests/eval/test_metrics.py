@@ -44,6 +44,13 @@ def test_engine_metrics_by_hand():
     assert m["mbu"] == pytest.approx((1000 + 1100 + 1000 + 1120) / 0.04 / 1e6)
     flops = 2 * 50 * 104 + 4 * (3000 + 110 + 112)
     assert m["mfu"] == pytest.approx(flops / 0.25 / 1e5)
+    # an lm_head of 20 of the 50 parameters: computed for the 4 decode rows only, not the 100 prompt tokens
+    with_head = engine_metrics(steps, ModelCost(1000, 50, 10, 4, head_params=20), peaks, 1, 0.5, 0.25)
+    assert with_head["mfu"] == pytest.approx((2 * 30 * 104 + 2 * 20 * 4 + 4 * (3000 + 110 + 112)) / 0.25 / 1e5)
+    # a utilization above 1 means the peak is wrong: withheld, with the reason
+    fast = engine_metrics(steps, cost, HardwarePeaks(bandwidth=1e3, flops=1e2, source="given"), 1, 0.5, 0.25)
+    assert fast["mbu"] is None and fast["mfu"] is None
+    assert [e.split(" would be")[0] for e in fast["peak_errors"]] == ["MBU", "MFU"]
     assert m["mean_batch_size"] == 2 and m["max_kv_cache_usage"] == 0.3 and m["num_preemptions"] == 1
 
 

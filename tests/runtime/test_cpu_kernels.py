@@ -223,3 +223,45 @@ def test_prefill_attention_over_this_steps_keys_matches_the_cache_path(dtype):
     out = paged_attention(q, k_cache, v_cache, meta, head_dim ** -0.5, k_new, v_new)
     tol = {"atol": 1e-5, "rtol": 1e-5} if dtype == torch.float32 else {"atol": 2e-2, "rtol": 2e-2}
     torch.testing.assert_close(out, expected, **tol)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("n,k,group,rows", [(48, 192, 32, 1), (37, 192, 64, 3), (16, 96, 48, 5), (64, 256, 128, 2)])
+def test_int4_matmul_rows_matches_the_dequantized_weight(ops, dtype, n, k, group, rows):
+    # straight from the 4-bit codes: 1-5 rows (pairs and a single), 4/2/1 outputs at a time, a group of 48 whose
+    # 24 bytes leave a scalar tail after each 16-byte chunk
+    from llmopt.runtime.kernels.quant_matmul import int4_dequantize, pack_nibbles
+
+    g = torch.Generator().manual_seed(n + k)
+    q = torch.randint(0, 16, (n, k), generator=g)
+    so = torch.stack([torch.rand(k // group, n, generator=g) * 0.1, torch.randn(k // group, n, generator=g) * 0.1],
+                     dim=-1).to(dtype)
+    nibbles = pack_nibbles(q)
+    x = torch.randn(rows, k, generator=g).to(dtype)
+    expected = x.float() @ int4_dequantize(nibbles, so.float(), group).t()
+    out = ops.int4_matmul_rows(x, nibbles, so, group)
+    assert out.dtype == dtype and out.shape == (rows, n)
+    tol = 1e-5 if dtype == torch.float32 else 1e-2
+    torch.testing.assert_close(out.float(), expected, rtol=tol, atol=tol * expected.abs().max().item())
+
+
+@pytest.mark.parametrize("narrow", [torch.float16, torch.bfloat16])
+def test_gemv_reads_a_narrower_weight_with_fp32_inputs(ops, narrow):
+    g = torch.Generator().manual_seed(1)
+    weight = torch.randn(203, 576, generator=g).to(narrow)
+    x = torch.randn(1, 576, generator=g)
+    out = ops.gemv(x, weight)
+    assert out.dtype == torch.float32
+    torch.testing.assert_close(out, x @ weight.float().t(), rtol=1e-5, atol=1e-4)
+
+
+def test_exactly_narrowed_keeps_every_value():
+    from llmopt.runtime.model import exactly_narrowed
+
+    halves = torch.randn(64, 32).half().float()  # an fp16 checkpoint loaded in fp32
+    assert exactly_narrowed(halves).dtype == torch.float16
+    assert torch.equal(exactly_narrowed(halves).float(), halves)
+    bf16s = (torch.randn(64, 32) * 1e-9).bfloat16().float()  # below fp16's range: bf16 keeps them
+    assert exactly_narrowed(bf16s).dtype == torch.bfloat16
+    full = torch.randn(64, 32)
+    assert exactly_narrowed(full) is full

@@ -164,3 +164,29 @@ def test_decode_bytes_count_the_int4_kernel_weights_not_the_prefill_copy(gptq_ar
     lm_head = packed.lm_head.weight
     assert model_cost(packed, torch.float32).weight_bytes == (
         everything - nibble_bytes + lm_head.numel() * lm_head.element_size())
+
+
+@pytest.mark.parametrize("rows", [1, 3, 15])
+def test_fp32_int4_decode_rows_run_from_the_codes(rows, monkeypatch):
+    # fp32 activations below the dequantize threshold go to the compiled kernel (aten's int4 kernel is ~20x
+    # slower with fp32 inputs); bf16 keeps aten's
+    from llmopt.runtime import layers
+    from llmopt.runtime.kernels.cpu_ops import cpu_ops
+
+    ops = cpu_ops()
+    calls = []
+
+    class Spy:
+        def __getattr__(self, name):
+            calls.append(name)
+            return getattr(ops, name)
+
+    monkeypatch.setattr(layers, "cpu_ops", lambda: Spy())
+    qw = qweight(48, 192, 4, 64, False)
+    layer = quantized_linear(qw, torch.float32)
+    x = torch.randn(rows, 192)
+    torch.testing.assert_close(layer(x), reference(x, qw), rtol=1e-5, atol=1e-5 * reference(x, qw).abs().max().item())
+    assert calls == ["int4_matmul_rows"]
+    calls.clear()
+    quantized_linear(qw, torch.bfloat16)(x.bfloat16())
+    assert "int4_matmul_rows" not in calls

@@ -266,18 +266,19 @@ void store_kv_(at::Tensor& k_cache, at::Tensor& v_cache, const at::Tensor& k, co
 }
 
 // y [1, N] = x [1, K] @ weight [N, K]^T for one row, fp32 accumulation, in x's dtype (batch-1 decode's lm_head:
-// 49152 x 576 for SmolLM2, read once per token, usually from memory). 4 rows at a time: 4 independent
-// accumulation chains and 4 memory streams, the rows 8 ahead requested early. With AVX512_BF16 a bf16 weight is
-// multiplied straight from its stored pairs (vdpbf16ps, x rounded to bf16, which it already is): ~15% more
-// bandwidth than oneDNN's linear reaches on it.
-template <typename T>
-void gemv_rows(const T* xp, const T* wp, T* yp, int64_t K, int64_t begin, int64_t end) {
+// 49152 x 576 for SmolLM2, read once per token, usually from memory). The weight may be stored narrower than x
+// (an fp32 model whose lm_head holds exactly fp16 or bf16 values, as an artifact's does: half the bytes, the
+// same result). 4 rows at a time: 4 independent accumulation chains and 4 memory streams, the rows 8 ahead
+// requested early. With AVX512_BF16 and both in bf16 the products come straight from the stored pairs
+// (vdpbf16ps): ~15% more bandwidth than oneDNN's linear reaches on it.
+template <typename TX, typename TW>
+void gemv_rows(const TX* xp, const TW* wp, TX* yp, int64_t K, int64_t begin, int64_t end) {
   int64_t n = begin;
 #if defined(__AVX512BF16__)
-  if constexpr (std::is_same_v<T, at::BFloat16>) {
+  if constexpr (std::is_same_v<TX, at::BFloat16> && std::is_same_v<TW, at::BFloat16>) {
     const int64_t vec_k = K - K % 32;
     for (; n + 4 <= end; n += 4) {
-      const T* row = wp + n * K;
+      const TW* row = wp + n * K;
       for (int64_t off = 0; off < 4 * K * 2; off += 64) _mm_prefetch(reinterpret_cast<const char*>(row + 8 * K) + off, _MM_HINT_T0);
       __m512 acc[4] = {_mm512_setzero_ps(), _mm512_setzero_ps(), _mm512_setzero_ps(), _mm512_setzero_ps()};
       for (int64_t k = 0; k < vec_k; k += 32) {
@@ -288,7 +289,7 @@ void gemv_rows(const T* xp, const T* wp, T* yp, int64_t K, int64_t begin, int64_
       for (int r = 0; r < 4; ++r) {
         float sum = _mm512_reduce_add_ps(acc[r]);
         for (int64_t k = vec_k; k < K; ++k) sum += to_float(row[r * K + k]) * to_float(xp[k]);
-        yp[n + r] = from_float<T>(sum);
+        yp[n + r] = from_float<TX>(sum);
       }
     }
   }
@@ -296,8 +297,8 @@ void gemv_rows(const T* xp, const T* wp, T* yp, int64_t K, int64_t begin, int64_
 #if defined(LLMOPT_VEC)
   const int64_t vec_k = K - K % 16;
   for (; n + 4 <= end; n += 4) {
-    const T* row = wp + n * K;
-    for (int64_t off = 0; off < 4 * K * static_cast<int64_t>(sizeof(T)); off += 64)
+    const TW* row = wp + n * K;
+    for (int64_t off = 0; off < 4 * K * static_cast<int64_t>(sizeof(TW)); off += 64)
       _mm_prefetch(reinterpret_cast<const char*>(row + 8 * K) + off, _MM_HINT_T0);
     Vec acc[4] = {vzero(), vzero(), vzero(), vzero()};
     for (int64_t k = 0; k < vec_k; k += 16) {
@@ -307,31 +308,43 @@ void gemv_rows(const T* xp, const T* wp, T* yp, int64_t K, int64_t begin, int64_
     for (int r = 0; r < 4; ++r) {
       float sum = reduce_add(acc[r]);
       for (int64_t k = vec_k; k < K; ++k) sum += to_float(row[r * K + k]) * to_float(xp[k]);
-      yp[n + r] = from_float<T>(sum);
+      yp[n + r] = from_float<TX>(sum);
     }
   }
 #endif
   for (; n < end; ++n) {
-    const T* row = wp + n * K;
+    const TW* row = wp + n * K;
     float sum = 0.f;
     for (int64_t k = 0; k < K; ++k) sum += to_float(row[k]) * to_float(xp[k]);
-    yp[n] = from_float<T>(sum);
+    yp[n] = from_float<TX>(sum);
   }
+}
+
+template <typename TX, typename TW>
+void gemv_impl(const at::Tensor& x, const at::Tensor& w, at::Tensor& y) {
+  const int64_t K = x.size(1), N = w.size(0);
+  const TX* xp = x.data_ptr<TX>();
+  const TW* wp = w.data_ptr<TW>();
+  TX* yp = y.data_ptr<TX>();
+  at::parallel_for(0, N, 64, [&](int64_t begin, int64_t end) { gemv_rows<TX, TW>(xp, wp, yp, K, begin, end); });
 }
 
 at::Tensor gemv(const at::Tensor& x, const at::Tensor& weight) {
   TORCH_CHECK(x.dim() == 2 && x.size(0) == 1 && weight.dim() == 2 && weight.size(1) == x.size(1),
               "x [1, K] and weight [N, K] expected");
-  TORCH_CHECK(x.scalar_type() == weight.scalar_type(), "x and weight must share a dtype");
-  const int64_t K = x.size(1), N = weight.size(0);
+  const bool narrower = x.scalar_type() == at::kFloat &&
+                        (weight.scalar_type() == at::kBFloat16 || weight.scalar_type() == at::kHalf);
+  TORCH_CHECK(x.scalar_type() == weight.scalar_type() || narrower,
+              "weight must have x's dtype (or bf16 / fp16 with fp32 x)");
   const at::Tensor xc = x.contiguous(), wc = weight.contiguous();
-  at::Tensor y = at::empty({1, N}, x.options());
-  LLMOPT_DISPATCH(xc, [&] {
-    const scalar_t* xp = xc.data_ptr<scalar_t>();
-    const scalar_t* wp = wc.data_ptr<scalar_t>();
-    scalar_t* yp = y.data_ptr<scalar_t>();
-    at::parallel_for(0, N, 64, [&](int64_t begin, int64_t end) { gemv_rows<scalar_t>(xp, wp, yp, K, begin, end); });
-  });
+  at::Tensor y = at::empty({1, weight.size(0)}, x.options());
+  if (weight.scalar_type() == at::kBFloat16 && narrower) {
+    gemv_impl<float, at::BFloat16>(xc, wc, y);
+  } else if (weight.scalar_type() == at::kHalf && narrower) {
+    gemv_impl<float, at::Half>(xc, wc, y);
+  } else {
+    LLMOPT_DISPATCH(xc, [&] { gemv_impl<scalar_t, scalar_t>(xc, wc, y); });
+  }
   return y;
 }
 

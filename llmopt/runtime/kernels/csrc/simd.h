@@ -69,6 +69,12 @@ inline Vec load16(const at::BFloat16* p) {
 inline Vec load16(const at::Half* p) { return {_mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)))}; }
 // 16 unsigned bytes -> 16 floats
 inline Vec from_bytes(__m128i b) { return {_mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(b))}; }
+// 16 bytes of two 4-bit codes each -> the 16 low codes and the 16 high codes as floats (one widening)
+inline void nibbles16(const uint8_t* p, Vec& low, Vec& high) {
+  const __m512i b = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+  low = {_mm512_cvtepi32_ps(_mm512_and_si512(b, _mm512_set1_epi32(15)))};
+  high = {_mm512_cvtepi32_ps(_mm512_srli_epi32(b, 4))};
+}
 inline void store16(float* p, Vec a) { _mm512_storeu_ps(p, a.v); }
 inline void store16(at::BFloat16* p, Vec a) {
 #if defined(__AVX512BF16__)
@@ -136,6 +142,13 @@ inline Vec load16(const at::Half* p) {
 }
 inline Vec from_bytes(__m128i b) {
   return {_mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(b)), _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_srli_si128(b, 8)))};
+}
+inline void nibbles16(const uint8_t* p, Vec& low, Vec& high) {
+  const __m128i v = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
+  const __m256i a = _mm256_cvtepu8_epi32(v), b = _mm256_cvtepu8_epi32(_mm_srli_si128(v, 8));
+  const __m256i mask = _mm256_set1_epi32(15);
+  low = {_mm256_cvtepi32_ps(_mm256_and_si256(a, mask)), _mm256_cvtepi32_ps(_mm256_and_si256(b, mask))};
+  high = {_mm256_cvtepi32_ps(_mm256_srli_epi32(a, 4)), _mm256_cvtepi32_ps(_mm256_srli_epi32(b, 4))};
 }
 inline void store16(float* p, Vec a) {
   _mm256_storeu_ps(p, a.lo);
