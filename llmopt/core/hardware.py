@@ -41,7 +41,7 @@ X86_ISAS: dict[str, tuple[str, ...]] = {
     "scalar": (),
     "avx2": ("avx2", "fma", "f16c"),
     "avx512": ("avx2", "fma", "f16c", "avx512f", "avx512bw", "avx512vl", "avx512dq"),
-    "avx512_bf16": ("avx2", "fma", "f16c", "avx512f", "avx512bw", "avx512vl", "avx512dq", "avx512_bf16"),
+    "avx512_bf16": ("avx2", "fma", "f16c", "avx512f", "avx512bw", "avx512vl", "avx512dq", "avx512_bf16", "avx512_vnni"),
 }
 # Features above each level (removed when a variable caps the process at that level).
 _ABOVE = {

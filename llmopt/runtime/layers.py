@@ -7,6 +7,7 @@ groups aten's kernel can express), int8-packed (8-bit per channel), else a dense
 
 from __future__ import annotations
 
+import os
 import threading
 
 import torch
@@ -94,7 +95,10 @@ class Int4PackedLinear(_QuantLinearBase):
         rows = x2d.shape[0]
         ops = cpu_ops() if x2d.device.type == "cpu" else None
         if ops is not None and rows < self.compiled_dequantize_min_rows and x2d.dtype != torch.bfloat16:
-            # few rows in fp32 / fp16: straight from the codes (aten's kernel serves bf16 well, fp32 ~20x slower)
+            # few rows in fp32 / fp16: straight from the codes (aten's kernel serves bf16 well, fp32 ~20x slower);
+            # with LLMOPT_INT4_ACTIVATIONS=int8 the inputs are rounded to 8 bits and multiplied as integers
+            if int8_activations() and self.kernel_group % 64 == 0:
+                return ops.int4_matmul_rows_q8(x2d, self.nibbles, self.scales_and_offsets, self.kernel_group)
             return ops.int4_matmul_rows(x2d, self.nibbles, self.scales_and_offsets, self.kernel_group)
         if ops is not None and rows >= self.compiled_dequantize_min_rows:
             # one compiled pass into a reused buffer, then the dense GEMM
@@ -108,6 +112,14 @@ class Int4PackedLinear(_QuantLinearBase):
 
 
 _buffers = threading.local()
+
+
+def int8_activations() -> bool:
+    """LLMOPT_INT4_ACTIVATIONS=int8: int4 layers at few rows in fp32 / fp16 round their inputs to 8 bits per group
+    and multiply integers (as llama.cpp does with its Q8 activations): ~1% relative error in each output for
+    ~25% less time per token on AVX2 (docs/results/cpu.md). Off by default: the runtime keeps the artifact's
+    numerics unless asked."""
+    return os.environ.get("LLMOPT_INT4_ACTIVATIONS", "float") == "int8"
 
 
 def _dequantize_buffer(numel: int, dtype: torch.dtype) -> torch.Tensor:

@@ -163,7 +163,7 @@ def test_decoder_with_fused_ops_matches_the_torch_ops():
         assert decoder.fused_ops is not None
         if not fused:
             decoder.fused_ops = None
-        # the batch, then one prompt alone (batch-1 steps: the lm_head runs as bf16_gemv with the fused ops)
+        # the batch, then one prompt alone (batch-1 steps: the lm_head runs as the gemv kernel with the fused ops)
         outputs.append((engine.generate(prompts, params), engine.generate(prompts[1:2], params)))
     assert outputs[0] == outputs[1]
 
@@ -265,3 +265,26 @@ def test_exactly_narrowed_keeps_every_value():
     assert exactly_narrowed(bf16s).dtype == torch.bfloat16
     full = torch.randn(64, 32)
     assert exactly_narrowed(full) is full
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+@pytest.mark.parametrize("n,k,group,rows", [(48, 192, 64, 1), (37, 256, 128, 3), (16, 96, 32, 2)])
+def test_int4_matmul_rows_q8_is_exact_for_its_8_bit_inputs(ops, dtype, n, k, group, rows):
+    # activations rounded to 8 bits per (row, group), d = max|x| / 127; the integer products exact, the offsets'
+    # term on the unrounded inputs: the same arithmetic in float64 agrees to fp32 rounding. Groups of 32 take
+    # the scalar path (16 bytes), the others the vector path (32 bytes a step).
+    from llmopt.runtime.kernels.quant_matmul import pack_nibbles
+
+    g = torch.Generator().manual_seed(n + k)
+    q = torch.randint(0, 16, (n, k), generator=g)
+    so = torch.stack([torch.rand(k // group, n, generator=g) * 0.1, torch.randn(k // group, n, generator=g) * 0.1],
+                     dim=-1).to(dtype)
+    x = torch.randn(rows, k, generator=g).to(dtype)
+    out = ops.int4_matmul_rows_q8(x, pack_nibbles(q), so, group)
+    xd, scale, offset = x.double(), so[..., 0].t().double(), so[..., 1].t().double()  # [N, G]
+    xg = xd.view(rows, k // group, group)
+    xq = (xg / (xg.abs().amax(-1, keepdim=True) / 127)).round() * (xg.abs().amax(-1, keepdim=True) / 127)
+    expected = (xq.view(rows, k) @ (scale.repeat_interleave(group, 1) * q.double()).t()
+                + xd @ (offset - 8 * scale).repeat_interleave(group, 1).t())
+    tol = 1e-5 if dtype == torch.float32 else 2e-3
+    torch.testing.assert_close(out.double(), expected, rtol=tol, atol=tol * expected.abs().max().item())

@@ -190,3 +190,28 @@ def test_fp32_int4_decode_rows_run_from_the_codes(rows, monkeypatch):
     calls.clear()
     quantized_linear(qw, torch.bfloat16)(x.bfloat16())
     assert "int4_matmul_rows" not in calls
+
+
+def test_int8_activations_are_opt_in(monkeypatch):
+    from llmopt.runtime import layers
+    from llmopt.runtime.kernels.cpu_ops import cpu_ops
+
+    ops = cpu_ops()
+    calls = []
+
+    class Spy:
+        def __getattr__(self, name):
+            calls.append(name)
+            return getattr(ops, name)
+
+    monkeypatch.setattr(layers, "cpu_ops", lambda: Spy())
+    qw = qweight(48, 192, 4, 64, True)
+    layer = quantized_linear(qw, torch.float32)
+    x = torch.randn(2, 192)
+    exact = layer(x)
+    monkeypatch.setenv("LLMOPT_INT4_ACTIVATIONS", "int8")
+    approx = layer(x)
+    assert calls == ["int4_matmul_rows", "int4_matmul_rows_q8"]
+    # 8-bit inputs: close to the exact product, not equal to it
+    assert not torch.equal(approx, exact)
+    torch.testing.assert_close(approx, exact, rtol=0.05, atol=0.05 * exact.abs().max().item())

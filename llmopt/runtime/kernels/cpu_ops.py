@@ -36,7 +36,7 @@ _X86_FLAGS = {
     "avx2": ["-mavx2", "-mfma", "-mf16c"],
     "avx512": ["-mavx2", "-mfma", "-mf16c", "-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq"],
     "avx512_bf16": ["-mavx2", "-mfma", "-mf16c", "-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq",
-                    "-mavx512bf16"],
+                    "-mavx512bf16", "-mavx512vnni"],  # every CPU with AVX512_BF16 has AVX512_VNNI
 }
 
 

@@ -41,6 +41,16 @@ inline float to_float(at::Half x) { return static_cast<float>(x); }
 template <typename T>
 inline T from_float(float x) { return static_cast<T>(x); }  // round to nearest even, as torch casts
 
+#if defined(LLMOPT_VEC)
+// the sum of 8 lanes (both builds have AVX)
+inline float hsum8(__m256 x) {
+  __m128 s = _mm_add_ps(_mm256_castps256_ps128(x), _mm256_extractf128_ps(x, 1));
+  s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+  s = _mm_add_ss(s, _mm_movehdup_ps(s));
+  return _mm_cvtss_f32(s);
+}
+#endif
+
 #if defined(__AVX512F__)
 // ---- AVX-512: one register -------------------------------------------------------------------------
 struct Vec {
@@ -111,12 +121,6 @@ inline Vec vfma(Vec a, Vec b, Vec c) { return {_mm256_fmadd_ps(a.lo, b.lo, c.lo)
 inline Vec vfnma(Vec a, Vec b, Vec c) { return {_mm256_fnmadd_ps(a.lo, b.lo, c.lo), _mm256_fnmadd_ps(a.hi, b.hi, c.hi)}; }
 inline Vec vmax(Vec a, Vec b) { return {_mm256_max_ps(a.lo, b.lo), _mm256_max_ps(a.hi, b.hi)}; }
 inline Vec vmin(Vec a, Vec b) { return {_mm256_min_ps(a.lo, b.lo), _mm256_min_ps(a.hi, b.hi)}; }
-inline float hsum8(__m256 x) {
-  __m128 s = _mm_add_ps(_mm256_castps256_ps128(x), _mm256_extractf128_ps(x, 1));
-  s = _mm_add_ps(s, _mm_movehl_ps(s, s));
-  s = _mm_add_ss(s, _mm_movehdup_ps(s));
-  return _mm_cvtss_f32(s);
-}
 inline float reduce_add(Vec a) { return hsum8(_mm256_add_ps(a.lo, a.hi)); }
 inline float reduce_max(Vec a) {
   __m256 m = _mm256_max_ps(a.lo, a.hi);
@@ -187,6 +191,7 @@ inline Vec scale_by_pow2(Vec p, Vec n) { return {_mm256_mul_ps(p.lo, pow2_8(n.lo
 #endif
 
 #if defined(LLMOPT_VEC)
+
 // Rounds through the storage dtype, as a torch op that returns that dtype would.
 template <typename T>
 inline Vec round_to(Vec v) {
