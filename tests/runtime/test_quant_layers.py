@@ -166,10 +166,9 @@ def test_decode_bytes_count_the_int4_kernel_weights_not_the_prefill_copy(gptq_ar
         everything - nibble_bytes + lm_head.numel() * lm_head.element_size())
 
 
-@pytest.mark.parametrize("rows", [1, 3, 15])
-def test_fp32_int4_decode_rows_run_from_the_codes(rows, monkeypatch):
-    # fp32 activations below the dequantize threshold go to the compiled kernel (aten's int4 kernel is ~20x
-    # slower with fp32 inputs); bf16 keeps aten's
+@pytest.fixture
+def kernel_calls(monkeypatch):
+    """The names of the compiled ops the runtime's layers call, in order."""
     from llmopt.runtime import layers
     from llmopt.runtime.kernels.cpu_ops import cpu_ops
 
@@ -182,6 +181,14 @@ def test_fp32_int4_decode_rows_run_from_the_codes(rows, monkeypatch):
             return getattr(ops, name)
 
     monkeypatch.setattr(layers, "cpu_ops", lambda: Spy())
+    return calls
+
+
+@pytest.mark.parametrize("rows", [1, 3, 15])
+def test_fp32_int4_decode_rows_run_from_the_codes(rows, kernel_calls):
+    # fp32 activations below the dequantize threshold go to the compiled kernel (aten's int4 kernel is ~20x
+    # slower with fp32 inputs); bf16 keeps aten's
+    calls = kernel_calls
     qw = qweight(48, 192, 4, 64, False)
     layer = quantized_linear(qw, torch.float32)
     x = torch.randn(rows, 192)
@@ -192,19 +199,8 @@ def test_fp32_int4_decode_rows_run_from_the_codes(rows, monkeypatch):
     assert "int4_matmul_rows" not in calls
 
 
-def test_int8_activations_are_opt_in(monkeypatch):
-    from llmopt.runtime import layers
-    from llmopt.runtime.kernels.cpu_ops import cpu_ops
-
-    ops = cpu_ops()
-    calls = []
-
-    class Spy:
-        def __getattr__(self, name):
-            calls.append(name)
-            return getattr(ops, name)
-
-    monkeypatch.setattr(layers, "cpu_ops", lambda: Spy())
+def test_int8_activations_are_opt_in(kernel_calls, monkeypatch):
+    calls = kernel_calls
     qw = qweight(48, 192, 4, 64, True)
     layer = quantized_linear(qw, torch.float32)
     x = torch.randn(2, 192)

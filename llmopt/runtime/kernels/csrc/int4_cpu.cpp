@@ -154,21 +154,6 @@ void int4_rows_impl(const at::Tensor& x, const at::Tensor& nibbles, const at::Te
   }
 }
 
-at::Tensor int4_matmul_rows(const at::Tensor& x, const at::Tensor& nibbles, const at::Tensor& scales_and_offsets,
-                            int64_t group) {
-  TORCH_CHECK(nibbles.dim() == 2 && nibbles.scalar_type() == at::kByte, "nibbles [N, K/2] uint8 expected");
-  const int64_t N = nibbles.size(0), K = nibbles.size(1) * 2;
-  TORCH_CHECK(x.dim() == 2 && x.size(1) == K, "x [M, K] expected, K matching the codes");
-  TORCH_CHECK(group > 0 && group % 2 == 0 && K % group == 0, "the group size must be even and divide K");
-  TORCH_CHECK(scales_and_offsets.dim() == 3 && scales_and_offsets.size(0) == K / group &&
-                  scales_and_offsets.size(1) == N && scales_and_offsets.size(2) == 2,
-              "scales_and_offsets [K/group, N, 2] expected");
-  TORCH_CHECK(x.scalar_type() == scales_and_offsets.scalar_type(), "x must have the scales' dtype");
-  const at::Tensor xc = x.contiguous(), nib = nibbles.contiguous(), so = scales_and_offsets.contiguous();
-  at::Tensor y = at::empty({x.size(0), N}, x.options());
-  LLMOPT_DISPATCH(xc, [&] { int4_rows_impl<scalar_t>(xc, nib, so, group, y); });
-  return y;
-}
 
 
 // The same product with the activations quantized to 8 bits, as llama.cpp multiplies its Q4 weights: per row
@@ -292,8 +277,11 @@ void int4_q8_impl(const at::Tensor& x, const at::Tensor& nibbles, const at::Tens
   for (int64_t i = 0; i < M * N; ++i) yp[i] = from_float<T>(out[i]);
 }
 
-at::Tensor int4_matmul_rows_q8(const at::Tensor& x, const at::Tensor& nibbles, const at::Tensor& scales_and_offsets,
-                               int64_t group) {
+
+// The checks and dtype dispatch of both few-row products: x [M, K] -> y [M, N] in x's dtype.
+template <template <typename> class Impl>
+at::Tensor int4_rows_op(const at::Tensor& x, const at::Tensor& nibbles, const at::Tensor& scales_and_offsets,
+                        int64_t group) {
   TORCH_CHECK(nibbles.dim() == 2 && nibbles.scalar_type() == at::kByte, "nibbles [N, K/2] uint8 expected");
   const int64_t N = nibbles.size(0), K = nibbles.size(1) * 2;
   TORCH_CHECK(x.dim() == 2 && x.size(1) == K, "x [M, K] expected, K matching the codes");
@@ -304,8 +292,29 @@ at::Tensor int4_matmul_rows_q8(const at::Tensor& x, const at::Tensor& nibbles, c
   TORCH_CHECK(x.scalar_type() == scales_and_offsets.scalar_type(), "x must have the scales' dtype");
   const at::Tensor xc = x.contiguous(), nib = nibbles.contiguous(), so = scales_and_offsets.contiguous();
   at::Tensor y = at::empty({x.size(0), N}, x.options());
-  LLMOPT_DISPATCH(xc, [&] { int4_q8_impl<scalar_t>(xc, nib, so, group, y); });
+  LLMOPT_DISPATCH(xc, [&] { Impl<scalar_t>::run(xc, nib, so, group, y); });
   return y;
+}
+
+template <typename T>
+struct WidenedCodes {
+  static void run(const at::Tensor& x, const at::Tensor& n, const at::Tensor& so, int64_t g, at::Tensor& y) {
+    int4_rows_impl<T>(x, n, so, g, y);
+  }
+};
+template <typename T>
+struct Int8Inputs {
+  static void run(const at::Tensor& x, const at::Tensor& n, const at::Tensor& so, int64_t g, at::Tensor& y) {
+    int4_q8_impl<T>(x, n, so, g, y);
+  }
+};
+
+at::Tensor int4_matmul_rows(const at::Tensor& x, const at::Tensor& nibbles, const at::Tensor& so, int64_t group) {
+  return int4_rows_op<WidenedCodes>(x, nibbles, so, group);
+}
+
+at::Tensor int4_matmul_rows_q8(const at::Tensor& x, const at::Tensor& nibbles, const at::Tensor& so, int64_t group) {
+  return int4_rows_op<Int8Inputs>(x, nibbles, so, group);
 }
 
 void int4_dequantize_out(const at::Tensor& nibbles, const at::Tensor& scales_and_offsets, int64_t group,
