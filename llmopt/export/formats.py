@@ -1,6 +1,6 @@
 """Checkpoint formats: each knows what it can hold, how to pack a QuantizedWeight, and how to read it back.
 
-Layouts follow ../shared/docs/FORMATS.md (AutoGPTQ v1, AutoAWQ GEMM, compressed-tensors pack-quantized).
+Layouts (AutoGPTQ v1, AutoAWQ GEMM, compressed-tensors pack-quantized) are described in docs/formats.md.
 W is [N out, K in]; G = number of groups.
 """
 
