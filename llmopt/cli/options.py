@@ -53,11 +53,12 @@ def resolve_dtype_option(dtype: Dtype | str, device: str) -> str:
 
 def calib_dtype_label(dtype: Enum | str, device: str) -> str:
     """The calibration forwards' dtype as the progress bar names it: 'float32 (auto)', or the explicit choice with
-    the warning when it will be slow on this CPU. (Calibration configs resolve 'auto' themselves.)"""
-    from llmopt.core.hardware import dtype_note, resolve_dtype
+    the warning when it will be slow on this CPU. (Calibration configs resolve 'auto' the same way.)"""
+    from llmopt.compress.config import calibration_dtype
+    from llmopt.core.hardware import dtype_note
 
     name = dtype.value if isinstance(dtype, Enum) else dtype
     if name == "auto":
-        return f"{resolve_dtype(name, device)} (auto)"
+        return f"{calibration_dtype(name, device)} (auto)"
     note = dtype_note(name, device)
     return f"{name}, slow here: no native units" if note else name

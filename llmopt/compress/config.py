@@ -9,6 +9,16 @@ from pydantic import BaseModel, ConfigDict, Field, model_validator
 from llmopt.compress.quant import SUPPORTED_BITS, QuantScheme
 
 
+def calibration_dtype(name: str, device: str) -> str:
+    """The calibration forwards' dtype: 'auto' -> bfloat16 where the device computes bf16 fast
+    (core.hardware.resolve_dtype), else float32 (calibration has no fp16 path); other names pass through."""
+    if name != "auto":
+        return name
+    from llmopt.core.hardware import resolve_dtype
+
+    return "bfloat16" if resolve_dtype("auto", device) == "bfloat16" else "float32"
+
+
 class CalibrationConfig(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
@@ -24,11 +34,7 @@ class CalibrationConfig(BaseModel):
 
     @model_validator(mode="after")
     def _resolve_auto_dtype(self):
-        if self.compute_dtype == "auto":
-            from llmopt.core.hardware import resolve_dtype
-
-            resolved = resolve_dtype("auto", self.device)
-            self.compute_dtype = "bfloat16" if resolved in ("bfloat16", "float16") else "float32"
+        self.compute_dtype = calibration_dtype(self.compute_dtype, self.device)
         return self
 
 

@@ -26,7 +26,7 @@ ProgressFn = Callable[[int, int], None]  # (completed, total)
 
 @dataclass(frozen=True)
 class BenchConfig:
-    dtype: str = "auto"  # resolved once per bench (core.hardware.resolve_dtype); the baseline runs in the same
+    dtype: str = "auto"  # resolved by each run (core.hardware.resolve_dtype): the baseline gets the same
     device: str = "cpu"
     batching: str = "continuous"  # or "static"
     max_num_seqs: int = 64
@@ -228,7 +228,8 @@ def engine_config_for(config: BenchConfig):
     from llmopt.runtime.engine import EngineConfig
 
     return EngineConfig(block_size=config.block_size, kv_cache_bytes=config.kv_cache_bytes,
-                        kv_cache_memory_fraction=config.kv_cache_memory_fraction, max_num_seqs=config.max_num_seqs, max_num_batched_tokens=config.max_num_batched_tokens,
+                        kv_cache_memory_fraction=config.kv_cache_memory_fraction, max_num_seqs=config.max_num_seqs,
+                        max_num_batched_tokens=config.max_num_batched_tokens,
                         enable_prefix_cache=config.enable_prefix_cache, policy=config.batching)
 
 
@@ -290,10 +291,9 @@ def _hardware(config: BenchConfig) -> dict:
 def bench(model_name: str, spec: WorkloadSpec, config: BenchConfig, baseline: str | None = None,
           progress: ProgressFn | None = None) -> list[RunResult]:
     """The model's run, then the baseline's (named 'baseline'): 'hf' or another MODEL through the runtime, both
-    in the same resolved dtype."""
+    in the same resolved dtype (each run resolves 'auto' alike)."""
     if config.num_threads:
         torch.set_num_threads(config.num_threads)
-    config = _resolved(config)
     runs = [bench_runtime(model_name, model_name, spec, config, progress)]
     if baseline == "hf":
         runs.append(bench_hf("baseline", model_name, spec, config, progress))

@@ -29,7 +29,6 @@ class StepResult:
 log = logging.getLogger(__name__)
 
 
-
 def kv_bytes_per_block(decoder: RuntimeDecoder, block_size: int, dtype: torch.dtype) -> int:
     element = torch.tensor([], dtype=dtype).element_size()
     return 2 * decoder.num_layers * block_size * decoder.num_kv_heads * decoder.head_dim * element
@@ -86,7 +85,7 @@ class ModelRunner:
                               f"({per_block} bytes each): raise it")
         self.kv_cache_bytes = self.num_blocks * per_block
         shape = (self.num_blocks, block_size, self.decoder.num_kv_heads, self.decoder.head_dim)
-        self.kv_caches = [(zeros_lazily(shape, self.kv_dtype, self.device), zeros_lazily(shape, self.kv_dtype, self.device))
+        self.kv_caches = [tuple(zeros_lazily(shape, self.kv_dtype, self.device) for _ in range(2))
                           for _ in range(self.decoder.num_layers)]
         log.info(self.kv_cache_summary())
         self.generators: dict[int, torch.Generator] = {}

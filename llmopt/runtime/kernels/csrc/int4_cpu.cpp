@@ -60,8 +60,9 @@ void dequantize_rows(const uint8_t* nibbles, const T* so, T* out, int64_t N, int
 // with sum_k x_k per (row, group) computed once. Byte j holds columns 2j (low nibble) and 2j + 1 (high), so x is
 // split once into its even and odd columns (xe, xo: fp32 [M, K/2]) and 16 bytes are widened once into 16 low
 // and 16 high codes, each multiplied with 16 contiguous inputs: no shuffles. NB outputs at a time with two
-// accumulators each keep 2 NB independent FMA chains (one chain was latency-bound). aten's int4 kernel serves bf16 activations well, but
-// with fp32 activations it ran ~20x slower than this on SmolLM2's shapes (137 vs ~13 ms per token at batch 1).
+// accumulators each keep 2 NB independent FMA chains (one chain was latency-bound). aten's int4 kernel serves
+// bf16 activations well, but with fp32 activations it ran ~20x slower than this on SmolLM2's shapes (137 vs ~13
+// ms per token at batch 1).
 template <typename T, int MB, int NB>
 inline void int4_outputs(const float* xe, const float* xo, int64_t x_stride, const float* xsum, const uint8_t* nibbles,
                          const T* so, float* y, int64_t y_stride, int64_t N, int64_t K, int64_t group, int64_t n) {
@@ -125,6 +126,13 @@ void int4_rows_block(const float* xe, const float* xo, int64_t x_stride, const f
   for (; n < n_end; ++n) int4_outputs<T, MB, 1>(xe, xo, x_stride, xsum, nibbles, so, y, y_stride, N, K, group, n);
 }
 
+// Both few-row products accumulate in fp32 [M, N]; y gets it in its own dtype.
+template <typename T>
+void write_rows(const std::vector<float>& out, at::Tensor& y) {
+  T* yp = y.data_ptr<T>();
+  for (size_t i = 0; i < out.size(); ++i) yp[i] = from_float<T>(out[i]);
+}
+
 template <typename T>
 void int4_rows_impl(const at::Tensor& x, const at::Tensor& nibbles, const at::Tensor& so, int64_t group, at::Tensor& y) {
   const int64_t M = x.size(0), K = x.size(1), N = nibbles.size(0), groups = K / group, half = K / 2;
@@ -139,8 +147,8 @@ void int4_rows_impl(const at::Tensor& x, const at::Tensor& nibbles, const at::Te
       xsum[m * groups + 2 * j / group] += xe[m * half + j] + xo[m * half + j];
     }
   const uint8_t* np = nibbles.data_ptr<uint8_t>();
-  std::vector<float> out(std::is_same_v<T, float> ? 0 : M * N);
-  float* yp = std::is_same_v<T, float> ? reinterpret_cast<float*>(y.data_ptr()) : out.data();
+  std::vector<float> out(M * N);
+  float* yp = out.data();
   at::parallel_for(0, N, 16, [&](int64_t begin, int64_t end) {
     for (int64_t m0 = 0; m0 < M; m0 += 2) {  // rows in pairs: each pair widens the codes once
       const float *e = xe.data() + m0 * half, *o = xo.data() + m0 * half, *s = xsum.data() + m0 * groups;
@@ -148,13 +156,8 @@ void int4_rows_impl(const at::Tensor& x, const at::Tensor& nibbles, const at::Te
       else int4_rows_block<T, 1>(e, o, half, s, np, sp, yp + m0 * N, N, N, K, group, begin, end);
     }
   });
-  if constexpr (!std::is_same_v<T, float>) {
-    T* yt = y.data_ptr<T>();
-    for (int64_t i = 0; i < M * N; ++i) yt[i] = from_float<T>(out[i]);
-  }
+  write_rows<T>(out, y);
 }
-
-
 
 // The same product with the activations quantized to 8 bits, as llama.cpp multiplies its Q4 weights: per row
 // and group, d = max|x| / 127 and xq = round(x / d) in [-127, 127]; then
@@ -273,8 +276,7 @@ void int4_q8_impl(const at::Tensor& x, const at::Tensor& nibbles, const at::Tens
       for (; n < end; ++n) int4_q8_outputs<T, 1>(q, m, np, sp, out.data() + m * N, N, K, group, n);
     }
   });
-  T* yp = y.data_ptr<T>();
-  for (int64_t i = 0; i < M * N; ++i) yp[i] = from_float<T>(out[i]);
+  write_rows<T>(out, y);
 }
 
 

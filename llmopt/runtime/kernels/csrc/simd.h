@@ -101,7 +101,6 @@ inline void store16(at::BFloat16* p, Vec a) {
 inline void store16(at::Half* p, Vec a) {
   _mm256_storeu_si256(reinterpret_cast<__m256i*>(p), _mm512_cvtps_ph(a.v, _MM_FROUND_TO_NEAREST_INT));
 }
-inline void store_first(float* p, Vec a, int n) { _mm512_mask_storeu_ps(p, (__mmask16)((1u << n) - 1), a.v); }
 inline Vec round_half_even(Vec a) { return {_mm512_roundscale_ps(a.v, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC)}; }
 inline Vec scale_by_pow2(Vec p, Vec n) { return {_mm512_scalef_ps(p.v, n.v)}; }  // p * 2^n, n integral
 
@@ -173,11 +172,6 @@ inline void store16(at::BFloat16* p, Vec a) {
 inline void store16(at::Half* p, Vec a) {
   _mm_storeu_si128(reinterpret_cast<__m128i*>(p), _mm256_cvtps_ph(a.lo, _MM_FROUND_TO_NEAREST_INT));
   _mm_storeu_si128(reinterpret_cast<__m128i*>(p + 8), _mm256_cvtps_ph(a.hi, _MM_FROUND_TO_NEAREST_INT));
-}
-inline void store_first(float* p, Vec a, int n) {
-  alignas(32) float tmp[16];
-  store16(tmp, a);
-  for (int i = 0; i < n; ++i) p[i] = tmp[i];
 }
 inline Vec round_half_even(Vec a) {
   return {_mm256_round_ps(a.lo, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC),
