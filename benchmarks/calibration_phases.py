@@ -24,7 +24,7 @@ def main() -> None:
     import llmopt.compress.gptq as gptq
     import llmopt.compress.hessian as hessian
     from llmopt.compress.api import make_config, quantize_model
-    from llmopt.core.models import load_model
+    from llmopt.export.load import load_model
 
     phases: collections.Counter = collections.Counter()
 

@@ -1,4 +1,4 @@
-"""What the compiled CPU kernels (llmopt/runtime/kernels/csrc) buy: decode-step time with them on and off
+"""What the compiled CPU kernels (llmopt/runtime/executor/kernels/csrc) buy: decode-step time with them on and off
 (LLMOPT_CPU_KERNELS=1/0), each configuration in its own process, on and off alternating so that the machine's
 drift hits both alike.
 
@@ -19,8 +19,8 @@ CHILD = """
 import json, sys
 sys.path.insert(0, {bench_dir!r})
 from decode_step import step_ms
-from llmopt.core.models import load_model
-model, tokenizer, _ = load_model({model!r}, dtype="bfloat16", packed_kernels=True)
+from llmopt.runtime.executor.loader import load_runtime_model
+model, tokenizer, _ = load_runtime_model({model!r}, dtype="bfloat16")
 print(json.dumps([step_ms(model, tokenizer, {batch}, True, steps=20) for _ in range(3)]))
 """
 

@@ -29,6 +29,7 @@ BENCH_CHILD = """
 import json, sys
 from dataclasses import replace
 from llmopt.core.hardware import cpu_line, hardware_facts
+from llmopt.runtime.engine.config import EngineConfig
 from llmopt.eval.speed import BenchConfig, bench, bench_hf, bench_runtime
 from llmopt.eval.workloads import WorkloadSpec
 kind, model, dtype = sys.argv[1], sys.argv[2], sys.argv[3]
@@ -40,7 +41,7 @@ if kind == "throughput":
                 for r in runs})
 else:  # batch 1: one request at a time
     spec = WorkloadSpec("random", 4, 128, 128)
-    config = BenchConfig(dtype=dtype, max_num_seqs=1, hf_batch_size=1, max_concurrency=1)
+    config = BenchConfig(dtype=dtype, hf_batch_size=1, max_concurrency=1, engine=EngineConfig(max_num_seqs=1))
     run = bench_hf("hf", model, spec, config) if kind == "hf1" else bench_runtime("runtime", model, spec, config)
     out.update({k: run.metrics.get(k) for k in ("median_tpot_ms", "median_ttft_ms")} | {"dtype": run.config["dtype"]})
 print("RESULT " + json.dumps(out, default=str))

@@ -12,20 +12,21 @@ import random
 import time
 from pathlib import Path
 
-from llmopt.core.models import load_model
-from llmopt.runtime.engine import Engine, EngineConfig
-from llmopt.runtime.sampling import SamplingParams
+
+from llmopt.runtime.executor.loader import load_runtime_model
+from llmopt.runtime.engine.engine import Engine, EngineConfig
+from llmopt.runtime.engine.sampling import SamplingParams
 
 
 def step_ms(model, tokenizer, batch: int, fast: bool | None, steps: int = 10, prompt_len: int = 128) -> float:
     engine = Engine(model, tokenizer, EngineConfig(max_num_seqs=max(batch, 1), kv_cache_bytes=1 << 29,
                                                    fast_path=fast))
     rng = random.Random(0)
-    for _ in range(batch):
-        engine.add_request([rng.randrange(100, 40000) for _ in range(prompt_len)],
-                           SamplingParams(max_tokens=steps + 8, ignore_eos=True))
-    while any(s.num_output_tokens == 0 for s in engine.sequences.values()):  # prefill everything
-        engine.step()
+    waiting = {engine.add_request([rng.randrange(100, 40000) for _ in range(prompt_len)],
+                                  SamplingParams(max_tokens=steps + 8, ignore_eos=True, detokenize=False))
+               for _ in range(batch)}
+    while waiting:  # prefill everything: each request has its first token
+        waiting -= {o.request_id for o in engine.step() if o.new_token_ids}
     for _ in range(2):
         engine.step()
     start = time.perf_counter()
@@ -48,7 +49,7 @@ def main() -> None:
     batches = [int(b) for b in args.batches.split(",")]
     rows = []
     for label, name, dtype, fast in variants:
-        model, tokenizer, _ = load_model(name, dtype=dtype, packed_kernels=True)
+        model, tokenizer, _ = load_runtime_model(name, dtype=dtype)
         row = {"variant": label, **{f"B={b} ms/step": round(step_ms(model, tokenizer, b, fast), 1) for b in batches}}
         rows.append(row)
         print(row, flush=True)

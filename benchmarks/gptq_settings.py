@@ -18,7 +18,7 @@ def main() -> None:
     from llmopt.compress.api import make_config, quantize_model
     from llmopt.core.hardware import cpu_line
     from llmopt.core.datasets import tokenize_corpus
-    from llmopt.core.models import load_model
+    from llmopt.export.load import load_model
     from llmopt.eval.perplexity import perplexity
 
     bases = {}

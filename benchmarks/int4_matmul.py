@@ -22,12 +22,13 @@ ROWS = (1, 4, 8, 16, 32, 64, 256, 4096)
 
 
 def main() -> None:
-    from llmopt.compress.quant import QuantScheme, quantize_rtn
+    from llmopt.compress.quant import quantize_rtn
+    from llmopt.core.contract import QuantScheme
     from llmopt.core.hardware import cpu_line
-    from llmopt.eval.speed import _timed  # best of 5 calls
-    from llmopt.runtime.kernels.cpu_ops import cpu_ops
-    from llmopt.runtime.kernels.quant_matmul import int4_dequantize, int4_matmul
-    from llmopt.runtime.layers import quantized_linear
+    from llmopt.eval.speed import best_time  # best of 5 calls
+    from llmopt.runtime.executor.kernels.cpu_ops import cpu_ops
+    from llmopt.runtime.executor.kernels.quant_matmul import int4_dequantize, int4_matmul
+    from llmopt.runtime.executor.layers import quantized_linear
 
     ops = cpu_ops()
 
@@ -45,10 +46,10 @@ def main() -> None:
 
         for m in ROWS:
             x = torch.randn(m, k).bfloat16()
-            kernel = _timed(lambda: int4_matmul(x, layer.packed, layer.scales_and_offsets, layer.kernel_group), "cpu")
-            dense = _timed(lambda: F.linear(x, int4_dequantize(layer.nibbles, layer.scales_and_offsets,
+            kernel = best_time(lambda: int4_matmul(x, layer.packed, layer.scales_and_offsets, layer.kernel_group), "cpu")
+            dense = best_time(lambda: F.linear(x, int4_dequantize(layer.nibbles, layer.scales_and_offsets,
                                                                layer.kernel_group)), "cpu")
-            fast = _timed(lambda: compiled(x), "cpu") if ops is not None else float("nan")
+            fast = best_time(lambda: compiled(x), "cpu") if ops is not None else float("nan")
             rows_out.append({"shape": label, "rows": m, "int4_kernel_ms": kernel * 1e3, "dequantize_gemm_ms": dense * 1e3,
                              "compiled_dequantize_gemm_ms": fast * 1e3})
             cells.append(f"M={m}: {kernel * 1e3:.2f}/{dense * 1e3:.2f}/{fast * 1e3:.2f}")

@@ -19,6 +19,7 @@ import statistics
 from dataclasses import replace
 from pathlib import Path
 
+from llmopt.runtime.engine.config import EngineConfig
 from llmopt.eval.speed import BenchConfig, bench_hf, bench_runtime
 from llmopt.eval.workloads import WorkloadSpec
 
@@ -36,10 +37,10 @@ def row(label: str, run) -> dict:
 
 def section_a(args, rows):
     spec = WorkloadSpec("random", num_requests=args.num_requests, input_len=128, output_len=128)
-    base = BenchConfig(dtype="bfloat16", max_num_seqs=64, kv_cache_bytes=1 << 30)
+    base = BenchConfig(dtype="bfloat16", engine=EngineConfig(max_num_seqs=64, kv_cache_bytes=1 << 30))
     variants = [("fp32 continuous", MODEL, replace(base, dtype="float32")),
                 ("bf16 continuous", MODEL, base),
-                ("bf16 static", MODEL, replace(base, batching="static", max_num_seqs=32))]
+                ("bf16 static", MODEL, replace(base, engine=replace(base.engine, policy="static", max_num_seqs=32)))]
     if args.int4:
         variants.append(("int4 continuous", args.int4, base))
     for label, model, config in variants:
@@ -53,7 +54,7 @@ def section_e(args, rows):
     """(a)'s headline ratio with the two runs alternating (runtime, HF, HF, runtime, ...): this machine's speed
     drifts by 15-50% within an hour, which one pass in a fixed order can turn into a wrong ratio."""
     spec = WorkloadSpec("random", num_requests=args.num_requests, input_len=128, output_len=128)
-    base = BenchConfig(dtype="bfloat16", max_num_seqs=64, kv_cache_bytes=1 << 30)
+    base = BenchConfig(dtype="bfloat16", engine=EngineConfig(max_num_seqs=64, kv_cache_bytes=1 << 30))
     for i in range(2 * args.pairs):
         runtime_turn = (i % 4) in (0, 3)
         if runtime_turn:
@@ -71,8 +72,8 @@ def section_e(args, rows):
 def section_b(args, rows):
     spec = WorkloadSpec("sharegpt", num_requests=args.sharegpt_requests, input_len=256, output_len=128,
                         request_rate=args.sharegpt_rate, seed=0)
-    base = BenchConfig(dtype="bfloat16", max_num_seqs=64, kv_cache_bytes=1 << 30)
-    for label, config in [("continuous", base), ("static", replace(base, batching="static", max_num_seqs=32))]:
+    base = BenchConfig(dtype="bfloat16", engine=EngineConfig(max_num_seqs=64, kv_cache_bytes=1 << 30))
+    for label, config in [("continuous", base), ("static", replace(base, engine=replace(base.engine, policy="static", max_num_seqs=32)))]:
         rows["b"].append(row(f"sharegpt {label}", bench_runtime(label, MODEL, spec, config)))
         print(label, rows["b"][-1]["metrics"]["output_throughput"], flush=True)
 
@@ -93,7 +94,7 @@ def section_d(args, rows):
     spec = WorkloadSpec("prefix-repetition", num_requests=16, input_len=32, output_len=16, prefix_len=1024,
                         num_prefixes=2)
     for label, cache in [("prefix cache on", True), ("prefix cache off", False)]:
-        config = BenchConfig(dtype="bfloat16", max_concurrency=1, enable_prefix_cache=cache)
+        config = BenchConfig(dtype="bfloat16", max_concurrency=1, engine=EngineConfig(enable_prefix_cache=cache))
         rows["d"].append(row(label, bench_runtime(label, MODEL, spec, config)))
         print(label, rows["d"][-1]["metrics"]["mean_ttft_ms"], flush=True)
 

@@ -12,11 +12,11 @@ from rich.table import Table
 def main() -> None:
     from llmopt.core.datasets import tokenize_corpus
     from llmopt.core.hardware import cpu_line, resolve_dtype
-    from llmopt.core.models import load_model
+    from llmopt.export.load import load_model
     from llmopt.eval.perplexity import perplexity
-    from llmopt.runtime.engine import Engine
-    from llmopt.runtime.hf import encode_prompts
-    from llmopt.runtime.sampling import SamplingParams
+    from llmopt.runtime.engine.engine import Engine
+    from llmopt.eval.hf_baseline import encode_prompts
+    from llmopt.runtime.engine.sampling import SamplingParams
 
     console = Console()
     console.print(f"CPU: {cpu_line()}", markup=False, highlight=False)
@@ -29,7 +29,7 @@ def main() -> None:
     question = "In two sentences, why do people compress neural networks?"
     prompt_ids = encode_prompts(tokenizer, [question], chat=True)
     start = time.perf_counter()
-    answer_ids = engine.generate(prompt_ids, SamplingParams(max_tokens=64))[0]
+    answer_ids = engine.generate(prompt_ids, SamplingParams(max_tokens=64))[0].token_ids
     generate_s = time.perf_counter() - start
     console.print(f"[bold]> {question}[/bold]")
     console.print(tokenizer.decode(answer_ids, skip_special_tokens=True), markup=False, highlight=False)

@@ -23,7 +23,7 @@ def tiny_qwen2_dir(tmp_path_factory):
 @pytest.fixture(scope="session")
 def smollm2():
     """SmolLM2-135M loaded once per session (fp32)."""
-    from llmopt.core.models import load_model
+    from llmopt.export.load import load_model
 
     model, tokenizer, source = load_model("smollm2-135m")
     return model, tokenizer, source

@@ -30,8 +30,8 @@ def test_smollm2_ppl_matches_a_plain_transformers_loop(smollm2):
 
 
 def test_smollm2_chat_answer_is_coherent(smollm2):
-    from llmopt.runtime.hf import encode_prompts, hf_generate
-    from llmopt.runtime.sampling import SamplingParams
+    from llmopt.eval.hf_baseline import encode_prompts, hf_generate
+    from llmopt.runtime.engine.sampling import SamplingParams
 
     model, tokenizer, _ = smollm2
     ids = encode_prompts(tokenizer, ["What is the capital of France?"], chat=True)
@@ -74,9 +74,9 @@ def test_smollm2_rtn_artifact_round_trip_and_transformers_load(smollm2, tmp_path
 def test_smollm2_runtime_greedy_equals_transformers(smollm2):
     """8 prompts of different lengths, 64 new tokens, batched through the runtime vs one by one in HF."""
     from llmopt.core.datasets import tokenize_corpus
-    from llmopt.runtime.engine import Engine, EngineConfig
-    from llmopt.runtime.hf import hf_generate
-    from llmopt.runtime.sampling import SamplingParams
+    from llmopt.runtime.engine.engine import Engine, EngineConfig
+    from llmopt.eval.hf_baseline import hf_generate
+    from llmopt.runtime.engine.sampling import SamplingParams
 
     model, tokenizer, _ = smollm2
     text = tokenize_corpus(tokenizer, "pystdlib", 4000).tolist()
@@ -85,4 +85,4 @@ def test_smollm2_runtime_greedy_equals_transformers(smollm2):
     expected = [hf_generate(model, tokenizer, [p], params)[0] for p in prompts]
     # exact mode (the model's own modules), chunked prefill too
     engine = Engine(model, tokenizer, EngineConfig(max_num_batched_tokens=256, fast_path=False))
-    assert engine.generate(prompts, params) == expected
+    assert [o.token_ids for o in engine.generate(prompts, params)] == expected

@@ -3,14 +3,13 @@ and the same for a baseline side by side."""
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 from typing import Annotated, Optional
 
 import typer
 
 from llmopt.cli.options import DeviceOpt, Dtype, DtypeOpt, ModelArg, SeedOpt, resolve_dtype_option
-from llmopt.runtime.defaults import KV_CACHE_MEMORY_FRACTION
+from llmopt.runtime.engine.config import ENGINE_DEFAULTS
 
 SHOWN = [  # (metric key, label) in the terminal table
     ("request_throughput", "requests/s"), ("output_throughput", "output tok/s"),
@@ -39,20 +38,21 @@ def bench(
     request_rate: Annotated[float, typer.Option("--request-rate", help="Poisson arrivals per second; inf = all "
                                                 "at once.")] = float("inf"),
     max_concurrency: Annotated[Optional[int], typer.Option("--max-concurrency")] = None,
-    batching: Annotated[str, typer.Option("--batching", help="continuous or static.")] = "continuous",
+    batching: Annotated[str, typer.Option("--batching", help="continuous or static.")] = ENGINE_DEFAULTS.policy,
     baseline: Annotated[Optional[str], typer.Option(
         "--baseline", help="'hf' (transformers generate, static batches) or another MODEL on the runtime.")] = None,
     hf_batch_size: Annotated[int, typer.Option("--hf-batch-size", help="Static batch size of --baseline hf.")] = 32,
     slo: Annotated[Optional[str], typer.Option("--slo", help="Goodput SLOs in ms, e.g. ttft=200,tpot=50.")] = None,
-    max_num_seqs: Annotated[int, typer.Option("--max-num-seqs")] = 64,
-    max_num_batched_tokens: Annotated[int, typer.Option("--max-num-batched-tokens")] = 2048,
-    block_size: Annotated[int, typer.Option("--block-size")] = 16,
+    max_num_seqs: Annotated[int, typer.Option("--max-num-seqs")] = ENGINE_DEFAULTS.max_num_seqs,
+    max_num_batched_tokens: Annotated[int, typer.Option(
+        "--max-num-batched-tokens")] = ENGINE_DEFAULTS.max_num_batched_tokens,
+    block_size: Annotated[int, typer.Option("--block-size")] = ENGINE_DEFAULTS.block_size,
     kv_cache_bytes: Annotated[Optional[int], typer.Option(
         "--kv-cache-bytes", help="KV cache size in bytes (default: --kv-cache-memory-fraction of the available "
         "memory).")] = None,
     kv_cache_memory_fraction: Annotated[float, typer.Option(
         "--kv-cache-memory-fraction", help="Default KV cache size as a fraction of the memory available at start "
-        "(host memory on CPU, free device memory on CUDA).")] = KV_CACHE_MEMORY_FRACTION,
+        "(host memory on CPU, free device memory on CUDA).")] = ENGINE_DEFAULTS.kv_cache_memory_fraction,
     no_prefix_cache: Annotated[bool, typer.Option("--no-prefix-cache")] = False,
     peak_bandwidth: Annotated[Optional[float], typer.Option("--peak-bandwidth", help="GB/s (else measured).")] = None,
     peak_flops: Annotated[Optional[float], typer.Option("--peak-flops", help="TFLOP/s (else measured).")] = None,
@@ -69,6 +69,7 @@ def bench(
     from llmopt.eval.speed import BenchConfig
     from llmopt.eval.speed import bench as run_bench
     from llmopt.eval.workloads import WorkloadSpec
+    from llmopt.runtime.engine.config import EngineConfig
 
     if batching not in ("continuous", "static"):
         raise ConfigError(f"--batching {batching!r}: choose continuous or static")
@@ -77,11 +78,12 @@ def bench(
     spec = WorkloadSpec(dataset, num_requests, input_len, output_len, range_ratio, prefix_len, num_prefixes,
                         request_rate, seed, dataset_path)
     slo_pairs = tuple(parse_slo(slo).items())
+    engine = EngineConfig(
+        block_size=block_size, kv_cache_bytes=kv_cache_bytes, kv_cache_memory_fraction=kv_cache_memory_fraction,
+        max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
+        enable_prefix_cache=not no_prefix_cache, policy=batching)
     config = BenchConfig(
-        dtype=resolve_dtype_option(dtype, device), device=device, kv_cache_memory_fraction=kv_cache_memory_fraction,
-        batching=batching, max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
-        block_size=block_size, kv_cache_bytes=kv_cache_bytes, enable_prefix_cache=not no_prefix_cache,
-        max_concurrency=max_concurrency, hf_batch_size=hf_batch_size, slo=slo_pairs,
+        dtype=resolve_dtype_option(dtype, device), device=device, engine=engine, max_concurrency=max_concurrency, hf_batch_size=hf_batch_size, slo=slo_pairs,
         peak_bandwidth=peak_bandwidth * 1e9 if peak_bandwidth else None,
         peak_flops=peak_flops * 1e12 if peak_flops else None, num_threads=threads)
     from llmopt.core.hardware import cpu_line
@@ -95,10 +97,9 @@ def bench(
         for error in run.metrics.get("peak_errors") or []:
             stderr.print(f"{run.name}: {error}", highlight=False, markup=False, soft_wrap=True)
     if json_out is not None:
-        json_out.parent.mkdir(parents=True, exist_ok=True)
-        tmp = json_out.with_suffix(json_out.suffix + ".tmp")
-        tmp.write_text(json.dumps({"runs": [r.to_json() for r in runs]}, indent=1, default=str))
-        tmp.replace(json_out)
+        from llmopt.core.io import write_json
+
+        write_json(json_out, {"runs": [r.to_json() for r in runs]}, indent=1)
         stderr.print(f"wrote {json_out}")
     stdout.print(comparison_table(runs))
 

@@ -31,7 +31,7 @@ def ppl(
     """Perplexity over non-overlapping windows of --seqlen tokens."""
     from llmopt.core.datasets import tokenize_corpus
     from llmopt.core.errors import ConfigError
-    from llmopt.core.models import load_model
+    from llmopt.export.load import load_model
     from llmopt.eval.perplexity import perplexity
 
     if seqlen < 2:
@@ -65,7 +65,7 @@ def tasks(
 ) -> None:
     """Zero-shot accuracy, scored by log-likelihood as lm-evaluation-harness does."""
     from llmopt.core.errors import ConfigError
-    from llmopt.core.models import load_model
+    from llmopt.export.load import load_model
     from llmopt.eval.tasks import TASKS, evaluate_task
 
     names = [t.strip() for t in task_names.split(",") if t.strip()]

@@ -39,32 +39,26 @@ def generate(
 ) -> None:
     """Generate a completion for each --prompt."""
     from llmopt.core.errors import ConfigError
-    from llmopt.core.models import load_model
-    from llmopt.runtime.hf import encode_prompts, hf_generate
-    from llmopt.runtime.sampling import SamplingParams
+    from llmopt.export.load import load_model
+    from llmopt.eval.hf_baseline import encode_prompts, hf_generate
+    from llmopt.runtime.engine.engine import Engine
+    from llmopt.runtime.engine.sampling import SamplingParams
+    from llmopt.runtime.executor.loader import load_runtime_model
 
     params = SamplingParams(max_tokens=max_tokens, temperature=temperature, top_p=top_p, top_k=top_k, seed=seed,
                             stop=tuple(stop or ()))
     if stop and backend is Backend.hf:
         raise ConfigError("--stop needs the runtime backend: drop --backend hf")
-    runtime = backend is Backend.runtime
-    # the runtime serves quantized artifacts through its packed int4/int8 layers
-    lm, tokenizer, _ = load_model(model, dtype=resolve_dtype_option(dtype, device), device=device,
-                                  trust_remote_code=trust_remote_code,
-                                  packed_kernels=runtime)
+    loader = load_runtime_model if backend is Backend.runtime else load_model
+    lm, tokenizer, _ = loader(model, dtype=resolve_dtype_option(dtype, device), device=device,
+                              trust_remote_code=trust_remote_code)
     prompt_ids = encode_prompts(tokenizer, prompt, chat)
-    if not runtime:
+    if backend is Backend.hf:
         outputs = hf_generate(lm, tokenizer, prompt_ids, params)
         texts = [tokenizer.decode(ids, skip_special_tokens=True) for ids in outputs]
     else:
-        from llmopt.runtime.engine import Engine
-
-        engine = Engine(lm, tokenizer)
-        ids = [engine.add_request(p, params) for p in prompt_ids]
-        for _ in engine.stream():
-            pass
-        outputs = [engine.sequences[i].output_token_ids for i in ids]
-        texts = [engine.text(i) for i in ids]
+        finished = Engine(lm, tokenizer).generate(prompt_ids, params)
+        outputs, texts = [o.token_ids for o in finished], [o.text for o in finished]
     if as_json:
         print_json({"outputs": [
             {"prompt": p, "text": t, "num_prompt_tokens": len(pi), "num_output_tokens": len(o)}

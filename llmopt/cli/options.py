@@ -5,7 +5,12 @@ from __future__ import annotations
 from enum import Enum
 from typing import Annotated, Optional
 
+import functools
+import inspect
+
 import typer
+
+from llmopt.compress.defaults import CALIBRATION
 
 
 class Dtype(str, Enum):
@@ -38,6 +43,52 @@ OutputOpt = Annotated[str, typer.Option("-o", "--output", help="Output folder (w
 OverwriteOpt = Annotated[bool, typer.Option("--overwrite", help="Replace an existing output folder.")]
 
 
+class CalibDtype(str, Enum):
+    auto = "auto"
+    float32 = "float32"
+    bfloat16 = "bfloat16"
+
+
+# Calibration options of quantize and prune, declared once (defaults: compress.defaults.CALIBRATION) and
+# added to both commands by `with_calibration_options`.
+CALIBRATION_OPTIONS = (  # (parameter, option type, default)
+    ("calib", Annotated[str, typer.Option("--calib", help="Calibration dataset(s), comma-separated to mix.")],
+     CALIBRATION["calib"]),
+    ("seqlen", Annotated[int, typer.Option("--seqlen", help="Tokens per calibration sample.")], CALIBRATION["seqlen"]),
+    ("batch_size", Annotated[int, typer.Option("--batch-size", help="Calibration samples per forward.")],
+     CALIBRATION["batch_size"]),
+    ("calib_dtype", Annotated[CalibDtype, typer.Option(
+        "--calib-dtype", help="dtype of the calibration forwards; weights and statistics stay fp32.")],
+     CalibDtype(CALIBRATION["compute_dtype"])),
+    ("device", Annotated[str, typer.Option("--device", help="Where layers are calibrated: cpu, cuda.")],
+     CALIBRATION["device"]),
+    ("seed", Annotated[int, typer.Option("--seed", help="Random seed (calibration sample choice).")],
+     CALIBRATION["seed"]),
+)
+IgnoreOpt = Annotated[Optional[list[str]], typer.Option("--ignore", help="Glob of linears to keep dense.")]
+
+
+def with_calibration_options(command):
+    """Add the calibration options to a command; it receives them as one dict, `calibration` (the calibration
+    keys of a method's settings)."""
+    signature = inspect.signature(command, eval_str=True)
+    own = [p for p in signature.parameters.values() if p.name != "calibration"]
+    added = [inspect.Parameter(name, inspect.Parameter.KEYWORD_ONLY, default=default, annotation=annotation)
+             for name, annotation, default in CALIBRATION_OPTIONS]
+
+    @functools.wraps(command)
+    def run(*args, **kwargs):
+        values = {name: kwargs.pop(name) for name, _, _ in CALIBRATION_OPTIONS}
+        values["compute_dtype"] = values.pop("calib_dtype").value
+        return command(*args, calibration=values, **kwargs)
+
+    run.__signature__ = signature.replace(parameters=[
+        p.replace(kind=inspect.Parameter.KEYWORD_ONLY) for p in own] + added)
+    run.__annotations__ = {**{p.name: p.annotation for p in own},
+                           **{name: annotation for name, annotation, _ in CALIBRATION_OPTIONS}}
+    return run
+
+
 def resolve_dtype_option(dtype: Dtype | str, device: str) -> str:
     """The concrete dtype for --dtype / --calib-dtype; prints once (stderr) what auto chose, or that an explicit
     half precision will be slow on this CPU."""
@@ -51,13 +102,13 @@ def resolve_dtype_option(dtype: Dtype | str, device: str) -> str:
     return resolve_dtype(name, device)
 
 
-def calib_dtype_label(dtype: Enum | str, device: str) -> str:
+def calib_dtype_label(calibration: dict) -> str:
     """The calibration forwards' dtype as the progress bar names it: 'float32 (auto)', or the explicit choice with
     the warning when it will be slow on this CPU. (Calibration configs resolve 'auto' the same way.)"""
     from llmopt.compress.config import calibration_dtype
     from llmopt.core.hardware import dtype_note
 
-    name = dtype.value if isinstance(dtype, Enum) else dtype
+    name, device = calibration["compute_dtype"], calibration["device"]
     if name == "auto":
         return f"{calibration_dtype(name, device)} (auto)"
     note = dtype_note(name, device)

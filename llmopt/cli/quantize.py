@@ -8,8 +8,9 @@ from typing import Annotated, Optional
 import typer
 
 from llmopt.cli.options import (
-    JsonOpt, ModelArg, OutputOpt, OverwriteOpt, SeedOpt, TrustRemoteCodeOpt, calib_dtype_label,
+    IgnoreOpt, JsonOpt, ModelArg, OutputOpt, OverwriteOpt, TrustRemoteCodeOpt, calib_dtype_label, with_calibration_options,
 )
+from llmopt.compress.defaults import CALIBRATION, QUANTIZE
 from llmopt.cli.output import print_json, print_table, progress_bar
 
 
@@ -25,26 +26,22 @@ class FormatName(str, Enum):
     compressed_tensors = "compressed-tensors"
 
 
-class CalibDtype(str, Enum):
-    auto = "auto"
-    float32 = "float32"
-    bfloat16 = "bfloat16"
-
-
-DEFAULT_FORMAT = {"rtn": "compressed-tensors", "gptq": "gptq", "awq": "awq"}
 METHOD_ONLY = {  # option -> the methods it applies to
     "act_order": ("gptq",), "damp": ("gptq",), "static_groups": ("gptq",), "prune_pattern": ("gptq",), "gptaq": ("gptq",),
     "awq_search": ("awq",),
 }
 
 
+@with_calibration_options
 def quantize(
     model: ModelArg,
     output: OutputOpt,
     method: Annotated[Method, typer.Option("--method", help="Quantization algorithm.")] = Method.gptq,
-    bits: Annotated[int, typer.Option("--bits", help="2, 3, 4 or 8.")] = 4,
-    group_size: Annotated[int, typer.Option("--group-size", help="Input columns per scale; -1 = per channel.")] = 128,
-    sym: Annotated[bool, typer.Option("--sym/--asym", help="Symmetric (zero point fixed) or asymmetric.")] = True,
+    bits: Annotated[int, typer.Option("--bits", help="2, 3, 4 or 8.")] = QUANTIZE["bits"],
+    group_size: Annotated[int, typer.Option(
+        "--group-size", help="Input columns per scale; -1 = per channel.")] = QUANTIZE["group_size"],
+    sym: Annotated[bool, typer.Option(
+        "--sym/--asym", help="Symmetric (zero point fixed) or asymmetric.")] = QUANTIZE["sym"],
     act_order: Annotated[Optional[bool], typer.Option(
         "--act-order/--no-act-order",
         help="GPTQ: quantize columns by decreasing Hessian diagonal (desc_act; default on).")] = None,
@@ -61,25 +58,20 @@ def quantize(
     ] = None,
     mse: Annotated[Optional[bool], typer.Option(
         "--mse/--no-mse", help="Choose group ranges by minimising weight error (default: on for GPTQ).")] = None,
-    calib: Annotated[str, typer.Option("--calib", help="Calibration dataset(s), comma-separated to mix.")] = "c4",
-    num_samples: Annotated[int, typer.Option("--num-samples", help="Calibration samples.")] = 128,
-    seqlen: Annotated[int, typer.Option("--seqlen", help="Tokens per calibration sample.")] = 512,
-    batch_size: Annotated[int, typer.Option("--batch-size", help="Calibration samples per forward.")] = 8,
-    calib_dtype: Annotated[CalibDtype, typer.Option(
-        "--calib-dtype", help="dtype of the calibration forwards; weights and statistics stay fp32.")
-    ] = CalibDtype.auto,
-    ignore: Annotated[Optional[list[str]], typer.Option("--ignore", help="Glob of linears to keep dense.")] = None,
+    num_samples: Annotated[int, typer.Option(
+        "--num-samples", help="Calibration samples.")] = CALIBRATION["num_samples"],
+    ignore: IgnoreOpt = None,
     awq_search: Annotated[Optional[str], typer.Option(
         "--awq-search", help="AWQ: re-apply scales/clips saved in an artifact instead of searching.")] = None,
-    fmt: Annotated[Optional[FormatName], typer.Option("--format", help="Checkpoint format (default per method).")] = None,
-    device: Annotated[str, typer.Option("--device", help="Where layers are calibrated: cpu, cuda.")] = "cpu",
-    seed: SeedOpt = 0,
+    fmt: Annotated[Optional[FormatName], typer.Option(
+        "--format", help="Checkpoint format (default per method: gptq, awq; compressed-tensors for rtn).")] = None,
     overwrite: OverwriteOpt = False,
     as_json: JsonOpt = False,
     trust_remote_code: TrustRemoteCodeOpt = False,
+    calibration: dict | None = None,
 ) -> None:
     """Quantize MODEL's decoder linears and write an artifact loadable everywhere a MODEL is accepted."""
-    from llmopt.compress.pipeline import quantize_to_artifact
+    from llmopt.pipelines.quantize import quantize_to_artifact
     from llmopt.core.errors import ConfigError
 
     given = {"act_order": act_order, "damp": damp, "static_groups": static_groups,
@@ -88,18 +80,17 @@ def quantize(
         if value is not None and method.value not in METHOD_ONLY[option]:
             flag = "--" + option.replace("_", "-")
             raise ConfigError(f"{flag} applies to {', '.join(METHOD_ONLY[option])} only, not {method.value}")
-    settings = dict(bits=bits, group_size=group_size, sym=sym, ignore=ignore or [], calib=calib,
-                    num_samples=num_samples, seqlen=seqlen, batch_size=batch_size, seed=seed, device=device,
-                    compute_dtype=calib_dtype.value)
+    settings = dict(bits=bits, group_size=group_size, sym=sym, ignore=ignore or [], num_samples=num_samples,
+                    **calibration)
     if mse is not None:
         settings["mse"] = mse
     if method is Method.gptq:
         settings.update({k: v for k, v in given.items() if k != "awq_search" and v is not None})
     if awq_search is not None:
         settings["search_file"] = awq_search
-    with progress_bar(f"{method.value} layers ({calib_dtype_label(calib_dtype, device)} forwards)") as update:
+    with progress_bar(f"{method.value} layers ({calib_dtype_label(calibration)} forwards)") as update:
         facts = quantize_to_artifact(
-            model, output, method.value, settings, (fmt.value if fmt else DEFAULT_FORMAT[method.value]),
+            model, output, method.value, settings, fmt.value if fmt else None,
             overwrite=overwrite, trust_remote_code=trust_remote_code, progress=update,
         )
     if as_json:

@@ -1,4 +1,5 @@
-"""One verb: quantize a loaded model with a method's config, and write the artifact."""
+"""The verbs of compression on a loaded model: build configs from flat settings, check them against the model,
+and apply one or more methods in one calibration pass (`compress_model`)."""
 
 from __future__ import annotations
 
@@ -7,72 +8,126 @@ from dataclasses import dataclass, field
 from typing import Callable
 
 import torch
+from pydantic import BaseModel
 
-from llmopt.compress.base import QUANT_METHODS, quantizable_linears
-from llmopt.compress.config import QuantizeConfig
-from llmopt.compress.quant import QuantizedWeight
+from llmopt.compress.base import PRUNE_METHODS, QUANT_METHODS, MethodSpec, Pruner, Quantizer, quantizable_linears
+from llmopt.compress.config import SparsityConfig, StructuredConfig, build_config
+from llmopt.compress.defaults import SPARSEGPT_DAMP
+from llmopt.compress.masks import check_nm_fits
+from llmopt.compress.modifier_list import ModifierList
+from llmopt.core.contract import QuantizedWeight, sparsity_entry
 from llmopt.core.errors import ConfigError
 
 
-def _load_methods() -> None:
-    # Importing a method's module registers it.
-    from llmopt.compress import awq, gptq, rtn  # noqa: F401
+def load_methods() -> None:
+    """Importing a method's module registers it."""
+    from llmopt.compress import awq, gptq, magnitude, rtn, sparsegpt, wanda  # noqa: F401
 
 
-def make_config(method: str, **settings) -> QuantizeConfig:
-    """The typed config of `method` from flat settings (CLI options or a recipe stage)."""
-    from llmopt.compress.config import build_config
+def method_spec(method: str) -> MethodSpec:
+    load_methods()
+    return QUANT_METHODS.get(method) if method in QUANT_METHODS else PRUNE_METHODS.get(method)
 
-    _load_methods()
+
+def make_config(method: str, **settings) -> BaseModel:
+    """The typed config of a quantization `method` from flat settings (CLI options or a recipe stage)."""
+    load_methods()
     return build_config(QUANT_METHODS.get(method).config_cls, method, method=method, **settings)
 
 
+def make_sparsity_config(**settings) -> SparsityConfig:
+    return build_config(SparsityConfig, "pruning", **settings)
+
+
+def make_structured_config(**settings) -> StructuredConfig:
+    return build_config(StructuredConfig, "structured-pruning", **settings)
+
+
+def quantize_configs(method: str, settings: dict) -> list[BaseModel]:
+    """The modifiers' configs a quantize command asks for. `prune_pattern` (with `prune_damp`) puts a SparseGPT
+    N:M pruner before the quantizer, in the same calibration pass."""
+    settings = dict(settings)
+    pattern, prune_damp = settings.pop("prune_pattern", None), settings.pop("prune_damp", SPARSEGPT_DAMP)
+    quantizer = make_config(method, **settings)
+    if pattern is None:
+        return [quantizer]
+    if method != "gptq":
+        raise ConfigError(f"--prune-pattern applies to gptq only, not {method}")
+    calibration = quantizer.calibration.model_dump()
+    pruner = make_sparsity_config(method="sparsegpt", pattern=pattern, damp=prune_damp, ignore=quantizer.ignore,
+                                  **calibration)
+    if not quantizer.sym:
+        raise ConfigError("--prune-pattern needs sym quantization (zero must be representable)")
+    return [pruner, quantizer]
+
+
 @dataclass
-class QuantizeResult:
+class CompressResult:
     qweights: dict[str, QuantizedWeight]
+    masks: dict[str, torch.Tensor]
     extra_tensors: dict[str, torch.Tensor]
     facts: dict = field(default_factory=dict)
 
 
-def check_model_fits(model, config: QuantizeConfig) -> None:
-    """Fail before any work if the scheme cannot apply to some linear (e.g. group size not dividing K)."""
+def check_model_fits(model, configs: list[BaseModel]) -> None:
+    """Fail before any work if a method cannot apply to some linear (group size or N:M not dividing K)."""
     linears = quantizable_linears(model)
-    for name, linear in linears.items():
-        config.scheme.check(linear.in_features, name)
-    if getattr(config, "prune_nm", None) is not None:
-        from llmopt.prune.masks import check_nm_fits
+    for config in configs:
+        if isinstance(config, SparsityConfig):
+            if config.nm is not None:
+                check_nm_fits(linears, config.nm)
+        else:
+            for name, linear in linears.items():
+                config.scheme.check(linear.in_features, name)
 
-        check_nm_fits(linears, config.prune_nm)
 
+def compress_model(model, tokenizer, configs: list[BaseModel],
+                   progress: Callable[[int, int], None] | None = None) -> CompressResult:
+    """Apply the methods of `configs` in order, in one pass over the layers; `model` is changed in place (its
+    quantized linears hold the dequantized weights, pruned weights are zero).
 
-def quantize_model(model, tokenizer, config: QuantizeConfig,
-                   progress: Callable[[int, int], None] | None = None) -> QuantizeResult:
-    """Quantize `model` in place (its linears end up holding the dequantized weights).
-
-    >>> result = quantize_model(model, tok, make_config("gptq", bits=4, group_size=64))  # doctest: +SKIP
+    >>> result = compress_model(model, tok, quantize_configs("gptq", dict(bits=4, group_size=64)))  # doctest: +SKIP
     """
     from llmopt.core.calibration import apply_algorithm
 
-    _load_methods()
-    check_model_fits(model, config)
-    quantizer = QUANT_METHODS.get(config.method).quantizer_cls(config, model)
+    check_model_fits(model, configs)
+    modifiers = [method_spec(c.method).modifier_cls(c, model) for c in configs]
+    algorithm = modifiers[0] if len(modifiers) == 1 else ModifierList(modifiers)
+    calibration = next((c.calibration for c in configs if c.needs_calibration), None)
     start = time.perf_counter()
-    facts = apply_algorithm(model, tokenizer, quantizer,
-                            config.calibration if config.needs_calibration else None, progress)
-    if not quantizer.results:
-        raise ConfigError("nothing was quantized: every linear matched --ignore")
-    facts["quantize_wall_s"] = time.perf_counter() - start
-    facts["num_quantized_linears"] = len(quantizer.results)
-    if getattr(config, "prune_nm", None) is not None:  # pruned too: record it as a pruned model would
-        from llmopt.prune.api import sparsity_entry
-
-        n, m = config.prune_nm
-        measured = zero_fraction(quantizer.results)
-        suffixes = sorted({name.split(".", 3)[-1] for name in quantizer.results})
-        model.config.sparsity_config = sparsity_entry(config.prune_pattern, "sparsegpt+gptq", 1 - n / m,
-                                                      config.ignore, measured, suffixes)
+    facts = apply_algorithm(model, tokenizer, algorithm, calibration, progress)
+    facts["wall_s"] = time.perf_counter() - start
+    quantizers = [m for m in modifiers if isinstance(m, Quantizer)]
+    pruners = [m for m in modifiers if isinstance(m, Pruner)]
+    qweights = quantizers[0].results if quantizers else {}
+    masks = pruners[-1].masks if pruners else {}
+    if not qweights and not masks:
+        raise ConfigError(f"nothing was {'quantized' if quantizers else 'pruned'}: every linear matched --ignore")
+    if quantizers and pruners:  # pruned too: record it as a pruned model would
+        pruner = pruners[-1].config
+        measured = zero_fraction(qweights)
+        suffixes = sorted({name.split(".", 3)[-1] for name in qweights})
+        model.config.sparsity_config = sparsity_entry(pruner.structure, algorithm.name, pruner.target_sparsity,
+                                                      pruner.ignore, measured, suffixes)
         facts["measured_sparsity"] = measured
-    return QuantizeResult(quantizer.results, quantizer.extra_tensors(), facts)
+    return CompressResult(qweights, masks, algorithm.extra_tensors(), facts)
+
+
+def quantize_model(model, tokenizer, config: BaseModel,
+                   progress: Callable[[int, int], None] | None = None) -> CompressResult:
+    """One quantization method alone (`compress_model` with one config)."""
+    result = compress_model(model, tokenizer, [config], progress)
+    result.facts["quantize_wall_s"] = result.facts.pop("wall_s")
+    result.facts["num_quantized_linears"] = len(result.qweights)
+    return result
+
+
+def sparsify_model(model, tokenizer, config: SparsityConfig,
+                   progress: Callable[[int, int], None] | None = None) -> tuple[dict[str, torch.Tensor], dict]:
+    """Zero weights of every decoder linear in place; returns (masks by linear name, facts)."""
+    result = compress_model(model, tokenizer, [config], progress)
+    result.facts["prune_wall_s"] = result.facts.pop("wall_s")
+    return result.masks, result.facts
 
 
 def zero_fraction(qweights: dict[str, QuantizedWeight]) -> float:
@@ -85,13 +140,18 @@ def zero_fraction(qweights: dict[str, QuantizedWeight]) -> float:
     return zeros / total
 
 
-def quantized_bytes(qweights: dict[str, QuantizedWeight], fmt_name: str) -> tuple[int, int]:
-    """(bytes of the packed quantized linears, bytes the same linears take in fp16)."""
-    from llmopt.export.formats import FORMATS
+def measure_sparsity(model) -> dict:
+    """Parameter and zero counts over the decoder linears and the whole model."""
+    linears = quantizable_linears(model)
+    linear_params = sum(m.weight.numel() for m in linears.values())
+    linear_zeros = sum(int((m.weight == 0).sum()) for m in linears.values())
+    total = sum(p.numel() for p in model.parameters())
+    nonzero = sum(int((p != 0).sum()) for p in model.parameters())
+    return {"num_parameters": total, "num_nonzero": nonzero, "linear_parameters": linear_params,
+            "linear_sparsity": linear_zeros / linear_params if linear_params else 0.0}
 
-    fmt = FORMATS.get(fmt_name)
-    packed = sum(t.numel() * t.element_size() for qw in qweights.values() for t in fmt.pack(qw).values())
-    fp16 = sum(qw.q.numel() * 2 for qw in qweights.values())
-    return packed, fp16
 
-
+def sparsity_config_entry(config: SparsityConfig, measured: float, targets: list[str]) -> dict:
+    """What config.json records about a model pruned by `config`."""
+    return sparsity_entry(config.structure, config.method, config.target_sparsity, config.ignore, measured,
+                          targets)

@@ -12,9 +12,11 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from llmopt.compress.base import QUANT_METHODS, QuantMethod, Quantizer
+from llmopt.core.contract import QuantScheme
+from llmopt.compress.quant import quantize_rtn
+from llmopt.compress.base import QUANT_METHODS, MethodSpec, Quantizer
 from llmopt.compress.config import AWQConfig
-from llmopt.compress.quant import QuantScheme, compute_qparams, fake_quantize, quantize_rtn
+from llmopt.compress.quant import compute_qparams, fake_quantize
 from llmopt.core.adapters import ArchAdapter, get_module
 
 
@@ -187,4 +189,4 @@ class AWQQuantizer(Quantizer):
         return {k: v.contiguous() for k, v in self.search.items()}
 
 
-QUANT_METHODS.add("awq", QuantMethod("awq", AWQConfig, AWQQuantizer))
+QUANT_METHODS.add("awq", MethodSpec("awq", AWQConfig, AWQQuantizer, "awq"))

@@ -1,4 +1,7 @@
-"""The thin lifecycle shared by the quantizers: which linears, where results go, the registry."""
+"""One layer-by-layer base for every compression method: a `Modifier` is told which linears a stage holds,
+sees their calibration inputs and changes their weights (see core.calibration.LayerwiseAlgorithm).
+Quantizers record a QuantizedWeight per linear, pruners a mask; `ModifierList` (compress.modifier_list)
+runs several of them in one calibration pass."""
 
 from __future__ import annotations
 
@@ -6,22 +9,28 @@ import fnmatch
 from dataclasses import dataclass
 
 import torch
+from pydantic import BaseModel
 from torch import nn
 
-from llmopt.compress.config import QuantizeConfig
-from llmopt.compress.quant import QuantizedWeight
 from llmopt.core.adapters import ArchAdapter, adapter_for, decoder_layers, get_module
+from llmopt.core.contract import QuantizedWeight
 from llmopt.core.registry import Registry
 
 
-class Quantizer:
-    """Base: stores each linear's QuantizedWeight and writes its dequantized weight back into the model,
-    so the rest of the calibration (and any evaluation) sees the quantized model."""
+class Modifier:
+    """The lifecycle shared by all methods: which linears, the ignore rules, where results go."""
 
-    def __init__(self, config: QuantizeConfig, model: nn.Module):
+    kind = "modifier"  # "quantization" | "pruning"
+    changes_only_stage_linears = False  # see calibration.LayerwiseAlgorithm
+    uses_reference_inputs = False
+
+    def __init__(self, config: BaseModel, model: nn.Module):
         self.config = config
         self.adapter: ArchAdapter = adapter_for(model)
-        self.results: dict[str, QuantizedWeight] = {}
+
+    @property
+    def name(self) -> str:
+        return self.config.method
 
     def full_name(self, layer_index: int, name: str) -> str:
         return f"{self.adapter.layers}.{layer_index}.{name}"
@@ -29,13 +38,6 @@ class Quantizer:
     def is_ignored(self, full_name: str) -> bool:
         return any(fnmatch.fnmatch(full_name, p) or fnmatch.fnmatch(full_name.split(".", 3)[-1], p)
                    for p in self.config.ignore)
-
-    def store(self, layer_index: int, name: str, module: nn.Linear, qweight: QuantizedWeight) -> None:
-        self.results[self.full_name(layer_index, name)] = qweight
-        # In place: a model loaded from safetensors is backed by the file's memory map; writing into it keeps
-        # one copy of each weight resident, where a new tensor would leave the mapped pages resident beside it
-        # (peak RSS +540 MB on SmolLM2).
-        module.weight.data.copy_(qweight.dequantize(module.weight.dtype))
 
     def stages(self, adapter: ArchAdapter) -> list[tuple[str, ...]]:
         return [adapter.linears]
@@ -51,14 +53,74 @@ class Quantizer:
         return {}
 
 
+class Quantizer(Modifier):
+    """Stores each linear's QuantizedWeight and writes its dequantized weight back into the model, so the
+    rest of the calibration (and any evaluation) sees the quantized model."""
+
+    kind = "quantization"
+
+    def __init__(self, config, model: nn.Module):
+        super().__init__(config, model)
+        self.results: dict[str, QuantizedWeight] = {}
+        # Masks of weights that must stay exactly zero, by full linear name: set by a pruner that ran before
+        # this quantizer in the same pass (ModifierList).
+        self.prior_masks: dict[str, torch.Tensor] = {}
+
+    def store(self, layer_index: int, name: str, module: nn.Linear, qweight: QuantizedWeight) -> None:
+        self.results[self.full_name(layer_index, name)] = qweight
+        # In place: a model loaded from safetensors is backed by the file's memory map; writing into it keeps
+        # one copy of each weight resident, where a new tensor would leave the mapped pages resident beside it
+        # (peak RSS +540 MB on SmolLM2).
+        module.weight.data.copy_(qweight.dequantize(module.weight.dtype))
+
+
+class Pruner(Modifier):
+    """Zeroes weights; the result of each linear is its mask [N, K] (True where pruned)."""
+
+    kind = "pruning"
+    changes_only_stage_linears = True
+    per_row = False  # compare scores within each output row (Wanda) or over the whole matrix
+
+    def __init__(self, config, model: nn.Module):
+        super().__init__(config, model)
+        self.masks: dict[str, torch.Tensor] = {}
+
+    def select(self, scores: torch.Tensor, per_row: bool) -> torch.Tensor:
+        from llmopt.compress.masks import nm_mask, unstructured_mask
+
+        nm = self.config.nm
+        if nm is not None:
+            return nm_mask(scores, *nm)
+        return unstructured_mask(scores, self.config.sparsity, per_row=per_row)
+
+    def apply(self, layer_index: int, name: str, module: nn.Linear, mask: torch.Tensor) -> None:
+        module.weight.data[mask.to(module.weight.device)] = 0
+        self.masks[self.full_name(layer_index, name)] = mask.cpu()
+
+    def scores(self, layer_index: int, name: str, weight: torch.Tensor) -> torch.Tensor:
+        raise NotImplementedError
+
+    def process(self, layer_index: int, layer: nn.Module, names: tuple[str, ...]) -> None:
+        for name in names:
+            module = get_module(layer, name)
+            scores = self.scores(layer_index, name, module.weight.data.float())
+            if self.is_ignored(self.full_name(layer_index, name)):
+                continue
+            self.apply(layer_index, name, module, self.select(scores, self.per_row))
+
+
 @dataclass(frozen=True)
-class QuantMethod:
+class MethodSpec:
+    """A registered method: its typed config and the modifier that runs it."""
+
     name: str
-    config_cls: type[QuantizeConfig]
-    quantizer_cls: type[Quantizer]
+    config_cls: type[BaseModel]
+    modifier_cls: type[Modifier]
+    default_format: str | None = None  # quantization: the checkpoint format written unless told otherwise
 
 
-QUANT_METHODS: Registry[QuantMethod] = Registry("quantization method")
+QUANT_METHODS: Registry[MethodSpec] = Registry("quantization method")
+PRUNE_METHODS: Registry[MethodSpec] = Registry("pruning method")
 
 
 def quantizable_linears(model: nn.Module) -> dict[str, nn.Linear]:

@@ -1,4 +1,5 @@
-"""One typed config per quantization method; the CLI, the recipes and the artifacts share them."""
+"""One typed config per compression method (quantization, sparsity, structured pruning); the CLI, the recipes
+and the artifacts share them."""
 
 from __future__ import annotations
 
@@ -6,7 +7,8 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
-from llmopt.compress.quant import SUPPORTED_BITS, QuantScheme
+from llmopt.compress.defaults import CALIBRATION, QUANTIZE, SPARSEGPT_DAMP, STRUCTURED_NUM_SAMPLES
+from llmopt.core.contract import SUPPORTED_BITS, QuantScheme, parse_nm
 
 
 def calibration_dtype(name: str, device: str) -> str:
@@ -22,14 +24,14 @@ def calibration_dtype(name: str, device: str) -> str:
 class CalibrationConfig(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
-    calib: str = Field("c4", description="dataset name(s), comma-separated to mix evenly")
-    num_samples: int = Field(128, ge=1)
-    seqlen: int = Field(512, ge=2)
-    seed: int = 0
-    batch_size: int = Field(8, ge=1)
-    device: str = "cpu"
+    calib: str = Field(CALIBRATION["calib"], description="dataset name(s), comma-separated to mix evenly")
+    num_samples: int = Field(CALIBRATION["num_samples"], ge=1)
+    seqlen: int = Field(CALIBRATION["seqlen"], ge=2)
+    seed: int = CALIBRATION["seed"]
+    batch_size: int = Field(CALIBRATION["batch_size"], ge=1)
+    device: str = CALIBRATION["device"]
     compute_dtype: Literal["auto", "float32", "bfloat16"] = Field(
-        "auto", description="dtype of the calibration forwards (weights and statistics stay fp32); auto: bfloat16 "
+        CALIBRATION["compute_dtype"], description="dtype of the calibration forwards (weights and statistics stay fp32); auto: bfloat16 "
         "where the device multiplies it natively, else float32 (resolved when the config is made)")
 
     @model_validator(mode="after")
@@ -44,9 +46,9 @@ class QuantizeConfig(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
     method: str
-    bits: int = 4
-    group_size: int = 128
-    sym: bool = True
+    bits: int = QUANTIZE["bits"]
+    group_size: int = QUANTIZE["group_size"]
+    sym: bool = QUANTIZE["sym"]
     mse: bool = Field(False, description="choose each group's clip ratio by minimising the weight error")
     ignore: list[str] = Field(default_factory=list, description="glob patterns of linears to leave dense")
     calibration: CalibrationConfig = Field(default_factory=CalibrationConfig)
@@ -93,23 +95,6 @@ class GPTQConfig(QuantizeConfig):
                         "model's own (GPTAQ asymmetric calibration; one more forward per stage)")
     gptaq_alpha: float = Field(1.0, gt=0, description="GPTAQ: weight of the drift correction (the paper's code "
                                "uses 0.25; 1.0, the exact correction, measured better on SmolLM2)")
-    prune_pattern: str | None = Field(
-        None, description="N:M: SparseGPT-prune each linear, then quantize it, in the same pass; needs sym")
-    prune_damp: float = Field(0.01, gt=0, description="SparseGPT's dampening when prune_pattern is set")
-
-    @model_validator(mode="after")
-    def _check_prune(self):
-        if self.prune_pattern is not None:
-            self.prune_nm  # validates
-            if not self.sym:
-                raise ValueError("prune_pattern needs sym quantization (zero must be representable)")
-        return self
-
-    @property
-    def prune_nm(self) -> tuple[int, int] | None:
-        from llmopt.prune.masks import parse_nm
-
-        return None if self.prune_pattern is None else parse_nm(self.prune_pattern)
 
 
 class AWQConfig(QuantizeConfig):
@@ -124,6 +109,62 @@ class AWQConfig(QuantizeConfig):
     @property
     def needs_calibration(self) -> bool:
         return self.search_file is None
+
+
+class SparsityConfig(BaseModel):
+    """Weights set to zero in place: a fraction (`sparsity`) or an N:M pattern along the input dim."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    method: Literal["magnitude", "wanda", "sparsegpt"]
+    sparsity: float | None = Field(None, gt=0, lt=1)
+    pattern: str | None = Field(None, description="N:M: at most N non-zeros in every M consecutive inputs")
+    ignore: list[str] = Field(default_factory=list, description="glob patterns of linears to leave dense")
+    damp: float = Field(SPARSEGPT_DAMP, gt=0, description="SparseGPT dampening, fraction of the Hessian's mean "
+                        "diagonal")
+    block_size: int = Field(128, ge=1)
+    calibration: CalibrationConfig = Field(default_factory=CalibrationConfig)
+
+    @model_validator(mode="after")
+    def _one_target(self):
+        if (self.sparsity is None) == (self.pattern is None):
+            raise ValueError("give exactly one of --sparsity F or --pattern N:M")
+        if self.pattern is not None:
+            self.nm  # validates
+        return self
+
+    @property
+    def nm(self) -> tuple[int, int] | None:
+        return None if self.pattern is None else parse_nm(self.pattern)
+
+    @property
+    def target_sparsity(self) -> float:
+        if self.nm is not None:
+            n, m = self.nm
+            return 1 - n / m
+        return float(self.sparsity)
+
+    @property
+    def structure(self) -> str:
+        return self.pattern if self.pattern is not None else "unstructured"
+
+    @property
+    def needs_calibration(self) -> bool:
+        return self.method != "magnitude"
+
+
+class StructuredConfig(BaseModel):
+    """Remove MLP channels, attention heads or whole decoder layers, giving a smaller dense model."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    structured: Literal["mlp", "heads", "layers"]
+    ratio: float = Field(gt=0, lt=1, description="fraction of channels / heads / layers to remove")
+    channel_multiple: int = Field(
+        32, ge=1, description="keep a multiple of this many MLP channels, so group quantization still divides")
+    scores_file: str | None = Field(None, description="replay the importance scores saved in an artifact")
+    calibration: CalibrationConfig = Field(
+        default_factory=lambda: CalibrationConfig(num_samples=STRUCTURED_NUM_SAMPLES))
 
 
 def build_config(config_cls: type[BaseModel], what: str, **settings) -> BaseModel:

@@ -8,10 +8,13 @@ from __future__ import annotations
 
 import torch
 
-from llmopt.compress.base import QUANT_METHODS, QuantMethod, Quantizer
+from llmopt.compress.quant import mse_qparams
+from llmopt.compress.base import QUANT_METHODS, MethodSpec, Quantizer
 from llmopt.compress.config import GPTQConfig
-from llmopt.compress.quant import QuantizedWeight, QuantScheme, compute_qparams, mse_qparams
-from llmopt.compress.hessian import SharedInputHessians, inverse_hessian_cholesky
+from llmopt.compress.quant import compute_qparams
+from llmopt.core.contract import QuantizedWeight, QuantScheme
+from llmopt.compress.hessian import HessianModifierMixin, inverse_hessian_cholesky
+from llmopt.core.adapters import get_module
 from llmopt.core.errors import LLMOptError
 
 
@@ -124,30 +127,18 @@ def gptq_quantize_weight(
                            None if bias is None else bias.detach().float().clone())
 
 
-def prune_and_quantize_weight(weight: torch.Tensor, hessian: torch.Tensor, scheme: QuantScheme,
-                              nm: tuple[int, int], prune_damp: float = 0.01, **gptq_options) -> QuantizedWeight:
-    """SparseGPT to N:M in natural order, then GPTQ over the survivors keeping the pruned weights exactly zero,
-    from one Hessian. (Choosing the mask inside GPTQ's loop, SparseGPT's joint mode, measured worse on SmolLM2:
-    act-order matters for the rounding, natural order for N:M selection; docs/results/pruning.md.)"""
-    from llmopt.prune.sparsegpt import sparsegpt_prune_weight
-
-    pruned, mask = sparsegpt_prune_weight(weight, hessian, nm=nm, damp=prune_damp,
-                                          block_size=gptq_options.get("block_size", 128))
-    return gptq_quantize_weight(pruned, hessian, scheme, mask=mask, **gptq_options)
-
-
-class GPTQQuantizer(Quantizer):
+class GPTQQuantizer(HessianModifierMixin, Quantizer):
     """Collects each linear's Hessian during the pipeline's stage pass, then GPTQ-quantizes the stage.
 
-    Weights that are exactly zero in a sparse model (config.sparsity_config) stay zero (the mask is kept);
-    with `prune_pattern` each linear is pruned to N:M by SparseGPT and then quantized, in one calibration pass.
+    Weights that must stay zero stay zero (their code is the zero point): those a pruner earlier in the same
+    pass removed (`prior_masks`), or the exact zeros of a sparse model (config.sparsity_config).
     """
 
     changes_only_stage_linears = True  # see calibration.LayerwiseAlgorithm
 
     def __init__(self, config: GPTQConfig, model):
         super().__init__(config, model)
-        self.hessians = SharedInputHessians()
+        self.init_hessians()
         self.keep_sparsity = getattr(model.config, "sparsity_config", None) is not None
 
     def stages(self, adapter):
@@ -158,37 +149,35 @@ class GPTQQuantizer(Quantizer):
         """GPTAQ: the pipeline also runs the full-precision layers and passes their inputs to add_batch."""
         return self.config.gptaq
 
-    def add_batch(self, layer_index, name, module, inputs, reference=None):
-        self.hessians.add(name, module.in_features, inputs, reference)
-
     def process(self, layer_index, layer, names):
-        from llmopt.core.adapters import get_module
-
         # Linears fed the same input share one Hessian (q/k/v, gate/up). GPTQ treats the rows of a weight
         # independently given H, so they are quantized as one stacked weight: the same result, with a third of
         # the column loop's per-column overhead for q/k/v.
         groups: dict[int, tuple[object, list]] = {}  # id(statistics) -> (statistics, [(name, module)])
         for name in names:
-            statistics = self.hessians.take(name)
+            statistics = self.hessians.get(name)
             if not self.is_ignored(self.full_name(layer_index, name)):
                 groups.setdefault(id(statistics), (statistics, []))[1].append((name, get_module(layer, name)))
         for statistics, members in groups.values():
             weight = torch.cat([module.weight.data for _, module in members])  # [sum N, K]
-            options = dict(damp=self.config.damp, block_size=self.config.block_size,
-                           act_order=self.config.act_order, static_groups=self.config.static_groups,
-                           mse=self.config.mse, cross=statistics.cross, cross_alpha=self.config.gptaq_alpha)
-            if self.config.prune_nm is not None:
-                stacked = prune_and_quantize_weight(weight, statistics.hessian, self.config.scheme,
-                                                    self.config.prune_nm, self.config.prune_damp, **options)
-            else:
-                keep = self.keep_sparsity and self.config.sym
-                stacked = gptq_quantize_weight(weight, statistics.hessian, self.config.scheme,
-                                               mask=(weight == 0) if keep else None, **options)
+            stacked = gptq_quantize_weight(
+                weight, statistics.hessian, self.config.scheme, mask=self.kept_zeros(layer_index, members, weight),
+                damp=self.config.damp, block_size=self.config.block_size, act_order=self.config.act_order,
+                static_groups=self.config.static_groups, mse=self.config.mse, cross=statistics.cross,
+                cross_alpha=self.config.gptaq_alpha)
             first = 0
             for name, module in members:
                 rows = slice(first, first + module.out_features)
                 first = rows.stop
                 self.store(layer_index, name, module, rows_of(stacked, rows, module.bias))
+        self.release_hessians()
+
+    def kept_zeros(self, layer_index: int, members: list, weight: torch.Tensor) -> torch.Tensor | None:
+        """[sum N, K] bool mask of weights to keep at exactly zero, or None."""
+        full = [self.full_name(layer_index, name) for name, _ in members]
+        if all(name in self.prior_masks for name in full):
+            return torch.cat([self.prior_masks[name] for name in full])
+        return (weight == 0) if self.keep_sparsity and self.config.sym else None
 
 
 def rows_of(stacked: QuantizedWeight, rows: slice, bias: torch.Tensor | None) -> QuantizedWeight:
@@ -198,4 +187,4 @@ def rows_of(stacked: QuantizedWeight, rows: slice, bias: torch.Tensor | None) ->
                            None if bias is None else bias.detach().float().clone())
 
 
-QUANT_METHODS.add("gptq", QuantMethod("gptq", GPTQConfig, GPTQQuantizer))
+QUANT_METHODS.add("gptq", MethodSpec("gptq", GPTQConfig, GPTQQuantizer, "gptq"))

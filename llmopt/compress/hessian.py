@@ -126,9 +126,29 @@ class SharedInputHessians:
         acc.add(inputs, reference)
         self._last = (inputs, acc)
 
-    def take(self, name: str) -> HessianAccumulator:
-        self._last = None
-        return self.by_name.pop(name)
+    def get(self, name: str) -> HessianAccumulator:
+        return self.by_name[name]
 
-    def pop(self, name: str) -> torch.Tensor:
-        return self.take(name).hessian
+    def clear(self) -> None:
+        """Drop the stage's statistics (after every modifier sharing them has processed the stage)."""
+        self.by_name.clear()
+        self._last = None
+
+
+class HessianModifierMixin:
+    """For modifiers that work from each linear's input Hessian (GPTQ, SparseGPT). Alone, a modifier owns its
+    statistics and drops them after each stage; in a ModifierList, modifiers share one SharedInputHessians that
+    the list fills once per input and clears after the last of them has processed the stage."""
+
+    uses_hessians = True
+
+    def init_hessians(self) -> None:
+        self.hessians = SharedInputHessians()
+        self.owns_hessians = True
+
+    def add_batch(self, layer_index, name, module, inputs, reference=None):
+        self.hessians.add(name, module.in_features, inputs, reference)
+
+    def release_hessians(self) -> None:
+        if self.owns_hessians:
+            self.hessians.clear()

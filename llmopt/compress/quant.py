@@ -8,78 +8,9 @@ W ~ s * (q - z). Symmetric schemes fix z = 2^(b-1), so zero is exactly represent
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import torch
 
-from llmopt.core.errors import ConfigError
-
-SUPPORTED_BITS = (2, 3, 4, 8)
-
-
-@dataclass(frozen=True)
-class QuantScheme:
-    bits: int = 4
-    group_size: int = 128  # -1 = per output channel
-    sym: bool = True
-
-    @property
-    def maxq(self) -> int:
-        return 2**self.bits - 1
-
-    def num_groups(self, in_features: int) -> int:
-        return 1 if self.group_size == -1 else in_features // self.group_size
-
-    def group_width(self, in_features: int) -> int:
-        return in_features if self.group_size == -1 else self.group_size
-
-    def check(self, in_features: int, name: str = "layer") -> None:
-        if self.bits not in SUPPORTED_BITS:
-            raise ConfigError(f"--bits {self.bits} is not supported: choose one of {SUPPORTED_BITS}")
-        if self.group_size != -1 and (self.group_size < 1 or in_features % self.group_size):
-            raise ConfigError(
-                f"--group-size {self.group_size} does not divide {name}'s in_features ({in_features}): "
-                "use a divisor of it (or -1 for per channel)"
-            )
-
-
-@dataclass
-class QuantizedWeight:
-    """The result every quantizer produces and every format packs.
-
-    q:      [N, K] uint8, unsigned codes in [0, 2^bits - 1]
-    scales: [N, G] float32
-    zeros:  [N, G] int32, unsigned zero points (2^(bits-1) when symmetric)
-    g_idx:  [K] int32, group of each input column (k // group_size unless act-order permuted groups)
-    """
-
-    q: torch.Tensor
-    scales: torch.Tensor
-    zeros: torch.Tensor
-    g_idx: torch.Tensor
-    scheme: QuantScheme
-    bias: torch.Tensor | None = None
-
-    @property
-    def shape(self) -> tuple[int, int]:
-        return tuple(self.q.shape)
-
-    @property
-    def has_trivial_g_idx(self) -> bool:
-        return torch.equal(self.g_idx, default_g_idx(self.q.shape[1], self.scheme))
-
-    def dequantize(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
-        """[N, K] weight s * (q - z), with each column's group taken from g_idx."""
-        g = self.g_idx.long()
-        scales = self.scales[:, g]  # [N, K]
-        zeros = self.zeros[:, g].float()
-        return (scales * (self.q.float() - zeros)).to(dtype)
-
-
-def default_g_idx(in_features: int, scheme: QuantScheme) -> torch.Tensor:
-    width = scheme.group_width(in_features)
-    return (torch.arange(in_features) // width).to(torch.int32)
-
+from llmopt.core.contract import QuantScheme, QuantizedWeight, default_g_idx
 
 def compute_qparams(
     w: torch.Tensor, scheme: QuantScheme, clip_ratio: torch.Tensor | float = 1.0

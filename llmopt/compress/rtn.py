@@ -4,9 +4,9 @@ from __future__ import annotations
 
 from torch import nn
 
-from llmopt.compress.base import QUANT_METHODS, QuantMethod, Quantizer
-from llmopt.compress.config import RTNConfig
 from llmopt.compress.quant import quantize_rtn
+from llmopt.compress.base import QUANT_METHODS, MethodSpec, Quantizer
+from llmopt.compress.config import RTNConfig
 from llmopt.core.adapters import get_module
 
 
@@ -20,4 +20,4 @@ class RTNQuantizer(Quantizer):
             self.store(layer_index, name, module, qweight)
 
 
-QUANT_METHODS.add("rtn", QuantMethod("rtn", RTNConfig, RTNQuantizer))
+QUANT_METHODS.add("rtn", MethodSpec("rtn", RTNConfig, RTNQuantizer, "compressed-tensors"))

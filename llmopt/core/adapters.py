@@ -57,6 +57,21 @@ class ArchAdapter:
         return {name: group for source, group in self.smooth_groups if source in norms for name in group}
 
 
+@dataclass(frozen=True)
+class AttentionGeometry:
+    num_heads: int
+    num_kv_heads: int  # < num_heads with grouped-query attention
+    head_dim: int
+
+
+def attention_geometry(config) -> AttentionGeometry:
+    """Heads, KV heads and head size from a transformers config (head_dim may be given or implied)."""
+    heads = config.num_attention_heads
+    kv_heads = getattr(config, "num_key_value_heads", None) or heads
+    head_dim = getattr(config, "head_dim", None) or config.hidden_size // heads
+    return AttentionGeometry(heads, kv_heads, head_dim)
+
+
 ADAPTERS: tuple[ArchAdapter, ...] = (
     ArchAdapter("llama", ("llama",)),
     ArchAdapter("mistral", ("mistral",)),

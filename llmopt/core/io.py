@@ -46,8 +46,21 @@ def atomic_output_dir(final: str | Path, overwrite: bool = False) -> Iterator[Pa
         os.replace(tmp, final)
 
 
-def write_json(path: str | Path, data: Any) -> None:
-    Path(path).write_text(json.dumps(data, indent=2, sort_keys=False, default=str) + "\n")
+def write_json(path: str | Path, data: Any, indent: int = 2) -> None:
+    """Write JSON atomically: into a temporary file beside `path`, renamed over it once complete."""
+    write_text(path, json.dumps(data, indent=indent, sort_keys=False, default=str) + "\n")
+
+
+def write_text(path: str | Path, text: str) -> None:
+    """Write a file atomically (a reader sees the old content or the new, never a part)."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.parent / f".{path.name}.tmp-{uuid.uuid4().hex[:8]}"
+    try:
+        tmp.write_text(text)
+        os.replace(tmp, path)
+    finally:
+        tmp.unlink(missing_ok=True)
 
 
 def read_json(path: str | Path) -> Any:

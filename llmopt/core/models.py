@@ -204,56 +204,36 @@ def load_tokenizer(source: ModelSource, trust_remote_code: bool = False):
     return tokenizer
 
 
-def load_model(
-    name_or_source: str | ModelSource,
-    dtype: str = "float32",
-    device: str = "cpu",
-    trust_remote_code: bool = False,
-    packed_kernels: bool = False,
-):
-    """Load MODEL as (torch model in eval mode, tokenizer, source).
-
-    packed_kernels: quantized linears of an artifact become the runtime's packed int4/int8 layers
-    (llmopt.runtime.layers) instead of dense dequantized weights; numerics then follow those kernels.
-
-    >>> model, tokenizer, source = load_model("smollm2-135m")  # doctest: +SKIP
-    """
-    from transformers import AutoModelForCausalLM
-
-    from transformers.utils import logging as hf_logging
-
-    hf_logging.disable_progress_bar()
-    source = name_or_source if isinstance(name_or_source, ModelSource) else resolve_model(name_or_source)
-    if dtype == "auto":  # the fastest accurate dtype for this device (core.hardware.resolve_dtype)
+def resolve_dtype_name(dtype: str, device: str) -> str:
+    """A dtype name for loading: "auto" -> the fastest accurate dtype for the device (core.hardware)."""
+    if dtype == "auto":
         from llmopt.core.hardware import resolve_dtype
 
         dtype = resolve_dtype(dtype, device)
     if dtype not in DTYPES:
         raise ModelLoadError(f"unknown dtype {dtype!r}: choose one of auto, {', '.join(DTYPES)}")
-    config = load_config(source, trust_remote_code)
-    adapter_for(config)  # unsupported families fail here, naming the supported ones
-    if source.kind == "artifact":
-        from llmopt.export.read import load_artifact_model
+    return dtype
 
-        factory = None
-        if packed_kernels:
-            from llmopt.runtime.layers import quantized_linear
 
-            factory = lambda qweight: quantized_linear(qweight, DTYPES[dtype], device)  # noqa: E731
-        model = load_artifact_model(source.path, dtype=DTYPES[dtype], device=device, linear_factory=factory)
-    else:
-        if source.path is not None:
-            _check_safetensors(source.path)
-        try:
-            model = AutoModelForCausalLM.from_pretrained(
-                source.load_path, dtype=DTYPES[dtype], use_safetensors=True,
-                trust_remote_code=trust_remote_code,
-            )
-        except Exception as e:
-            raise _load_error(source, e) from e
-        model.to(device)
-    model.eval()
-    return model, load_tokenizer(source, trust_remote_code), source
+def load_dense_model(source: ModelSource, dtype: str = "float32", device: str = "cpu",
+                     trust_remote_code: bool = False):
+    """A Hugging Face model folder, alias, converted GGUF or hub model as a transformers model in eval mode
+    (llmopt artifacts with packed weights are read by llmopt.export.load.load_model)."""
+    from transformers import AutoModelForCausalLM
+
+    from transformers.utils import logging as hf_logging
+
+    hf_logging.disable_progress_bar()
+    dtype = resolve_dtype_name(dtype, device)
+    if source.path is not None:
+        _check_safetensors(source.path)
+    try:
+        model = AutoModelForCausalLM.from_pretrained(
+            source.load_path, dtype=DTYPES[dtype], use_safetensors=True, trust_remote_code=trust_remote_code,
+        )
+    except Exception as e:
+        raise _load_error(source, e) from e
+    return model.to(device).eval()
 
 
 def describe_model(source: ModelSource, trust_remote_code: bool = False) -> dict:

@@ -19,7 +19,7 @@ from dataclasses import asdict, dataclass, field
 import numpy as np
 
 from llmopt.core.errors import ConfigError
-from llmopt.runtime.stats import StepStats
+from llmopt.runtime.engine.stats import StepStats
 
 PERCENTILES = (("mean", None), ("median", 50), ("p90", 90), ("p99", 99))
 SLO_KEYS = ("ttft", "tpot", "e2el")

@@ -9,7 +9,7 @@ from __future__ import annotations
 import math
 import time
 from collections import deque
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from typing import Callable
 
 import torch
@@ -19,7 +19,7 @@ from llmopt.eval.metrics import (
     HardwarePeaks, ModelCost, RequestRecord, RunResult, engine_metrics, request_metrics,
 )
 from llmopt.eval.workloads import BenchRequest, WorkloadSpec, build_workload
-from llmopt.runtime.defaults import KV_CACHE_MEMORY_FRACTION
+from llmopt.runtime.engine.config import EngineConfig
 
 ProgressFn = Callable[[int, int], None]  # (completed, total)
 
@@ -28,13 +28,7 @@ ProgressFn = Callable[[int, int], None]  # (completed, total)
 class BenchConfig:
     dtype: str = "auto"  # resolved by each run (core.hardware.resolve_dtype): the baseline gets the same
     device: str = "cpu"
-    batching: str = "continuous"  # or "static"
-    max_num_seqs: int = 64
-    max_num_batched_tokens: int = 2048
-    block_size: int = 16
-    kv_cache_bytes: int | None = None  # None: kv_cache_memory_fraction of the available memory
-    kv_cache_memory_fraction: float = KV_CACHE_MEMORY_FRACTION
-    enable_prefix_cache: bool = True
+    engine: EngineConfig = field(default_factory=EngineConfig)  # batching, KV cache, prefix cache
     max_concurrency: int | None = None
     hf_batch_size: int = 32
     slo: tuple[tuple[str, float], ...] = ()
@@ -50,7 +44,7 @@ def _bytes(tensors) -> int:
 
 def model_cost(model: nn.Module, kv_dtype: torch.dtype) -> ModelCost:
     """Bytes read and FLOPs per token of a (possibly packed) model: decoder layers, final norm, lm_head."""
-    from llmopt.core.adapters import adapter_for, get_module
+    from llmopt.core.adapters import adapter_for, attention_geometry, get_module
 
     adapter = adapter_for(model)
     layers = get_module(model, adapter.layers)
@@ -63,16 +57,16 @@ def model_cost(model: nn.Module, kv_dtype: torch.dtype) -> ModelCost:
                         if hasattr(m, "in_features") and not list(m.children()))
     linear_params += lm_head.in_features * lm_head.out_features
     config = model.config
-    heads = config.num_attention_heads
-    kv_heads = getattr(config, "num_key_value_heads", None) or heads
-    head_dim = getattr(config, "head_dim", None) or config.hidden_size // heads
+    geometry = attention_geometry(config)
+    heads, kv_heads, head_dim = geometry.num_heads, geometry.num_kv_heads, geometry.head_dim
     element = torch.tensor([], dtype=kv_dtype).element_size()
     num_layers = len(layers)
     return ModelCost(weight_bytes, linear_params, 2 * num_layers * kv_heads * head_dim * element,
                      4 * num_layers * heads * head_dim, lm_head.in_features * lm_head.out_features)
 
 
-def _timed(fn, device: str) -> float:
+def best_time(fn, device: str) -> float:
+    """The shortest of 5 timed calls of fn() in seconds (the first warms up; CUDA synchronized)."""
     sync = torch.cuda.synchronize if torch.device(device).type == "cuda" else (lambda: None)
     best = math.inf
     for _ in range(5):
@@ -103,60 +97,52 @@ def measure_peaks(dtype: torch.dtype, bandwidth: float | None = None, flops: flo
     if bandwidth is None:
         src = torch.ones(64 * 2**20 // 4, dtype=torch.float32, device=device)  # 64 MiB, beyond the caches
         dst = torch.empty_like(src)
-        best = _timed(lambda: dst.copy_(src), device)
+        best = best_time(lambda: dst.copy_(src), device)
         bandwidth = 2 * src.numel() * 4 / best  # read + write
     if flops is None:
         n = 1024
         a, b = torch.randn(n, n, dtype=dtype, device=device), torch.randn(n, n, dtype=dtype, device=device)
-        best = _timed(lambda: a @ b, device)
+        best = best_time(lambda: a @ b, device)
         flops = 2 * n**3 / best
     return HardwarePeaks(bandwidth, flops, "measured (64 MiB copy, 1024^3 matmul)")
 
 
 # --- runtime driver ---------------------------------------------------------------------------------
-def _reset_engine_counters(engine) -> None:
-    engine.step_stats.clear()
-    engine.scheduler.num_preemptions = 0
-    engine.block_manager.reset_prefix_cache()
-    engine.block_manager.num_lookup_tokens = engine.block_manager.num_hit_tokens = 0
-
-
 def warm_up(engine, vocab_size: int) -> None:
-    from llmopt.runtime.sampling import SamplingParams
+    """Two short requests through every path a run takes (prefill, decode), then zeroed counters and an empty
+    prefix cache, so the measured run starts cold but compiled."""
+    from llmopt.runtime.engine.sampling import SamplingParams
 
     ids = [[(101 + i * 7) % vocab_size for i in range(32)], [(203 + i * 3) % vocab_size for i in range(48)]]
-    engine.generate(ids, SamplingParams(max_tokens=4, ignore_eos=True))
-    _reset_engine_counters(engine)
+    engine.generate(ids, SamplingParams(max_tokens=4, ignore_eos=True, detokenize=False))
+    engine.reset_stats(clear_prefix_cache=True)
 
 
 def run_engine(engine, requests: list[BenchRequest], max_concurrency: int | None = None,
                progress: ProgressFn | None = None) -> tuple[list[RequestRecord], float]:
     """Feed requests at their arrival times (at most max_concurrency in flight); returns records, duration."""
-    from llmopt.runtime.sampling import SamplingParams
+    from llmopt.runtime.engine.sampling import SamplingParams
 
     pending = deque(sorted(requests, key=lambda r: r.arrival_offset))
-    in_flight: set[int] = set()
     records: list[RequestRecord] = []
     start = time.perf_counter()
-    while pending or in_flight:
+    while pending or engine.has_unfinished():
         now = time.perf_counter()
         while pending and pending[0].arrival_offset <= now - start and (
-                max_concurrency is None or len(in_flight) < max_concurrency):
+                max_concurrency is None or engine.num_live_requests < max_concurrency):
             request = pending.popleft()
-            seq_id = engine.add_request(request.prompt_token_ids,
-                                        SamplingParams(max_tokens=request.max_tokens, ignore_eos=True))
             # a request held back by max_concurrency starts when it is sent, as in vLLM's client
-            engine.sequences[seq_id].arrival_time = max(start + request.arrival_offset, now)
-            in_flight.add(seq_id)
-        if not in_flight:
+            engine.add_request(request.prompt_token_ids,
+                               SamplingParams(max_tokens=request.max_tokens, ignore_eos=True, detokenize=False),
+                               arrival_time=max(start + request.arrival_offset, now))
+        if not engine.has_unfinished():
             time.sleep(max(0.0, pending[0].arrival_offset - (time.perf_counter() - start)))
             continue
         for output in engine.step():
             if output.finished:
-                in_flight.discard(output.seq_id)
-                seq = engine.sequences.pop(output.seq_id)
-                records.append(RequestRecord(seq.arrival_time - start, [t - start for t in seq.token_times],
-                                             seq.num_prompt_tokens, seq.num_output_tokens, seq.num_cached_tokens))
+                records.append(RequestRecord(output.arrival_time - start, [t - start for t in output.token_times],
+                                             output.num_prompt_tokens, len(output.token_ids),
+                                             output.num_cached_tokens))
                 if progress:
                     progress(len(records), len(requests))
     return records, time.perf_counter() - start
@@ -185,7 +171,9 @@ def run_hf_static(model, tokenizer, requests: list[BenchRequest], batch_size: in
                   progress: ProgressFn | None = None) -> tuple[list[RequestRecord], float]:
     """Static batches through `model.generate` (left padding, greedy, EOS ignored); each batch runs as long as
     its longest request, and starts once all its requests have arrived."""
-    pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else (tokenizer.eos_token_id or 0)
+    from llmopt.eval.hf_baseline import left_padded, pad_token_id
+
+    pad_id = pad_token_id(tokenizer)
     device = next(model.parameters()).device
     records: list[RequestRecord] = []
     ordered = sorted(requests, key=lambda r: r.arrival_offset)
@@ -195,12 +183,7 @@ def run_hf_static(model, tokenizer, requests: list[BenchRequest], batch_size: in
         wait = batch[-1].arrival_offset - (time.perf_counter() - start)
         if wait > 0:
             time.sleep(wait)
-        width = max(len(r.prompt_token_ids) for r in batch)
-        input_ids = torch.full((len(batch), width), pad_id, dtype=torch.long)
-        mask = torch.zeros_like(input_ids)
-        for row, r in enumerate(batch):
-            input_ids[row, width - len(r.prompt_token_ids):] = torch.tensor(r.prompt_token_ids)
-            mask[row, width - len(r.prompt_token_ids):] = 1
+        input_ids, mask = left_padded([r.prompt_token_ids for r in batch], pad_id)
         new_tokens = max(r.max_tokens for r in batch)
         streamer = _TimingStreamer()
         model.generate(input_ids=input_ids.to(device), attention_mask=mask.to(device), max_new_tokens=new_tokens,
@@ -224,48 +207,38 @@ def _resolved(config: BenchConfig) -> BenchConfig:
     return replace(config, dtype=resolve_dtype(config.dtype, config.device))
 
 
-def engine_config_for(config: BenchConfig):
-    from llmopt.runtime.engine import EngineConfig
-
-    return EngineConfig(block_size=config.block_size, kv_cache_bytes=config.kv_cache_bytes,
-                        kv_cache_memory_fraction=config.kv_cache_memory_fraction, max_num_seqs=config.max_num_seqs,
-                        max_num_batched_tokens=config.max_num_batched_tokens,
-                        enable_prefix_cache=config.enable_prefix_cache, policy=config.batching)
-
-
 def bench_runtime(name: str, model_name: str, spec: WorkloadSpec, config: BenchConfig,
                   progress: ProgressFn | None = None) -> RunResult:
     """One measured runtime run."""
-    from llmopt.core.models import DTYPES, load_model
-    from llmopt.runtime.engine import Engine
+    from llmopt.core.models import DTYPES
+    from llmopt.runtime.engine.engine import Engine
+    from llmopt.runtime.executor.loader import load_runtime_model
 
     config = _resolved(config)
-    model, tokenizer, _ = load_model(model_name, dtype=config.dtype, device=config.device, packed_kernels=True)
-    engine = Engine(model, tokenizer, engine_config_for(config))
+    model, tokenizer, _ = load_runtime_model(model_name, dtype=config.dtype, device=config.device)
+    engine = Engine(model, tokenizer, config.engine)
     vocab_size = model.config.vocab_size
     requests = build_workload(spec, tokenizer, vocab_size)
     warm_up(engine, vocab_size)
     records, duration = run_engine(engine, requests, config.max_concurrency, progress)
-    bm = engine.block_manager
-    hit_rate = bm.num_hit_tokens / bm.num_lookup_tokens if bm.num_lookup_tokens else 0.0
+    stats, kv = engine.stats(), engine.kv_cache_info()
     peaks = measure_peaks(DTYPES[config.dtype], config.peak_bandwidth, config.peak_flops, config.device)
     metrics = request_metrics(records, dict(config.slo))
-    metrics.update(engine_metrics(engine.step_stats, model_cost(model, engine.runner.kv_dtype), peaks,
-                                  engine.scheduler.num_preemptions, hit_rate, metrics["duration"]))
+    metrics.update(engine_metrics(stats.steps, model_cost(model, DTYPES[kv["dtype"]]), peaks,
+                                  stats.num_preemptions, stats.prefix_cache_hit_rate, metrics["duration"]))
     metrics["peak_bandwidth"], metrics["peak_flops"] = peaks.bandwidth, peaks.flops
-    metrics["kv_cache_bytes"], metrics["kv_cache_tokens"] = (engine.runner.kv_cache_bytes,
-                                                             engine.runner.num_blocks * engine.runner.block_size)
+    metrics["kv_cache_bytes"], metrics["kv_cache_tokens"] = kv["bytes"], kv["tokens"]
     # TTFT of the requests that found their prefix cached (the first of each prefix pays the full prefill)
     hits = [r.ttft for r in records if r.num_cached_tokens > 0]
     metrics["mean_ttft_prefix_hit_ms"] = 1000 * sum(hits) / len(hits) if hits else None
     return RunResult(name, model_name, {"backend": "runtime", **asdict(config), "workload": asdict(spec),
-                                        "kv_cache": engine.runner.kv_cache_summary(), "hardware": _hardware(config)},
-                     metrics, records, [s.num_seqs for s in engine.step_stats])
+                                        "kv_cache": kv["summary"], "hardware": _hardware(config)},
+                     metrics, records, [s.num_seqs for s in stats.steps])
 
 
 def bench_hf(name: str, model_name: str, spec: WorkloadSpec, config: BenchConfig,
              progress: ProgressFn | None = None) -> RunResult:
-    from llmopt.core.models import load_model
+    from llmopt.export.load import load_model
 
     config = _resolved(config)
     model, tokenizer, _ = load_model(model_name, dtype=config.dtype, device=config.device)

@@ -9,7 +9,7 @@ from pathlib import Path
 import torch
 from safetensors.torch import save_file
 
-from llmopt.compress.quant import QuantizedWeight
+from llmopt.core.contract import QuantizedWeight
 from llmopt.core.environment import package_versions
 from llmopt.core.io import atomic_output_dir, write_json
 from llmopt.export.formats import FORMATS
@@ -50,8 +50,10 @@ def write_artifact(
     extra_tensors: dict[str, torch.Tensor] | None = None,
     generation_config=None,
     overwrite: bool = False,
+    extra_file: str = SEARCH_FILE,
 ) -> Path:
-    """Write dense tensors + `qweights` packed in format `fmt_name` (None: a dense artifact) to `out`.
+    """Write dense tensors + `qweights` packed in format `fmt_name` (None: a dense artifact) to `out`, and
+    `extra_tensors` (search results, importance scores) as `extra_file`; all of it appears at once or not at all.
 
     `config` is the model's config.json dict; its quantization_config is replaced by the format's.
     """
@@ -77,7 +79,7 @@ def write_artifact(
             generation_config.save_pretrained(tmp)
         tokenizer.save_pretrained(tmp)
         if extra_tensors:
-            save_file(extra_tensors, str(tmp / SEARCH_FILE))
+            save_file(extra_tensors, str(tmp / extra_file))
         manifest = {
             **manifest, "format": fmt_name, "versions": package_versions(),
             "write_wall_s": round(time.perf_counter() - start, 3),

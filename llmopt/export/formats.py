@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import torch
 
-from llmopt.compress.quant import QuantizedWeight, QuantScheme, default_g_idx
+from llmopt.core.contract import default_g_idx, QuantizedWeight, QuantScheme
 from llmopt.core.errors import ArtifactError
 from llmopt.core.registry import Registry
 from llmopt.export.packing import deinterleave_awq, interleave_awq, pack_int32, unpack_int32

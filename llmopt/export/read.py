@@ -9,7 +9,7 @@ from pathlib import Path
 import torch
 from safetensors import safe_open
 
-from llmopt.compress.quant import QuantizedWeight, QuantScheme
+from llmopt.core.contract import QuantizedWeight, QuantScheme
 from llmopt.core.errors import ArtifactError, ModelLoadError
 from llmopt.core.io import read_json
 from llmopt.core.models import rebuild_meta_buffers

@@ -13,7 +13,7 @@ from pathlib import Path
 from typing import Callable
 
 from llmopt import __version__
-from llmopt.core.io import read_json
+from llmopt.core.io import read_json, write_json
 from llmopt.recipe.schema import Recipe
 from llmopt.recipe.stages import STAGES
 
@@ -23,12 +23,6 @@ LogFn = Callable[[str], None]
 def cache_key(*parts) -> str:
     blob = json.dumps([__version__, *parts], sort_keys=True, default=str)
     return hashlib.sha256(blob.encode()).hexdigest()[:16]
-
-
-def _write_json_atomic(path: Path, data) -> None:
-    tmp = path.with_suffix(path.suffix + ".tmp")
-    tmp.write_text(json.dumps(data, indent=1, default=str))
-    tmp.replace(path)
 
 
 def _weights_bytes(model: str) -> int | None:
@@ -63,7 +57,7 @@ class RecipeRunner:
             else:
                 self.log(f"{name}: {stage_name} {options}")
                 facts = STAGES.get(stage_name).run(model, out, options)
-                _write_json_atomic(out / "stage_facts.json", facts)
+                write_json(out / "stage_facts.json", facts, indent=1)
                 self.stages_run.append(f"{name}/{i}/{stage_name}")
             records.append({"stage": stage_name, "options": options, "artifact": str(out), "cache_key": key,
                             "wall_s": round(time.perf_counter() - start, 2), "facts": facts})
@@ -76,12 +70,12 @@ class RecipeRunner:
         if path.is_file():
             return read_json(path)
         result = compute()
-        _write_json_atomic(path, result)
+        write_json(path, result, indent=1)
         return result
 
     def evaluate(self, model: str, key: str, dtype: str | None = None) -> dict:
         from llmopt.core.datasets import tokenize_corpus
-        from llmopt.core.models import load_model
+        from llmopt.export.load import load_model
         from llmopt.eval.perplexity import perplexity
         from llmopt.eval.tasks import evaluate_task
 
@@ -124,10 +118,11 @@ class RecipeRunner:
             from llmopt.eval.metrics import parse_slo
             from llmopt.eval.speed import BenchConfig, bench_runtime
             from llmopt.eval.workloads import WorkloadSpec
+            from llmopt.runtime.engine.config import EngineConfig
 
             workload = WorkloadSpec(spec.dataset, spec.num_requests, spec.input_len, spec.output_len,
                                     spec.range_ratio, request_rate=spec.request_rate, seed=self.recipe.defaults.seed)
-            config = BenchConfig(dtype=spec.dtype, max_num_seqs=spec.max_num_seqs,
+            config = BenchConfig(dtype=spec.dtype, engine=EngineConfig(max_num_seqs=spec.max_num_seqs),
                                  slo=tuple(parse_slo(spec.slo).items()))
             if through_hf:
                 from llmopt.eval.speed import bench_hf
@@ -161,5 +156,5 @@ class RecipeRunner:
         results = {"recipe": self.recipe.name, "model": self.recipe.model, "baseline": self.recipe.baseline,
                    "llmopt_version": __version__, "recipe_config": self.recipe.model_dump(mode="json"),
                    "variants": variants}
-        _write_json_atomic(self.run_dir / "results.json", results)
+        write_json(self.run_dir / "results.json", results, indent=1)
         return results

@@ -23,6 +23,7 @@ import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 from llmopt.core.errors import ConfigError
+from llmopt.runtime.engine.config import ENGINE_DEFAULTS
 
 
 class _Strict(BaseModel):
@@ -74,7 +75,7 @@ class BenchSpec(_Strict):
     range_ratio: float = 0.0
     request_rate: float = float("inf")
     dtype: str = "auto"  # bfloat16 where the CPU multiplies it natively, else float32 (core.hardware)
-    max_num_seqs: int = 64
+    max_num_seqs: int = ENGINE_DEFAULTS.max_num_seqs
     slo: Optional[str] = None
 
     @field_validator("dataset")

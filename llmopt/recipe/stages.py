@@ -13,11 +13,9 @@ from typing import Callable
 from llmopt.core.errors import ConfigError
 from llmopt.core.registry import Registry
 
-CALIBRATION_KEYS = ("calib", "num_samples", "seqlen", "batch_size", "seed", "device", "compute_dtype")
 # The recipe's `defaults` filled into every stage's options (Recipe.stage_options); stages that take no
 # calibration accept and ignore them.
 DEFAULTED_KEYS = ("calib", "num_samples", "seqlen", "seed")
-QUANT_FORMAT_DEFAULT = {"rtn": "compressed-tensors", "gptq": "gptq", "awq": "awq"}
 
 
 @dataclass(frozen=True)
@@ -30,44 +28,39 @@ class Stage:
 STAGES: Registry[Stage] = Registry("stage")
 
 
-def _split_quantize(options: dict) -> tuple[str, dict, str]:
+def _split_quantize(options: dict) -> tuple[str, dict, str | None]:
     settings = dict(options)
     method = settings.pop("method", None)
     if method is None:
         raise ConfigError("quantize needs method: rtn, gptq or awq")
-    fmt = settings.pop("format", QUANT_FORMAT_DEFAULT.get(method, "compressed-tensors"))
-    return method, settings, fmt
+    return method, settings, settings.pop("format", None)  # None: the method's own format
 
 
 def _validate_quantize(options: dict) -> None:
-    from llmopt.compress.api import make_config
+    from llmopt.compress.api import quantize_configs
     from llmopt.export.formats import FORMATS
 
     method, settings, fmt = _split_quantize(options)
-    make_config(method, **settings)
-    if fmt not in FORMATS:
+    quantize_configs(method, settings)
+    if fmt is not None and fmt not in FORMATS:
         raise ConfigError(f"unknown format {fmt!r}: choose one of {', '.join(FORMATS.names())}")
 
 
 def _run_quantize(model: str, output: Path, options: dict) -> dict:
-    from llmopt.compress.pipeline import quantize_to_artifact
+    from llmopt.pipelines.quantize import quantize_to_artifact
 
     method, settings, fmt = _split_quantize(options)
     return quantize_to_artifact(model, output, method, settings, fmt, overwrite=True)
 
 
 def _validate_prune(options: dict) -> None:
-    from llmopt.prune.api import make_sparsity_config
-    from llmopt.prune.pipeline import _structured_config
+    from llmopt.pipelines.prune import prune_config
 
-    if options.get("structured") is not None:
-        _structured_config(dict(options))
-    else:
-        make_sparsity_config(**options)
+    prune_config(dict(options))
 
 
 def _run_prune(model: str, output: Path, options: dict) -> dict:
-    from llmopt.prune.pipeline import prune_to_artifact
+    from llmopt.pipelines.prune import prune_to_artifact
 
     return prune_to_artifact(model, output, dict(options), overwrite=True)
 
@@ -140,7 +133,7 @@ def _run_cast(model: str, output: Path, options: dict) -> dict:
     import torch
 
     from llmopt.core.io import atomic_output_dir
-    from llmopt.core.models import load_model
+    from llmopt.export.load import load_model
 
     start = time.perf_counter()
     lm, tokenizer, _ = load_model(model, dtype=options["dtype"])

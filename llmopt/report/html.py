@@ -90,10 +90,8 @@ def html_report(runs: list[dict]) -> str:
 
 
 def write_report(runs: list[dict], html_path: str | Path, markdown_path: str | Path | None = None) -> None:
-    html_path = Path(html_path)
-    html_path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = html_path.with_suffix(".tmp")
-    tmp.write_text(html_report(runs))
-    tmp.replace(html_path)
+    from llmopt.core.io import write_text
+
+    write_text(html_path, html_report(runs))
     if markdown_path:
-        Path(markdown_path).write_text(markdown(runs))
+        write_text(markdown_path, markdown(runs))

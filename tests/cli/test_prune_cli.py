@@ -52,7 +52,7 @@ def test_sparse_then_gptq_artifact_carries_both(tiny_llama_dir, tmp_path):
     assert config["sparsity_config"]["sparsity_structure"] == "2:4"
     assert config["quantization_config"]["quant_method"] == "gptq"
     from llmopt.export.read import read_artifact
-    from llmopt.prune.masks import check_nm
+    from llmopt.compress.masks import check_nm
 
     for qw in read_artifact(tmp_path / "q").qweights.values():
         assert check_nm(qw.dequantize(), 2, 4)
@@ -67,7 +67,7 @@ def test_prune_and_quantize_in_one_gptq_run(tiny_llama_dir, tmp_path):
     assert sparsity["sparsity_structure"] == "2:4" and sparsity["method"] == "sparsegpt+gptq"
     assert 0.5 <= sparsity["global_sparsity"] < 0.6
     from llmopt.export.read import read_artifact
-    from llmopt.prune.masks import check_nm
+    from llmopt.compress.masks import check_nm
 
     for qw in read_artifact(tmp_path / "q").qweights.values():
         assert check_nm(qw.dequantize(), 2, 4)
@@ -75,7 +75,7 @@ def test_prune_and_quantize_in_one_gptq_run(tiny_llama_dir, tmp_path):
     assert ppl.exit_code == 0, ppl.output
     out = tmp_path / "bad"
     assert_one_line_error(run("quantize", tiny_llama_dir, "--method", "gptq", "--group-size", 32, "--asym",
-                              "--prune-pattern", "2:4", *CALIB, "-o", out), "prune_pattern needs sym")
+                              "--prune-pattern", "2:4", *CALIB, "-o", out), "--prune-pattern needs sym")
     assert_one_line_error(run("quantize", tiny_llama_dir, "--method", "rtn", "--prune-pattern", "2:4", "-o", out),
                           "--prune-pattern applies to gptq only")
     assert_one_line_error(run("quantize", tiny_llama_dir, "--method", "gptq", "--group-size", 32,

@@ -2,8 +2,9 @@ import copy
 
 import torch
 
+from llmopt.core.contract import QuantScheme
+from llmopt.compress.quant import quantize_rtn
 from llmopt.compress.awq import apply_scales, clip_weight, search_clip, search_scales
-from llmopt.compress.quant import QuantScheme, quantize_rtn
 
 
 def outlier_inputs(num_tokens=1024, k=64, seed=0):

@@ -1,9 +1,10 @@
 import pytest
 import torch
 
+from llmopt.core.contract import QuantScheme
+from llmopt.compress.quant import quantize_rtn
 from llmopt.compress.gptq import gptq_quantize_weight
 from llmopt.compress.hessian import HessianAccumulator
-from llmopt.compress.quant import QuantScheme, quantize_rtn
 
 
 def correlated_inputs(num_tokens=2048, k=128, seed=0):
@@ -103,9 +104,9 @@ def test_mask_keeps_pruned_weights_exactly_zero():
 
 @pytest.mark.parametrize("act_order", [False, True])
 @pytest.mark.parametrize("nm", [(2, 4), (4, 8)])
-def test_prune_and_quantize_gives_the_pattern_and_beats_magnitude_then_gptq(act_order, nm):
-    from llmopt.compress.gptq import prune_and_quantize_weight
-    from llmopt.prune.masks import check_nm, nm_mask
+def test_sparsegpt_then_gptq_gives_the_pattern_and_beats_magnitude_then_gptq(act_order, nm):
+    from llmopt.compress.sparsegpt import sparsegpt_prune_weight
+    from llmopt.compress.masks import check_nm, nm_mask
 
     torch.manual_seed(3)
     w = torch.randn(64, 128)
@@ -113,7 +114,10 @@ def test_prune_and_quantize_gives_the_pattern_and_beats_magnitude_then_gptq(act_
     acc = HessianAccumulator(128)
     acc.add(x)
     scheme = QuantScheme(4, 32, True)
-    both = prune_and_quantize_weight(w, acc.hessian, scheme, nm, act_order=act_order)
+    # what the SparseGPT and GPTQ modifiers do to a linear in one pass: prune from the Hessian, then quantize
+    # from the same Hessian, keeping the pruned weights at zero
+    pruned, pruned_mask = sparsegpt_prune_weight(w, acc.hessian, nm=nm)
+    both = gptq_quantize_weight(pruned, acc.hessian, scheme, act_order=act_order, mask=pruned_mask)
     dq = both.dequantize()
     assert check_nm(dq, *nm)
     assert (both.q[dq == 0].long() == 2 ** (scheme.bits - 1)).all()  # pruned weights hold the zero point's code

@@ -1,7 +1,9 @@
 import pytest
 import torch
 
-from llmopt.compress.quant import QuantScheme, compute_qparams, mse_qparams, quantize_rtn
+from llmopt.core.contract import QuantScheme
+from llmopt.compress.quant import fake_quantize, quantize_rtn
+from llmopt.compress.quant import compute_qparams, mse_qparams
 from llmopt.core.errors import ConfigError
 
 
@@ -54,7 +56,6 @@ def test_bad_schemes_are_clear_errors():
 
 @pytest.mark.parametrize("scheme", [QuantScheme(4, 16, True), QuantScheme(3, 16, False), QuantScheme(2, -1, True)])
 def test_mse_qparams_picks_the_ratio_a_direct_search_picks(scheme):
-    from llmopt.compress.quant import fake_quantize
 
     w = torch.randn(40000, 16) * torch.rand(40000, 1)  # more rows than one chunk of the in-place search
     scale, zero = mse_qparams(w, scheme)

@@ -189,7 +189,7 @@ def test_peak_flops_takes_the_measured_rate_when_the_clock_understates_it(fake_c
 def test_forced_isa_loads_that_build_of_the_kernels(isa):
     if isa not in hardware.supported_kernel_isas():
         pytest.skip(f"this CPU cannot execute {isa}")
-    code = "from llmopt.runtime.kernels.cpu_ops import cpu_ops; print(cpu_ops().isa())"
+    code = "from llmopt.runtime.executor.kernels.cpu_ops import cpu_ops; print(cpu_ops().isa())"
     env = {**os.environ, "LLMOPT_CPU_ISA": isa}
     out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True)
     assert out.stdout.strip() == isa

@@ -7,7 +7,7 @@ import pytest
 from llmopt.core.errors import ConfigError
 from llmopt.eval.metrics import HardwarePeaks, ModelCost, RequestRecord, engine_metrics, parse_slo, request_metrics
 from llmopt.eval.workloads import WorkloadSpec, build_workload
-from llmopt.runtime.stats import StepStats
+from llmopt.runtime.engine.stats import StepStats
 
 # Request A arrives at 0, tokens at 0.1, 0.15, 0.25: TTFT 100 ms, E2EL 250 ms, TPOT (250-100)/2 = 75 ms,
 # ITLs 50 and 100 ms. Request B arrives at 0.2, one token at 0.5: TTFT 300 ms, E2EL 300 ms, no TPOT.

@@ -1,7 +1,8 @@
 import pytest
 import torch
 
-from llmopt.compress.quant import QuantScheme, QuantizedWeight, quantize_rtn
+from llmopt.core.contract import QuantizedWeight, QuantScheme
+from llmopt.compress.quant import quantize_rtn
 from llmopt.core.errors import ArtifactError
 from llmopt.export.formats import FORMATS
 

@@ -4,8 +4,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from llmopt.runtime.block_manager import BlockManager, OutOfBlocksError
-from llmopt.runtime.sequence import Sequence
+from llmopt.runtime.engine.block_manager import BlockManager, OutOfBlocksError
+from llmopt.runtime.engine.sequence import Sequence
 
 
 def check_invariants(bm: BlockManager, live: list[Sequence]) -> None:
@@ -71,19 +71,7 @@ def test_unreferenced_cache_is_evicted_lru_when_blocks_run_out():
     check_invariants(bm, [big])
 
 
-def test_fork_shares_full_blocks_and_copies_the_partial_one():
-    bm = BlockManager(num_blocks=6, block_size=4)
-    parent = Sequence(list(range(6)))
-    bm.allocate(parent)
-    parent.num_computed_tokens = 6
-    child = Sequence(list(range(6)))
-    copies = bm.fork(parent, child)
-    assert child.block_table[0] == parent.block_table[0]
-    assert copies == [(parent.block_table[1], child.block_table[1])]
-    check_invariants(bm, [parent, child])
-
-
-ops = st.lists(st.tuples(st.sampled_from(["add", "grow", "compute", "free", "fork", "evict"]),
+ops = st.lists(st.tuples(st.sampled_from(["add", "grow", "compute", "free", "evict"]),
                          st.integers(0, 1000)), min_size=1, max_size=60)
 
 
@@ -114,13 +102,6 @@ def test_random_operations_keep_every_invariant(ops, block_size, num_blocks):
             bm.cache_full_blocks(seq)
         elif op == "free" and live:
             bm.free(live.pop(r % len(live)))
-        elif op == "fork" and live:
-            parent = live[r % len(live)]
-            full = parent.num_computed_tokens // block_size
-            if len(parent.block_table) - full <= bm.num_available_blocks:
-                child = Sequence(list(parent.token_ids))
-                bm.fork(parent, child)
-                live.append(child)
         elif op == "evict":
             try:
                 bm.evict(1 + r % 3)

@@ -1,4 +1,4 @@
-"""The compiled CPU kernels (llmopt/runtime/kernels/csrc) against the plain-torch reference, in every build this
+"""The compiled CPU kernels (llmopt/runtime/executor/kernels/csrc) against the plain-torch reference, in every build this
 CPU can run (scalar, avx2, avx512, avx512_bf16: the `ops` fixture), at small and odd shapes that reach every code
 path: the vector paths specialized on (group, head_dim) (AVX512_BF16 dot products 16 rows at a time when the
 block size allows, one row at a time otherwise), the scalar path for other shapes, whole sequences per work item
@@ -8,9 +8,9 @@ import pytest
 import torch
 
 from llmopt.core.hardware import supported_kernel_isas
-from llmopt.runtime.kernels import attention
-from llmopt.runtime.kernels.attention import AttentionMetadata, paged_attention
-from llmopt.runtime.kernels.cpu_ops import cpu_ops
+from llmopt.runtime.executor.kernels import attention
+from llmopt.runtime.executor.kernels.attention import AttentionMetadata, paged_attention
+from llmopt.runtime.executor.kernels.cpu_ops import cpu_ops
 from tests.runtime.test_triton_kernels import paged_setup as triton_paged_setup
 
 
@@ -99,7 +99,7 @@ def test_context_beyond_block_table_is_an_error(ops):
 def test_fused_elementwise_ops_match_torch(ops, dtype, rows, hidden):
     import torch.nn.functional as F
 
-    from llmopt.runtime.model import rotate_half
+    from llmopt.runtime.executor.model import rotate_half
 
     g = torch.Generator().manual_seed(0)
     x = (torch.randn(rows, hidden, generator=g) * 3).to(dtype)
@@ -148,8 +148,8 @@ def test_argmax_rows_follows_torch_argmax(ops, dtype):
 
 def test_decoder_with_fused_ops_matches_the_torch_ops():
     from llmopt.core.tiny import build_tiny_model
-    from llmopt.runtime.engine import Engine, EngineConfig
-    from llmopt.runtime.sampling import SamplingParams
+    from llmopt.runtime.engine.engine import Engine, EngineConfig
+    from llmopt.runtime.engine.sampling import SamplingParams
 
     model, tok = build_tiny_model("llama", seed=0)
     model = model.to(torch.bfloat16)
@@ -164,7 +164,7 @@ def test_decoder_with_fused_ops_matches_the_torch_ops():
         if not fused:
             decoder.fused_ops = None
         # the batch, then one prompt alone (batch-1 steps: the lm_head runs as the gemv kernel with the fused ops)
-        outputs.append((engine.generate(prompts, params), engine.generate(prompts[1:2], params)))
+        outputs.append([o.token_ids for o in engine.generate(prompts, params) + engine.generate(prompts[1:2], params)])
     assert outputs[0] == outputs[1]
 
 
@@ -201,7 +201,7 @@ def test_gemv_matches_a_float_matmul(ops, dtype, k):
 def test_prefill_attention_over_this_steps_keys_matches_the_cache_path(dtype):
     # fresh prompts (nothing cached before: equal-length neighbours batched into one causal SDPA) next to a
     # decode and a prompt with a cached prefix (those keep the per-sequence path): same output either way
-    from llmopt.runtime.kernels.attention import _fresh_runs, paged_attention
+    from llmopt.runtime.executor.kernels.attention import _fresh_runs, paged_attention
 
     new_lens = [5, 5, 5, 7, 1, 9, 5]
     context_lens = [5, 5, 5, 7, 10, 12, 5]
@@ -230,7 +230,7 @@ def test_prefill_attention_over_this_steps_keys_matches_the_cache_path(dtype):
 def test_int4_matmul_rows_matches_the_dequantized_weight(ops, dtype, n, k, group, rows):
     # straight from the 4-bit codes: 1-5 rows (pairs and a single), 4/2/1 outputs at a time, a group of 48 whose
     # 24 bytes leave a scalar tail after each 16-byte chunk
-    from llmopt.runtime.kernels.quant_matmul import int4_dequantize, pack_nibbles
+    from llmopt.runtime.executor.kernels.quant_matmul import int4_dequantize, pack_nibbles
 
     g = torch.Generator().manual_seed(n + k)
     q = torch.randint(0, 16, (n, k), generator=g)
@@ -256,7 +256,7 @@ def test_gemv_reads_a_narrower_weight_with_fp32_inputs(ops, narrow):
 
 
 def test_exactly_narrowed_keeps_every_value():
-    from llmopt.runtime.model import exactly_narrowed
+    from llmopt.runtime.executor.model import exactly_narrowed
 
     halves = torch.randn(64, 32).half().float()  # an fp16 checkpoint loaded in fp32
     assert exactly_narrowed(halves).dtype == torch.float16
@@ -273,7 +273,7 @@ def test_int4_matmul_rows_q8_is_exact_for_its_8_bit_inputs(ops, dtype, n, k, gro
     # activations rounded to 8 bits per (row, group), d = max|x| / 127; the integer products exact, the offsets'
     # term on the unrounded inputs: the same arithmetic in float64 agrees to fp32 rounding. Groups of 32 take
     # the scalar path (16 bytes), the others the vector path (32 bytes a step).
-    from llmopt.runtime.kernels.quant_matmul import pack_nibbles
+    from llmopt.runtime.executor.kernels.quant_matmul import pack_nibbles
 
     g = torch.Generator().manual_seed(n + k)
     q = torch.randint(0, 16, (n, k), generator=g)

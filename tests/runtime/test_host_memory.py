@@ -2,7 +2,8 @@ import sys
 
 import pytest
 
-from llmopt.runtime import host_memory
+from llmopt.runtime.engine.config import EngineConfig
+from llmopt.runtime.executor import host_memory
 
 
 @pytest.fixture(autouse=True)
@@ -25,10 +26,10 @@ def test_opt_out(monkeypatch):
 
 def test_cpu_runner_asks_for_it(monkeypatch):
     from llmopt.core.tiny import build_tiny_model
-    from llmopt.runtime import model_runner
+    from llmopt.runtime.executor import model_runner
 
     calls = []
     monkeypatch.setattr(model_runner, "keep_freed_host_memory", lambda: calls.append(1))
     model, _ = build_tiny_model()
-    model_runner.ModelRunner(model, block_size=4, kv_cache_bytes=1 << 20)
+    model_runner.ModelRunner(model, EngineConfig(block_size=4, kv_cache_bytes=1 << 20))
     assert calls == [1]

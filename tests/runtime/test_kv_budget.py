@@ -4,12 +4,13 @@ reported at start-up with the tokens it holds; explicit sizes still win."""
 import pytest
 import torch
 
+
 from llmopt.core.errors import ConfigError
 from llmopt.core.tiny import build_tiny_model
-from llmopt.runtime import model_runner
-from llmopt.runtime.engine import Engine, EngineConfig
-from llmopt.runtime.model_runner import ModelRunner, kv_bytes_per_block, zeros_lazily
-from llmopt.runtime.sampling import SamplingParams
+from llmopt.runtime.executor import model_runner
+from llmopt.runtime.engine.engine import Engine, EngineConfig
+from llmopt.runtime.executor.model_runner import ModelRunner, kv_bytes_per_block, zeros_lazily
+from llmopt.runtime.engine.sampling import SamplingParams
 
 
 @pytest.fixture(scope="module")
@@ -20,7 +21,7 @@ def tiny():
 def test_default_budget_is_a_fraction_of_available_memory(tiny, monkeypatch):
     model, _ = tiny
     monkeypatch.setattr(model_runner, "available_memory", lambda device: 2**20)  # 1 MiB available
-    runner = ModelRunner(model, block_size=4, kv_cache_memory_fraction=0.5, max_num_seqs=64)
+    runner = ModelRunner(model, EngineConfig(block_size=4, kv_cache_memory_fraction=0.5, max_num_seqs=64))
     per_block = kv_bytes_per_block(runner.decoder, 4, torch.float32)
     assert runner.num_blocks == (2**19) // per_block
     assert runner.kv_cache_bytes == runner.num_blocks * per_block <= 2**19
@@ -31,7 +32,7 @@ def test_default_budget_is_a_fraction_of_available_memory(tiny, monkeypatch):
 def test_default_budget_stops_at_what_the_engine_can_fill(tiny, monkeypatch):
     model, _ = tiny
     monkeypatch.setattr(model_runner, "available_memory", lambda device: 2**40)
-    runner = ModelRunner(model, block_size=16, max_num_seqs=3)
+    runner = ModelRunner(model, EngineConfig(block_size=16, max_num_seqs=3))
     # 3 sequences x 1024 positions (the tiny model's context) = 192 blocks of 16
     assert runner.num_blocks == 3 * 1024 // 16
     assert "3 sequences x the full context" in runner.kv_cache_summary()
@@ -39,10 +40,10 @@ def test_default_budget_stops_at_what_the_engine_can_fill(tiny, monkeypatch):
 
 def test_explicit_size_and_bad_fraction(tiny):
     model, _ = tiny
-    runner = ModelRunner(model, block_size=4, kv_cache_bytes=1 << 16)
+    runner = ModelRunner(model, EngineConfig(block_size=4, kv_cache_bytes=1 << 16))
     assert runner.kv_cache_source == "given"
     with pytest.raises(ConfigError, match="kv-cache-memory-fraction 1.5"):
-        ModelRunner(model, block_size=4, kv_cache_memory_fraction=1.5)
+        ModelRunner(model, EngineConfig(block_size=4, kv_cache_memory_fraction=1.5))
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
@@ -61,5 +62,6 @@ def test_a_64_request_run_fits_without_preemption_in_fp32(tiny):
     g = torch.Generator().manual_seed(0)
     prompts = [torch.randint(0, 250, (100,), generator=g).tolist() for _ in range(64)]
     engine.generate(prompts, SamplingParams(max_tokens=156, ignore_eos=True))
-    assert engine.scheduler.num_preemptions == 0
-    assert max(s.num_seqs for s in engine.step_stats) == 64
+    stats = engine.stats()
+    assert stats.num_preemptions == 0
+    assert max(s.num_seqs for s in stats.steps) == 64

@@ -4,16 +4,18 @@ quantized artifacts served by the runtime."""
 import pytest
 import torch
 
+from llmopt.core.contract import QuantScheme
+from llmopt.compress.quant import quantize_rtn
 from llmopt.compress.api import make_config, quantize_model
-from llmopt.compress.quant import QuantScheme, quantize_rtn
-from llmopt.core.models import load_model
+from llmopt.export.load import load_model
+from llmopt.runtime.executor.loader import load_runtime_model
 from llmopt.core.tiny import build_tiny_model
 from llmopt.export.artifact import write_model_artifact
-from llmopt.runtime.engine import Engine, EngineConfig
-from llmopt.runtime.hf import hf_generate
-from llmopt.runtime.kernels.quant_matmul import reference_quant_matmul
-from llmopt.runtime.layers import Int4PackedLinear, Int8PackedLinear, packed_kind, quantized_linear
-from llmopt.runtime.sampling import SamplingParams
+from llmopt.runtime.engine.engine import Engine, EngineConfig
+from llmopt.eval.hf_baseline import hf_generate
+from llmopt.runtime.executor.kernels.quant_matmul import reference_quant_matmul
+from llmopt.runtime.executor.layers import Int4PackedLinear, Int8PackedLinear, packed_kind, quantized_linear
+from llmopt.runtime.engine.sampling import SamplingParams
 
 
 def qweight(n, k, bits, group_size, sym, seed=0, bias=False):
@@ -51,7 +53,7 @@ def test_int4_packed_matches_reference(n, k, bits, group_size, sym, dtype):
 
 def test_int4_dequantize_is_the_kernels_weight():
     """Dequantizing the nibble copy gives exactly what the int4 kernel multiplies by (x = identity)."""
-    from llmopt.runtime.kernels.quant_matmul import int4_dequantize, int4_matmul
+    from llmopt.runtime.executor.kernels.quant_matmul import int4_dequantize, int4_matmul
 
     layer = quantized_linear(qweight(48, 192, 4, 96, False), torch.float32)
     dense = int4_dequantize(layer.nibbles, layer.scales_and_offsets, layer.kernel_group)
@@ -61,9 +63,9 @@ def test_int4_dequantize_is_the_kernels_weight():
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_compiled_int4_dequantization_is_bit_exact(dtype, monkeypatch):
-    from llmopt.runtime import layers
-    from llmopt.runtime.kernels.cpu_ops import cpu_ops
-    from llmopt.runtime.kernels.quant_matmul import int4_dequantize
+    from llmopt.runtime.executor import layers
+    from llmopt.runtime.executor.kernels.cpu_ops import cpu_ops
+    from llmopt.runtime.executor.kernels.quant_matmul import int4_dequantize
 
     layer = quantized_linear(qweight(48, 192, 4, 96, False), dtype)  # kernel groups of 32
     out = torch.empty(48, 192, dtype=dtype)
@@ -99,7 +101,7 @@ def test_int8_packed_matches_reference(sym, dtype):
                                                       (8, -1, True, Int8PackedLinear), (8, -1, False, Int8PackedLinear)])
 def test_stacked_packed_linears_equal_their_parts_side_by_side(bits, group_size, sym, kind):
     """q/k/v and gate/up run as one kernel call: the same outputs as each part alone, concatenated."""
-    from llmopt.runtime.layers import fuse_linears
+    from llmopt.runtime.executor.layers import fuse_linears
 
     parts = [quantized_linear(qweight(n, 96, bits, group_size, sym, seed=n, bias=n == 32), torch.bfloat16)
              for n in (48, 16, 32)]
@@ -138,7 +140,7 @@ def gptq_artifact(tmp_path_factory):
 
 def test_artifact_with_packed_kernels_matches_dequantized(gptq_artifact):
     dense, tok, _ = load_model(str(gptq_artifact))
-    packed, _, _ = load_model(str(gptq_artifact), packed_kernels=True)
+    packed, _, _ = load_runtime_model(str(gptq_artifact))
     kinds = {type(m).__name__ for m in packed.modules()}
     assert "Int4PackedLinear" in kinds
     ids = torch.randint(0, 256, (2, 20), generator=torch.Generator().manual_seed(0))
@@ -148,7 +150,8 @@ def test_artifact_with_packed_kernels_matches_dequantized(gptq_artifact):
     params = SamplingParams(max_tokens=16, ignore_eos=True)
     ps = [[5, 9, 200, 31], list(range(40, 77))]
     expected = [hf_generate(packed, tok, [p], params)[0] for p in ps]
-    assert Engine(packed, tok, EngineConfig(block_size=4, kv_cache_bytes=2**20)).generate(ps, params) == expected
+    outputs = Engine(packed, tok, EngineConfig(block_size=4, kv_cache_bytes=2**20)).generate(ps, params)
+    assert [o.token_ids for o in outputs] == expected
 
 
 def test_decode_bytes_count_the_int4_kernel_weights_not_the_prefill_copy(gptq_artifact):
@@ -156,7 +159,7 @@ def test_decode_bytes_count_the_int4_kernel_weights_not_the_prefill_copy(gptq_ar
     that only many-row steps read."""
     from llmopt.eval.speed import model_cost
 
-    packed, _, _ = load_model(str(gptq_artifact), packed_kernels=True)
+    packed, _, _ = load_runtime_model(str(gptq_artifact))
     int4 = [m for m in packed.modules() if isinstance(m, Int4PackedLinear)]
     nibble_bytes = sum(m.nibbles.numel() for m in int4)
     everything = sum(t.numel() * t.element_size() for t in list(packed.model.layers.parameters())
@@ -169,8 +172,8 @@ def test_decode_bytes_count_the_int4_kernel_weights_not_the_prefill_copy(gptq_ar
 @pytest.fixture
 def kernel_calls(monkeypatch):
     """The names of the compiled ops the runtime's layers call, in order."""
-    from llmopt.runtime import layers
-    from llmopt.runtime.kernels.cpu_ops import cpu_ops
+    from llmopt.runtime.executor import layers
+    from llmopt.runtime.executor.kernels.cpu_ops import cpu_ops
 
     ops = cpu_ops()
     calls = []

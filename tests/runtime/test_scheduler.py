@@ -5,10 +5,11 @@ import random
 
 import pytest
 
-from llmopt.runtime.block_manager import BlockManager
-from llmopt.runtime.sampling import SamplingParams
-from llmopt.runtime.scheduler import Scheduler, SchedulerConfig
-from llmopt.runtime.sequence import Sequence
+from llmopt.runtime.engine.block_manager import BlockManager
+from llmopt.runtime.engine.sampling import SamplingParams
+from llmopt.runtime.engine.config import EngineConfig
+from llmopt.runtime.engine.scheduler import Scheduler
+from llmopt.runtime.engine.sequence import Sequence
 
 VOCAB = 50
 
@@ -58,7 +59,7 @@ def test_outputs_do_not_depend_on_budget_chunking_or_preemption(num_blocks, budg
     seqs = make_requests(20, max_prompt=20 if num_blocks < 10 else 40)
     prompts = [list(s.token_ids) for s in seqs]
     bm = BlockManager(num_blocks, block_size=4)
-    scheduler = Scheduler(SchedulerConfig(max_num_seqs=8, max_num_batched_tokens=budget,
+    scheduler = Scheduler(EngineConfig(max_num_seqs=8, max_num_batched_tokens=budget,
                                           enable_chunked_prefill=chunked), bm)
     run(scheduler, seqs)
     for seq, prompt in zip(seqs, prompts):
@@ -72,7 +73,7 @@ def test_outputs_do_not_depend_on_budget_chunking_or_preemption(num_blocks, budg
 def test_a_request_larger_than_the_cache_is_refused_and_others_still_run():
     from llmopt.core.errors import ConfigError
 
-    scheduler = Scheduler(SchedulerConfig(), BlockManager(4, block_size=4))
+    scheduler = Scheduler(EngineConfig(), BlockManager(4, block_size=4))
     with pytest.raises(ConfigError, match="needs 5 KV blocks.*--kv-cache-bytes"):
         scheduler.add(Sequence(list(range(16)), SamplingParams(max_tokens=2)))
     ok = Sequence([1, 2, 3], SamplingParams(max_tokens=3, ignore_eos=True))
@@ -84,7 +85,7 @@ def test_prefix_cache_hits_do_not_change_outputs():
     shared = list(range(24))
     seqs = [Sequence(shared + [i], SamplingParams(max_tokens=5, ignore_eos=True)) for i in range(6)]
     bm = BlockManager(100, block_size=4)
-    scheduler = Scheduler(SchedulerConfig(max_num_seqs=1), bm)  # one at a time: later ones hit the cache
+    scheduler = Scheduler(EngineConfig(max_num_seqs=1), bm)  # one at a time: later ones hit the cache
     run(scheduler, seqs)
     assert [s.num_cached_tokens for s in seqs] == [0] + [24] * 5
     for seq in seqs:
@@ -93,7 +94,7 @@ def test_prefix_cache_hits_do_not_change_outputs():
 
 def test_fcfs_and_caps():
     seqs = make_requests(10, seed=1)
-    scheduler = Scheduler(SchedulerConfig(max_num_seqs=3), BlockManager(500, 4))
+    scheduler = Scheduler(EngineConfig(max_num_seqs=3), BlockManager(500, 4))
     for seq in seqs:
         scheduler.add(seq)
     out = scheduler.schedule()
@@ -102,7 +103,7 @@ def test_fcfs_and_caps():
 
 def test_static_batches_admit_only_when_the_batch_is_done():
     seqs = make_requests(9, seed=2)
-    scheduler = Scheduler(SchedulerConfig(max_num_seqs=4, policy="static"), BlockManager(500, 4))
+    scheduler = Scheduler(EngineConfig(max_num_seqs=4, policy="static"), BlockManager(500, 4))
     for seq in seqs:
         scheduler.add(seq)
     admitted_while_running = False
@@ -118,15 +119,15 @@ def test_static_batches_admit_only_when_the_batch_is_done():
 
 def test_continuous_batching_keeps_the_batch_full():
     seqs = make_requests(30, seed=3, max_out=30)
-    _, continuous = run(Scheduler(SchedulerConfig(max_num_seqs=8), BlockManager(1000, 4)), seqs)
+    _, continuous = run(Scheduler(EngineConfig(max_num_seqs=8), BlockManager(1000, 4)), seqs)
     seqs = make_requests(30, seed=3, max_out=30)
-    _, static = run(Scheduler(SchedulerConfig(max_num_seqs=8, policy="static"), BlockManager(1000, 4)), seqs)
+    _, static = run(Scheduler(EngineConfig(max_num_seqs=8, policy="static"), BlockManager(1000, 4)), seqs)
     assert len(continuous) < len(static)  # fewer steps for the same work
 
 
 def test_abort_and_stop_tokens():
     bm = BlockManager(50, 4)
-    scheduler = Scheduler(SchedulerConfig(), bm, eos_token_id=7)
+    scheduler = Scheduler(EngineConfig(), bm, eos_token_id=7)
     a = Sequence([1, 2, 3], SamplingParams(max_tokens=10))
     b = Sequence([4, 5], SamplingParams(max_tokens=10, stop_token_ids=(9,)))
     c = Sequence([6], SamplingParams(max_tokens=10))

@@ -14,13 +14,14 @@ if not CUDA:
     os.environ.setdefault("TRITON_INTERPRET", "1")
 import triton  # noqa: E402,F401  (a dev dependency: these tests must run in CI)
 
-from llmopt.compress.quant import QuantScheme, quantize_rtn  # noqa: E402
-from llmopt.runtime.kernels.attention import AttentionMetadata, paged_attention, store_kv  # noqa: E402
-from llmopt.runtime.kernels.quant_matmul import reference_quant_matmul  # noqa: E402
-from llmopt.runtime.kernels.triton_decode_attention import decode_attention  # noqa: E402
-from llmopt.runtime.kernels.triton_prefill_attention import prefill_attention  # noqa: E402
-from llmopt.runtime.kernels.triton_store_kv import store_kv as triton_store_kv  # noqa: E402
-from llmopt.runtime.kernels.triton_w4a16 import pack_w4a16, w4a16_matmul  # noqa: E402
+from llmopt.core.contract import QuantScheme  # noqa: E402
+from llmopt.compress.quant import quantize_rtn  # noqa: E402
+from llmopt.runtime.executor.kernels.attention import AttentionMetadata, paged_attention, store_kv  # noqa: E402
+from llmopt.runtime.executor.kernels.quant_matmul import reference_quant_matmul  # noqa: E402
+from llmopt.runtime.executor.kernels.triton_decode_attention import decode_attention  # noqa: E402
+from llmopt.runtime.executor.kernels.triton_prefill_attention import prefill_attention  # noqa: E402
+from llmopt.runtime.executor.kernels.triton_store_kv import store_kv as triton_store_kv  # noqa: E402
+from llmopt.runtime.executor.kernels.triton_w4a16 import pack_w4a16, w4a16_matmul  # noqa: E402
 
 DEVICE = "cuda" if CUDA else "cpu"
 

@@ -1,0 +1,8 @@
+"""Compression defaults, defined once: the configs use them and the CLI shows them (importing this module
+does not import torch, so `--help` stays fast)."""
+
+CALIBRATION = {"calib": "c4", "num_samples": 128, "seqlen": 512, "seed": 0, "batch_size": 8, "device": "cpu",
+               "compute_dtype": "auto"}
+STRUCTURED_NUM_SAMPLES = 32  # structured pruning ranks channels / heads / layers: fewer samples suffice
+QUANTIZE = {"bits": 4, "group_size": 128, "sym": True}
+SPARSEGPT_DAMP = 0.01  # fraction of the Hessian's mean diagonal

@@ -1,0 +1,83 @@
+"""prune MODEL -> artifact: sparse models are written dense (zeros in place) with a sparsity_config;
+structured ones as ordinary smaller checkpoints. Both carry llmopt.json."""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+from typing import Callable
+
+import torch
+
+from llmopt.compress.api import (
+    make_sparsity_config, make_structured_config, measure_sparsity, sparsify_model, sparsity_config_entry,
+)
+from llmopt.compress.structured import prune_structured
+from llmopt.core.io import check_output_free
+from llmopt.export.artifact import dense_state_dict, write_artifact
+from llmopt.export.load import load_model
+from llmopt.pipelines.common import peak_rss_bytes, source_entry, weights_bytes
+
+SCORES_FILE = "llmopt_scores.safetensors.bin"
+
+
+def prune_config(settings: dict):
+    """The typed config of a prune command: structured (`structured` + `ratio`) or sparsity (`method` +
+    `sparsity` / `pattern`), plus calibration settings."""
+    if settings.get("structured") is not None:
+        return make_structured_config(**settings)
+    return make_sparsity_config(**settings)
+
+
+def prune_to_artifact(
+    model_name: str,
+    output: str | Path,
+    settings: dict,
+    overwrite: bool = False,
+    trust_remote_code: bool = False,
+    progress: Callable[[int, int], None] | None = None,
+) -> dict:
+    """Prune MODEL as `settings` say (see prune_config) and write the artifact; return the facts measured."""
+    start = time.perf_counter()
+    output = check_output_free(output, overwrite)
+    config = prune_config(settings)
+    structured = settings.get("structured") is not None
+    model, tokenizer, source = load_model(model_name, trust_remote_code=trust_remote_code)
+    before = measure_sparsity(model)
+    manifest = {"source": source_entry(model_name, source),
+                "stages": [{"stage": "prune", "settings": config.model_dump(mode="json")}]}
+    extra = None
+    config_dict = model.config.to_dict()
+    if structured:
+        small, plan, facts = prune_structured(model, tokenizer, config, progress)
+        extra = {"scores": plan.scores.contiguous()}
+        manifest["structured"] = {"kind": plan.kind, "config_updates": plan.config_updates,
+                                  "keep": {str(k): v for k, v in plan.keep.items()},
+                                  "keep_kv": {str(k): v for k, v in plan.keep_kv.items()},
+                                  "keep_layers": plan.keep_layers, "scores_file": SCORES_FILE}
+        model = small
+        config_dict = {**config_dict, **plan.config_updates}
+    else:
+        masks, facts = sparsify_model(model, tokenizer, config, progress)
+        measured = sum(int(m.sum()) for m in masks.values()) / sum(m.numel() for m in masks.values())
+        suffixes = sorted({name.split(".", 3)[-1] for name in masks})
+        config_dict["sparsity_config"] = sparsity_config_entry(config, measured, suffixes)
+        facts["measured_sparsity"] = measured
+    after = measure_sparsity(model)
+    manifest["facts"] = facts
+    # Pruned weights keep the source dtype: zeros are exact, and a later quantize reads them back as-is.
+    dense = dense_state_dict(model, set(), torch.float32)
+    config_dict.pop("quantization_config", None)
+    write_artifact(output, dense, config_dict, tokenizer, {}, None, {}, manifest, extra,
+                   getattr(model, "generation_config", None), overwrite, extra_file=SCORES_FILE)
+    return {
+        "output": str(output),
+        "kind": "structured" if structured else "sparse",
+        "method": settings.get("structured") or settings.get("method"),
+        "num_parameters_before": before["num_parameters"], "num_parameters_after": after["num_parameters"],
+        "num_nonzero_before": before["num_nonzero"], "num_nonzero_after": after["num_nonzero"],
+        "linear_sparsity": round(after["linear_sparsity"], 6),
+        "prune_wall_s": round(facts["prune_wall_s"], 2), "total_wall_s": round(time.perf_counter() - start, 2),
+        "peak_rss_bytes": peak_rss_bytes(),
+        "artifact_weights_bytes": weights_bytes(output),
+    }

@@ -1,0 +1,95 @@
+"""quantize MODEL -> artifact: load, check everything that can fail early, compress, write, report."""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+from typing import Callable
+
+import torch
+
+from llmopt.compress.api import check_model_fits, compress_model, quantize_configs
+from llmopt.compress.base import QUANT_METHODS, quantizable_linears
+from llmopt.compress.config import SparsityConfig
+from llmopt.core.adapters import get_module
+from llmopt.core.contract import QuantizedWeight
+from llmopt.core.io import check_output_free
+from llmopt.export.artifact import write_model_artifact
+from llmopt.export.formats import FORMATS
+from llmopt.export.load import load_model
+from llmopt.pipelines.common import peak_rss_bytes, source_entry, weights_bytes
+
+
+def default_format(method: str) -> str:
+    """The checkpoint format a quantization method writes unless told otherwise (its registry entry)."""
+    from llmopt.compress.api import load_methods
+
+    load_methods()
+    return QUANT_METHODS.get(method).default_format
+
+
+def quantize_to_artifact(
+    model_name: str,
+    output: str | Path,
+    method: str,
+    settings: dict,
+    fmt_name: str | None = None,
+    overwrite: bool = False,
+    trust_remote_code: bool = False,
+    progress: Callable[[int, int], None] | None = None,
+) -> dict:
+    """Quantize MODEL with `method` (after a pruner when settings hold `prune_pattern`) and write it to
+    `output` in `fmt_name` (default: the method's format); return the facts measured."""
+    start = time.perf_counter()
+    output = check_output_free(output, overwrite)
+    configs = quantize_configs(method, settings)
+    config = configs[-1]
+    fmt_name = fmt_name or default_format(method)
+    fmt = FORMATS.get(fmt_name)
+    model, tokenizer, source = load_model(model_name, trust_remote_code=trust_remote_code)
+    check_model_fits(model, configs)
+    trivial = not (getattr(config, "act_order", False) and not getattr(config, "static_groups", True))
+    for name, linear in quantizable_linears(model).items():  # fail before the expensive part
+        fmt.check(name, (linear.out_features, linear.in_features), config.scheme, trivial)
+    result = compress_model(model, tokenizer, configs, progress)
+    result.facts["quantize_wall_s"] = result.facts.pop("wall_s")
+    result.facts["num_quantized_linears"] = len(result.qweights)
+    _drop_quantized_weights(model, result.qweights)
+    packed, fp16 = quantized_bytes(result.qweights, fmt_name)
+    manifest = {
+        "source": source_entry(model_name, source),
+        "stages": [{"stage": "prune" if isinstance(c, SparsityConfig) else "quantize", "method": c.method,
+                    "settings": c.model_dump(mode="json")} for c in configs],
+        "calibration": ({"datasets": config.calibration.calib, "num_samples": config.calibration.num_samples,
+                         "seqlen": config.calibration.seqlen, "seed": config.calibration.seed}
+                        if config.needs_calibration else None),
+        "facts": result.facts,
+    }
+    write_model_artifact(output, model, tokenizer, result.qweights, fmt_name, config.model_dump(), manifest,
+                         result.extra_tensors, overwrite=overwrite)
+    return {
+        "output": str(output), "method": method, "format": fmt_name, "bits": config.bits,
+        "group_size": config.group_size, "sym": config.sym,
+        "num_quantized_linears": len(result.qweights),
+        "quantize_wall_s": round(result.facts["quantize_wall_s"], 2),
+        "total_wall_s": round(time.perf_counter() - start, 2),
+        "peak_rss_bytes": peak_rss_bytes(),
+        "artifact_weights_bytes": weights_bytes(output),
+        "quantized_linear_bytes": packed, "quantized_linear_fp16_bytes": fp16,
+        "quantized_linear_ratio": round(packed / fp16, 4),
+    }
+
+
+def quantized_bytes(qweights: dict[str, QuantizedWeight], fmt_name: str) -> tuple[int, int]:
+    """(bytes of the packed quantized linears, bytes the same linears take in fp16)."""
+    fmt = FORMATS.get(fmt_name)
+    packed = sum(t.numel() * t.element_size() for qw in qweights.values() for t in fmt.pack(qw).values())
+    fp16 = sum(qw.q.numel() * 2 for qw in qweights.values())
+    return packed, fp16
+
+
+def _drop_quantized_weights(model, qweights) -> None:
+    """The fp32 weights of the quantized linears are not written (their codes are): free them before the
+    writer makes its copies, so peak memory is the calibration's, not calibration + writing."""
+    for name in qweights:
+        get_module(model, name).weight = torch.nn.Parameter(torch.empty(0), requires_grad=False)

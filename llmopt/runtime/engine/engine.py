@@ -1,0 +1,145 @@
+"""The engine: requests in, RequestOutputs out. `step()` is glue: schedule, execute, record tokens, build the
+outputs. A finished request is forgotten after the step that reports it, so memory stays flat however many
+requests come through.
+
+    engine = Engine(model, tokenizer, EngineConfig(max_num_seqs=32))
+    rid = engine.add_request(prompt_ids, SamplingParams(max_tokens=64, stop=("\\n\\n",)))
+    while engine.has_unfinished():
+        for out in engine.step():
+            print(out.new_text, end="")
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Iterator
+
+from llmopt.core.errors import ConfigError
+from llmopt.runtime.engine.block_manager import BlockManager
+from llmopt.runtime.engine.config import EngineConfig
+from llmopt.runtime.engine.output import OutputProcessor, RequestOutput
+from llmopt.runtime.engine.sampling import SamplingParams
+from llmopt.runtime.engine.scheduler import Scheduler
+from llmopt.runtime.engine.sequence import Sequence
+from llmopt.runtime.engine.stats import EngineStats, step_stats
+
+
+class Engine:
+    def __init__(self, hf_model, tokenizer, config: EngineConfig | None = None):
+        from llmopt.runtime.executor.model_runner import ModelRunner
+
+        self.config = config or EngineConfig()
+        self.tokenizer = tokenizer
+        self.runner = ModelRunner(hf_model, self.config)
+        self.block_manager = BlockManager(self.runner.num_blocks, self.config.block_size,
+                                          self.config.enable_prefix_cache)
+        self.scheduler = Scheduler(self.config, self.block_manager,
+                                   eos_token_id=tokenizer.eos_token_id if tokenizer is not None else None)
+        self.outputs = OutputProcessor(tokenizer)
+        self.max_context = getattr(hf_model.config, "max_position_embeddings", None)
+        self._live: dict[int, Sequence] = {}  # requests not yet reported finished
+        self._stats = EngineStats()
+
+    # --- requests -------------------------------------------------------------------------------
+    def add_request(self, prompt_token_ids: list[int], params: SamplingParams | None = None,
+                    arrival_time: float | None = None) -> int:
+        """Queue a request; returns its id. arrival_time (perf_counter) defaults to now."""
+        params = params or SamplingParams()
+        if params.stop and self.tokenizer is None:
+            raise ConfigError("stop strings need the model's tokenizer; give stop_token_ids instead")
+        if not prompt_token_ids:
+            raise ConfigError("empty prompt: give at least one token")
+        if self.max_context and len(prompt_token_ids) + params.max_tokens > self.max_context:
+            raise ConfigError(f"prompt ({len(prompt_token_ids)} tokens) + max_tokens ({params.max_tokens}) exceeds "
+                              f"the model's context of {self.max_context}: shorten the prompt or lower max_tokens")
+        seq = Sequence(prompt_token_ids, params, arrival_time=arrival_time)
+        self.scheduler.add(seq)  # refuses a request larger than the whole KV cache
+        self._live[seq.seq_id] = seq
+        self.outputs.add(seq)
+        return seq.seq_id
+
+    def abort(self, request_id: int) -> bool:
+        """Stop a request; its final output (finish_reason "abort") comes from the next step()."""
+        self.runner.release(request_id)
+        return self.scheduler.abort(request_id)
+
+    def has_unfinished(self) -> bool:
+        """True while some request has not yet been reported finished."""
+        return bool(self._live)
+
+    @property
+    def num_live_requests(self) -> int:
+        return len(self._live)
+
+    # --- stepping -------------------------------------------------------------------------------
+    def step(self) -> list[RequestOutput]:
+        """Run one scheduled batch; one RequestOutput per request that produced a token or finished."""
+        started = time.perf_counter()
+        out = self.scheduler.schedule()
+        changed: list[int] = []
+        if not out.is_empty:
+            stats = step_stats(out, 0.0, 0.0)
+            result = self.runner.execute(out)
+            self.scheduler.postprocess(out, result.tokens)
+            for seq_id in result.tokens:
+                if self.outputs.update(seq_id, result.logprobs.get(seq_id)):
+                    self._stop_on_string(seq_id)
+            changed = list(result.tokens)
+            stats.duration, stats.kv_usage = time.perf_counter() - started, self.block_manager.usage
+            self._stats.steps.append(stats)
+        # aborted (or otherwise ended) requests report once, even in a step that ran nothing for them
+        changed += [i for i, seq in self._live.items() if seq.finish_reason is not None and i not in changed]
+        return [self._report(seq_id) for seq_id in changed]
+
+    def _stop_on_string(self, seq_id: int) -> None:
+        seq = self._live[seq_id]
+        if seq.finish_reason is None:
+            self.scheduler.finish(seq_id, "stop")
+        else:  # it also hit max_tokens this step: the stop string is the reason reported
+            seq.finish_reason = "stop"
+
+    def _report(self, seq_id: int) -> RequestOutput:
+        output = self.outputs.output(seq_id)
+        if output.finished:
+            self.runner.release(seq_id)
+            del self._live[seq_id]
+            self._stats.num_finished += 1
+        return output
+
+    def stream(self) -> Iterator[RequestOutput]:
+        """Yield outputs as they are produced, until every request has finished."""
+        while self.has_unfinished():
+            yield from self.step()
+
+    def generate(self, prompts: list[list[int]], params: SamplingParams | list[SamplingParams] | None = None
+                 ) -> list[RequestOutput]:
+        """Offline: the finished RequestOutput of each prompt, in order."""
+        params_list = params if isinstance(params, list) else [params or SamplingParams()] * len(prompts)
+        ids = [self.add_request(p, sp) for p, sp in zip(prompts, params_list)]
+        wanted, done = set(ids), {}
+        while wanted - done.keys():
+            for output in self.step():
+                if output.finished and output.request_id in wanted:
+                    done[output.request_id] = output
+        return [done[i] for i in ids]
+
+    # --- statistics -----------------------------------------------------------------------------
+    def stats(self) -> EngineStats:
+        """Counters since start or the last reset_stats(): per-step records, preemptions, prefix-cache hits."""
+        bm = self.block_manager
+        return EngineStats(list(self._stats.steps), self.scheduler.num_preemptions, bm.num_lookup_tokens,
+                           bm.num_hit_tokens, self._stats.num_finished)
+
+    def reset_stats(self, clear_prefix_cache: bool = False) -> None:
+        """Zero the counters (after a warm-up, say); clear_prefix_cache also forgets the cached prefixes."""
+        self._stats = EngineStats()
+        self.scheduler.num_preemptions = 0
+        if clear_prefix_cache:
+            self.block_manager.reset_prefix_cache()
+        self.block_manager.num_lookup_tokens = self.block_manager.num_hit_tokens = 0
+
+    def kv_cache_info(self) -> dict:
+        """The KV cache: bytes, token capacity, dtype and how its size was chosen."""
+        r = self.runner
+        return {"bytes": r.kv_cache_bytes, "tokens": r.num_blocks * r.block_size,
+                "dtype": str(r.kv_dtype).removeprefix("torch."), "summary": r.kv_cache_summary()}

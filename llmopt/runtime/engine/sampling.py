@@ -1,0 +1,46 @@
+"""Sampling parameters of one request, validated once where they enter."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from llmopt.core.errors import ConfigError
+
+
+MAX_LOGPROBS = 20
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    max_tokens: int = 64
+    temperature: float = 0.0  # 0 = greedy
+    top_p: float = 1.0
+    top_k: int = 0  # 0 = off
+    seed: int | None = None
+    stop_token_ids: tuple[int, ...] = field(default_factory=tuple)
+    stop: tuple[str, ...] = field(default_factory=tuple)  # stop strings; the text ends before the first match
+    ignore_eos: bool = False
+    logprobs: int | None = None  # also return the log-probabilities of the top-n tokens at each step
+    detokenize: bool = True  # False: token ids only (no text, so no stop strings), as a benchmark wants
+
+    def __post_init__(self):
+        if self.max_tokens < 1:
+            raise ConfigError(f"max_tokens must be at least 1 (got {self.max_tokens})")
+        if self.temperature < 0:
+            raise ConfigError(f"temperature must be >= 0 (got {self.temperature}); 0 means greedy")
+        if not 0 < self.top_p <= 1:
+            raise ConfigError(f"top_p must be in (0, 1] (got {self.top_p})")
+        if isinstance(self.stop, str):
+            object.__setattr__(self, "stop", (self.stop,))
+        if any(not s for s in self.stop):
+            raise ConfigError("a stop string must not be empty")
+        if self.stop and not self.detokenize:
+            raise ConfigError("stop strings need detokenize=True (they are matched on the text)")
+        if self.logprobs is not None and not 0 <= self.logprobs <= MAX_LOGPROBS:
+            raise ConfigError(f"logprobs must be in [0, {MAX_LOGPROBS}] (got {self.logprobs})")
+        if self.top_k < 0:
+            raise ConfigError(f"top_k must be >= 0 (got {self.top_k}); 0 turns it off")
+
+    @property
+    def is_greedy(self) -> bool:
+        return self.temperature == 0

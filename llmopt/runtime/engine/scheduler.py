@@ -1,0 +1,173 @@
+"""Iteration-level (continuous) batching with a token budget, chunked prefill and preemption by
+recompute; or request-level (static) batches, so the two can be compared. Never touches a tensor.
+
+Each step: running sequences first (oldest first): a decode takes 1 token of the budget, an unfinished
+prefill takes the next chunk. When a sequence needs a block and none is free, the newest running sequence is
+preempted (its KV dropped, back to the front of the waiting queue, recomputed later). Then, if nothing was
+preempted, waiting sequences are admitted FCFS while the budget, the sequence cap and the blocks allow.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass, field
+
+from llmopt.core.errors import ConfigError
+from llmopt.runtime.engine.block_manager import BlockManager
+from llmopt.runtime.engine.config import EngineConfig
+from llmopt.runtime.engine.sequence import Sequence, SequenceStatus
+
+
+@dataclass
+class ScheduledSeq:
+    seq: Sequence
+    num_new_tokens: int  # tokens computed this step, from seq.num_computed_tokens on
+
+    @property
+    def samples(self) -> bool:
+        """Whether this step reaches the sequence's last token, so a new token is sampled."""
+        return self.seq.num_computed_tokens + self.num_new_tokens == self.seq.num_tokens
+
+
+@dataclass
+class SchedulerOutput:
+    scheduled: list[ScheduledSeq] = field(default_factory=list)
+    preempted: list[Sequence] = field(default_factory=list)
+
+    @property
+    def num_batched_tokens(self) -> int:
+        return sum(s.num_new_tokens for s in self.scheduled)
+
+    @property
+    def is_empty(self) -> bool:
+        return not self.scheduled
+
+
+class Scheduler:
+    def __init__(self, config: EngineConfig, block_manager: BlockManager, eos_token_id: int | None = None):
+        self.config = config
+        self.block_manager = block_manager
+        self.eos_token_id = eos_token_id
+        self.waiting: deque[Sequence] = deque()
+        self.running: list[Sequence] = []
+        self.num_preemptions = 0
+
+    # --- requests -------------------------------------------------------------------------------
+    def add(self, seq: Sequence) -> None:
+        """Queue a request; one that could never fit in the whole KV cache is refused here."""
+        bm = self.block_manager
+        needed = seq.num_blocks(bm.block_size, seq.num_prompt_tokens + seq.params.max_tokens)
+        if needed > bm.num_blocks:
+            raise ConfigError(
+                f"request needs {needed} KV blocks ({seq.num_prompt_tokens} prompt + {seq.params.max_tokens} new "
+                f"tokens) but the cache has {bm.num_blocks}: raise --kv-cache-bytes or lower max_tokens")
+        self.waiting.append(seq)
+
+    def abort(self, seq_id: int) -> bool:
+        return self.finish(seq_id, "abort")
+
+    def finish(self, seq_id: int, reason: str) -> bool:
+        """End a waiting or running request now (aborted, or its text reached a stop string)."""
+        for queue in (self.waiting, self.running):
+            for seq in list(queue):
+                if seq.seq_id == seq_id:
+                    queue.remove(seq)
+                    self._finish(seq, reason)
+                    return True
+        return False
+
+    @property
+    def has_unfinished(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    # --- scheduling -----------------------------------------------------------------------------
+    def schedule(self) -> SchedulerOutput:
+        out = SchedulerOutput()
+        budget = self.config.max_num_batched_tokens
+        bm = self.block_manager
+        for seq in list(self.running):
+            if seq.status is not SequenceStatus.RUNNING or budget == 0:
+                continue
+            num_new = self._chunk(seq.num_tokens - seq.num_computed_tokens, budget)
+            if num_new == 0:
+                continue
+            while not bm.can_grow(seq, seq.num_computed_tokens + num_new):
+                victim = self.running[-1]
+                self._preempt(victim, out)
+                if victim is seq:
+                    break
+            if seq.status is SequenceStatus.RUNNING:
+                bm.grow(seq, seq.num_computed_tokens + num_new)
+                out.scheduled.append(ScheduledSeq(seq, num_new))
+                budget -= num_new
+        may_admit = self.config.policy == "continuous" or not self.running
+        # After a preemption only an idle engine admits (the preempted request is first in line).
+        if may_admit and (not out.preempted or not self.running):
+            while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
+                seq = self.waiting[0]
+                if not bm.can_allocate(seq):
+                    break
+                bm.allocate(seq)
+                num_new = self._chunk(seq.num_tokens - seq.num_computed_tokens, budget)
+                if num_new == 0:  # no chunking and the whole prompt does not fit this step
+                    bm.free(seq)
+                    seq.num_computed_tokens = seq.num_cached_tokens = 0
+                    break
+                self.waiting.popleft()
+                seq.status = SequenceStatus.RUNNING
+                self.running.append(seq)
+                out.scheduled.append(ScheduledSeq(seq, num_new))
+                budget -= num_new
+        return out
+
+    def _chunk(self, remaining: int, budget: int) -> int:
+        if self.config.enable_chunked_prefill:
+            return min(remaining, budget)
+        return remaining if remaining <= budget else 0
+
+    def _preempt(self, seq: Sequence, out: SchedulerOutput) -> None:
+        """Drop the sequence's KV; it goes back to the front of the queue and is recomputed later."""
+        self.running.remove(seq)
+        out.scheduled = [s for s in out.scheduled if s.seq is not seq]
+        self.block_manager.free(seq)
+        seq.reset_for_recompute()
+        self.waiting.appendleft(seq)
+        out.preempted.append(seq)
+        self.num_preemptions += 1
+
+    # --- after the model ran --------------------------------------------------------------------
+    def postprocess(self, out: SchedulerOutput, sampled: dict[int, int]) -> list[Sequence]:
+        """Record computed tokens and the new sampled token of each sequence; returns the ones finished."""
+        finished = []
+        for item in out.scheduled:
+            seq = item.seq
+            samples = item.samples
+            full_blocks = seq.num_computed_tokens // self.block_manager.block_size
+            seq.num_computed_tokens += item.num_new_tokens
+            if seq.num_computed_tokens // self.block_manager.block_size > full_blocks:  # a block just filled
+                self.block_manager.cache_full_blocks(seq)
+            if not samples:
+                continue
+            token = sampled[seq.seq_id]
+            seq.append_token(token)
+            reason = self._stop_reason(seq, token)
+            if reason is not None:
+                self.running.remove(seq)
+                self._finish(seq, reason)
+                finished.append(seq)
+        return finished
+
+    def _stop_reason(self, seq: Sequence, token: int) -> str | None:
+        params = seq.params
+        if not params.ignore_eos and self.eos_token_id is not None and token == self.eos_token_id:
+            return "stop"
+        if token in params.stop_token_ids:
+            return "stop"
+        if seq.num_output_tokens >= params.max_tokens:
+            return "length"
+        return None
+
+    def _finish(self, seq: Sequence, reason: str) -> None:
+        self.block_manager.free(seq)
+        seq.status = SequenceStatus.FINISHED
+        seq.finish_reason = reason

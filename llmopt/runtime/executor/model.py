@@ -1,0 +1,200 @@
+"""The runtime's decoder for the Llama family (Llama, Mistral, Qwen2, Qwen3): one forward over the flat
+batch of all scheduled tokens, attention over the paged KV cache.
+
+It reads the weights of a loaded transformers model (any artifact llmopt reads: dense, packed int4/int8,
+pruned). Two numerics modes:
+- exact (`fast=False`; the default off CPU): the model's own modules for every op, so greedy tokens match
+  transformers token for token in fp32;
+- fast (the default on CPU, every dtype): q/k/v and gate/up fused into one matmul each (bf16 weights prepacked
+  for oneDNN), one fused RMSNorm and one rotary application for q and k together. Same maths, different
+  rounding order: bf16 results differ from transformers' by bf16 rounding, as any two bf16 kernels do; fp32
+  logits stay within ~1e-5 relative of the exact mode's. On CPU with the compiled kernels (kernels/cpu_ops.py)
+  the element-wise runs are single calls (`_forward_fused`), decode attention reads the paged cache in place,
+  and the batch-1 lm_head is a matrix-vector kernel.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from llmopt.core.adapters import adapter_for, attention_geometry, get_module
+from llmopt.core.errors import UnsupportedArchitectureError
+from llmopt.runtime.executor.kernels.attention import AttentionMetadata, paged_attention, store_kv
+from llmopt.runtime.executor.kernels.cpu_ops import cpu_ops
+from llmopt.runtime.executor.layers import fuse_linears
+
+SUPPORTED = ("llama", "mistral", "qwen2", "qwen3")
+
+
+def rotate_half(x: torch.Tensor) -> torch.Tensor:
+    half = x.shape[-1] // 2
+    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+
+
+@dataclass
+class Block:
+    """One decoder layer as the runtime calls it: qkv(x) -> [T, (H + 2 KVH) * D]; gate_up(x) -> [T, 2 I]."""
+    input_norm: nn.Module
+    post_norm: nn.Module
+    qkv: nn.Module
+    o_proj: nn.Module
+    gate_up: nn.Module
+    down_proj: nn.Module
+    q_norm: nn.Module | None
+    k_norm: nn.Module | None
+
+
+def _forward_2d(module: nn.Module):
+    """The module's forward for [T, in] inputs, bound once (a prepacked dense linear's skips the module)."""
+    forward_2d = getattr(module, "forward_2d", None)
+    return forward_2d() if forward_2d is not None else module.forward
+
+
+def _norm_eps(norm: nn.Module) -> float:
+    return getattr(norm, "variance_epsilon", None) or getattr(norm, "eps", 1e-6)
+
+
+def _rms_norm_fast(norm: nn.Module, x: torch.Tensor) -> torch.Tensor:
+    # transformers' RMSNorm: normalize in fp32, cast back, then scale by the weight
+    return F.rms_norm(x.float(), (x.shape[-1],), eps=_norm_eps(norm)).to(x.dtype) * norm.weight
+
+
+def exactly_narrowed(weight: torch.Tensor) -> torch.Tensor:
+    """An fp32 weight as fp16 or bf16 when every value survives the round trip (an artifact's fp16 lm_head
+    loaded in fp32: half the bytes per batch-1 token, the same logits), else the weight itself."""
+    if weight.dtype != torch.float32:
+        return weight
+    for narrow in (torch.float16, torch.bfloat16):
+        # a few rows first: a full-precision weight fails there, without converting all of it (113 MB for SmolLM2)
+        if not torch.equal(weight[:8].to(narrow).float(), weight[:8]):
+            continue
+        candidate = weight.to(narrow)
+        if torch.equal(candidate.float(), weight):
+            return candidate
+    return weight
+
+
+class RuntimeDecoder(nn.Module):
+    def __init__(self, hf_model, fast: bool | None = None):
+        super().__init__()
+        config = hf_model.config
+        adapter = adapter_for(hf_model)
+        if adapter.family not in SUPPORTED:
+            raise UnsupportedArchitectureError(
+                f"the runtime supports {', '.join(SUPPORTED)}; {adapter.family} runs with --backend hf")
+        param = next(hf_model.parameters())
+        self.dtype = param.dtype
+        self.fast = fast if fast is not None else param.device.type == "cpu"
+        self.config = config
+        self.embed = get_module(hf_model, adapter.embed)
+        self.layers = get_module(hf_model, adapter.layers)
+        self.norm = get_module(hf_model, adapter.final_norm)
+        self.lm_head = get_module(hf_model, adapter.lm_head)
+        self.rotary = get_module(hf_model, adapter.layers.rsplit(".", 1)[0] + ".rotary_emb")
+        geometry = attention_geometry(config)
+        self.num_heads, self.num_kv_heads, self.head_dim = geometry.num_heads, geometry.num_kv_heads, geometry.head_dim
+        self.scale = self.head_dim ** -0.5
+        self.blocks = [self._block(adapter, layer) for layer in self.layers]
+        self.logits_head = fuse_linears([self.lm_head], prepack=self.fast)
+        self._gemv_weight = None  # the lm_head weight for batch-1 decode (below)
+        # the compiled fused element-wise ops (kernels/csrc/fused_cpu.cpp) serve the fast path on CPU
+        self.fused_ops = None
+        if self.fast and param.device.type == "cpu" and all(b.q_norm is None for b in self.blocks):
+            self.fused_ops = cpu_ops()
+            # per layer: the four projections' forward, (weight, eps) of the post-attention norm and of the norm
+            # that follows the layer (the next layer's input norm, or the final one)
+            norms = [b.input_norm for b in self.blocks] + [self.norm]
+            self._first_norm = (norms[0].weight, _norm_eps(norms[0]))
+            self._fused_layers = [(*(_forward_2d(m) for m in (b.qkv, b.o_proj, b.gate_up, b.down_proj)),
+                                   (b.post_norm.weight, _norm_eps(b.post_norm)), (n.weight, _norm_eps(n)))
+                                  for b, n in zip(self.blocks, norms[1:])]
+            if type(self.lm_head) is nn.Linear and self.lm_head.bias is None:
+                self._gemv_weight = exactly_narrowed(self.lm_head.weight.detach())
+
+    def _block(self, adapter, layer) -> Block:
+        # the adapter's true-sequential groups are exactly the runtime's fused projections: q/k/v, o, gate/up, down
+        qkv, o_proj, gate_up, down = ([get_module(layer, name) for name in group] for group in adapter.sequential)
+        attn = get_module(layer, adapter.attention)
+        return Block(get_module(layer, adapter.input_norm), get_module(layer, adapter.post_attention_norm),
+                     *(fuse_linears(linears, prepack=self.fast) for linears in (qkv, o_proj, gate_up, down)),
+                     getattr(attn, "q_norm", None), getattr(attn, "k_norm", None))
+
+    @property
+    def num_layers(self) -> int:
+        return len(self.layers)
+
+    def _norm(self, norm: nn.Module, x: torch.Tensor) -> torch.Tensor:
+        return _rms_norm_fast(norm, x) if self.fast else norm(x)
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata,
+                kv_caches: list[tuple[torch.Tensor, torch.Tensor]]) -> torch.Tensor:
+        """input_ids, positions [T] -> final hidden states [T, hidden]."""
+        h = self.embed(input_ids)  # [T, hidden]
+        cos, sin = self.rotary(h.unsqueeze(0), positions.unsqueeze(0))
+        if self.fused_ops is not None:
+            return self._forward_fused(h, cos[0], sin[0], meta, kv_caches)
+        cos, sin = cos[0].unsqueeze(1), sin[0].unsqueeze(1)  # [T, 1, head_dim]
+        num_tokens = input_ids.shape[0]
+        nq, nkv, hd = self.num_heads, self.num_kv_heads, self.head_dim
+        for block, (k_cache, v_cache) in zip(self.blocks, kv_caches):
+            x = self._norm(block.input_norm, h)
+            qkv = block.qkv(x)
+            if block.q_norm is not None or not self.fast:
+                q = qkv[:, : nq * hd].view(num_tokens, nq, hd)
+                k = qkv[:, nq * hd:(nq + nkv) * hd].view(num_tokens, nkv, hd)
+                if block.q_norm is not None:  # Qwen3: per-head RMSNorm before the rotation
+                    q, k = block.q_norm(q), block.k_norm(k)
+                q = q * cos + rotate_half(q) * sin
+                k = k * cos + rotate_half(k) * sin
+            else:  # rotate q and k heads in one go
+                qk = qkv[:, : (nq + nkv) * hd].view(num_tokens, nq + nkv, hd)
+                qk = qk * cos + rotate_half(qk) * sin
+                q, k = qk[:, :nq], qk[:, nq:]
+            v = qkv[:, (nq + nkv) * hd:].view(num_tokens, nkv, hd)
+            store_kv(k, v, k_cache, v_cache, meta.slot_mapping)
+            o = paged_attention(q, k_cache, v_cache, meta, self.scale, k, v, compiled=self.fast)
+            h = h + block.o_proj(o.reshape(num_tokens, -1))
+            x = self._norm(block.post_norm, h)
+            gate, up = block.gate_up(x).chunk(2, dim=-1)
+            h = h + block.down_proj(F.silu(gate) * up)
+        return self._norm(self.norm, h)
+
+    def _forward_fused(self, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, meta: AttentionMetadata,
+                       kv_caches: list[tuple[torch.Tensor, torch.Tensor]]) -> torch.Tensor:
+        """The fast path with each run of element-wise ops as one compiled call: the residual add fused with
+        the next norm (h updated in place), rotary in place on q and k, silu(gate) * up. Same roundings as
+        the torch ops they replace (tests compare bit for bit). h [T, hidden]; cos, sin [T, head_dim]."""
+        ops = self.fused_ops
+        num_tokens = h.shape[0]
+        nq, nkv, hd = self.num_heads, self.num_kv_heads, self.head_dim
+        x = ops.rms_norm(h, *self._first_norm)
+        # (the projections' forward called directly: nn.Module's call machinery is ~3 us x 4 per layer, which
+        # shows at batch-1 decode; the runtime registers no hooks)
+        for (qkv_proj, o_proj, gate_up, down_proj, post_norm, next_norm), (k_cache, v_cache) in zip(
+                self._fused_layers, kv_caches):
+            qkv = qkv_proj(x)  # [T, (H + 2 KVH) * D]
+            ops.rotary_(qkv, cos, sin, nq + nkv)
+            q = qkv[:, : nq * hd].view(num_tokens, nq, hd)
+            k = qkv[:, nq * hd:(nq + nkv) * hd].view(num_tokens, nkv, hd)
+            v = qkv[:, (nq + nkv) * hd:].view(num_tokens, nkv, hd)
+            store_kv(k, v, k_cache, v_cache, meta.slot_mapping)
+            o = paged_attention(q, k_cache, v_cache, meta, self.scale, k, v, compiled=True)
+            x = ops.add_rms_norm_(h, o_proj(o.reshape(num_tokens, -1)), *post_norm)
+            x = ops.add_rms_norm_(h, down_proj(ops.silu_mul(gate_up(x))), *next_norm)
+        return x
+
+    def logits(self, hidden: torch.Tensor, as_float: bool = True) -> torch.Tensor:
+        """[S, hidden] -> [S, vocab], fp32 (as_float) or as the head computed them (the model's dtype)."""
+        weight = self._gemv_weight
+        if self.fused_ops is not None and hidden.shape[0] == 1 and weight is not None and (
+                weight.dtype == hidden.dtype or hidden.dtype == torch.float32):
+            # batch-1 decode: the vocab x hidden weight (57 MB for SmolLM2 in bf16) streamed by one matrix-vector
+            # kernel
+            logits = self.fused_ops.gemv(hidden, weight)
+        else:
+            logits = self.logits_head(hidden)
+        return logits.float() if as_float else logits

@@ -1,0 +1,161 @@
+"""The only runtime class that touches device tensors: owns the model and the KV cache, turns a scheduler
+step into one forward over all scheduled tokens, and samples."""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass, field
+
+import numpy as np
+import psutil
+import torch
+
+from llmopt.core.errors import ConfigError
+from llmopt.runtime.engine.config import EngineConfig
+from llmopt.runtime.executor.host_memory import keep_freed_host_memory
+from llmopt.runtime.executor.kernels.attention import AttentionMetadata
+from llmopt.runtime.executor.kernels.cpu_ops import cpu_ops
+from llmopt.runtime.executor.model import RuntimeDecoder
+from llmopt.runtime.executor.sampler import sample, token_logprobs
+from llmopt.runtime.engine.scheduler import SchedulerOutput
+
+
+@dataclass
+class StepResult:
+    tokens: dict[int, int] = field(default_factory=dict)  # seq_id -> sampled token
+    logprobs: dict[int, dict[int, float]] = field(default_factory=dict)  # seq_id -> {token: logprob}
+
+
+log = logging.getLogger(__name__)
+
+
+def kv_bytes_per_block(decoder: RuntimeDecoder, block_size: int, dtype: torch.dtype) -> int:
+    element = torch.tensor([], dtype=dtype).element_size()
+    return 2 * decoder.num_layers * block_size * decoder.num_kv_heads * decoder.head_dim * element
+
+
+def available_memory(device: torch.device) -> int:
+    """Bytes the KV cache may be taken from: free device memory on CUDA, available host memory elsewhere."""
+    if device.type == "cuda":
+        return torch.cuda.mem_get_info(device)[0]
+    return psutil.virtual_memory().available
+
+
+def default_kv_cache_bytes(device: torch.device, fraction: float, max_useful_bytes: int | None = None) -> int:
+    """fraction x available memory, no more than the engine could ever fill (max_useful_bytes)."""
+    if not 0 < fraction <= 0.95:
+        raise ConfigError(f"--kv-cache-memory-fraction {fraction}: give a fraction in (0, 0.95]")
+    budget = int(available_memory(device) * fraction)
+    return min(budget, max_useful_bytes) if max_useful_bytes else budget
+
+
+def zeros_lazily(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """A zero tensor; on CPU from calloc'ed memory (numpy's zeros), whose pages the OS commits on first write."""
+    if device.type != "cpu":
+        return torch.zeros(shape, dtype=dtype, device=device)
+    element = torch.tensor([], dtype=dtype).element_size()
+    raw = np.zeros(int(np.prod(shape)) * element, dtype=np.uint8)
+    return torch.from_numpy(raw).view(dtype).view(shape)
+
+
+class ModelRunner:
+    def __init__(self, hf_model, config: EngineConfig, kv_dtype: torch.dtype | None = None):
+        """config.kv_cache_bytes None: sized from the machine (default_kv_cache_bytes), up to what
+        config.max_num_seqs sequences of the model's full context could hold."""
+        block_size, kv_cache_bytes = config.block_size, config.kv_cache_bytes
+        kv_cache_memory_fraction, max_num_seqs = config.kv_cache_memory_fraction, config.max_num_seqs
+        fast = config.fast_path
+        self.decoder = RuntimeDecoder(hf_model, fast)
+        self.device = next(hf_model.parameters()).device
+        if self.device.type == "cpu":
+            keep_freed_host_memory()  # each step's activations reuse freed memory instead of new pages
+        self.kv_dtype = kv_dtype or next(hf_model.parameters()).dtype
+        self.block_size = block_size
+        per_block = kv_bytes_per_block(self.decoder, block_size, self.kv_dtype)
+        self.kv_cache_source = "given"
+        if kv_cache_bytes is None:
+            context = getattr(hf_model.config, "max_position_embeddings", None)
+            useful = (max_num_seqs * -(-context // block_size) * per_block) if context and max_num_seqs else None
+            kv_cache_bytes = default_kv_cache_bytes(self.device, kv_cache_memory_fraction, useful)
+            self.kv_cache_source = f"{kv_cache_memory_fraction:.0%} of available memory"
+            if useful is not None and kv_cache_bytes == useful:
+                self.kv_cache_source = f"{max_num_seqs} sequences x the full context"
+        self.num_blocks = kv_cache_bytes // per_block
+        if self.num_blocks < 1:
+            raise ConfigError(f"--kv-cache-bytes {kv_cache_bytes} holds no block of {block_size} tokens "
+                              f"({per_block} bytes each): raise it")
+        self.kv_cache_bytes = self.num_blocks * per_block
+        shape = (self.num_blocks, block_size, self.decoder.num_kv_heads, self.decoder.head_dim)
+        self.kv_caches = [tuple(zeros_lazily(shape, self.kv_dtype, self.device) for _ in range(2))
+                          for _ in range(self.decoder.num_layers)]
+        log.info(self.kv_cache_summary())
+        self.generators: dict[int, torch.Generator] = {}
+
+    def kv_cache_summary(self) -> str:
+        """One line for start-up: the KV cache's size, where it came from, and the tokens it holds."""
+        dtype = str(self.kv_dtype).removeprefix("torch.")
+        return (f"KV cache: {self.kv_cache_bytes / 2**30:.2f} GiB ({self.kv_cache_source}), "
+                f"{self.num_blocks * self.block_size:,} tokens in {dtype}")
+
+    def execute(self, out: SchedulerOutput) -> StepResult:
+        """Run one step; samples a token for each sequence that reached its last token."""
+        input_ids, positions, slots, starts, context_lens, tables, sample_rows = [], [], [], [0], [], [], []
+        bs = self.block_size
+        for item in out.scheduled:
+            seq, first = item.seq, item.seq.num_computed_tokens
+            last = first + item.num_new_tokens
+            table = seq.block_table
+            if item.num_new_tokens == 1:  # decode: skip the per-token range machinery
+                input_ids.append(seq.token_ids[first])
+                positions.append(first)
+                slots.append(table[first // bs] * bs + first % bs)
+            else:
+                input_ids.extend(seq.token_ids[first:last])
+                positions.extend(range(first, last))
+                slots.extend(table[p // bs] * bs + p % bs for p in range(first, last))
+            starts.append(starts[-1] + item.num_new_tokens)
+            context_lens.append(last)
+            tables.append(table)
+            if item.samples:
+                sample_rows.append((starts[-1] - 1, seq))
+        meta = AttentionMetadata.build(starts, context_lens, tables,
+                                       torch.tensor(slots, dtype=torch.long, device=self.device), bs, self.device)
+        hidden = self.decoder(torch.tensor(input_ids, device=self.device),
+                              torch.tensor(positions, device=self.device), meta, self.kv_caches)
+        result = StepResult()
+        if not sample_rows:
+            return result
+        rows = [row for row, _ in sample_rows]
+        last_hidden = hidden if rows == list(range(hidden.shape[0])) else hidden[rows]
+        # [S, vocab] in the model's dtype: the greedy rows need no fp32 copy (argmax over bf16 values is the
+        # argmax over their exact fp32 values); rows that sample or report logprobs are converted one by one
+        logits = self.decoder.logits(last_hidden, as_float=False).cpu()
+        # one call for the whole batch (most requests are greedy); torch.argmax is slow on wide rows
+        ops = cpu_ops()
+        greedy = (ops.argmax_rows(logits) if ops is not None else logits.float().argmax(dim=-1)).tolist()
+        for i, (_, seq) in enumerate(sample_rows):
+            params = seq.params
+            row = None if params.is_greedy and params.logprobs is None else logits[i].float()
+            if params.is_greedy:
+                token = greedy[i]
+            else:
+                token = sample(row, params, self._generator(seq))
+            result.tokens[seq.seq_id] = token
+            if params.logprobs is not None:
+                result.logprobs[seq.seq_id] = token_logprobs(row, token, params.logprobs)
+        return result
+
+    def _generator(self, seq) -> torch.Generator | None:
+        if seq.params.seed is None:
+            return None
+        generator = self.generators.get(seq.seq_id)
+        if generator is None:
+            generator = self.generators[seq.seq_id] = torch.Generator().manual_seed(seq.params.seed)
+        return generator
+
+    def release(self, seq_id: int) -> None:
+        self.generators.pop(seq_id, None)
+
+    def has_request_state(self) -> bool:
+        """Whether any request still holds per-request state here (seeded generators)."""
+        return bool(self.generators)

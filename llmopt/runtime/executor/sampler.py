@@ -1,0 +1,36 @@
+"""Turning logits into tokens: greedy, temperature, top-k, top-p, with a per-request seeded generator."""
+
+from __future__ import annotations
+
+import torch
+
+from llmopt.runtime.engine.sampling import SamplingParams
+
+
+def sample(logits: torch.Tensor, params: SamplingParams, generator: torch.Generator | None = None) -> int:
+    """One token from `logits` [vocab] (fp32)."""
+    if params.is_greedy:
+        return int(torch.argmax(logits))
+    logits = logits / params.temperature
+    if params.top_k:
+        kth = torch.topk(logits, min(params.top_k, logits.numel())).values[-1]
+        logits = logits.masked_fill(logits < kth, float("-inf"))
+    probs = torch.softmax(logits, dim=-1)
+    if params.top_p < 1.0:
+        sorted_probs, order = torch.sort(probs, descending=True)
+        # keep the smallest prefix whose mass reaches top_p (the first token always stays)
+        drop = torch.cumsum(sorted_probs, dim=-1) - sorted_probs >= params.top_p
+        sorted_probs = sorted_probs.masked_fill(drop, 0.0)
+        probs = torch.zeros_like(probs).scatter_(0, order, sorted_probs)
+    return int(torch.multinomial(probs, 1, generator=generator))
+
+
+def token_logprobs(logits: torch.Tensor, token_id: int, top_n: int) -> dict[int, float]:
+    """{token id: log-probability} for the sampled token and the top_n most likely ones (logits [vocab])."""
+    logprobs = torch.log_softmax(logits.float(), dim=-1)
+    result = {}
+    if top_n:
+        values, ids = torch.topk(logprobs, min(top_n, logprobs.numel()))
+        result = dict(zip(ids.tolist(), values.tolist()))
+    result[token_id] = float(logprobs[token_id])
+    return result
