@@ -20,6 +20,7 @@ import sys
 import tempfile
 from pathlib import Path
 
+import torch
 from safetensors import safe_open
 
 from llmopt.core.hardware import cpu_line
@@ -52,7 +53,7 @@ def tensor_hashes(folder: Path) -> dict[str, str]:
     with safe_open(str(folder / "model.safetensors"), framework="pt") as f:
         for name in sorted(f.keys()):
             t = f.get_tensor(name).contiguous()
-            raw = t.view(-1).view(__import__("torch").uint8).numpy().tobytes() if t.numel() else b""
+            raw = t.view(-1).view(torch.uint8).numpy().tobytes() if t.numel() else b""
             hashes[name] = f"{t.dtype} {tuple(t.shape)} {hashlib.sha256(raw).hexdigest()[:16]}"
     return hashes
 

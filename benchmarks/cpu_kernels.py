@@ -2,7 +2,7 @@
 (LLMOPT_CPU_KERNELS=1/0), each configuration in its own process, on and off alternating so that the machine's
 drift hits both alike.
 
-    python benchmarks/cpu_kernels.py --int4 ARTIFACT --json docs/results/cpu_kernels.json
+    python benchmarks/cpu_kernels.py --int4 ARTIFACT --json docs/results/data/cpu_kernels.json
 """
 
 from __future__ import annotations
@@ -37,7 +37,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--int4", default=None, help="a GPTQ w4 artifact of SmolLM2")
     parser.add_argument("--pairs", type=int, default=2)
-    parser.add_argument("--json", default="docs/results/cpu_kernels.json")
+    parser.add_argument("--json", default="docs/results/data/cpu_kernels.json")
     args = parser.parse_args()
     configs = [("bf16", "smollm2-135m", 64)]
     if args.int4:

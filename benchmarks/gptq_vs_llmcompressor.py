@@ -7,7 +7,7 @@ its own virtual environment:
 
     python -m venv /tmp/lcvenv && /tmp/lcvenv/bin/pip install torch==2.13.0 llmcompressor==0.14.0.1
     python benchmarks/gptq_vs_llmcompressor.py --peer-python /tmp/lcvenv/bin/python --pairs 2 --eval \
-        --json docs/results/gptq_vs_llmcompressor.json
+        --json docs/results/data/gptq_vs_llmcompressor.json
 """
 
 from __future__ import annotations

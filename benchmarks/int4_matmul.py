@@ -2,7 +2,7 @@
 
 SmolLM2-135M's linear shapes, bf16 activations, w4 g64 codes; rows M = tokens in the step. Three ways: aten's
 int4 kernel, the torch dequantization + GEMM, the compiled dequantization (kernels/csrc/int4_cpu.cpp) + GEMM.
-Prints a table and writes docs/results/int4_matmul.json. Int4PackedLinear.dequantize_min_rows and
+Prints a table and writes docs/results/data/int4_matmul.json. Int4PackedLinear.dequantize_min_rows and
 compiled_dequantize_min_rows come from these crossovers.
 
     python benchmarks/int4_matmul.py

@@ -3,18 +3,17 @@
 Each row runs `llmopt prune` (and `llmopt quantize`) and `llmopt eval ppl` in subprocesses and is appended
 to the JSON as soon as it finishes; `--resume` skips rows already there.
 
-    python benchmarks/pruning.py --json docs/results/pruning.json --markdown docs/results/pruning.md
+    python benchmarks/pruning.py --json docs/results/data/pruning.json --markdown docs/results/pruning.md
 """
 
 from __future__ import annotations
 
-import argparse
-import json
 import tempfile
 import time
 from pathlib import Path
 
 from quantization import EVAL_SETS, MODEL, evaluate, run_json
+from rows import emit, load_rows, row_parser, save_rows
 
 from llmopt.core.hardware import cpu_line
 
@@ -98,17 +97,10 @@ def markdown(results: list[dict]) -> str:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--json", default="docs/results/pruning.json")
-    parser.add_argument("--markdown", default=None)
-    parser.add_argument("--eval-tokens", type=int, default=32768)
-    parser.add_argument("--num-samples", type=int, default=128)
+    parser = row_parser(__doc__.splitlines()[0], "docs/results/data/pruning.json")
     parser.add_argument("--calib-dtype", default=None, help="calibration forward dtype (default: llmopt's)")
-    parser.add_argument("--only", default=None)
-    parser.add_argument("--resume", action="store_true")
     args = parser.parse_args()
-    path = Path(args.json)
-    results = json.loads(path.read_text()) if args.resume and path.exists() else []
+    results = load_rows(args.json, args.resume)
     done = {r["name"] for r in results}
     with tempfile.TemporaryDirectory(prefix="llmopt-prune-bench-") as tmp:
         for name, commands in ROWS:
@@ -116,15 +108,11 @@ def main() -> None:
                 continue
             start = time.perf_counter()
             results.append({**run_row(name, commands, args, Path(tmp)), "cpu": cpu_line()})
-            path.parent.mkdir(parents=True, exist_ok=True)
-            path.write_text(json.dumps(results, indent=1))
+            save_rows(args.json, results)
             print(f"{name:<32} {results[-1]['ppl']} ({time.perf_counter() - start:.0f} s)", flush=True)
     order = {name: i for i, (name, _) in enumerate(ROWS)}
     results.sort(key=lambda r: order.get(r["name"], 99))
-    table = markdown(results)
-    print(table)
-    if args.markdown:
-        Path(args.markdown).write_text(table + "\n")
+    emit(markdown(results), args.markdown)
 
 
 if __name__ == "__main__":

@@ -3,12 +3,11 @@
 Each row runs `llmopt quantize` and `llmopt eval ppl` in subprocesses (so peak RSS is per row) and is
 appended to the JSON as soon as it finishes; `--resume` skips rows already there.
 
-    python benchmarks/quantization.py --json docs/results/quantization.json --markdown docs/results/quantization.md
+    python benchmarks/quantization.py --json docs/results/data/quantization.json --markdown docs/results/quantization.md
 """
 
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import subprocess
@@ -18,6 +17,7 @@ import time
 from pathlib import Path
 
 from llmopt.core.hardware import cpu_line
+from rows import emit, load_rows, row_parser, save_rows
 
 MODEL = "smollm2-135m"
 EVAL_SETS = ("wikitext2", "pystdlib")
@@ -124,17 +124,10 @@ def markdown(results: list[dict], args) -> str:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--json", default="docs/results/quantization.json")
-    parser.add_argument("--markdown", default=None)
-    parser.add_argument("--eval-tokens", type=int, default=32768)
-    parser.add_argument("--num-samples", type=int, default=128)
+    parser = row_parser(__doc__.splitlines()[0], "docs/results/data/quantization.json")
     parser.add_argument("--compute-dtype", default=None, help="calibration forward dtype (default: llmopt's)")
-    parser.add_argument("--only", default=None, help="semicolon-separated substrings of row names")
-    parser.add_argument("--resume", action="store_true")
     args = parser.parse_args()
-    path = Path(args.json)
-    results = json.loads(path.read_text()) if args.resume and path.exists() else []
+    results = load_rows(args.json, args.resume)
     done = {r["name"] for r in results}
     rows = [r for r in plan() if not args.only or any(s in r["name"] for s in args.only.split(";"))]
     with tempfile.TemporaryDirectory(prefix="llmopt-bench-") as tmp:
@@ -145,15 +138,11 @@ def main() -> None:
             result = run_row(row, args, Path(tmp))
             result["cpu"] = cpu_line()
             results.append(result)
-            path.parent.mkdir(parents=True, exist_ok=True)
-            path.write_text(json.dumps(results, indent=1))
+            save_rows(args.json, results)
             print(f"{row['name']:<40} {result['ppl']}  ({time.perf_counter() - start:.0f} s)", flush=True)
     order = {r["name"]: i for i, r in enumerate(plan())}
     results.sort(key=lambda r: order.get(r["name"], 999))
-    table = markdown(results, args)
-    print(table)
-    if args.markdown:
-        Path(args.markdown).write_text(table + "\n")
+    emit(markdown(results, args), args.markdown)
 
 
 if __name__ == "__main__":

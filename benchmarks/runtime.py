@@ -7,7 +7,7 @@
 (d) prefix repetition (1024-token shared prefixes): prefix cache on vs off;
 (e) (a)'s headline ratio again, bf16 continuous and HF alternating (--pairs), not part of the default sections.
 
-    python benchmarks/runtime.py --int4 /tmp/q --json docs/results/runtime.json --markdown docs/results/runtime.md
+    python benchmarks/runtime.py --int4 /tmp/q --json docs/results/data/runtime.json --markdown docs/results/runtime.md
 (`--int4` is a GPTQ w4 artifact: `llmopt quantize smollm2-135m --method gptq --bits 4 --group-size 64 -o /tmp/q`.)
 """
 
@@ -22,6 +22,7 @@ from pathlib import Path
 from llmopt.runtime.engine.config import EngineConfig
 from llmopt.eval.speed import BenchConfig, bench_hf, bench_runtime
 from llmopt.eval.workloads import WorkloadSpec
+from rows import emit, save_rows
 
 MODEL = "smollm2-135m"
 KEYS = [("output_throughput", "out tok/s", "{:.1f}"), ("request_throughput", "req/s", "{:.2f}"),
@@ -40,7 +41,8 @@ def section_a(args, rows):
     base = BenchConfig(dtype="bfloat16", engine=EngineConfig(max_num_seqs=64, kv_cache_bytes=1 << 30))
     variants = [("fp32 continuous", MODEL, replace(base, dtype="float32")),
                 ("bf16 continuous", MODEL, base),
-                ("bf16 static", MODEL, replace(base, engine=replace(base.engine, policy="static", max_num_seqs=32)))]
+                ("bf16 static", MODEL, replace(base, engine=replace(base.engine, policy="static",
+                                                                         max_num_seqs=32)))]
     if args.int4:
         variants.append(("int4 continuous", args.int4, base))
     for label, model, config in variants:
@@ -73,7 +75,8 @@ def section_b(args, rows):
     spec = WorkloadSpec("sharegpt", num_requests=args.sharegpt_requests, input_len=256, output_len=128,
                         request_rate=args.sharegpt_rate, seed=0)
     base = BenchConfig(dtype="bfloat16", engine=EngineConfig(max_num_seqs=64, kv_cache_bytes=1 << 30))
-    for label, config in [("continuous", base), ("static", replace(base, engine=replace(base.engine, policy="static", max_num_seqs=32)))]:
+    static = replace(base, engine=replace(base.engine, policy="static", max_num_seqs=32))
+    for label, config in [("continuous", base), ("static", static)]:
         rows["b"].append(row(f"sharegpt {label}", bench_runtime(label, MODEL, spec, config)))
         print(label, rows["b"][-1]["metrics"]["output_throughput"], flush=True)
 
@@ -126,7 +129,7 @@ def main() -> None:
     parser.add_argument("--num-requests", type=int, default=64)
     parser.add_argument("--sharegpt-requests", type=int, default=200)
     parser.add_argument("--sharegpt-rate", type=float, default=8.0)
-    parser.add_argument("--json", default="docs/results/runtime.json")
+    parser.add_argument("--json", default="docs/results/data/runtime.json")
     parser.add_argument("--markdown", default=None)
     parser.add_argument("--pairs", type=int, default=3, help="section e: runtime/HF pairs")
     args = parser.parse_args()
@@ -136,12 +139,8 @@ def main() -> None:
     for section in args.sections:
         rows[section] = []
         {"a": section_a, "b": section_b, "c": section_c, "d": section_d, "e": section_e}[section](args, rows)
-        path.parent.mkdir(parents=True, exist_ok=True)
-        path.write_text(json.dumps(rows, indent=1, default=str))
-    table = markdown(rows)
-    print(table)
-    if args.markdown:
-        Path(args.markdown).write_text(table + "\n")
+        save_rows(path, rows)
+    emit(markdown(rows), args.markdown)
 
 
 if __name__ == "__main__":

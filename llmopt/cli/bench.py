@@ -83,7 +83,8 @@ def bench(
         max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
         enable_prefix_cache=not no_prefix_cache, policy=batching)
     config = BenchConfig(
-        dtype=resolve_dtype_option(dtype, device), device=device, engine=engine, max_concurrency=max_concurrency, hf_batch_size=hf_batch_size, slo=slo_pairs,
+        dtype=resolve_dtype_option(dtype, device), device=device, engine=engine, max_concurrency=max_concurrency,
+        hf_batch_size=hf_batch_size, slo=slo_pairs,
         peak_bandwidth=peak_bandwidth * 1e9 if peak_bandwidth else None,
         peak_flops=peak_flops * 1e12 if peak_flops else None, num_threads=threads)
     from llmopt.core.hardware import cpu_line

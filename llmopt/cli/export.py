@@ -8,7 +8,7 @@ import typer
 
 from llmopt.cli.options import JsonOpt, OutputOpt, OverwriteOpt
 from llmopt.cli.output import print_json, print_table
-from llmopt.cli.quantize import FormatName
+from llmopt.cli.options import FormatName
 
 
 def export(

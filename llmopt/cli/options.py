@@ -43,6 +43,19 @@ OutputOpt = Annotated[str, typer.Option("-o", "--output", help="Output folder (w
 OverwriteOpt = Annotated[bool, typer.Option("--overwrite", help="Replace an existing output folder.")]
 
 
+def choices(name: str, values: list[str]) -> type[Enum]:
+    """A str Enum for a Typer option from its allowed values ("compressed-tensors" -> member compressed_tensors)."""
+    return Enum(name, {value.replace("-", "_"): value for value in values}, type=str)
+
+
+# Choices that mirror registries and config literals, listed here so that `--help` does not import torch;
+# tests/cli/test_options_match_configs.py keeps them equal to the registries.
+QuantMethod = choices("QuantMethod", ["rtn", "gptq", "awq"])
+FormatName = choices("FormatName", ["gptq", "awq", "compressed-tensors"])
+PruneMethod = choices("PruneMethod", ["magnitude", "wanda", "sparsegpt"])
+StructuredKind = choices("StructuredKind", ["mlp", "heads", "layers"])
+
+
 class CalibDtype(str, Enum):
     auto = "auto"
     float32 = "float32"

@@ -2,28 +2,15 @@
 
 from __future__ import annotations
 
-from enum import Enum
 from typing import Annotated, Optional
 
 import typer
 
-from llmopt.cli.options import (
-    IgnoreOpt, JsonOpt, ModelArg, OutputOpt, OverwriteOpt, TrustRemoteCodeOpt, calib_dtype_label, with_calibration_options,
-)
+from llmopt.cli.options import IgnoreOpt, JsonOpt, ModelArg, OutputOpt, OverwriteOpt, StructuredKind
+from llmopt.cli.options import PruneMethod as PruneMethodName
+from llmopt.cli.options import TrustRemoteCodeOpt, calib_dtype_label, with_calibration_options
 from llmopt.cli.output import print_json, print_table, progress_bar
 from llmopt.compress.defaults import CALIBRATION, SPARSEGPT_DAMP, STRUCTURED_NUM_SAMPLES
-
-
-class PruneMethodName(str, Enum):
-    magnitude = "magnitude"
-    wanda = "wanda"
-    sparsegpt = "sparsegpt"
-
-
-class StructuredKind(str, Enum):
-    mlp = "mlp"
-    heads = "heads"
-    layers = "layers"
 
 
 @with_calibration_options

@@ -2,32 +2,19 @@
 
 from __future__ import annotations
 
-from enum import Enum
 from typing import Annotated, Optional
 
 import typer
 
-from llmopt.cli.options import (
-    IgnoreOpt, JsonOpt, ModelArg, OutputOpt, OverwriteOpt, TrustRemoteCodeOpt, calib_dtype_label, with_calibration_options,
-)
-from llmopt.compress.defaults import CALIBRATION, QUANTIZE
+from llmopt.cli.options import FormatName, IgnoreOpt, JsonOpt, ModelArg, OutputOpt, OverwriteOpt
+from llmopt.cli.options import QuantMethod as Method
+from llmopt.cli.options import TrustRemoteCodeOpt, calib_dtype_label, with_calibration_options
 from llmopt.cli.output import print_json, print_table, progress_bar
-
-
-class Method(str, Enum):
-    rtn = "rtn"
-    gptq = "gptq"
-    awq = "awq"
-
-
-class FormatName(str, Enum):
-    gptq = "gptq"
-    awq = "awq"
-    compressed_tensors = "compressed-tensors"
-
+from llmopt.compress.defaults import CALIBRATION, QUANTIZE
 
 METHOD_ONLY = {  # option -> the methods it applies to
-    "act_order": ("gptq",), "damp": ("gptq",), "static_groups": ("gptq",), "prune_pattern": ("gptq",), "gptaq": ("gptq",),
+    "act_order": ("gptq",), "damp": ("gptq",), "static_groups": ("gptq",), "prune_pattern": ("gptq",),
+    "gptaq": ("gptq",),
     "awq_search": ("awq",),
 }
 
@@ -51,7 +38,8 @@ def quantize(
     damp: Annotated[Optional[float], typer.Option(
         "--damp", help="GPTQ dampening, fraction of mean diag(H) (default 0.1).")] = None,
     gptaq: Annotated[Optional[bool], typer.Option(
-        "--gptaq/--no-gptaq", help="GPTQ: match the full-precision model's outputs (GPTAQ asymmetric calibration; default on).")
+        "--gptaq/--no-gptaq",
+        help="GPTQ: match the full-precision model's outputs (GPTAQ asymmetric calibration; default on).")
     ] = None,
     prune_pattern: Annotated[Optional[str], typer.Option(
         "--prune-pattern", help="GPTQ: SparseGPT-prune each linear to N:M (e.g. 2:4) first, in the same pass.")

@@ -31,7 +31,8 @@ class CalibrationConfig(BaseModel):
     batch_size: int = Field(CALIBRATION["batch_size"], ge=1)
     device: str = CALIBRATION["device"]
     compute_dtype: Literal["auto", "float32", "bfloat16"] = Field(
-        CALIBRATION["compute_dtype"], description="dtype of the calibration forwards (weights and statistics stay fp32); auto: bfloat16 "
+        CALIBRATION["compute_dtype"],
+        description="dtype of the calibration forwards (weights and statistics stay fp32); auto: bfloat16 "
         "where the device multiplies it natively, else float32 (resolved when the config is made)")
 
     @model_validator(mode="after")

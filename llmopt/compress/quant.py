@@ -1,16 +1,12 @@
-"""Integer weight quantization maths shared by RTN, GPTQ and AWQ: pure tensor functions.
-
-Convention (every method and format works from it): a weight W [N out, K in] is split into groups of
-`group_size` consecutive input columns (group_size = -1: one group per row). Each (row, group) has a scale
-s > 0 and an unsigned zero point z in [0, 2^b - 1]; q = clamp(round(W / s) + z, 0, 2^b - 1) and
-W ~ s * (q - z). Symmetric schemes fix z = 2^(b-1), so zero is exactly representable.
-"""
+"""Integer weight quantization maths shared by RTN, GPTQ and AWQ: pure tensor functions over the convention
+of llmopt.core.contract (groups of input columns, scale and unsigned zero point per row and group)."""
 
 from __future__ import annotations
 
 import torch
 
 from llmopt.core.contract import QuantScheme, QuantizedWeight, default_g_idx
+
 
 def compute_qparams(
     w: torch.Tensor, scheme: QuantScheme, clip_ratio: torch.Tensor | float = 1.0

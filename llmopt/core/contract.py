@@ -96,7 +96,6 @@ def parse_nm(pattern: str) -> tuple[int, int]:
     return n, m
 
 
-
 def sparsity_entry(structure: str, method: str, target: float, ignore: list[str], measured: float,
                    targets: list[str]) -> dict:
     """What config.json records about a sparse model (llmopt's `sparsity_config`)."""

@@ -130,7 +130,8 @@ class RecipeRunner:
                 run = bench_hf("bench", model, workload, config)
             else:
                 run = bench_runtime("bench", model, workload, config)
-            return {"backend": "hf" if through_hf else "runtime", "metrics": run.metrics, "ttft_ms": [r.ttft * 1000 for r in run.records],
+            return {"backend": "hf" if through_hf else "runtime", "metrics": run.metrics,
+                    "ttft_ms": [r.ttft * 1000 for r in run.records],
                     "tpot_ms": [r.tpot * 1000 for r in run.records if r.tpot is not None]}
 
         return self._cached("bench", key, {**spec.model_dump(mode="json"), "hf": through_hf}, compute)

@@ -16,8 +16,10 @@ from torch import nn
 
 from llmopt.core.contract import QuantizedWeight
 from llmopt.runtime.executor.kernels.cpu_ops import cpu_ops
-from llmopt.runtime.executor.kernels.quant_matmul import (can_pack_int4, int4_dequantize, int4_matmul, int8_matmul, pack_int4,
-                                                 pack_int4_codes, pack_int8, pack_nibbles, unpack_nibbles)
+from llmopt.runtime.executor.kernels.quant_matmul import (
+    can_pack_int4, int4_dequantize, int4_matmul, int8_matmul, pack_int4, pack_int4_codes, pack_int8, pack_nibbles,
+    unpack_nibbles,
+)
 
 
 class _QuantLinearBase(nn.Module):

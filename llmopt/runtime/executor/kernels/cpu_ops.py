@@ -30,7 +30,7 @@ from llmopt.core.hardware import X86_ISAS, cpu_info, kernel_isa
 log = logging.getLogger(__name__)
 
 SOURCES = [Path(__file__).parent / "csrc" / name
-           for name in ("paged_attention_cpu.cpp", "fused_cpu.cpp", "int4_cpu.cpp")]
+           for name in ("paged_attention_cpu.cpp", "fused_cpu.cpp", "int4_cpu.cpp", "register.cpp")]
 _X86_FLAGS = {
     "scalar": [],
     "avx2": ["-mavx2", "-mfma", "-mf16c"],

@@ -7,7 +7,6 @@
 // storage dtype; silu rounded before the product), and torch.argmax's tie and NaN rules.
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
-#include <torch/library.h>
 
 #include <algorithm>
 #include <cmath>
@@ -15,9 +14,10 @@
 #include <limits>
 #include <type_traits>
 
+#include "ops.h"
 #include "simd.h"
 
-namespace {
+namespace llmopt_cpu::fused {  // entry points declared in ops.h, registered in register.cpp
 
 using namespace llmopt_cpu;
 
@@ -348,24 +348,4 @@ at::Tensor gemv(const at::Tensor& x, const at::Tensor& weight) {
   return y;
 }
 
-}  // namespace
-
-LLMOPT_LIBRARY_FRAGMENT(LLMOPT_NS, m) {
-  m.def("rms_norm(Tensor x, Tensor weight, float eps) -> Tensor");
-  m.def("add_rms_norm_(Tensor(a!) residual, Tensor delta, Tensor weight, float eps) -> Tensor");
-  m.def("silu_mul(Tensor gate_up) -> Tensor");
-  m.def("argmax_rows(Tensor logits) -> Tensor");
-  m.def("rotary_(Tensor(a!) x, Tensor cos, Tensor sin, int num_heads) -> ()");
-  m.def("store_kv_(Tensor(a!) k_cache, Tensor(b!) v_cache, Tensor k, Tensor v, Tensor slot_mapping) -> ()");
-  m.def("gemv(Tensor x, Tensor weight) -> Tensor");
-}
-
-LLMOPT_LIBRARY_IMPL(LLMOPT_NS, CPU, m) {
-  m.impl("rms_norm", rms_norm);
-  m.impl("add_rms_norm_", add_rms_norm_);
-  m.impl("silu_mul", silu_mul);
-  m.impl("argmax_rows", argmax_rows);
-  m.impl("rotary_", rotary_);
-  m.impl("store_kv_", store_kv_);
-  m.impl("gemv", gemv);
-}
+}  // namespace llmopt_cpu::fused

@@ -9,16 +9,16 @@
 // the same bits as the torch expression. For few rows, int4_matmul_rows multiplies straight from the codes.
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
-#include <torch/library.h>
 
 #include <algorithm>
 #include <cmath>
 #include <type_traits>
 #include <vector>
 
+#include "ops.h"
 #include "simd.h"
 
-namespace {
+namespace llmopt_cpu::int4 {  // entry points declared in ops.h, registered in register.cpp
 
 using namespace llmopt_cpu;
 
@@ -341,16 +341,4 @@ void int4_dequantize_out(const at::Tensor& nibbles, const at::Tensor& scales_and
   });
 }
 
-}  // namespace
-
-LLMOPT_LIBRARY_FRAGMENT(LLMOPT_NS, m) {
-  m.def("int4_dequantize_out(Tensor nibbles, Tensor scales_and_offsets, int group, Tensor(a!) out) -> ()");
-  m.def("int4_matmul_rows(Tensor x, Tensor nibbles, Tensor scales_and_offsets, int group) -> Tensor");
-  m.def("int4_matmul_rows_q8(Tensor x, Tensor nibbles, Tensor scales_and_offsets, int group) -> Tensor");
-}
-
-LLMOPT_LIBRARY_IMPL(LLMOPT_NS, CPU, m) {
-  m.impl("int4_dequantize_out", int4_dequantize_out);
-  m.impl("int4_matmul_rows", int4_matmul_rows);
-  m.impl("int4_matmul_rows_q8", int4_matmul_rows_q8);
-}
+}  // namespace llmopt_cpu::int4

@@ -14,7 +14,6 @@
 // over V). Nothing is padded: each sequence reads exactly its context_len rows.
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
-#include <torch/library.h>
 
 #include <algorithm>
 #include <cmath>
@@ -23,9 +22,10 @@
 #include <type_traits>
 #include <vector>
 
+#include "ops.h"
 #include "simd.h"
 
-namespace {
+namespace llmopt_cpu::attention {  // entry points declared in ops.h, registered in register.cpp
 
 using namespace llmopt_cpu;
 
@@ -396,13 +396,4 @@ bool vectorized() { return kVectorized; }
 
 std::string isa() { return LLMOPT_STR(LLMOPT_ISA); }
 
-}  // namespace
-
-LLMOPT_LIBRARY(LLMOPT_NS, m) {
-  m.def("paged_decode_attention(Tensor q, Tensor k_cache, Tensor v_cache, Tensor block_tables, "
-        "Tensor context_lens, float scale) -> Tensor");
-  m.def("vectorized", &vectorized);  // whether this build has the vector (AVX2 or AVX-512) paths
-  m.def("isa", &isa);  // the instruction set this build was compiled for
-}
-
-LLMOPT_LIBRARY_IMPL(LLMOPT_NS, CPU, m) { m.impl("paged_decode_attention", paged_decode_attention); }
+}  // namespace llmopt_cpu::attention

@@ -28,9 +28,6 @@
 #endif
 #define LLMOPT_STR_(x) #x
 #define LLMOPT_STR(x) LLMOPT_STR_(x)
-#define LLMOPT_LIBRARY(ns, m) TORCH_LIBRARY(ns, m)
-#define LLMOPT_LIBRARY_FRAGMENT(ns, m) TORCH_LIBRARY_FRAGMENT(ns, m)
-#define LLMOPT_LIBRARY_IMPL(ns, k, m) TORCH_LIBRARY_IMPL(ns, k, m)
 
 namespace llmopt_cpu {
 namespace {

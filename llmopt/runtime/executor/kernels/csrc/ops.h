@@ -1,0 +1,31 @@
+// The CPU kernels' entry points (one torch op each, registered in register.cpp). Shapes: see each definition.
+#pragma once
+
+#include <ATen/ATen.h>
+
+#include <string>
+
+namespace llmopt_cpu::attention {
+at::Tensor paged_decode_attention(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
+                                  const at::Tensor& block_tables, const at::Tensor& context_lens, double scale);
+bool vectorized();
+std::string isa();
+}  // namespace llmopt_cpu::attention
+
+namespace llmopt_cpu::fused {
+at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& weight, double eps);
+at::Tensor add_rms_norm_(at::Tensor& residual, const at::Tensor& delta, const at::Tensor& weight, double eps);
+at::Tensor silu_mul(const at::Tensor& gate_up);
+at::Tensor argmax_rows(const at::Tensor& logits);
+void rotary_(at::Tensor& x, const at::Tensor& cos, const at::Tensor& sin, int64_t num_heads);
+void store_kv_(at::Tensor& k_cache, at::Tensor& v_cache, const at::Tensor& k, const at::Tensor& v,
+               const at::Tensor& slot_mapping);
+at::Tensor gemv(const at::Tensor& x, const at::Tensor& weight);
+}  // namespace llmopt_cpu::fused
+
+namespace llmopt_cpu::int4 {
+void int4_dequantize_out(const at::Tensor& nibbles, const at::Tensor& scales_and_offsets, int64_t group,
+                         at::Tensor& out);
+at::Tensor int4_matmul_rows(const at::Tensor& x, const at::Tensor& nibbles, const at::Tensor& so, int64_t group);
+at::Tensor int4_matmul_rows_q8(const at::Tensor& x, const at::Tensor& nibbles, const at::Tensor& so, int64_t group);
+}  // namespace llmopt_cpu::int4

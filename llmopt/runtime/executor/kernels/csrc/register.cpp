@@ -1,0 +1,43 @@
+// Every CPU kernel as a torch op, in one place: torch.ops.llmopt_cpu_<isa>.<name> (LLMOPT_NS names the
+// build's instruction set, so builds for different CPUs never share a namespace).
+#include <torch/library.h>
+
+#include "ops.h"
+#include "simd.h"  // LLMOPT_NS
+
+// One more macro level, so LLMOPT_NS expands before TORCH_LIBRARY pastes it into identifiers.
+#define LLMOPT_LIBRARY(ns, m) TORCH_LIBRARY(ns, m)
+#define LLMOPT_LIBRARY_IMPL(ns, k, m) TORCH_LIBRARY_IMPL(ns, k, m)
+
+LLMOPT_LIBRARY(LLMOPT_NS, m) {
+  using namespace llmopt_cpu;
+  m.def("paged_decode_attention(Tensor q, Tensor k_cache, Tensor v_cache, Tensor block_tables, "
+        "Tensor context_lens, float scale) -> Tensor");
+  m.def("vectorized", &attention::vectorized);  // whether this build has the vector (AVX2 or AVX-512) paths
+  m.def("isa", &attention::isa);  // the instruction set this build was compiled for
+  m.def("rms_norm(Tensor x, Tensor weight, float eps) -> Tensor");
+  m.def("add_rms_norm_(Tensor(a!) residual, Tensor delta, Tensor weight, float eps) -> Tensor");
+  m.def("silu_mul(Tensor gate_up) -> Tensor");
+  m.def("argmax_rows(Tensor logits) -> Tensor");
+  m.def("rotary_(Tensor(a!) x, Tensor cos, Tensor sin, int num_heads) -> ()");
+  m.def("store_kv_(Tensor(a!) k_cache, Tensor(b!) v_cache, Tensor k, Tensor v, Tensor slot_mapping) -> ()");
+  m.def("gemv(Tensor x, Tensor weight) -> Tensor");
+  m.def("int4_dequantize_out(Tensor nibbles, Tensor scales_and_offsets, int group, Tensor(a!) out) -> ()");
+  m.def("int4_matmul_rows(Tensor x, Tensor nibbles, Tensor scales_and_offsets, int group) -> Tensor");
+  m.def("int4_matmul_rows_q8(Tensor x, Tensor nibbles, Tensor scales_and_offsets, int group) -> Tensor");
+}
+
+LLMOPT_LIBRARY_IMPL(LLMOPT_NS, CPU, m) {
+  using namespace llmopt_cpu;
+  m.impl("paged_decode_attention", attention::paged_decode_attention);
+  m.impl("rms_norm", fused::rms_norm);
+  m.impl("add_rms_norm_", fused::add_rms_norm_);
+  m.impl("silu_mul", fused::silu_mul);
+  m.impl("argmax_rows", fused::argmax_rows);
+  m.impl("rotary_", fused::rotary_);
+  m.impl("store_kv_", fused::store_kv_);
+  m.impl("gemv", fused::gemv);
+  m.impl("int4_dequantize_out", int4::int4_dequantize_out);
+  m.impl("int4_matmul_rows", int4::int4_matmul_rows);
+  m.impl("int4_matmul_rows_q8", int4::int4_matmul_rows_q8);
+}
