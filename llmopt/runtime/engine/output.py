@@ -15,7 +15,8 @@ class RequestOutput:
     """What one step produced for one request; the last one (finished) also carries the whole output.
 
     new_token_ids / new_text / new_logprobs / new_token_times: this step's part (new_text may be empty while a
-    multi-byte character or a possible stop string is incomplete). token_ids / text: everything so far.
+    multi-byte character or a possible stop string is incomplete). token_ids, text, token_times, logprobs: the
+    whole output, filled in the finished output only (so a step costs nothing per token already sent).
     Times are time.perf_counter() values.
     """
 
@@ -24,15 +25,15 @@ class RequestOutput:
     new_text: str
     finished: bool
     finish_reason: str | None  # "stop" (EOS, a stop token or string), "length", "abort"
-    token_ids: list[int]
-    text: str
     new_logprobs: list[dict[int, float]] = field(default_factory=list)
     new_token_times: list[float] = field(default_factory=list)
     arrival_time: float = 0.0
     num_prompt_tokens: int = 0
     num_cached_tokens: int = 0  # prompt tokens served by the prefix cache at the last admission
-    token_times: list[float] = field(default_factory=list)  # every output token's time (finished outputs only)
-    logprobs: list[dict[int, float]] = field(default_factory=list)  # every output token's (finished only)
+    token_ids: list[int] = field(default_factory=list)
+    text: str = ""
+    token_times: list[float] = field(default_factory=list)
+    logprobs: list[dict[int, float]] = field(default_factory=list)
 
 
 class IncrementalDetokenizer:
@@ -155,9 +156,9 @@ class OutputProcessor:
         new_logprobs = state.logprobs[state.num_tokens_sent:]
         state.num_tokens_sent = seq.num_output_tokens
         out = RequestOutput(seq.seq_id, new_ids, state.sendable_text(finished), finished, seq.finish_reason,
-                            seq.output_token_ids, state.text, new_logprobs, new_times, seq.arrival_time,
-                            seq.num_prompt_tokens, seq.num_cached_tokens)
+                            new_logprobs, new_times, seq.arrival_time, seq.num_prompt_tokens, seq.num_cached_tokens)
         if finished:
+            out.token_ids, out.text = seq.output_token_ids, state.text
             out.token_times, out.logprobs = list(seq.token_times), list(state.logprobs)
             del self.states[seq_id]
         return out
