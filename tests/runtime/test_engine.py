@@ -202,7 +202,7 @@ def test_finished_requests_are_released_so_memory_stays_flat(tiny):
         # nothing of a finished request stays behind: engine, output processor, runner, blocks
         assert engine.num_live_requests == 0 and len(engine.outputs) == 0
         assert not engine.runner.has_request_state() and engine.block_manager.usage == 0
-    assert engine.stats().num_finished == 18
+    assert engine.stats().num_finished == 18 and engine.stats().finish_reasons == {"length": 18}
 
 
 def test_each_output_carries_only_the_new_tokens_and_their_times(tiny):

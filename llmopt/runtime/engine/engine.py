@@ -104,6 +104,8 @@ class Engine:
             self.runner.release(seq_id)
             del self._live[seq_id]
             self._stats.num_finished += 1
+            reasons = self._stats.finish_reasons
+            reasons[output.finish_reason] = reasons.get(output.finish_reason, 0) + 1
         return output
 
     def stream(self) -> Iterator[RequestOutput]:
@@ -128,7 +130,7 @@ class Engine:
         """Counters since start or the last reset_stats(): per-step records, preemptions, prefix-cache hits."""
         bm = self.block_manager
         return EngineStats(list(self._stats.steps), self.scheduler.num_preemptions, bm.num_lookup_tokens,
-                           bm.num_hit_tokens, self._stats.num_finished)
+                           bm.num_hit_tokens, self._stats.num_finished, dict(self._stats.finish_reasons))
 
     def reset_stats(self, clear_prefix_cache: bool = False) -> None:
         """Zero the counters (after a warm-up, say); clear_prefix_cache also forgets the cached prefixes."""

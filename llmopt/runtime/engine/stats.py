@@ -36,6 +36,7 @@ class EngineStats:
     prefix_cache_queries: int = 0  # prompt tokens looked up in the prefix cache
     prefix_cache_hits: int = 0  # of those, tokens found cached
     num_finished: int = 0
+    finish_reasons: dict[str, int] = field(default_factory=dict)  # finished requests by finish reason
 
     @property
     def prefix_cache_hit_rate(self) -> float:

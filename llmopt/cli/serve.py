@@ -1,0 +1,67 @@
+"""`llmopt serve`: an OpenAI-compatible HTTP server over the runtime."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Annotated, Optional
+
+import typer
+
+from llmopt.cli.options import DeviceOpt, Dtype, DtypeOpt, ModelArg, TrustRemoteCodeOpt, resolve_dtype_option
+from llmopt.runtime.engine.config import ENGINE_DEFAULTS
+
+
+def serve(
+    model: ModelArg,
+    host: Annotated[str, typer.Option("--host", help="Address to bind (loopback unless told otherwise).")
+                    ] = "127.0.0.1",
+    port: Annotated[int, typer.Option("--port")] = 8000,
+    api_key: Annotated[Optional[str], typer.Option(
+        "--api-key", help="Require `Authorization: Bearer KEY` on /v1 routes.")] = None,
+    served_model_name: Annotated[Optional[str], typer.Option(
+        "--served-model-name", help="The model id clients use (default: MODEL as given).")] = None,
+    chat_template: Annotated[Optional[Path], typer.Option(
+        "--chat-template", help="A Jinja chat template file replacing the tokenizer's.")] = None,
+    max_waiting: Annotated[Optional[int], typer.Option(
+        "--max-waiting", help="Waiting requests beyond which new ones get 429 (default: unbounded).")] = None,
+    max_num_seqs: Annotated[int, typer.Option("--max-num-seqs")] = ENGINE_DEFAULTS.max_num_seqs,
+    max_num_batched_tokens: Annotated[int, typer.Option(
+        "--max-num-batched-tokens")] = ENGINE_DEFAULTS.max_num_batched_tokens,
+    kv_cache_bytes: Annotated[Optional[int], typer.Option("--kv-cache-bytes")] = None,
+    kv_cache_memory_fraction: Annotated[float, typer.Option(
+        "--kv-cache-memory-fraction")] = ENGINE_DEFAULTS.kv_cache_memory_fraction,
+    no_prefix_cache: Annotated[bool, typer.Option("--no-prefix-cache")] = False,
+    shutdown_timeout: Annotated[float, typer.Option(
+        "--shutdown-timeout", help="Seconds in-flight requests get to finish on SIGTERM / Ctrl-C.")] = 30.0,
+    dtype: DtypeOpt = Dtype.auto,
+    device: DeviceOpt = "cpu",
+    trust_remote_code: TrustRemoteCodeOpt = False,
+) -> None:
+    """Serve MODEL over the OpenAI API: /v1/completions, /v1/chat/completions, /v1/models, /health, /metrics."""
+    from llmopt.cli.output import stderr
+    from llmopt.core.errors import ConfigError
+
+    try:
+        import fastapi  # noqa: F401
+        import prometheus_client  # noqa: F401
+        import uvicorn
+    except ImportError:
+        raise ConfigError("llmopt serve needs the serve extra: pip install 'llmopt[serve]'") from None
+    from llmopt.runtime.engine.config import EngineConfig
+    from llmopt.serve.launch import start_server
+
+    if chat_template is not None and not chat_template.is_file():
+        raise ConfigError(f"--chat-template {chat_template} does not exist")
+    config = EngineConfig(max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
+                          kv_cache_bytes=kv_cache_bytes, kv_cache_memory_fraction=kv_cache_memory_fraction,
+                          enable_prefix_cache=not no_prefix_cache)
+    app, server = start_server(model, config, resolve_dtype_option(dtype, device), device,
+                               served_model_name=served_model_name, api_key=api_key,
+                               chat_template=chat_template.read_text() if chat_template else None,
+                               max_waiting=max_waiting, trust_remote_code=trust_remote_code)
+    stderr.print(f"serving {server.model_name} at http://{host}:{port}/v1 "
+                 f"({server.engine.engine.kv_cache_info()['summary']})", highlight=False, markup=False, soft_wrap=True)
+    try:
+        uvicorn.run(app, host=host, port=port, log_level="warning", timeout_graceful_shutdown=shutdown_timeout)
+    finally:
+        server.engine.stop(shutdown_timeout)

@@ -1,0 +1,1 @@
+"""An OpenAI-compatible HTTP server over the runtime engine."""

@@ -1,0 +1,332 @@
+"""The OpenAI-compatible HTTP API (FastAPI) over an AsyncEngine: /v1/completions, /v1/chat/completions (both
+with SSE streaming), /v1/models, /health and /metrics (Prometheus, vLLM's metric names with an llmopt: prefix)."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+import uuid
+from typing import AsyncIterator
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+
+from llmopt.core.errors import ConfigError
+from llmopt.runtime.engine.output import RequestOutput
+from llmopt.runtime.engine.sampling import SamplingParams
+from llmopt.serve.async_engine import AsyncEngine, ServerOverloaded
+from llmopt.serve.metrics import ServerMetrics
+from llmopt.serve.protocol import ChatCompletionRequest, CompletionRequest, SamplingFields, error_body
+
+
+class RequestError(Exception):
+    """A 4xx for one request: the message and the field it is about."""
+
+    def __init__(self, message: str, param: str | None = None, status: int = 400):
+        super().__init__(message)
+        self.param, self.status = param, status
+
+
+class Server:
+    """The state behind the routes: the engine, the tokenizer, the served name."""
+
+    def __init__(self, engine: AsyncEngine, tokenizer, model_name: str, api_key: str | None = None,
+                 chat_template: str | None = None):
+        self.engine, self.tokenizer, self.model_name = engine, tokenizer, model_name
+        self.api_key, self.chat_template = api_key, chat_template
+        self.max_context = engine.engine.max_context
+        self.metrics = ServerMetrics(engine)
+
+    # --- request -> engine inputs ------------------------------------------------------------------
+    def sampling_params(self, req: SamplingFields, max_tokens: int, logprobs: int | None, index: int
+                        ) -> SamplingParams:
+        if req.presence_penalty or req.frequency_penalty:
+            raise RequestError("presence_penalty and frequency_penalty are not supported: leave them at 0",
+                               "presence_penalty" if req.presence_penalty else "frequency_penalty")
+        seed = None if req.seed is None else req.seed + index  # n > 1: a different draw per choice
+        try:
+            return SamplingParams(max_tokens=max_tokens, temperature=req.temperature, top_p=req.top_p,
+                                  top_k=req.top_k, seed=seed, stop=req.stop_strings(), ignore_eos=req.ignore_eos,
+                                  logprobs=logprobs)
+        except ConfigError as exc:
+            raise RequestError(str(exc), _param_of(str(exc))) from None
+
+    def max_tokens_for(self, requested: int | None, prompt: list[int]) -> int:
+        if not prompt:
+            raise RequestError("the prompt is empty: give at least one token", "prompt")
+        room = (self.max_context - len(prompt)) if self.max_context else None
+        if room is not None and room < 1:
+            raise RequestError(f"the prompt has {len(prompt)} tokens; the model's context is {self.max_context}",
+                               "prompt")
+        if requested is None:
+            return room if room is not None else 256
+        if room is not None and requested > room:
+            raise RequestError(f"max_tokens {requested} + {len(prompt)} prompt tokens exceeds the model's context of "
+                               f"{self.max_context}: lower max_tokens", "max_tokens")
+        return requested
+
+    def completion_prompts(self, req: CompletionRequest) -> list[list[int]]:
+        prompt = req.prompt
+        if isinstance(prompt, str):
+            prompt = [prompt]
+        if prompt and all(isinstance(t, int) for t in prompt):
+            prompt = [prompt]
+        if not prompt:
+            raise RequestError("the prompt is empty", "prompt")
+        return [self.tokenizer(p, add_special_tokens=True)["input_ids"] if isinstance(p, str) else list(p)
+                for p in prompt]
+
+    def chat_prompt(self, req: ChatCompletionRequest) -> list[int]:
+        messages = [{"role": m.role, "content": m.text()} for m in req.messages]
+        try:
+            encoded = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True,
+                                                         chat_template=self.chat_template)
+        except Exception as exc:  # noqa: BLE001  (a template that rejects these messages)
+            raise RequestError(f"the chat template cannot render these messages: {exc}", "messages") from None
+        return list(encoded["input_ids"] if hasattr(encoded, "keys") else encoded)
+
+    def token_text(self, token_id: int) -> str:
+        return self.tokenizer.decode([token_id])
+
+    async def run(self, prompt: list[int], params: SamplingParams) -> AsyncIterator[RequestOutput]:
+        start = time.perf_counter()
+        first = None
+        try:
+            async for output in self.engine.generate(prompt, params):
+                if first is None and output.new_token_ids:
+                    first = time.perf_counter() - start
+                if output.finished:
+                    self.metrics.finished(output, len(prompt), first, time.perf_counter() - start)
+                yield output
+        except ConfigError as exc:
+            raise RequestError(str(exc), _param_of(str(exc))) from None
+
+
+def _param_of(message: str) -> str | None:
+    for field in ("max_tokens", "temperature", "top_p", "top_k", "logprobs", "stop", "prompt"):
+        if field.replace("_", " ") in message or field in message:
+            return field
+    return None
+
+
+async def merged(streams: list[AsyncIterator[RequestOutput]]) -> AsyncIterator[tuple[int, RequestOutput]]:
+    """(choice index, output) from several requests as they come; leaving early cancels (aborts) the rest."""
+    queue: asyncio.Queue = asyncio.Queue()
+
+    async def pump(index, stream):
+        try:
+            async for output in stream:
+                await queue.put((index, output))
+        except BaseException as exc:  # noqa: BLE001  (re-raised in the consumer)
+            await queue.put((index, exc))
+
+    tasks = [asyncio.create_task(pump(i, s)) for i, s in enumerate(streams)]
+    remaining = len(tasks)
+    try:
+        while remaining:
+            index, item = await queue.get()
+            if isinstance(item, BaseException):
+                if isinstance(item, asyncio.CancelledError):
+                    raise item
+                raise item
+            if item.finished:
+                remaining -= 1
+            yield index, item
+    finally:
+        for task in tasks:
+            task.cancel()
+
+
+def _sse(payload: dict) -> str:
+    return f"data: {json.dumps(payload)}\n\n"
+
+
+def _usage(prompt_tokens: int, completion_tokens: int) -> dict:
+    return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
+            "total_tokens": prompt_tokens + completion_tokens}
+
+
+def completion_logprobs(server: Server, output: RequestOutput, token_ids: list[int], entries, offset: int) -> dict:
+    """The legacy completions `logprobs` object for some tokens of one choice."""
+    tokens = [server.token_text(t) for t in token_ids]
+    offsets, at = [], offset
+    for text in tokens:
+        offsets.append(at)
+        at += len(text)
+    return {"tokens": tokens, "token_logprobs": [e.get(t) for t, e in zip(token_ids, entries)],
+            "top_logprobs": [{server.token_text(k): v for k, v in e.items()} for e in entries],
+            "text_offset": offsets}
+
+
+def chat_logprobs(server: Server, token_ids: list[int], entries, top: int) -> dict:
+    content = []
+    for token, entry in zip(token_ids, entries):
+        text = server.token_text(token)
+        ranked = sorted(entry.items(), key=lambda kv: -kv[1])[:top]
+        content.append({"token": text, "logprob": entry.get(token), "bytes": list(text.encode()),
+                        "top_logprobs": [{"token": server.token_text(k), "logprob": v,
+                                          "bytes": list(server.token_text(k).encode())} for k, v in ranked]})
+    return {"content": content}
+
+
+# --- the routes ------------------------------------------------------------------------------------
+def build_app(server: Server) -> FastAPI:
+    app = FastAPI(title="llmopt", docs_url=None, redoc_url=None)
+    app.state.server = server
+
+    @app.middleware("http")
+    async def authenticate(request: Request, call_next):
+        if server.api_key and request.url.path.startswith("/v1"):
+            if request.headers.get("authorization") != f"Bearer {server.api_key}":
+                return JSONResponse(error_body("invalid or missing API key: send Authorization: Bearer KEY",
+                                               kind="authentication_error", code="invalid_api_key"), 401)
+        return await call_next(request)
+
+    @app.exception_handler(RequestValidationError)
+    async def invalid_body(request: Request, exc: RequestValidationError):
+        first = exc.errors()[0]
+        loc = [str(p) for p in first.get("loc", ()) if p != "body"]
+        if first.get("type") == "json_invalid":
+            return JSONResponse(error_body(f"the body is not valid JSON: {first.get('msg')}"), 400)
+        param = loc[0] if loc else None
+        return JSONResponse(error_body(f"{'.'.join(loc) or 'body'}: {first.get('msg')}", param), 400)
+
+    @app.exception_handler(RequestError)
+    async def bad_request(request: Request, exc: RequestError):
+        return JSONResponse(error_body(str(exc), exc.param), exc.status)
+
+    @app.exception_handler(ServerOverloaded)
+    async def overloaded(request: Request, exc: ServerOverloaded):
+        return JSONResponse(error_body(str(exc), kind="server_overloaded"), 429, headers={"Retry-After": "1"})
+
+    @app.exception_handler(Exception)
+    async def failed(request: Request, exc: Exception):
+        return JSONResponse(error_body(f"the request failed: {exc}", kind="server_error"), 500)
+
+    @app.get("/health")
+    async def health():
+        if not server.engine.alive:
+            return JSONResponse({"status": "engine stopped"}, 503)
+        return {"status": "ok"}
+
+    @app.get("/metrics")
+    async def metrics():
+        body, content_type = server.metrics.render()
+        return Response(body, media_type=content_type)
+
+    @app.get("/v1/models")
+    async def models():
+        return {"object": "list", "data": [{"id": server.model_name, "object": "model", "created": 0,
+                                            "owned_by": "llmopt", "max_model_len": server.max_context}]}
+
+    @app.post("/v1/completions")
+    async def completions(req: CompletionRequest):
+        if req.echo:
+            raise RequestError("echo is not supported yet: drop it (prompt logprobs are not computed)", "echo")
+        prompts = server.completion_prompts(req)
+        jobs = []
+        for prompt in prompts:
+            max_tokens = server.max_tokens_for(req.max_tokens, prompt)
+            for j in range(req.n):
+                jobs.append((prompt, server.sampling_params(req, max_tokens, req.logprobs, j)))
+        return await respond(server, req, jobs, "cmpl", completion_choice, completion_chunk)
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(req: ChatCompletionRequest):
+        prompt = server.chat_prompt(req)
+        max_tokens = server.max_tokens_for(req.max_completion_tokens or req.max_tokens, prompt)
+        top = req.top_logprobs or 0
+        logprobs = max(top, 1) if req.logprobs else None
+        jobs = [(prompt, server.sampling_params(req, max_tokens, logprobs, j)) for j in range(req.n)]
+        return await respond(server, req, jobs, "chatcmpl", chat_choice, chat_chunk)
+
+    return app
+
+
+def completion_choice(server, req, index, output: RequestOutput) -> dict:
+    logprobs = (completion_logprobs(server, output, output.token_ids, output.logprobs, 0)
+                if req.logprobs is not None else None)
+    return {"index": index, "text": output.text, "logprobs": logprobs, "finish_reason": output.finish_reason}
+
+
+def completion_chunk(server, req, index, output: RequestOutput, state: dict) -> dict:
+    logprobs = (completion_logprobs(server, output, output.new_token_ids, output.new_logprobs, state["chars"])
+                if req.logprobs is not None else None)
+    return {"index": index, "text": output.new_text, "logprobs": logprobs,
+            "finish_reason": output.finish_reason if output.finished else None}
+
+
+def chat_choice(server, req, index, output: RequestOutput) -> dict:
+    logprobs = chat_logprobs(server, output.token_ids, output.logprobs, req.top_logprobs or 0) if req.logprobs else None
+    return {"index": index, "message": {"role": "assistant", "content": output.text}, "logprobs": logprobs,
+            "finish_reason": output.finish_reason}
+
+
+def chat_chunk(server, req, index, output: RequestOutput, state: dict) -> dict:
+    logprobs = (chat_logprobs(server, output.new_token_ids, output.new_logprobs, req.top_logprobs or 0)
+                if req.logprobs else None)
+    delta = {"content": output.new_text} if state["started"] else {"role": "assistant", "content": output.new_text}
+    return {"index": index, "delta": delta, "logprobs": logprobs,
+            "finish_reason": output.finish_reason if output.finished else None}
+
+
+async def respond(server: Server, req, jobs, prefix: str, choice, chunk):
+    """Run every (prompt, params) job; one JSON body, or an SSE stream of chunks then [DONE]."""
+    request_id = f"{prefix}-{uuid.uuid4().hex}"
+    created = int(time.time())
+    kind = "text_completion" if prefix == "cmpl" else "chat.completion"
+    head = {"id": request_id, "created": created, "model": server.model_name}
+    prompt_tokens = sum(len(p) for i, (p, _) in enumerate(jobs) if i % req.n == 0)
+    streams = [server.run(prompt, params) for prompt, params in jobs]
+    if not req.stream:
+        finals: dict[int, RequestOutput] = {}
+        async for index, output in merged(streams):
+            if output.finished:
+                finals[index] = output
+        choices = [choice(server, req, i, finals[i]) for i in range(len(jobs))]
+        completion_tokens = sum(len(o.token_ids) for o in finals.values())
+        return {**head, "object": kind, "choices": choices, "usage": _usage(prompt_tokens, completion_tokens)}
+
+    stream_kind = "text_completion" if prefix == "cmpl" else "chat.completion.chunk"
+    include_usage = bool(req.stream_options and req.stream_options.include_usage)
+    # errors before the first chunk (a bad prompt found by the engine) still get a 4xx, not a broken stream
+    iterator = merged(streams)
+    try:
+        first = await iterator.__anext__()
+    except StopAsyncIteration:
+        first = None
+
+    async def events():
+        states = [{"chars": 0, "started": False} for _ in jobs]
+        completion_tokens = 0
+        pending = [first] if first is not None else []
+        try:
+            while True:
+                if pending:
+                    index, output = pending.pop()
+                else:
+                    try:
+                        index, output = await iterator.__anext__()
+                    except StopAsyncIteration:
+                        break
+                completion_tokens += len(output.new_token_ids)
+                state = states[index]
+                if output.new_text or output.finished or output.new_logprobs:
+                    body = chunk(server, req, index, output, state)
+                    state["chars"] += len(output.new_text)
+                    state["started"] = True
+                    yield _sse({**head, "object": stream_kind, "choices": [body]})
+            if include_usage:
+                yield _sse({**head, "object": stream_kind, "choices": [],
+                            "usage": _usage(prompt_tokens, completion_tokens)})
+        except RequestError as exc:
+            yield _sse(error_body(str(exc), exc.param))
+        except Exception as exc:  # noqa: BLE001  (this request fails; the server goes on)
+            yield _sse(error_body(f"the request failed: {exc}", kind="server_error"))
+        finally:
+            await iterator.aclose()
+        yield "data: [DONE]\n\n"
+
+    return StreamingResponse(events(), media_type="text/event-stream")

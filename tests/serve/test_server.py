@@ -1,0 +1,232 @@
+"""The OpenAI-compatible server over real HTTP, driven by the official `openai` client and httpx."""
+
+import asyncio
+import json
+import socket
+import threading
+import time
+
+import httpx
+import openai
+import pytest
+import uvicorn
+
+from llmopt.core.tiny import build_tiny_model
+from llmopt.runtime.engine.config import EngineConfig
+from llmopt.runtime.engine.engine import Engine
+from llmopt.runtime.engine.sampling import SamplingParams
+from llmopt.serve.app import build_app
+from llmopt.serve.launch import server_for
+
+MODEL = "tiny"
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class Running:
+    """A server on a free loopback port in a background thread."""
+
+    def __init__(self, **options):
+        model, tokenizer = build_tiny_model("llama", seed=0)
+        self.tokenizer = tokenizer
+        self.server = server_for(model, tokenizer, MODEL, options.pop("config", EngineConfig(block_size=4)),
+                                 **options)
+        self.port = free_port()
+        self.uvicorn = uvicorn.Server(uvicorn.Config(build_app(self.server), host="127.0.0.1", port=self.port,
+                                                     log_level="warning"))
+        self.thread = threading.Thread(target=self.uvicorn.run, daemon=True)
+        self.thread.start()
+        deadline = time.time() + 30
+        while not self.uvicorn.started:
+            assert time.time() < deadline, "server did not start"
+            time.sleep(0.05)
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.client = openai.OpenAI(base_url=self.url + "/v1", api_key=options.get("api_key") or "none",
+                                    max_retries=0)
+
+    def close(self):
+        self.uvicorn.should_exit = True
+        self.thread.join(10)
+        self.server.engine.stop(10)
+
+    @property
+    def engine(self) -> Engine:
+        return self.server.engine.engine
+
+
+@pytest.fixture(scope="module")
+def srv():
+    running = Running()
+    yield running
+    running.close()
+
+
+def offline_text(prompt_ids, max_tokens, **params):
+    model, tokenizer = build_tiny_model("llama", seed=0)
+    [out] = Engine(model, tokenizer, EngineConfig(block_size=4)).generate(
+        [prompt_ids], SamplingParams(max_tokens=max_tokens, **params))
+    return out.text
+
+
+def test_models_and_health(srv):
+    assert [m.id for m in srv.client.models.list().data] == [MODEL]
+    assert httpx.get(srv.url + "/health").json() == {"status": "ok"}
+
+
+def test_greedy_completion_equals_the_offline_engine_and_streaming_adds_up(srv):
+    prompt = "def main():"
+    result = srv.client.completions.create(model=MODEL, prompt=prompt, max_tokens=20, temperature=0)
+    ids = srv.tokenizer(prompt, add_special_tokens=True)["input_ids"]
+    assert result.choices[0].text == offline_text(ids, 20)
+    assert result.choices[0].finish_reason in ("length", "stop")
+    assert result.usage.prompt_tokens == len(ids) and 0 < result.usage.completion_tokens <= 20
+    chunks = list(srv.client.completions.create(model=MODEL, prompt=prompt, max_tokens=20, temperature=0,
+                                                stream=True))
+    assert "".join(c.choices[0].text for c in chunks) == result.choices[0].text
+    assert chunks[-1].choices[0].finish_reason == result.choices[0].finish_reason
+
+
+def test_prompts_as_lists_and_token_ids_with_n_choices(srv):
+    for prompt in (["ab", "cd"], [[5, 6, 7], [8, 9]]):
+        result = srv.client.completions.create(model=MODEL, prompt=prompt, max_tokens=5, temperature=0.8, seed=3,
+                                               n=2, extra_body={"ignore_eos": True})
+        assert sorted(c.index for c in result.choices) == [0, 1, 2, 3]
+        assert result.usage.completion_tokens == 20
+        again = srv.client.completions.create(model=MODEL, prompt=prompt, max_tokens=5, temperature=0.8, seed=3,
+                                              n=2, extra_body={"ignore_eos": True})
+        assert [c.text for c in again.choices] == [c.text for c in result.choices]  # seeded: reproducible
+    single = srv.client.completions.create(model=MODEL, prompt=[5, 6, 7], max_tokens=5, temperature=0)
+    assert len(single.choices) == 1 and single.usage.prompt_tokens == 3
+
+
+def test_chat_completion_streams_with_usage(srv):
+    messages = [{"role": "user", "content": "Say something."}]
+    whole = srv.client.chat.completions.create(model=MODEL, messages=messages, max_tokens=16, temperature=0)
+    assert whole.choices[0].message.role == "assistant"
+    chunks = list(srv.client.chat.completions.create(model=MODEL, messages=messages, max_tokens=16, temperature=0,
+                                                     stream=True, stream_options={"include_usage": True}))
+    text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    assert text == whole.choices[0].message.content
+    assert chunks[0].choices[0].delta.role == "assistant"
+    assert chunks[-1].choices == [] and chunks[-1].usage.total_tokens == whole.usage.total_tokens
+
+
+def test_stop_strings_and_logprobs(srv):
+    whole = srv.client.completions.create(model=MODEL, prompt="xyz", max_tokens=24, temperature=0,
+                                          extra_body={"ignore_eos": True}).choices[0].text
+    assert len(whole) > 8
+    stop = whole[4:7]
+    cut = srv.client.completions.create(model=MODEL, prompt="xyz", max_tokens=24, temperature=0, stop=[stop],
+                                        extra_body={"ignore_eos": True}).choices[0]
+    assert cut.text == whole[:whole.find(stop)] and cut.finish_reason == "stop"
+    scored = srv.client.completions.create(model=MODEL, prompt="xyz", max_tokens=6, temperature=0, logprobs=2,
+                                           extra_body={"ignore_eos": True}).choices[0]
+    assert len(scored.logprobs.token_logprobs) == 6 and all(v <= 0 for v in scored.logprobs.token_logprobs)
+    # (keyed by token text, as the API defines: byte tokens of one incomplete character share a key)
+    assert all(top and all(v <= 0 for v in top.values()) for top in scored.logprobs.top_logprobs)
+    chat = srv.client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "hi"}],
+                                              max_tokens=4, temperature=0, logprobs=True, top_logprobs=3,
+                                              extra_body={"ignore_eos": True}).choices[0]
+    assert len(chat.logprobs.content) == 4 and all(len(t.top_logprobs) == 3 for t in chat.logprobs.content)
+
+
+@pytest.mark.parametrize("body, param", [
+    ({"prompt": "a", "temperature": 5}, "temperature"),
+    ({"prompt": "a", "max_tokens": 5000}, "max_tokens"),
+    ({"prompt": "", "max_tokens": 4}, "prompt"),
+    ({"prompt": "a", "n": 0}, "n"),
+    ({"prompt": "a", "top_p": 0}, "top_p"),
+    ({"prompt": "a", "max_tokens": "many"}, "max_tokens"),
+    ({"prompt": "a", "echo": True}, "echo"),
+    ({"max_tokens": 4}, "prompt"),
+])
+def test_bad_requests_get_400_naming_the_field(srv, body, param):
+    response = httpx.post(srv.url + "/v1/completions", json={"model": MODEL, **body})
+    assert response.status_code == 400, response.text
+    assert response.json()["error"]["param"] == param
+    assert httpx.get(srv.url + "/health").status_code == 200
+
+
+def test_malformed_json_gets_400(srv):
+    response = httpx.post(srv.url + "/v1/completions", content=b"{not json", headers={"content-type": "application/json"})
+    assert response.status_code == 400 and "JSON" in response.json()["error"]["message"]
+
+
+def test_a_client_that_disconnects_frees_its_request(srv):
+    aborted = srv.engine.stats().finish_reasons.get("abort", 0)
+    with httpx.stream("POST", srv.url + "/v1/completions",
+                      json={"model": MODEL, "prompt": "abc", "max_tokens": 900, "temperature": 0, "stream": True,
+                            "ignore_eos": True}) as response:
+        for line in response.iter_lines():
+            if line.startswith("data: "):
+                break  # one chunk, then hang up
+    deadline = time.time() + 20
+    while srv.engine.num_live_requests or srv.engine.block_manager.usage:
+        assert time.time() < deadline, "the aborted request kept its state"
+        time.sleep(0.05)
+    assert srv.engine.stats().finish_reasons.get("abort", 0) == aborted + 1
+
+
+def test_concurrent_streaming_clients_all_complete(srv):
+    async def one(client, i):
+        text, finish = "", None
+        async with client.stream("POST", srv.url + "/v1/completions",
+                                 json={"model": MODEL, "prompt": f"request {i}", "max_tokens": 12,
+                                       "temperature": 0, "stream": True, "ignore_eos": True}) as response:
+            assert response.status_code == 200
+            async for line in response.aiter_lines():
+                if line.startswith("data: ") and line != "data: [DONE]":
+                    choice = json.loads(line[6:])["choices"][0]
+                    text += choice["text"]
+                    finish = choice["finish_reason"] or finish
+        return finish
+
+    async def all_of_them():
+        async with httpx.AsyncClient(timeout=60) as client:
+            return await asyncio.gather(*(one(client, i) for i in range(32)))
+
+    assert asyncio.run(all_of_them()) == ["length"] * 32
+
+
+def test_metrics_parse_and_move(srv):
+    from prometheus_client.parser import text_string_to_metric_families
+
+    def samples():
+        text = httpx.get(srv.url + "/metrics").text
+        return {s.name: s.value for f in text_string_to_metric_families(text) for s in f.samples
+                if not s.labels or s.name.startswith("llmopt:request_success")}
+
+    before = samples()
+    srv.client.completions.create(model=MODEL, prompt="count me", max_tokens=3, temperature=0,
+                                  extra_body={"ignore_eos": True})
+    after = samples()
+    assert after["llmopt:generation_tokens_total"] - before.get("llmopt:generation_tokens_total", 0) == 3
+    assert after["llmopt:e2e_request_latency_seconds_count"] > before.get("llmopt:e2e_request_latency_seconds_count", 0)
+    assert "llmopt:kv_cache_usage_perc" in after and "llmopt:num_requests_running" in after
+
+
+def test_api_key_and_overload():
+    running = Running(api_key="sesame", max_waiting=2, config=EngineConfig(block_size=4, max_num_seqs=1))
+    try:
+        assert httpx.get(running.url + "/v1/models").status_code == 401
+        assert httpx.get(running.url + "/v1/models", headers={"Authorization": "Bearer sesame"}).status_code == 200
+        with pytest.raises(openai.AuthenticationError):
+            openai.OpenAI(base_url=running.url + "/v1", api_key="wrong", max_retries=0).models.list()
+
+        async def flood():
+            async with httpx.AsyncClient(timeout=120, headers={"Authorization": "Bearer sesame"}) as client:
+                body = {"model": MODEL, "prompt": "x", "max_tokens": 40, "ignore_eos": True}
+                return await asyncio.gather(*(client.post(running.url + "/v1/completions", json=body)
+                                              for _ in range(12)))
+
+        codes = [r.status_code for r in asyncio.run(flood())]
+        assert set(codes) <= {200, 429} and 429 in codes and 200 in codes, codes
+        limited = next(r for r in asyncio.run(flood()) if r.status_code == 429)
+        assert limited.headers["retry-after"] == "1"
+        assert httpx.get(running.url + "/health").status_code == 200
+    finally:
+        running.close()
