@@ -40,7 +40,8 @@ def bench(
     max_concurrency: Annotated[Optional[int], typer.Option("--max-concurrency")] = None,
     batching: Annotated[str, typer.Option("--batching", help="continuous or static.")] = ENGINE_DEFAULTS.policy,
     baseline: Annotated[Optional[str], typer.Option(
-        "--baseline", help="'hf' (transformers generate, static batches) or another MODEL on the runtime.")] = None,
+        "--baseline", help="'hf' (transformers generate, static batches), another MODEL on the runtime, or with "
+        "--base-url another server's URL.")] = None,
     hf_batch_size: Annotated[int, typer.Option("--hf-batch-size", help="Static batch size of --baseline hf.")] = 32,
     slo: Annotated[Optional[str], typer.Option("--slo", help="Goodput SLOs in ms, e.g. ttft=200,tpot=50.")] = None,
     max_num_seqs: Annotated[int, typer.Option("--max-num-seqs")] = ENGINE_DEFAULTS.max_num_seqs,
@@ -57,6 +58,13 @@ def bench(
     peak_bandwidth: Annotated[Optional[float], typer.Option("--peak-bandwidth", help="GB/s (else measured).")] = None,
     peak_flops: Annotated[Optional[float], typer.Option("--peak-flops", help="TFLOP/s (else measured).")] = None,
     threads: Annotated[Optional[int], typer.Option("--threads", help="torch threads (default: torch's).")] = None,
+    base_url: Annotated[Optional[str], typer.Option(
+        "--base-url", help="Bench an OpenAI-compatible server over HTTP (e.g. http://127.0.0.1:8000/v1) instead "
+        "of the runtime in this process; MODEL then only gives the tokenizer.")] = None,
+    endpoint: Annotated[str, typer.Option("--endpoint", help="With --base-url: completions or chat.")] = "completions",
+    served_model: Annotated[Optional[str], typer.Option(
+        "--model", help="With --base-url: the served model name (default: MODEL).")] = None,
+    api_key: Annotated[Optional[str], typer.Option("--api-key", help="With --base-url: the server's key.")] = None,
     dtype: DtypeOpt = Dtype.auto,
     device: DeviceOpt = "cpu",
     seed: SeedOpt = 0,
@@ -66,7 +74,7 @@ def bench(
     from llmopt.cli.output import progress_bar, stderr, stdout
     from llmopt.core.errors import ConfigError
     from llmopt.eval.metrics import parse_slo
-    from llmopt.eval.speed import BenchConfig
+    from llmopt.eval.speed import BenchConfig, HttpTarget
     from llmopt.eval.speed import bench as run_bench
     from llmopt.eval.workloads import WorkloadSpec
     from llmopt.runtime.engine.config import EngineConfig
@@ -91,7 +99,8 @@ def bench(
 
     stderr.print(f"CPU: {cpu_line()}", highlight=False, markup=False, soft_wrap=True)
     with progress_bar("requests") as update:
-        runs = run_bench(model, spec, config, baseline, update)
+        target = HttpTarget(base_url, endpoint, served_model, api_key) if base_url else None
+        runs = run_bench(model, spec, config, baseline, update, target)
     for run in runs:
         if "kv_cache" in run.config:
             stderr.print(f"{run.name}: {run.config['kv_cache']}", highlight=False, markup=False, soft_wrap=True)

@@ -15,6 +15,7 @@ from typing import Callable
 import torch
 from torch import nn
 
+from llmopt.core.errors import ConfigError
 from llmopt.eval.metrics import (
     HardwarePeaks, ModelCost, RequestRecord, RunResult, engine_metrics, request_metrics,
 )
@@ -261,12 +262,50 @@ def _hardware(config: BenchConfig) -> dict:
     return facts
 
 
+@dataclass(frozen=True)
+class HttpTarget:
+    """An OpenAI-compatible server to bench over HTTP."""
+
+    base_url: str  # e.g. http://127.0.0.1:8000/v1
+    endpoint: str = "completions"  # or "chat"
+    model: str | None = None  # the served model name (default: the MODEL argument)
+    api_key: str | None = None
+
+
+def bench_http(name: str, model_name: str, spec: WorkloadSpec, config: BenchConfig, target: HttpTarget,
+               progress: ProgressFn | None = None) -> RunResult:
+    """One run against a server; MODEL gives the tokenizer the workload is built with."""
+    from llmopt.core.models import load_tokenizer, resolve_model
+    from llmopt.eval.http_bench import run_http
+
+    tokenizer = load_tokenizer(resolve_model(model_name))
+    requests = build_workload(spec, tokenizer, len(tokenizer))
+    served = target.model or model_name
+    warm = [BenchRequest(r.prompt_token_ids, 2) for r in requests[:2]]
+    run_http(target.base_url, target.endpoint, served, warm, tokenizer, None, target.api_key)
+    records, _ = run_http(target.base_url, target.endpoint, served, requests, tokenizer, config.max_concurrency,
+                          target.api_key, progress)
+    metrics = request_metrics(records, dict(config.slo))
+    return RunResult(name, model_name, {"backend": "http", **asdict(target), "api_key": None,
+                                        "max_concurrency": config.max_concurrency, "workload": asdict(spec),
+                                        "hardware": _hardware(config)}, metrics, records)
+
+
 def bench(model_name: str, spec: WorkloadSpec, config: BenchConfig, baseline: str | None = None,
-          progress: ProgressFn | None = None) -> list[RunResult]:
+          progress: ProgressFn | None = None, target: HttpTarget | None = None) -> list[RunResult]:
     """The model's run, then the baseline's (named 'baseline'): 'hf' or another MODEL through the runtime, both
-    in the same resolved dtype (each run resolves 'auto' alike)."""
+    in the same resolved dtype (each run resolves 'auto' alike). With `target`, the first run goes over HTTP to
+    that server, and a baseline that is a URL is another server, benched the same way."""
     if config.num_threads:
         torch.set_num_threads(config.num_threads)
+    if target is not None:
+        runs = [bench_http(target.base_url, model_name, spec, config, target, progress)]
+        if baseline:
+            if not baseline.startswith(("http://", "https://")):
+                raise ConfigError("with --base-url, --baseline takes another server's base URL")
+            other = HttpTarget(baseline, target.endpoint, target.model, target.api_key)
+            runs.append(bench_http("baseline", model_name, spec, config, other, progress))
+        return runs
     runs = [bench_runtime(model_name, model_name, spec, config, progress)]
     if baseline == "hf":
         runs.append(bench_hf("baseline", model_name, spec, config, progress))

@@ -40,8 +40,8 @@ class Server:
         self.metrics = ServerMetrics(engine)
 
     # --- request -> engine inputs ------------------------------------------------------------------
-    def sampling_params(self, req: SamplingFields, max_tokens: int, logprobs: int | None, index: int
-                        ) -> SamplingParams:
+    def sampling_params(self, req: SamplingFields, max_tokens: int, logprobs: int | None, index: int,
+                        prompt_logprobs: int | None = None) -> SamplingParams:
         if req.presence_penalty or req.frequency_penalty:
             raise RequestError("presence_penalty and frequency_penalty are not supported: leave them at 0",
                                "presence_penalty" if req.presence_penalty else "frequency_penalty")
@@ -49,7 +49,7 @@ class Server:
         try:
             return SamplingParams(max_tokens=max_tokens, temperature=req.temperature, top_p=req.top_p,
                                   top_k=req.top_k, seed=seed, stop=req.stop_strings(), ignore_eos=req.ignore_eos,
-                                  logprobs=logprobs)
+                                  logprobs=logprobs, prompt_logprobs=prompt_logprobs)
         except ConfigError as exc:
             raise RequestError(str(exc), _param_of(str(exc))) from None
 
@@ -223,14 +223,18 @@ def build_app(server: Server) -> FastAPI:
 
     @app.post("/v1/completions")
     async def completions(req: CompletionRequest):
-        if req.echo:
-            raise RequestError("echo is not supported yet: drop it (prompt logprobs are not computed)", "echo")
+        if req.echo and req.stream:
+            raise RequestError("echo with stream is not supported: drop one of them", "echo")
+        if req.max_tokens == 0 and not req.echo:
+            raise RequestError("max_tokens 0 needs echo (scoring the prompt): raise max_tokens", "max_tokens")
         prompts = server.completion_prompts(req)
+        prompt_logprobs = req.logprobs if req.echo and req.logprobs is not None else None
         jobs = []
         for prompt in prompts:
-            max_tokens = server.max_tokens_for(req.max_tokens, prompt)
+            # max_tokens 0: score the prompt, generate one token and drop it
+            max_tokens = server.max_tokens_for(req.max_tokens or 1, prompt)
             for j in range(req.n):
-                jobs.append((prompt, server.sampling_params(req, max_tokens, req.logprobs, j)))
+                jobs.append((prompt, server.sampling_params(req, max_tokens, req.logprobs, j, prompt_logprobs)))
         return await respond(server, req, jobs, "cmpl", completion_choice, completion_chunk)
 
     @app.post("/v1/chat/completions")
@@ -245,10 +249,23 @@ def build_app(server: Server) -> FastAPI:
     return app
 
 
-def completion_choice(server, req, index, output: RequestOutput) -> dict:
-    logprobs = (completion_logprobs(server, output, output.token_ids, output.logprobs, 0)
-                if req.logprobs is not None else None)
-    return {"index": index, "text": output.text, "logprobs": logprobs, "finish_reason": output.finish_reason}
+def completion_choice(server, req, index, output: RequestOutput, prompt: list[int]) -> dict:
+    generated = req.max_tokens != 0
+    text = output.text if generated else ""
+    token_ids, entries = (output.token_ids, output.logprobs) if generated else ([], [])
+    logprobs = completion_logprobs(server, output, token_ids, entries, 0) if req.logprobs is not None else None
+    if req.echo:
+        prompt_text = server.tokenizer.decode(prompt)
+        if logprobs is not None:
+            scored = output.prompt_logprobs or [None] * len(prompt)
+            head = completion_logprobs(server, output, prompt, [e or {} for e in scored], 0)
+            head["token_logprobs"][0], head["top_logprobs"][0] = None, None
+            offset = len(prompt_text)
+            logprobs = {key: head[key] + (logprobs[key] if key != "text_offset" else
+                                          [offset + o for o in logprobs[key]]) for key in head}
+        text = prompt_text + text
+    return {"index": index, "text": text, "logprobs": logprobs,
+            "finish_reason": output.finish_reason if generated else "length"}
 
 
 def completion_chunk(server, req, index, output: RequestOutput, state: dict) -> dict:
@@ -258,7 +275,7 @@ def completion_chunk(server, req, index, output: RequestOutput, state: dict) -> 
             "finish_reason": output.finish_reason if output.finished else None}
 
 
-def chat_choice(server, req, index, output: RequestOutput) -> dict:
+def chat_choice(server, req, index, output: RequestOutput, prompt: list[int]) -> dict:
     logprobs = chat_logprobs(server, output.token_ids, output.logprobs, req.top_logprobs or 0) if req.logprobs else None
     return {"index": index, "message": {"role": "assistant", "content": output.text}, "logprobs": logprobs,
             "finish_reason": output.finish_reason}
@@ -285,8 +302,8 @@ async def respond(server: Server, req, jobs, prefix: str, choice, chunk):
         async for index, output in merged(streams):
             if output.finished:
                 finals[index] = output
-        choices = [choice(server, req, i, finals[i]) for i in range(len(jobs))]
-        completion_tokens = sum(len(o.token_ids) for o in finals.values())
+        choices = [choice(server, req, i, finals[i], jobs[i][0]) for i in range(len(jobs))]
+        completion_tokens = sum(len(o.token_ids) for o in finals.values()) if req.max_tokens != 0 else 0
         return {**head, "object": kind, "choices": choices, "usage": _usage(prompt_tokens, completion_tokens)}
 
     stream_kind = "text_completion" if prefix == "cmpl" else "chat.completion.chunk"

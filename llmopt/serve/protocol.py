@@ -40,9 +40,9 @@ class SamplingFields(BaseModel):
 
 class CompletionRequest(SamplingFields):
     prompt: Union[str, list[str], list[int], list[list[int]]]
-    max_tokens: Optional[int] = Field(16, ge=1)  # the OpenAI API's default
+    max_tokens: Optional[int] = Field(16, ge=0)  # the OpenAI API's default; 0 only with echo (scoring)
     logprobs: Optional[int] = Field(None, ge=0, le=MAX_LOGPROBS)
-    echo: bool = False
+    echo: bool = False  # the prompt's text (and with logprobs its tokens' log-probabilities) before the output
 
 
 class ChatMessage(BaseModel):

@@ -228,3 +228,23 @@ def test_incremental_detokenizer_matches_a_whole_decode_across_split_characters(
     assert "".join(pieces) == tok.decode(ids, skip_special_tokens=True) == text
     assert "\ufffd" not in "".join(pieces)
     assert any(p == "" for p in pieces)  # held back while a character was incomplete
+
+
+def test_prompt_logprobs_score_every_prompt_token_across_chunks_and_cached_prefixes(tiny):
+    model, tok = tiny
+    prompt = prompts(1, seed=7)[0] * 3  # long enough for several chunks and full blocks
+    with torch.no_grad():
+        reference = torch.log_softmax(model(input_ids=torch.tensor([prompt])).logits[0].float(), dim=-1)
+    engine = Engine(model, tok, EngineConfig(block_size=4, max_num_batched_tokens=7, **EXACT))
+    engine.generate([prompt], SamplingParams(max_tokens=2))  # its blocks now sit in the prefix cache
+    params = SamplingParams(max_tokens=2, prompt_logprobs=2)
+    engine.add_request(prompt, params)
+    outputs = list(engine.stream())
+    assert outputs[0].prompt_logprobs is not None  # as soon as the prompt is scored...
+    scored = outputs[-1].prompt_logprobs  # ...and with the whole output at the end
+    assert scored == outputs[0].prompt_logprobs
+    assert scored[0] is None and len(scored) == len(prompt)
+    for p in range(1, len(prompt)):
+        entry = scored[p]
+        assert abs(entry[prompt[p]] - float(reference[p - 1, prompt[p]])) < 1e-4
+        assert set(torch.topk(reference[p - 1], 2).indices.tolist()) <= set(entry)

@@ -134,6 +134,30 @@ def test_stop_strings_and_logprobs(srv):
     assert len(chat.logprobs.content) == 4 and all(len(t.top_logprobs) == 3 for t in chat.logprobs.content)
 
 
+def test_echo_scores_the_prompt_as_a_plain_forward_does(srv):
+    """What lm-evaluation-harness's local-completions sends for log-likelihoods."""
+    import torch
+
+    text = "The quick brown fox jumps over the lazy dog."
+    result = srv.client.completions.create(model=MODEL, prompt=text, max_tokens=0, echo=True, logprobs=1,
+                                           temperature=0)
+    choice = result.choices[0]
+    ids = srv.tokenizer(text, add_special_tokens=True)["input_ids"]
+    assert choice.text == srv.tokenizer.decode(ids) and result.usage.completion_tokens == 0
+    assert choice.logprobs.token_logprobs[0] is None and len(choice.logprobs.token_logprobs) == len(ids)
+    model, _ = build_tiny_model("llama", seed=0)
+    with torch.no_grad():
+        reference = torch.log_softmax(model(input_ids=torch.tensor([ids])).logits[0].float(), dim=-1)
+    expected = [float(reference[p - 1, ids[p]]) for p in range(1, len(ids))]
+    assert choice.logprobs.token_logprobs[1:] == pytest.approx(expected, abs=1e-4)
+    # with generation too: prompt scores first, then the completion's
+    both = srv.client.completions.create(model=MODEL, prompt=text, max_tokens=3, echo=True, logprobs=0,
+                                         temperature=0, extra_body={"ignore_eos": True}).choices[0]
+    assert len(both.logprobs.token_logprobs) == len(ids) + 3
+    assert both.logprobs.token_logprobs[1:len(ids)] == pytest.approx(expected, abs=1e-4)
+    assert both.text.startswith(choice.text)
+
+
 @pytest.mark.parametrize("body, param", [
     ({"prompt": "a", "temperature": 5}, "temperature"),
     ({"prompt": "a", "max_tokens": 5000}, "max_tokens"),
@@ -141,7 +165,8 @@ def test_stop_strings_and_logprobs(srv):
     ({"prompt": "a", "n": 0}, "n"),
     ({"prompt": "a", "top_p": 0}, "top_p"),
     ({"prompt": "a", "max_tokens": "many"}, "max_tokens"),
-    ({"prompt": "a", "echo": True}, "echo"),
+    ({"prompt": "a", "max_tokens": 0}, "max_tokens"),
+    ({"prompt": "a", "echo": True, "stream": True}, "echo"),
     ({"max_tokens": 4}, "prompt"),
 ])
 def test_bad_requests_get_400_naming_the_field(srv, body, param):
@@ -230,3 +255,23 @@ def test_api_key_and_overload():
         assert httpx.get(running.url + "/health").status_code == 200
     finally:
         running.close()
+
+
+@pytest.mark.parametrize("endpoint", ["completions", "chat"])
+def test_bench_over_http_measures_the_server(srv, tmp_path, endpoint):
+    from typer.testing import CliRunner
+
+    from llmopt.cli.main import app
+
+    out = tmp_path / "bench.json"
+    result = CliRunner().invoke(app, ["bench", "tiny-random-llama", "--base-url", srv.url + "/v1", "--model", MODEL,
+                                      "--endpoint", endpoint, "--num-requests", "8", "--input-len", "16",
+                                      "--output-len", "8", "--max-concurrency", "4", "--json", str(out)])
+    assert result.exit_code == 0, result.output
+    [run] = json.loads(out.read_text())["runs"]
+    assert run["config"]["backend"] == "http" and run["config"]["endpoint"] == endpoint
+    assert run["metrics"]["completed"] == 8 and run["metrics"]["total_output_tokens"] == 64
+    assert run["metrics"]["mean_ttft_ms"] > 0 and run["metrics"]["output_throughput"] > 0
+    refused = CliRunner().invoke(app, ["bench", "tiny-random-llama", "--base-url", "http://127.0.0.1:9/v1",
+                                       "--num-requests", "2", "--input-len", "4", "--output-len", "2"])
+    assert refused.exit_code == 1 and "is the server running" in refused.output

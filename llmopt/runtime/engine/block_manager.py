@@ -87,6 +87,8 @@ class BlockManager:
 
     # --- allocation -----------------------------------------------------------------------------
     def _cached_prefix_for(self, seq: Sequence) -> list[int]:
+        if seq.params.prompt_logprobs is not None:  # scoring the prompt needs every position computed
+            return []
         # Keep at least one token to compute, so the step that admits the sequence produces logits.
         return self.match_prefix(seq.token_ids, (seq.num_tokens - 1) // self.block_size)
 

@@ -80,6 +80,8 @@ class Engine:
         if not out.is_empty:
             stats = step_stats(out, 0.0, 0.0)
             result = self.runner.execute(out)
+            for seq_id, (first, entries) in result.prompt_logprobs.items():
+                self.outputs.add_prompt_logprobs(seq_id, first, entries)
             self.scheduler.postprocess(out, result.tokens)
             for seq_id in result.tokens:
                 if self.outputs.update(seq_id, result.logprobs.get(seq_id)):

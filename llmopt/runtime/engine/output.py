@@ -34,6 +34,9 @@ class RequestOutput:
     text: str = ""
     token_times: list[float] = field(default_factory=list)
     logprobs: list[dict[int, float]] = field(default_factory=list)
+    # with SamplingParams.prompt_logprobs: one entry per prompt token (None for the first, which nothing
+    # predicts), in the first output after the whole prompt was scored and again in the finished one
+    prompt_logprobs: list[dict[int, float] | None] | None = None
 
 
 class IncrementalDetokenizer:
@@ -79,6 +82,9 @@ class RequestState:
         self.num_chars_sent = 0
         self.stopped_at: int | None = None  # text length once a stop string matched
         self.logprobs: list[dict[int, float]] = []
+        self.prompt_logprobs: list[dict[int, float] | None] | None = (
+            [None] * seq.num_prompt_tokens if seq.params.prompt_logprobs is not None else None)
+        self.prompt_logprobs_sent = False
 
     @property
     def text(self) -> str:
@@ -133,6 +139,10 @@ class OutputProcessor:
     def add(self, seq: Sequence) -> None:
         self.states[seq.seq_id] = RequestState(seq, self.tokenizer)
 
+    def add_prompt_logprobs(self, seq_id: int, first: int, entries: list[dict[int, float]]) -> None:
+        """Scores of prompt positions first, first + 1, ... (a recomputed prompt overwrites them alike)."""
+        self.states[seq_id].prompt_logprobs[first:first + len(entries)] = entries
+
     def update(self, seq_id: int, logprobs: dict[int, float] | None) -> bool:
         """Take the request's newly sampled tokens; True when its text reached a stop string."""
         state = self.states[seq_id]
@@ -157,9 +167,14 @@ class OutputProcessor:
         state.num_tokens_sent = seq.num_output_tokens
         out = RequestOutput(seq.seq_id, new_ids, state.sendable_text(finished), finished, seq.finish_reason,
                             new_logprobs, new_times, seq.arrival_time, seq.num_prompt_tokens, seq.num_cached_tokens)
+        scored = state.prompt_logprobs
+        if scored is not None and not state.prompt_logprobs_sent and (
+                seq.num_computed_tokens >= seq.num_prompt_tokens - 1 or finished):
+            out.prompt_logprobs, state.prompt_logprobs_sent = scored, True
         if finished:
             out.token_ids, out.text = seq.output_token_ids, state.text
             out.token_times, out.logprobs = list(seq.token_times), list(state.logprobs)
+            out.prompt_logprobs = state.prompt_logprobs
             del self.states[seq_id]
         return out
 

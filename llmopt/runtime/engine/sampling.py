@@ -22,6 +22,9 @@ class SamplingParams:
     ignore_eos: bool = False
     logprobs: int | None = None  # also return the log-probabilities of the top-n tokens at each step
     detokenize: bool = True  # False: token ids only (no text, so no stop strings), as a benchmark wants
+    # also return each prompt token's log-probability (and the top-n at each prompt position); such a request
+    # computes its whole prompt (no prefix-cache hit), as scoring needs every position's logits
+    prompt_logprobs: int | None = None
 
     def __post_init__(self):
         if self.max_tokens < 1:
@@ -38,6 +41,8 @@ class SamplingParams:
             raise ConfigError("stop strings need detokenize=True (they are matched on the text)")
         if self.logprobs is not None and not 0 <= self.logprobs <= MAX_LOGPROBS:
             raise ConfigError(f"logprobs must be in [0, {MAX_LOGPROBS}] (got {self.logprobs})")
+        if self.prompt_logprobs is not None and not 0 <= self.prompt_logprobs <= MAX_LOGPROBS:
+            raise ConfigError(f"prompt_logprobs must be in [0, {MAX_LOGPROBS}] (got {self.prompt_logprobs})")
         if self.top_k < 0:
             raise ConfigError(f"top_k must be >= 0 (got {self.top_k}); 0 turns it off")
 

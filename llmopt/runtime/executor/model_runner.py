@@ -24,6 +24,9 @@ from llmopt.runtime.engine.scheduler import SchedulerOutput
 class StepResult:
     tokens: dict[int, int] = field(default_factory=dict)  # seq_id -> sampled token
     logprobs: dict[int, dict[int, float]] = field(default_factory=dict)  # seq_id -> {token: logprob}
+    # seq_id -> (first prompt position scored, [{token: logprob}] for positions first, first + 1, ...): the
+    # log-probability of prompt token p (and the top-n) given the tokens before it
+    prompt_logprobs: dict[int, tuple[int, list[dict[int, float]]]] = field(default_factory=dict)
 
 
 log = logging.getLogger(__name__)
@@ -123,6 +126,7 @@ class ModelRunner:
         hidden = self.decoder(torch.tensor(input_ids, device=self.device),
                               torch.tensor(positions, device=self.device), meta, self.kv_caches)
         result = StepResult()
+        self._score_prompts(out, starts, hidden, result)
         if not sample_rows:
             return result
         rows = [row for row, _ in sample_rows]
@@ -144,6 +148,23 @@ class ModelRunner:
             if params.logprobs is not None:
                 result.logprobs[seq.seq_id] = token_logprobs(row, token, params.logprobs)
         return result
+
+    def _score_prompts(self, out: SchedulerOutput, starts: list[int], hidden: torch.Tensor, result: StepResult
+                       ) -> None:
+        """Prompt log-probabilities for requests that ask for them: the row computed at position p scores prompt
+        token p + 1."""
+        for i, item in enumerate(out.scheduled):
+            seq = item.seq
+            top = seq.params.prompt_logprobs
+            first = seq.num_computed_tokens
+            last = min(first + item.num_new_tokens, seq.num_prompt_tokens - 1)  # positions whose next is prompt
+            if top is None or last <= first:
+                continue
+            rows = hidden[starts[i]: starts[i] + (last - first)]
+            logits = self.decoder.logits(rows, as_float=True).cpu()  # [positions, vocab]
+            targets = seq.token_ids[first + 1: last + 1]
+            entries = [token_logprobs(row, token, top) for row, token in zip(logits, targets, strict=True)]
+            result.prompt_logprobs[seq.seq_id] = (first + 1, entries)
 
     def _generator(self, seq) -> torch.Generator | None:
         if seq.params.seed is None:

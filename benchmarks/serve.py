@@ -1,0 +1,102 @@
+"""The HTTP server against the engine in-process, on one machine in one invocation.
+
+Starts `llmopt serve MODEL` as a subprocess, then: (a) 64 requests x 128/128 at an unlimited rate over HTTP
+vs the same workload through the engine in this process; (b) one request at a time (TTFT added by the server);
+(c) 256 concurrent streams of 64 tokens (failures, p99 TTFT); (d) the server's RSS over 10,000 short requests.
+
+    python benchmarks/serve.py [--model smollm2-135m] --json docs/results/data/serve.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import socket
+import subprocess
+import sys
+import time
+
+import httpx
+import psutil
+
+from llmopt.core.hardware import cpu_line
+from llmopt.eval.speed import BenchConfig, HttpTarget, bench_http, bench_runtime
+from llmopt.eval.workloads import WorkloadSpec
+from rows import save_rows
+
+KEYS = ("completed", "output_throughput", "mean_ttft_ms", "median_ttft_ms", "p99_ttft_ms", "median_tpot_ms",
+        "p99_tpot_ms", "duration")
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def start_server(model: str, port: int, max_num_seqs: int) -> subprocess.Popen:
+    proc = subprocess.Popen([sys.executable, "-m", "llmopt", "serve", model, "--port", str(port),
+                             "--max-num-seqs", str(max_num_seqs)],
+                            env={**os.environ, "TOKENIZERS_PARALLELISM": "false"})
+    deadline = time.time() + 300
+    while time.time() < deadline:
+        try:
+            if httpx.get(f"http://127.0.0.1:{port}/health").status_code == 200:
+                return proc
+        except httpx.HTTPError:
+            time.sleep(0.5)
+    proc.kill()
+    raise SystemExit("the server did not come up")
+
+
+def summary(run) -> dict:
+    return {k: round(run.metrics[k], 2) if isinstance(run.metrics.get(k), float) else run.metrics.get(k)
+            for k in KEYS}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--model", default="smollm2-135m")
+    parser.add_argument("--json", default="docs/results/data/serve.json")
+    parser.add_argument("--short-requests", type=int, default=10_000)
+    args = parser.parse_args()
+    port = free_port()
+    target = HttpTarget(f"http://127.0.0.1:{port}/v1")
+    results = {"cpu": cpu_line(), "model": args.model}
+    server = start_server(args.model, port, max_num_seqs=256)
+    try:
+        a = WorkloadSpec("random", 64, 128, 128)
+        results["a_http"] = summary(bench_http("http", args.model, a, BenchConfig(), target))
+        results["a_offline"] = summary(bench_runtime("offline", args.model, a, BenchConfig()))
+        b = WorkloadSpec("random", 8, 128, 32)
+        one = BenchConfig(max_concurrency=1)
+        results["b_http"] = summary(bench_http("http", args.model, b, one, target))
+        results["b_offline"] = summary(bench_runtime("offline", args.model, b, one))
+        c = WorkloadSpec("random", 256, 32, 64)
+        results["c_http_256_streams"] = summary(bench_http("http", args.model, c, BenchConfig(), target))
+        rss = psutil.Process(server.pid)
+        d = WorkloadSpec("random", 1000, 16, 2, seed=1)
+        bench_http("http", args.model, d, BenchConfig(max_concurrency=64), target)  # warm: pools, caches
+        before = rss.memory_info().rss
+        d = WorkloadSpec("random", args.short_requests, 16, 2, seed=2)
+        run = bench_http("http", args.model, d, BenchConfig(max_concurrency=64), target)
+        results["d_short_requests"] = {**summary(run), "rss_before": before, "rss_after": rss.memory_info().rss,
+                                       "rss_growth_mb": round((rss.memory_info().rss - before) / 2**20, 1)}
+    finally:
+        server.terminate()
+        results["server_exit_code"] = server.wait(60)
+    save_rows(args.json, results)
+    a_ratio = results["a_http"]["output_throughput"] / results["a_offline"]["output_throughput"]
+    added = results["b_http"]["median_ttft_ms"] - results["b_offline"]["median_ttft_ms"]
+    print(f"CPU: {results['cpu']}")
+    for key in ("a_http", "a_offline", "b_http", "b_offline", "c_http_256_streams", "d_short_requests"):
+        print(f"{key:<20} {results[key]}")
+    print(f"(a) HTTP / offline output tok/s: {a_ratio:.3f}; "
+          f"(b) TTFT added by the server, median: {added:.1f} ms; "
+          f"(c) completed {results['c_http_256_streams']['completed']} of 256; "
+          f"(d) RSS growth {results['d_short_requests']['rss_growth_mb']} MB; "
+          f"server exit {results['server_exit_code']}")
+
+
+if __name__ == "__main__":
+    main()

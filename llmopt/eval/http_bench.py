@@ -1,0 +1,95 @@
+"""The bench workloads over HTTP against any OpenAI-compatible server (llmopt's, vLLM's, llama.cpp's
+llama-server): streaming requests sent at their arrival times under a concurrency cap; each streamed chunk's
+arrival is a token time (TTFT, ITL), the usage block gives the token counts."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+from typing import Callable
+
+import httpx
+
+from llmopt.core.errors import ConfigError
+from llmopt.eval.metrics import RequestRecord
+from llmopt.eval.workloads import BenchRequest
+
+ENDPOINTS = ("completions", "chat")
+
+
+def request_body(request: BenchRequest, endpoint: str, model: str, tokenizer) -> dict:
+    body = {"model": model, "max_tokens": request.max_tokens, "temperature": 0, "stream": True,
+            "stream_options": {"include_usage": True}, "ignore_eos": True}
+    if endpoint == "completions":
+        return {**body, "prompt": request.prompt_token_ids}
+    text = tokenizer.decode(request.prompt_token_ids, skip_special_tokens=True)
+    return {**body, "messages": [{"role": "user", "content": text}]}
+
+
+def _chunk_has_output(chunk: dict) -> bool:
+    for choice in chunk.get("choices") or ():
+        if choice.get("text") or (choice.get("delta") or {}).get("content"):
+            return True
+    return False
+
+
+async def _one(client: httpx.AsyncClient, url: str, body: dict, request: BenchRequest, start: float
+               ) -> RequestRecord:
+    sent = time.perf_counter()
+    times: list[float] = []
+    usage = None
+    async with client.stream("POST", url, json=body) as response:
+        if response.status_code != 200:
+            detail = (await response.aread()).decode(errors="replace")[:300]
+            raise ConfigError(f"{url} answered {response.status_code}: {detail}")
+        async for line in response.aiter_lines():
+            if not line.startswith("data: ") or line == "data: [DONE]":
+                continue
+            chunk = json.loads(line[6:])
+            if "error" in chunk:
+                raise ConfigError(f"{url} failed a request: {chunk['error'].get('message')}")
+            if _chunk_has_output(chunk):
+                times.append(time.perf_counter() - start)
+            usage = chunk.get("usage") or usage
+    if not times:
+        times = [time.perf_counter() - start]
+    num_output = usage["completion_tokens"] if usage else len(times)
+    num_prompt = usage["prompt_tokens"] if usage else len(request.prompt_token_ids)
+    return RequestRecord(sent - start, times, num_prompt, num_output)
+
+
+async def _run(base_url: str, endpoint: str, model: str, requests: list[BenchRequest], tokenizer,
+               max_concurrency: int | None, api_key: str | None, progress) -> tuple[list[RequestRecord], float]:
+    url = base_url.rstrip("/") + ("/completions" if endpoint == "completions" else "/chat/completions")
+    headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
+    limit = asyncio.Semaphore(max_concurrency or len(requests) or 1)
+    records: list[RequestRecord] = []
+    limits = httpx.Limits(max_connections=max_concurrency or len(requests) or 1)
+    async with httpx.AsyncClient(timeout=httpx.Timeout(600.0), headers=headers, limits=limits) as client:
+        start = time.perf_counter()
+
+        async def send(request: BenchRequest):
+            delay = request.arrival_offset - (time.perf_counter() - start)
+            if delay > 0:
+                await asyncio.sleep(delay)
+            async with limit:
+                record = await _one(client, url, request_body(request, endpoint, model, tokenizer), request, start)
+            records.append(record)
+            if progress:
+                progress(len(records), len(requests))
+
+        await asyncio.gather(*(send(r) for r in requests))
+        return records, time.perf_counter() - start
+
+
+def run_http(base_url: str, endpoint: str, model: str, requests: list[BenchRequest], tokenizer,
+             max_concurrency: int | None = None, api_key: str | None = None,
+             progress: Callable[[int, int], None] | None = None) -> tuple[list[RequestRecord], float]:
+    """Send `requests` to the server at `base_url` (e.g. http://127.0.0.1:8000/v1); returns records, duration."""
+    if endpoint not in ENDPOINTS:
+        raise ConfigError(f"--endpoint {endpoint!r}: choose one of {', '.join(ENDPOINTS)}")
+    try:
+        return asyncio.run(_run(base_url, endpoint, model, requests, tokenizer, max_concurrency, api_key, progress))
+    except httpx.HTTPError as exc:
+        raise ConfigError(f"cannot reach {base_url}: {exc}; is the server running?") from None
