@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import contextlib
+import signal
 from pathlib import Path
 from typing import Annotated, Optional
 
@@ -61,7 +63,16 @@ def serve(
                                max_waiting=max_waiting, trust_remote_code=trust_remote_code)
     stderr.print(f"serving {server.model_name} at http://{host}:{port}/v1 "
                  f"({server.engine.engine.kv_cache_info()['summary']})", highlight=False, markup=False, soft_wrap=True)
+    http = uvicorn.Server(uvicorn.Config(app, host=host, port=port, log_level="warning",
+                                         timeout_graceful_shutdown=shutdown_timeout))
+
+    def request_exit(signum, frame):  # stop accepting, let in-flight requests finish, then exit 0
+        http.should_exit = True
+
+    http.capture_signals = contextlib.nullcontext  # our handlers: uvicorn's re-raise the signal after shutdown
+    for signum in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(signum, request_exit)
     try:
-        uvicorn.run(app, host=host, port=port, log_level="warning", timeout_graceful_shutdown=shutdown_timeout)
+        http.run()
     finally:
         server.engine.stop(shutdown_timeout)

@@ -104,9 +104,9 @@ defaults: {calib: pystdlib, num_samples: 8, seqlen: 64}
 variants:
   rtn:
     - quantize: {method: rtn, bits: 4, group_size: 32}
-  gptq:
-    - prune: {method: sparsegpt, pattern: "2:4"}
-    - quantize: {method: gptq, bits: 4, group_size: 32}
+  gptq:  # more calibration than the rest, so the kill below lands while this variant runs
+    - prune: {method: sparsegpt, pattern: "2:4", num_samples: 128, seqlen: 256}
+    - quantize: {method: gptq, bits: 4, group_size: 32, num_samples: 128, seqlen: 256}
 evaluate:
   ppl: {datasets: [pystdlib], seqlen: 64, max_tokens: 1024}
 """
@@ -124,7 +124,7 @@ def test_resume_after_sigkill(tmp_path):
         done = list((run_dir / "cache").glob("quantize-*/llmopt.json")) if (run_dir / "cache").exists() else []
         if done and list((run_dir / "cache").glob("ppl-*.json")):
             break
-        time.sleep(0.2)
+        time.sleep(0.02)
     proc.send_signal(signal.SIGKILL)
     proc.wait()
     assert not (run_dir / "results.json").exists()

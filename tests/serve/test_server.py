@@ -177,7 +177,8 @@ def test_bad_requests_get_400_naming_the_field(srv, body, param):
 
 
 def test_malformed_json_gets_400(srv):
-    response = httpx.post(srv.url + "/v1/completions", content=b"{not json", headers={"content-type": "application/json"})
+    response = httpx.post(srv.url + "/v1/completions", content=b"{not json",
+                          headers={"content-type": "application/json"})
     assert response.status_code == 400 and "JSON" in response.json()["error"]["message"]
 
 
@@ -212,9 +213,9 @@ def test_concurrent_streaming_clients_all_complete(srv):
 
     async def all_of_them():
         async with httpx.AsyncClient(timeout=60) as client:
-            return await asyncio.gather(*(one(client, i) for i in range(32)))
+            return await asyncio.gather(*(one(client, i) for i in range(64)))
 
-    assert asyncio.run(all_of_them()) == ["length"] * 32
+    assert asyncio.run(all_of_them()) == ["length"] * 64
 
 
 def test_metrics_parse_and_move(srv):
@@ -275,3 +276,29 @@ def test_bench_over_http_measures_the_server(srv, tmp_path, endpoint):
     refused = CliRunner().invoke(app, ["bench", "tiny-random-llama", "--base-url", "http://127.0.0.1:9/v1",
                                        "--num-requests", "2", "--input-len", "4", "--output-len", "2"])
     assert refused.exit_code == 1 and "is the server running" in refused.output
+
+
+def test_llmopt_serve_stops_gracefully_on_sigterm(tmp_path):
+    import os
+    import signal
+    import subprocess
+    import sys
+
+    port = free_port()
+    proc = subprocess.Popen([sys.executable, "-m", "llmopt", "serve", "tiny-random-llama", "--port", str(port),
+                             "--dtype", "float32"], env={**os.environ, "TOKENIZERS_PARALLELISM": "false"},
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+    try:
+        deadline = time.time() + 120
+        while True:
+            assert proc.poll() is None and time.time() < deadline, proc.stdout.read().decode()[-2000:]
+            try:
+                if httpx.get(f"http://127.0.0.1:{port}/health").status_code == 200:
+                    break
+            except httpx.HTTPError:
+                time.sleep(0.2)
+        assert httpx.get(f"http://127.0.0.1:{port}/metrics").status_code == 200
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(60) == 0
+    finally:
+        proc.kill()
