@@ -124,13 +124,21 @@ class RecipeRunner:
                                     spec.range_ratio, request_rate=spec.request_rate, seed=self.recipe.defaults.seed)
             config = BenchConfig(dtype=spec.dtype, engine=EngineConfig(max_num_seqs=spec.max_num_seqs),
                                  slo=tuple(parse_slo(spec.slo).items()))
+            backend = "hf" if through_hf else "http" if spec.serve else "runtime"
             if through_hf:
                 from llmopt.eval.speed import bench_hf
 
                 run = bench_hf("bench", model, workload, config)
+            elif spec.serve:
+                from llmopt.core.hardware import resolve_dtype
+                from llmopt.eval.speed import HttpTarget, bench_http
+                from llmopt.serve.launch import serving
+
+                with serving(model, config.engine, resolve_dtype(spec.dtype, config.device)) as url:
+                    run = bench_http("bench", model, workload, config, HttpTarget(url, model=model))
             else:
                 run = bench_runtime("bench", model, workload, config)
-            return {"backend": "hf" if through_hf else "runtime", "metrics": run.metrics,
+            return {"backend": backend, "metrics": run.metrics,
                     "ttft_ms": [r.ttft * 1000 for r in run.records],
                     "tpot_ms": [r.tpot * 1000 for r in run.records if r.tpot is not None]}
 

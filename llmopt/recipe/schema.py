@@ -77,6 +77,7 @@ class BenchSpec(_Strict):
     dtype: str = "auto"  # bfloat16 where the CPU multiplies it natively, else float32 (core.hardware)
     max_num_seqs: int = ENGINE_DEFAULTS.max_num_seqs
     slo: Optional[str] = None
+    serve: bool = False  # bench each variant served over HTTP (llmopt serve on loopback), not the engine directly
 
     @field_validator("dataset")
     @classmethod

@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+from contextlib import contextmanager
+from typing import Iterator
+
 from llmopt.runtime.engine.config import EngineConfig
 from llmopt.runtime.engine.engine import Engine
 from llmopt.runtime.executor.loader import load_runtime_model
@@ -26,3 +29,32 @@ def start_server(model_name: str, config: EngineConfig, dtype: str, device: str 
     server = server_for(model, tokenizer, served_model_name or model_name, config, api_key, chat_template,
                         max_waiting)
     return build_app(server), server
+
+
+@contextmanager
+def serving(model_name: str, config: EngineConfig, dtype: str, device: str = "cpu") -> Iterator[str]:
+    """Serve MODEL on a free loopback port in a background thread for the duration of the block; yields the
+    base URL (http://127.0.0.1:PORT/v1)."""
+    import socket
+    import threading
+    import time
+
+    import uvicorn
+
+    app, server = start_server(model_name, config, dtype, device)
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    http = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning"))
+    thread = threading.Thread(target=http.run, daemon=True)
+    thread.start()
+    try:
+        while not http.started:
+            if not thread.is_alive():
+                raise RuntimeError(f"the server for {model_name} did not start")
+            time.sleep(0.05)
+        yield f"http://127.0.0.1:{port}/v1"
+    finally:
+        http.should_exit = True
+        thread.join(30)
+        server.engine.stop(30)

@@ -158,3 +158,19 @@ baseline: fp32
     assert nf4["bench"]["backend"] == "hf" and fp32["bench"]["backend"] == "runtime"
     assert nf4["artifact_bytes"] < 0.6 * fp32["artifact_bytes"]
     assert abs(nf4["ppl"]["pystdlib"] / fp32["ppl"]["pystdlib"] - 1) < 0.2  # nf4 stays close to fp32
+
+
+def test_a_recipe_can_bench_its_variants_served_over_http(tmp_path):
+    recipe = tmp_path / "served.yaml"
+    recipe.write_text("""name: served
+model: tiny-random-llama
+variants:
+  rtn:
+    - quantize: {method: rtn, bits: 4, group_size: 32}
+bench: {dataset: random, num_requests: 4, input_len: 16, output_len: 8, dtype: float32, serve: true}
+""")
+    result = run("recipe", "run", recipe, "-o", tmp_path / "run")
+    assert result.exit_code == 0, result.output
+    [variant] = json.loads((tmp_path / "run" / "results.json").read_text())["variants"]
+    assert variant["bench"]["backend"] == "http"
+    assert variant["bench"]["metrics"]["completed"] == 4 and variant["bench"]["metrics"]["total_output_tokens"] == 32
