@@ -95,7 +95,13 @@ class Pruner(Modifier):
 
     def apply(self, layer_index: int, name: str, module: nn.Linear, mask: torch.Tensor) -> None:
         module.weight.data[mask.to(module.weight.device)] = 0
-        self.masks[self.full_name(layer_index, name)] = mask.cpu()
+        self.record(layer_index, name, mask)
+
+    def record(self, layer_index: int, name: str, mask: torch.Tensor) -> None:
+        """Keep a linear's mask; pruners sharing one dict (ModifierList) keep the union of theirs."""
+        full, mask = self.full_name(layer_index, name), mask.cpu()
+        earlier = self.masks.get(full)
+        self.masks[full] = mask if earlier is None else earlier | mask
 
     def scores(self, layer_index: int, name: str, weight: torch.Tensor) -> torch.Tensor:
         raise NotImplementedError

@@ -29,12 +29,11 @@ class ModifierList:
         self.hessians = SharedInputHessians()
         for m in self.hessian_modifiers:
             m.hessians, m.owns_hessians = self.hessians, False
-        masks = {}
-        for m in modifiers:  # a quantizer keeps the zeros of every pruner before it
+        masks: dict = {}  # one dict: every pruner adds to it, the quantizer (checked to come last) keeps its zeros
+        for m in modifiers:
             if isinstance(m, Quantizer):
                 m.prior_masks = masks
             elif isinstance(m, Pruner):
-                masks = {**masks}
                 m.masks = masks
 
     @property

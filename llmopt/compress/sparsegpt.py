@@ -83,7 +83,7 @@ class SparseGPTPruner(HessianModifierMixin, Pruner):
                                                self.config.sparsity, self.config.nm, self.config.damp,
                                                self.config.block_size)
             module.weight.data.copy_(new)  # in place: see Quantizer.store
-            self.masks[self.full_name(layer_index, name)] = mask
+            self.record(layer_index, name, mask)
         self.release_hessians()
 
 

@@ -83,3 +83,19 @@ def test_order_and_count_are_checked(tiny):
         compress_model(model, tok, [rtn, gptq])
     with pytest.raises(ConfigError, match="needs symmetric"):
         compress_model(model, tok, [prune, make_config("rtn", bits=4, group_size=32, sym=False)])
+
+
+def test_two_pruners_then_gptq_keep_the_zeros_of_both(tiny):
+    from llmopt.compress.masks import unstructured_mask
+
+    model, tok = copy.deepcopy(tiny[0]), tiny[1]
+    name = "model.layers.0.mlp.down_proj"
+    original = model.model.layers[0].mlp.down_proj.weight.detach().clone()
+    magnitude = unstructured_mask(original.abs(), 0.3)  # what the first pruner removes
+    configs = [make_sparsity_config(method="magnitude", sparsity=0.3, **CAL),
+               make_sparsity_config(method="wanda", pattern="2:4", **CAL),
+               make_config("gptq", bits=4, group_size=32, **CAL)]
+    result = compress_model(model, tok, configs)
+    dq = result.qweights[name].dequantize()
+    assert (dq[magnitude] == 0).all()  # wanda's 2:4 alone keeps some of these (3 zeros in a group of 4)
+    assert (result.masks[name] >= magnitude).all() and check_nm(dq, 2, 4)
