@@ -90,28 +90,15 @@ def test_smollm2_runtime_greedy_equals_transformers(smollm2):
 
 def test_smollm2_served_over_http_answers_as_the_engine_does(smollm2):
     """The server on SmolLM2: greedy text over HTTP equals the engine's offline text; the chat answer is right."""
-    import threading
-    import time
-
     import openai
-    import uvicorn
 
     from llmopt.runtime.engine.engine import Engine, EngineConfig
     from llmopt.runtime.engine.sampling import SamplingParams
-    from llmopt.serve.app import build_app
-    from llmopt.serve.launch import server_for
-    from tests.serve.test_server import free_port
+    from llmopt.serve.launch import in_thread, server_for
 
     model, tokenizer, _ = smollm2
-    state = server_for(model, tokenizer, "smollm2-135m", EngineConfig(fast_path=False))
-    port = free_port()
-    http = uvicorn.Server(uvicorn.Config(build_app(state), host="127.0.0.1", port=port, log_level="warning"))
-    thread = threading.Thread(target=http.run, daemon=True)
-    thread.start()
-    try:
-        while not http.started:
-            time.sleep(0.05)
-        client = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="none", max_retries=0)
+    with in_thread(server_for(model, tokenizer, "smollm2-135m", EngineConfig(fast_path=False))) as url:
+        client = openai.OpenAI(base_url=url, api_key="none", max_retries=0)
         prompt = "def fibonacci(n):"
         served = client.completions.create(model="smollm2-135m", prompt=prompt, max_tokens=32, temperature=0)
         ids = tokenizer(prompt)["input_ids"]
@@ -121,7 +108,3 @@ def test_smollm2_served_over_http_answers_as_the_engine_does(smollm2):
             model="smollm2-135m", messages=[{"role": "user", "content": "What is the capital of France?"}],
             max_tokens=20, temperature=0)
         assert "Paris" in chat.choices[0].message.content
-    finally:
-        http.should_exit = True
-        thread.join(10)
-        state.engine.stop(10)

@@ -128,8 +128,6 @@ async def merged(streams: list[AsyncIterator[RequestOutput]]) -> AsyncIterator[t
         while remaining:
             index, item = await queue.get()
             if isinstance(item, BaseException):
-                if isinstance(item, asyncio.CancelledError):
-                    raise item
                 raise item
             if item.finished:
                 remaining -= 1
@@ -148,7 +146,7 @@ def _usage(prompt_tokens: int, completion_tokens: int) -> dict:
             "total_tokens": prompt_tokens + completion_tokens}
 
 
-def completion_logprobs(server: Server, output: RequestOutput, token_ids: list[int], entries, offset: int) -> dict:
+def completion_logprobs(server: Server, token_ids: list[int], entries, offset: int) -> dict:
     """The legacy completions `logprobs` object for some tokens of one choice."""
     tokens = [server.token_text(t) for t in token_ids]
     offsets, at = [], offset
@@ -253,12 +251,12 @@ def completion_choice(server, req, index, output: RequestOutput, prompt: list[in
     generated = req.max_tokens != 0
     text = output.text if generated else ""
     token_ids, entries = (output.token_ids, output.logprobs) if generated else ([], [])
-    logprobs = completion_logprobs(server, output, token_ids, entries, 0) if req.logprobs is not None else None
+    logprobs = completion_logprobs(server, token_ids, entries, 0) if req.logprobs is not None else None
     if req.echo:
         prompt_text = server.tokenizer.decode(prompt)
         if logprobs is not None:
             scored = output.prompt_logprobs or [None] * len(prompt)
-            head = completion_logprobs(server, output, prompt, [e or {} for e in scored], 0)
+            head = completion_logprobs(server, prompt, [e or {} for e in scored], 0)
             head["token_logprobs"][0], head["top_logprobs"][0] = None, None
             offset = len(prompt_text)
             logprobs = {key: head[key] + (logprobs[key] if key != "text_offset" else
@@ -269,7 +267,7 @@ def completion_choice(server, req, index, output: RequestOutput, prompt: list[in
 
 
 def completion_chunk(server, req, index, output: RequestOutput, state: dict) -> dict:
-    logprobs = (completion_logprobs(server, output, output.new_token_ids, output.new_logprobs, state["chars"])
+    logprobs = (completion_logprobs(server, output.new_token_ids, output.new_logprobs, state["chars"])
                 if req.logprobs is not None else None)
     return {"index": index, "text": output.new_text, "logprobs": logprobs,
             "finish_reason": output.finish_reason if output.finished else None}
@@ -284,7 +282,9 @@ def chat_choice(server, req, index, output: RequestOutput, prompt: list[int]) ->
 def chat_chunk(server, req, index, output: RequestOutput, state: dict) -> dict:
     logprobs = (chat_logprobs(server, output.new_token_ids, output.new_logprobs, req.top_logprobs or 0)
                 if req.logprobs else None)
-    delta = {"content": output.new_text} if state["started"] else {"role": "assistant", "content": output.new_text}
+    delta = {"content": output.new_text}
+    if not state["started"]:
+        delta = {"role": "assistant", **delta}
     return {"index": index, "delta": delta, "logprobs": logprobs,
             "finish_reason": output.finish_reason if output.finished else None}
 
@@ -315,19 +315,17 @@ async def respond(server: Server, req, jobs, prefix: str, choice, chunk):
     except StopAsyncIteration:
         first = None
 
+    async def outputs():
+        if first is not None:
+            yield first
+        async for item in iterator:
+            yield item
+
     async def events():
         states = [{"chars": 0, "started": False} for _ in jobs]
         completion_tokens = 0
-        pending = [first] if first is not None else []
         try:
-            while True:
-                if pending:
-                    index, output = pending.pop()
-                else:
-                    try:
-                        index, output = await iterator.__anext__()
-                    except StopAsyncIteration:
-                        break
+            async for index, output in outputs():
                 completion_tokens += len(output.new_token_ids)
                 state = states[index]
                 if output.new_text or output.finished or output.new_logprobs:

@@ -15,7 +15,7 @@ from llmopt.serve.async_engine import AsyncEngine
 def server_for(model, tokenizer, model_name: str, config: EngineConfig | None = None, api_key: str | None = None,
                chat_template: str | None = None, max_waiting: int | None = None) -> Server:
     """A started server state over an already loaded model."""
-    engine = AsyncEngine(Engine(model, tokenizer, config), max_waiting)
+    engine = AsyncEngine(Engine(model, tokenizer, config, record_steps=False), max_waiting)
     engine.start()
     return Server(engine, tokenizer, model_name, api_key, chat_template)
 
@@ -32,29 +32,36 @@ def start_server(model_name: str, config: EngineConfig, dtype: str, device: str 
 
 
 @contextmanager
-def serving(model_name: str, config: EngineConfig, dtype: str, device: str = "cpu") -> Iterator[str]:
-    """Serve MODEL on a free loopback port in a background thread for the duration of the block; yields the
-    base URL (http://127.0.0.1:PORT/v1)."""
+def in_thread(server: Server) -> Iterator[str]:
+    """Run `server` on a free loopback port in a background thread for the duration of the block, then stop it
+    and its engine; yields the base URL (http://127.0.0.1:PORT/v1)."""
     import socket
     import threading
     import time
 
     import uvicorn
 
-    app, server = start_server(model_name, config, dtype, device)
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    http = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning"))
+    http = uvicorn.Server(uvicorn.Config(build_app(server), host="127.0.0.1", port=port, log_level="warning"))
     thread = threading.Thread(target=http.run, daemon=True)
     thread.start()
     try:
         while not http.started:
             if not thread.is_alive():
-                raise RuntimeError(f"the server for {model_name} did not start")
+                raise RuntimeError(f"the server for {server.model_name} did not start")
             time.sleep(0.05)
         yield f"http://127.0.0.1:{port}/v1"
     finally:
         http.should_exit = True
         thread.join(30)
         server.engine.stop(30)
+
+
+@contextmanager
+def serving(model_name: str, config: EngineConfig, dtype: str, device: str = "cpu") -> Iterator[str]:
+    """Load and serve MODEL for the duration of the block (in_thread); yields the base URL."""
+    _, server = start_server(model_name, config, dtype, device)
+    with in_thread(server) as url:
+        yield url

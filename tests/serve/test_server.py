@@ -3,20 +3,17 @@
 import asyncio
 import json
 import socket
-import threading
 import time
 
 import httpx
 import openai
 import pytest
-import uvicorn
 
 from llmopt.core.tiny import build_tiny_model
 from llmopt.runtime.engine.config import EngineConfig
 from llmopt.runtime.engine.engine import Engine
 from llmopt.runtime.engine.sampling import SamplingParams
-from llmopt.serve.app import build_app
-from llmopt.serve.launch import server_for
+from llmopt.serve.launch import in_thread, server_for
 
 MODEL = "tiny"
 
@@ -28,30 +25,20 @@ def free_port() -> int:
 
 
 class Running:
-    """A server on a free loopback port in a background thread."""
+    """A server on a free loopback port in a background thread (serve.launch.in_thread)."""
 
     def __init__(self, **options):
         model, tokenizer = build_tiny_model("llama", seed=0)
         self.tokenizer = tokenizer
         self.server = server_for(model, tokenizer, MODEL, options.pop("config", EngineConfig(block_size=4)),
                                  **options)
-        self.port = free_port()
-        self.uvicorn = uvicorn.Server(uvicorn.Config(build_app(self.server), host="127.0.0.1", port=self.port,
-                                                     log_level="warning"))
-        self.thread = threading.Thread(target=self.uvicorn.run, daemon=True)
-        self.thread.start()
-        deadline = time.time() + 30
-        while not self.uvicorn.started:
-            assert time.time() < deadline, "server did not start"
-            time.sleep(0.05)
-        self.url = f"http://127.0.0.1:{self.port}"
-        self.client = openai.OpenAI(base_url=self.url + "/v1", api_key=options.get("api_key") or "none",
-                                    max_retries=0)
+        self._running = in_thread(self.server)
+        base = self._running.__enter__()
+        self.url = base.removesuffix("/v1")
+        self.client = openai.OpenAI(base_url=base, api_key=options.get("api_key") or "none", max_retries=0)
 
     def close(self):
-        self.uvicorn.should_exit = True
-        self.thread.join(10)
-        self.server.engine.stop(10)
+        self._running.__exit__(None, None, None)
 
     @property
     def engine(self) -> Engine:

@@ -25,7 +25,7 @@ from llmopt.runtime.engine.stats import EngineStats, step_stats
 
 
 class Engine:
-    def __init__(self, hf_model, tokenizer, config: EngineConfig | None = None):
+    def __init__(self, hf_model, tokenizer, config: EngineConfig | None = None, record_steps: bool = True):
         from llmopt.runtime.executor.model_runner import ModelRunner
 
         self.config = config or EngineConfig()
@@ -38,7 +38,10 @@ class Engine:
         self.outputs = OutputProcessor(tokenizer)
         self.max_context = getattr(hf_model.config, "max_position_embeddings", None)
         self._live: dict[int, Sequence] = {}  # requests not yet reported finished
+        self._aborted: set[int] = set()  # aborted since the last step: reported by the next one
         self._stats = EngineStats()
+        # per-step records for benchmarks; a server that runs for days turns them off to keep memory flat
+        self.record_steps = record_steps
 
     # --- requests -------------------------------------------------------------------------------
     def add_request(self, prompt_token_ids: list[int], params: SamplingParams | None = None,
@@ -61,7 +64,10 @@ class Engine:
     def abort(self, request_id: int) -> bool:
         """Stop a request; its final output (finish_reason "abort") comes from the next step()."""
         self.runner.release(request_id)
-        return self.scheduler.abort(request_id)
+        aborted = self.scheduler.abort(request_id)
+        if aborted:
+            self._aborted.add(request_id)
+        return aborted
 
     def has_unfinished(self) -> bool:
         """True while some request has not yet been reported finished."""
@@ -76,9 +82,9 @@ class Engine:
         """Run one scheduled batch; one RequestOutput per request that produced a token or finished."""
         started = time.perf_counter()
         out = self.scheduler.schedule()
-        changed: list[int] = []
+        sampled: dict[int, int] = {}
         if not out.is_empty:
-            stats = step_stats(out, 0.0, 0.0)
+            stats = step_stats(out, 0.0, 0.0) if self.record_steps else None  # read before postprocess
             result = self.runner.execute(out)
             for seq_id, (first, entries) in result.prompt_logprobs.items():
                 self.outputs.add_prompt_logprobs(seq_id, first, entries)
@@ -86,11 +92,13 @@ class Engine:
             for seq_id in result.tokens:
                 if self.outputs.update(seq_id, result.logprobs.get(seq_id)):
                     self._stop_on_string(seq_id)
-            changed = list(result.tokens)
-            stats.duration, stats.kv_usage = time.perf_counter() - started, self.block_manager.usage
-            self._stats.steps.append(stats)
-        # aborted (or otherwise ended) requests report once, even in a step that ran nothing for them
-        changed += [i for i, seq in self._live.items() if seq.finish_reason is not None and i not in changed]
+            sampled = result.tokens
+            if stats is not None:
+                stats.duration, stats.kv_usage = time.perf_counter() - started, self.block_manager.usage
+                self._stats.steps.append(stats)
+        # aborted requests report once, even in a step that ran nothing for them
+        changed = [*sampled, *(i for i in self._aborted if i not in sampled)]
+        self._aborted.clear()
         return [self._report(seq_id) for seq_id in changed]
 
     def _stop_on_string(self, seq_id: int) -> None:

@@ -71,6 +71,12 @@ class IncrementalDetokenizer:
         return new
 
 
+def first_stop(text: str, stops: tuple[str, ...], start: int = 0) -> int | None:
+    """Where the earliest of the stop strings begins in text[start:] (an index into text), or None."""
+    hits = [i for s in stops if (i := text.find(s, start)) != -1]
+    return min(hits) if hits else None
+
+
 class RequestState:
     """The output side of one request: its detokenizer, the text already handed out, a stop-string match."""
 
@@ -101,21 +107,17 @@ class RequestState:
         detok = self.detokenizer
         detok.text = detok.decode(detok.token_ids)
         if self.stopped_at is not None:
-            hits = [i for s in self.seq.params.stop if (i := detok.text.find(s)) != -1]
-            self.stopped_at = min(hits) if hits else len(detok.text)
+            found = first_stop(detok.text, self.seq.params.stop)
+            self.stopped_at = len(detok.text) if found is None else found
 
     def match_stop(self) -> bool:
         """Whether the text now holds a stop string (only its tail can hold a new match); records where."""
         stops = self.seq.params.stop
         if not stops or self.detokenizer is None or self.stopped_at is not None:
             return False
-        text = self.detokenizer.text
         tail_from = max(0, self.num_chars_sent - max(len(s) for s in stops))
-        hits = [i for s in stops if (i := text.find(s, tail_from)) != -1]
-        if not hits:
-            return False
-        self.stopped_at = min(hits)
-        return True
+        self.stopped_at = first_stop(self.detokenizer.text, stops, tail_from)
+        return self.stopped_at is not None
 
     def sendable_text(self, finished: bool) -> str:
         """Text not yet handed out; while running, the last len(longest stop) - 1 characters are held back, as
