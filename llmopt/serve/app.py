@@ -4,6 +4,7 @@ with SSE streaming), /v1/models, /health and /metrics (Prometheus, vLLM's metric
 from __future__ import annotations
 
 import asyncio
+import hmac
 import json
 import time
 import uuid
@@ -113,6 +114,13 @@ def _param_of(message: str) -> str | None:
 
 async def merged(streams: list[AsyncIterator[RequestOutput]]) -> AsyncIterator[tuple[int, RequestOutput]]:
     """(choice index, output) from several requests as they come; leaving early cancels (aborts) the rest."""
+    if len(streams) == 1:  # the common case: no pump task and queue hop per token
+        try:
+            async for output in streams[0]:
+                yield 0, output
+        finally:
+            await streams[0].aclose()
+        return
     queue: asyncio.Queue = asyncio.Queue()
 
     async def pump(index, stream):
@@ -170,17 +178,29 @@ def chat_logprobs(server: Server, token_ids: list[int], entries, top: int) -> di
 
 
 # --- the routes ------------------------------------------------------------------------------------
+class BearerAuth:
+    """Plain ASGI middleware: /v1 routes need `Authorization: Bearer KEY`. (Starlette's @app.middleware("http")
+    would relay every SSE chunk through an extra in-memory stream and task: a cost on every streamed token.)"""
+
+    def __init__(self, app, api_key: str):
+        self.app, self.expected = app, f"Bearer {api_key}".encode()
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] == "http" and scope["path"].startswith("/v1"):
+            given = dict(scope["headers"]).get(b"authorization")
+            if given is None or not hmac.compare_digest(given, self.expected):
+                body = error_body("invalid or missing API key: send Authorization: Bearer KEY",
+                                  kind="authentication_error", code="invalid_api_key")
+                return await JSONResponse(body, 401)(scope, receive, send)
+        return await self.app(scope, receive, send)
+
+
 def build_app(server: Server) -> FastAPI:
     app = FastAPI(title="llmopt", docs_url=None, redoc_url=None)
     app.state.server = server
 
-    @app.middleware("http")
-    async def authenticate(request: Request, call_next):
-        if server.api_key and request.url.path.startswith("/v1"):
-            if request.headers.get("authorization") != f"Bearer {server.api_key}":
-                return JSONResponse(error_body("invalid or missing API key: send Authorization: Bearer KEY",
-                                               kind="authentication_error", code="invalid_api_key"), 401)
-        return await call_next(request)
+    if server.api_key:
+        app.add_middleware(BearerAuth, api_key=server.api_key)
 
     @app.exception_handler(RequestValidationError)
     async def invalid_body(request: Request, exc: RequestValidationError):

@@ -15,20 +15,29 @@ from llmopt.serve.async_engine import AsyncEngine
 def server_for(model, tokenizer, model_name: str, config: EngineConfig | None = None, api_key: str | None = None,
                chat_template: str | None = None, max_waiting: int | None = None) -> Server:
     """A started server state over an already loaded model."""
-    engine = AsyncEngine(Engine(model, tokenizer, config, record_steps=False), max_waiting)
-    engine.start()
-    return Server(engine, tokenizer, model_name, api_key, chat_template)
+    return _started(lambda: Engine(model, tokenizer, config, record_steps=False), model_name, api_key,
+                    chat_template, max_waiting)
 
 
 def start_server(model_name: str, config: EngineConfig, dtype: str, device: str = "cpu",
                  served_model_name: str | None = None, api_key: str | None = None, chat_template: str | None = None,
                  max_waiting: int | None = None, trust_remote_code: bool = False):
-    """(FastAPI app, Server) for MODEL; quantized artifacts run on the runtime's packed layers."""
-    model, tokenizer, _ = load_runtime_model(model_name, dtype=dtype, device=device,
-                                             trust_remote_code=trust_remote_code)
-    server = server_for(model, tokenizer, served_model_name or model_name, config, api_key, chat_template,
-                        max_waiting)
+    """(FastAPI app, Server) for MODEL; quantized artifacts run on the runtime's packed layers. The model is
+    loaded in the engine's thread (async_engine's note: one thread for every torch operation)."""
+    def build() -> Engine:
+        model, tokenizer, _ = load_runtime_model(model_name, dtype=dtype, device=device,
+                                                 trust_remote_code=trust_remote_code)
+        return Engine(model, tokenizer, config, record_steps=False)
+
+    server = _started(build, served_model_name or model_name, api_key, chat_template, max_waiting)
     return build_app(server), server
+
+
+def _started(build, model_name: str, api_key: str | None, chat_template: str | None, max_waiting: int | None
+             ) -> Server:
+    engine = AsyncEngine(build, max_waiting)
+    engine.start()
+    return Server(engine, engine.engine.tokenizer, model_name, api_key, chat_template)
 
 
 @contextmanager

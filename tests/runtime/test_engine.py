@@ -248,3 +248,17 @@ def test_prompt_logprobs_score_every_prompt_token_across_chunks_and_cached_prefi
         entry = scored[p]
         assert abs(entry[prompt[p]] - float(reference[p - 1, prompt[p]])) < 1e-4
         assert set(torch.topk(reference[p - 1], 2).indices.tolist()) <= set(entry)
+
+
+def test_steps_record_no_autograd_graph(tiny):
+    """The loaded model's parameters require grad; a step that recorded a graph would cost time and memory."""
+    model, tok = tiny
+    assert any(p.requires_grad for p in model.parameters())
+    engine = Engine(model, tok, EngineConfig(max_num_seqs=4))
+    seen = []
+    hook = engine.runner.decoder.register_forward_hook(lambda mod, args, out: seen.append(out.requires_grad))
+    try:
+        engine.generate(prompts(2), SamplingParams(max_tokens=3, ignore_eos=True, logprobs=2))
+    finally:
+        hook.remove()
+    assert seen and not any(seen)

@@ -100,6 +100,7 @@ class ModelRunner:
         return (f"KV cache: {self.kv_cache_bytes / 2**30:.2f} GiB ({self.kv_cache_source}), "
                 f"{self.num_blocks * self.block_size:,} tokens in {dtype}")
 
+    @torch.no_grad()  # the loaded model's parameters still require grad: no step may record an autograd graph
     def execute(self, out: SchedulerOutput) -> StepResult:
         """Run one step; samples a token for each sequence that reached its last token."""
         input_ids, positions, slots, starts, context_lens, tables, sample_rows = [], [], [], [0], [], [], []
