@@ -60,10 +60,11 @@ def _register() -> None:
     app.add_typer(eval_cli.app, name="eval")
     app.command("generate")(generate.generate)
     app.command("env")(env.env)
-    from llmopt.cli import bench, export, prune, quantize, recipe, report, serve
+    from llmopt.cli import bench, distill, export, prune, quantize, recipe, report, serve
 
     app.command("quantize")(quantize.quantize)
     app.command("prune")(prune.prune)
+    app.command("distill")(distill.distill)
     app.command("export")(export.export)
     app.command("bench")(bench.bench)
     app.command("serve")(serve.serve)

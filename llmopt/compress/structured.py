@@ -194,13 +194,38 @@ def collect_importance(model, tokenizer, config: StructuredConfig,
     return collector.scores()
 
 
-def prune_structured(model, tokenizer, config: StructuredConfig,
-                     progress: Callable[[int, int], None] | None = None):
-    """Return (the smaller model, its plan, facts). The input model is left unchanged."""
+def layers_plan(config, keep_layers: list[int]) -> StructuredPlan:
+    """The plan that keeps exactly these decoder layers (in order)."""
+    num_layers = config.num_hidden_layers
+    if not keep_layers or sorted(set(keep_layers)) != list(keep_layers) or keep_layers[-1] >= num_layers \
+            or keep_layers[0] < 0:
+        raise ConfigError(f"layers {keep_layers}: give distinct increasing indices in 0..{num_layers - 1}")
+    plan = StructuredPlan("layers", torch.zeros(num_layers, 1), keep_layers=list(keep_layers))
+    plan.config_updates = {"num_hidden_layers": len(keep_layers)}
+    if getattr(config, "layer_types", None):
+        plan.config_updates["layer_types"] = [config.layer_types[i] for i in keep_layers]
+    return plan
+
+
+def apply_plan(model, plan: StructuredPlan):
+    """A new, smaller model holding `model`'s kept channels / heads / layers (the input model is unchanged)."""
     from transformers import AutoConfig, AutoModelForCausalLM
 
     from llmopt.core.models import rebuild_meta_buffers
 
+    state = slice_state_dict(model.state_dict(), model.config, adapter_for(model), plan)
+    new_config = AutoConfig.for_model(**{**model.config.to_dict(), **plan.config_updates})
+    with torch.device("meta"):
+        small = AutoModelForCausalLM.from_config(new_config, dtype=next(model.parameters()).dtype)
+    small.load_state_dict(state, strict=False, assign=True)
+    small.tie_weights()
+    rebuild_meta_buffers(small)
+    return small.eval()
+
+
+def prune_structured(model, tokenizer, config: StructuredConfig,
+                     progress: Callable[[int, int], None] | None = None):
+    """Return (the smaller model, its plan, facts). The input model is left unchanged."""
     start = time.perf_counter()
     if config.scores_file:
         from safetensors.torch import load_file
@@ -209,16 +234,7 @@ def prune_structured(model, tokenizer, config: StructuredConfig,
     else:
         scores = collect_importance(model, tokenizer, config, progress)
     plan = plan_pruning(model.config, config.structured, config.ratio, scores, config.channel_multiple)
-    adapter = adapter_for(model)
-    state = slice_state_dict(model.state_dict(), model.config, adapter, plan)
-    new_config_dict = {**model.config.to_dict(), **plan.config_updates}
-    new_config = AutoConfig.for_model(**new_config_dict)
-    with torch.device("meta"):
-        small = AutoModelForCausalLM.from_config(new_config, dtype=next(model.parameters()).dtype)
-    small.load_state_dict(state, strict=False, assign=True)
-    small.tie_weights()
-    rebuild_meta_buffers(small)
-    small.eval()
+    small = apply_plan(model, plan)
     facts = {"prune_wall_s": time.perf_counter() - start,
              "num_parameters_before": sum(p.numel() for p in model.parameters()),
              "num_parameters_after": sum(p.numel() for p in small.parameters())}

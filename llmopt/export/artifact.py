@@ -51,11 +51,13 @@ def write_artifact(
     generation_config=None,
     overwrite: bool = False,
     extra_file: str = SEARCH_FILE,
+    quantization_config: dict | None = None,
 ) -> Path:
     """Write dense tensors + `qweights` packed in format `fmt_name` (None: a dense artifact) to `out`, and
     `extra_tensors` (search results, importance scores) as `extra_file`; all of it appears at once or not at all.
 
-    `config` is the model's config.json dict; its quantization_config is replaced by the format's.
+    `config` is the model's config.json dict; its quantization_config is replaced by the format's, or by
+    `quantization_config` verbatim (a re-written artifact keeps the entry it was read with).
     """
     start = time.perf_counter()
     if fmt_name is not None:
@@ -72,7 +74,7 @@ def write_artifact(
                 for suffix, tensor in fmt.pack(qweight).items():
                     tensors[f"{name}.{suffix}"] = tensor.contiguous()
             scheme = next(iter(qweights.values())).scheme
-            config["quantization_config"] = fmt.quantization_config(scheme, settings)
+            config["quantization_config"] = quantization_config or fmt.quantization_config(scheme, settings)
         save_file(tensors, str(tmp / WEIGHTS_FILE), metadata={"format": "pt"})
         write_json(tmp / "config.json", config)
         if generation_config is not None:

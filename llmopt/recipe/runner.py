@@ -47,7 +47,7 @@ class RecipeRunner:
         model, key, records = self.recipe.model, cache_key(self.recipe.model), []
         for i, stage in enumerate(self.recipe.variants[name]):
             ((stage_name, options),) = stage.items()
-            options = self.recipe.stage_options(options or {})
+            options = self.recipe.stage_options(stage_name, options or {})
             key = cache_key(key, stage_name, options)
             out = self.cache / f"{stage_name}-{key}"
             start = time.perf_counter()

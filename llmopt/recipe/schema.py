@@ -121,11 +121,14 @@ class Recipe(_Strict):
             raise ValueError(f"baseline {self.baseline!r} is not a variant; allowed: {', '.join(self.variants)}")
         return self
 
-    def stage_options(self, options: dict) -> dict:
-        """A stage's options with the recipe's calibration defaults filled in."""
-        from llmopt.recipe.stages import DEFAULTED_KEYS
+    def stage_options(self, stage_name: str, options: dict) -> dict:
+        """A stage's options with the recipe's defaults it takes filled in (the calibration settings; a distill
+        stage's teacher is the recipe's model)."""
+        from llmopt.recipe.stages import STAGES
 
-        return {**{k: getattr(self.defaults, k) for k in DEFAULTED_KEYS}, **options}
+        filled = {k: (self.model if k == "teacher" else getattr(self.defaults, k))
+                  for k in STAGES.get(stage_name).defaulted}
+        return {**filled, **options}
 
 
 def _line_of(node, loc: tuple) -> int | None:
@@ -179,7 +182,7 @@ def load_recipe(path: str | Path) -> Recipe:
             try:
                 from llmopt.recipe.stages import STAGES
 
-                STAGES.get(stage_name).validate(recipe.stage_options(options or {}))
+                STAGES.get(stage_name).validate(recipe.stage_options(stage_name, options or {}))
             except ConfigError as e:
                 line = _line_of(node, ("variants", variant, i, stage_name))
                 raise ConfigError(f"{path}:{line}: variants.{variant}[{i}].{stage_name}: {e}") from None

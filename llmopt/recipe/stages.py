@@ -1,7 +1,7 @@
 """Recipe stages: each turns an input MODEL into an artifact. A stage's options are exactly the library
 settings the CLI builds (same keys as the CLI options, with underscores), validated by the same configs.
 
-Adding a stage (distill, when it lands) is adding an entry to STAGES.
+Adding a stage is adding an entry to STAGES.
 """
 
 from __future__ import annotations
@@ -13,7 +13,7 @@ from typing import Callable
 from llmopt.core.errors import ConfigError
 from llmopt.core.registry import Registry
 
-# The recipe's `defaults` filled into every stage's options (Recipe.stage_options); stages that take no
+# The recipe's `defaults` filled into a stage's options (Recipe.stage_options); stages that take no
 # calibration accept and ignore them.
 DEFAULTED_KEYS = ("calib", "num_samples", "seqlen", "seed")
 
@@ -23,6 +23,7 @@ class Stage:
     name: str
     validate: Callable[[dict], None]  # raises ConfigError naming the bad option
     run: Callable[[str, Path, dict], dict]  # (input MODEL, output folder, options) -> facts
+    defaulted: tuple[str, ...] = DEFAULTED_KEYS  # keys the recipe fills in ("teacher": the recipe's model)
 
 
 STAGES: Registry[Stage] = Registry("stage")
@@ -146,3 +147,31 @@ def _run_cast(model: str, output: Path, options: dict) -> dict:
 
 
 STAGES.add("cast", Stage("cast", _validate_cast, _run_cast))
+
+
+# --- distill: the input MODEL is the student; the teacher defaults to the recipe's model ---------------------
+def _distill_config(options: dict, student: str = "STUDENT"):
+    from llmopt.distill.config import make_distill_config
+
+    options = dict(options)
+    if "student" in options:
+        raise ConfigError("distill: the student is the previous stage's output (or the recipe's model): drop "
+                          "`student`")
+    return make_distill_config(student=student, **options)
+
+
+def _validate_distill(options: dict) -> None:
+    _distill_config(options)
+
+
+def _run_distill(model: str, output: Path, options: dict) -> dict:
+    from llmopt.distill.trainer import CHECKPOINT_DIR
+    from llmopt.pipelines.distill import distill_to_artifact, run_dir_for
+
+    config = _distill_config(options, model)
+    # an interrupted recipe run continues its distill stage from the last checkpoint
+    resume = (run_dir_for(output) / CHECKPOINT_DIR).is_dir()
+    return distill_to_artifact(config, output, resume=resume, overwrite=True)
+
+
+STAGES.add("distill", Stage("distill", _validate_distill, _run_distill, defaulted=("teacher", "seed")))

@@ -39,7 +39,7 @@ variants:
     (GOOD.replace("name: t", "name: t\ndefaults: {num_samples: many}"), r":2: defaults.num_samples: .*integer"),
     (GOOD.replace("group_size: 32", "group_size: 32, colour: red"), r":6: variants.q\[0\].quantize: .*colour"),
     (GOOD.replace("bits: 4", "bits: 5"), r":6: variants.q\[0\].quantize: .*bits"),
-    (GOOD.replace("quantize:", "distil:"), r"unknown stage 'distil'; allowed: bnb, cast, prune, quantize"),
+    (GOOD.replace("quantize:", "distil:"), r"unknown stage 'distil'; allowed: bnb, cast, distill, prune, quantize"),
     (GOOD + "baseline: nope\n", r"baseline 'nope' is not a variant; allowed: fp32, q"),
     (GOOD + "evaluate: {tasks: {names: [mmlu]}}\n", r":7: evaluate.tasks.names: .*unknown task 'mmlu'; allowed:"),
 ])
@@ -71,7 +71,7 @@ def test_ci_smoke_recipe_runs_and_reports(tmp_path):
     assert result.exit_code == 0, result.output
     results = json.loads((tmp_path / "run" / "results.json").read_text())
     names = [v["name"] for v in results["variants"]]
-    assert names[0] == "fp32" and len(names) == 7
+    assert names[0] == "fp32" and len(names) == 8
     fp32, bf16 = results["variants"][:2]
     assert bf16["eval_dtype"] == "bfloat16" and fp32["eval_dtype"] == "float32"
     assert abs(bf16["artifact_bytes"] / fp32["artifact_bytes"] - 0.5) < 0.01
@@ -79,6 +79,9 @@ def test_ci_smoke_recipe_runs_and_reports(tmp_path):
     assert abs(bf16["ppl"]["pystdlib"] / fp32["ppl"]["pystdlib"] - 1) < 0.05
     for v in results["variants"]:
         assert v["ppl"]["pystdlib"] > 1 and v["bench"]["metrics"]["output_throughput"] > 0 and v["artifact_bytes"]
+    healed = next(v for v in results["variants"] if v["name"] == "mlp-25-distilled-rtn")
+    assert [s["stage"] for s in healed["stages"]] == ["prune", "distill", "quantize"]
+    assert healed["stages"][1]["facts"]["steps"] == 4 and healed["stages"][1]["options"]["teacher"] == results["model"]
     quantized = next(v for v in results["variants"] if v["name"] == "gptq-w4g32")
     assert quantized["artifact_bytes"] < 0.5 * results["variants"][0]["artifact_bytes"]
     report = run("report", tmp_path / "run", "-o", tmp_path / "r.html", "--markdown", tmp_path / "r.md")

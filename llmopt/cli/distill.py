@@ -1,0 +1,146 @@
+"""`llmopt distill`: train a student (a smaller copy, a pruned / sparse / quantized artifact) towards a teacher."""
+
+from __future__ import annotations
+
+from enum import Enum
+from typing import Annotated, Optional
+
+import typer
+
+from llmopt.cli.options import JsonOpt, OutputOpt, OverwriteOpt, TrustRemoteCodeOpt
+from llmopt.cli.output import print_json, print_table, stderr
+from llmopt.distill.defaults import DISTILL
+
+
+class LossName(str, Enum):
+    forward_kl = "forward_kl"
+    reverse_kl = "reverse_kl"
+    jsd = "jsd"
+    skew_kl = "skew_kl"
+    skew_reverse_kl = "skew_reverse_kl"
+
+
+class ScheduleName(str, Enum):
+    cosine = "cosine"
+    linear = "linear"
+    constant = "constant"
+
+
+class HiddenLossName(str, Enum):
+    mse = "mse"
+    cosine = "cosine"
+
+
+class TrainDtype(str, Enum):
+    auto = "auto"
+    float32 = "float32"
+    bfloat16 = "bfloat16"
+
+
+def distill(
+    teacher: Annotated[str, typer.Option("--teacher", help="The model to learn from (frozen).")],
+    output: OutputOpt,
+    student: Annotated[Optional[str], typer.Option(
+        "--student", help="Model or artifact to train (dense, structured-pruned, sparse, GPTQ/AWQ/compressed-"
+        "tensors int); default: a copy of the teacher, made smaller by --student-layers or --init.")] = None,
+    student_layers: Annotated[Optional[str], typer.Option(
+        "--student-layers", help="Keep only these decoder layers of the student, e.g. 0,2,4,6.")] = None,
+    init: Annotated[Optional[str], typer.Option(
+        "--init", help="drop-layers:N: drop the student's N least important layers (block importance).")] = None,
+    data: Annotated[str, typer.Option("--data", help="c4, wikitext2, pystdlib, sharegpt or a .txt/.jsonl file."
+                                      )] = DISTILL["data"],
+    max_steps: Annotated[Optional[int], typer.Option("--max-steps", help="Optimizer steps.")] = None,
+    max_time: Annotated[Optional[str], typer.Option(
+        "--max-time", help="Training time budget, e.g. 15m, 1h, 90s (with --max-steps: whichever ends first).")
+    ] = None,
+    seqlen: Annotated[int, typer.Option("--seqlen")] = DISTILL["seqlen"],
+    batch_size: Annotated[int, typer.Option("--batch-size", help="Windows per process per micro-batch.")
+                          ] = DISTILL["batch_size"],
+    grad_accum: Annotated[int, typer.Option("--grad-accum")] = DISTILL["grad_accum"],
+    lr: Annotated[float, typer.Option("--lr")] = DISTILL["lr"],
+    warmup: Annotated[int, typer.Option("--warmup", help="Warm-up optimizer steps.")] = DISTILL["warmup"],
+    schedule: Annotated[ScheduleName, typer.Option("--schedule")] = ScheduleName(DISTILL["schedule"]),
+    weight_decay: Annotated[float, typer.Option("--weight-decay")] = DISTILL["weight_decay"],
+    seed: Annotated[int, typer.Option("--seed")] = 0,
+    dtype: Annotated[TrainDtype, typer.Option(
+        "--dtype", help="auto: bfloat16 autocast where the device computes it fast, else float32.")
+    ] = TrainDtype.auto,
+    loss: Annotated[LossName, typer.Option("--loss", help="Divergence to the teacher's distribution.")
+                    ] = LossName(DISTILL["loss"]),
+    temperature: Annotated[float, typer.Option("--temperature")] = DISTILL["temperature"],
+    beta: Annotated[float, typer.Option("--beta", help="jsd: mixture weight; skew_*: skew.")] = DISTILL["beta"],
+    alpha: Annotated[float, typer.Option(
+        "--alpha", help="Weight of the distillation loss; the hard-label cross-entropy gets 1 - alpha "
+        "(0: plain fine-tuning).")] = DISTILL["alpha"],
+    teacher_topk: Annotated[Optional[int], typer.Option(
+        "--teacher-topk", help="Keep only the teacher's top-k logits per position (renormalized).")] = None,
+    hidden_loss: Annotated[Optional[HiddenLossName], typer.Option(
+        "--hidden-loss", help="Also match hidden states (a learned projection when widths differ).")] = None,
+    hidden_weight: Annotated[float, typer.Option("--hidden-weight")] = DISTILL["hidden_weight"],
+    layer_map: Annotated[str, typer.Option(
+        "--layer-map", help="auto, or TEACHER:STUDENT layer pairs such as 0:0,4:2.")] = "auto",
+    on_policy_ratio: Annotated[float, typer.Option(
+        "--on-policy-ratio", help="Fraction of batches made of the student's own generations (GKD).")] = 0.0,
+    eval_every: Annotated[Optional[int], typer.Option(
+        "--eval-every", help="Held-out perplexity every N steps (windows never trained on).")] = None,
+    save_every: Annotated[Optional[int], typer.Option(
+        "--save-every", help="Checkpoint every N steps (always at the end and on Ctrl-C).")] = None,
+    resume: Annotated[bool, typer.Option("--resume", help="Continue from OUTPUT.ckpt/'s checkpoint.")] = False,
+    max_train_tokens: Annotated[int, typer.Option("--max-train-tokens")] = DISTILL["max_train_tokens"],
+    text_field: Annotated[str, typer.Option("--text-field", help="JSONL field holding the text.")] = "text",
+    teacher_device: Annotated[Optional[str], typer.Option(
+        "--teacher-device", help="Run the teacher on another device (e.g. cuda:1).")] = None,
+    overwrite: OverwriteOpt = False,
+    as_json: JsonOpt = False,
+    trust_remote_code: TrustRemoteCodeOpt = False,
+) -> None:
+    """Distill TEACHER into a student and write it to OUTPUT (checkpoints and the step log in OUTPUT.ckpt/)."""
+    from llmopt.distill.config import make_distill_config
+    from llmopt.distill.trainer import Interrupted
+    from llmopt.pipelines.distill import distill_to_artifact
+
+    config = make_distill_config(
+        teacher=teacher, student=student, student_layers=student_layers, init=init, data=data,
+        max_steps=max_steps, max_time=max_time, seqlen=seqlen, batch_size=batch_size, grad_accum=grad_accum,
+        lr=lr, warmup=warmup, schedule=schedule.value, weight_decay=weight_decay, seed=seed, dtype=dtype.value,
+        loss=loss.value, temperature=temperature, beta=beta, alpha=alpha, teacher_topk=teacher_topk,
+        hidden_loss=hidden_loss.value if hidden_loss else None, hidden_weight=hidden_weight, layer_map=layer_map,
+        on_policy_ratio=on_policy_ratio, eval_every=eval_every, save_every=save_every,
+        max_train_tokens=max_train_tokens, text_field=text_field, teacher_device=teacher_device)
+    with training_progress() as update:
+        try:
+            facts = distill_to_artifact(config, output, resume, overwrite, trust_remote_code, update)
+        except Interrupted as exc:
+            stderr.print(str(exc), highlight=False, markup=False, soft_wrap=True)
+            raise typer.Exit(130) from None
+    if as_json:
+        print_json(facts)
+    else:
+        print_table(f"distilled {teacher} -> {output}", facts)
+
+
+def training_progress():
+    """A rich progress bar on stderr showing loss, KL, tokens/s and the ETA."""
+    from contextlib import contextmanager
+
+    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn, \
+        TimeRemainingColumn
+
+    @contextmanager
+    def bar():
+        columns = (TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
+                   TimeRemainingColumn())
+        with Progress(*columns, console=stderr, transient=True) as progress:
+            task = progress.add_task("distilling", total=None)
+
+            def update(p) -> None:
+                r = p.record
+                parts = [f"loss {r['loss']:.4f}"] + [f"{k} {r[k]:.4f}" for k in ("kd", "ce", "hidden") if k in r]
+                parts.append(f"{r['tokens_per_s']:.0f} tok/s")
+                if "held_out_ppl" in r:
+                    parts.append(f"held-out ppl {r['held_out_ppl']:.2f}")
+                progress.update(task, completed=p.step, total=p.total, description=" · ".join(parts))
+
+            yield update
+
+    return bar()

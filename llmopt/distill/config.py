@@ -1,0 +1,137 @@
+"""The typed configuration of a distillation run (the CLI's options and a recipe's `distill` stage)."""
+
+from __future__ import annotations
+
+import re
+from typing import Literal
+
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+
+from llmopt.distill.defaults import DISTILL
+
+
+def parse_duration(text: str | float | int | None) -> float | None:
+    """Seconds from '15m', '90s', '1h', '1h30m' or a plain number of seconds."""
+    if text is None or isinstance(text, (int, float)):
+        return None if text is None else float(text)
+    value = text.strip().lower()
+    if re.fullmatch(r"\d+(\.\d+)?", value):
+        return float(value)
+    parts = re.findall(r"(\d+(?:\.\d+)?)\s*([hms])", value)
+    if not parts or "".join(f"{n}{u}" for n, u in parts) != value.replace(" ", ""):
+        raise ValueError(f"cannot read the duration {text!r}: write e.g. 15m, 90s, 1h30m")
+    return sum(float(n) * {"h": 3600, "m": 60, "s": 1}[u] for n, u in parts)
+
+
+def parse_layer_map(text: str) -> dict[int, int] | None:
+    """'auto' -> None; '0:0,4:2' -> {teacher layer: student layer}."""
+    if text == "auto":
+        return None
+    try:
+        pairs = [item.split(":") for item in text.split(",") if item.strip()]
+        return {int(t): int(s) for t, s in pairs}
+    except ValueError:
+        raise ValueError(f"cannot read --layer-map {text!r}: write auto or TEACHER:STUDENT pairs, e.g. 0:0,4:2") \
+            from None
+
+
+class DistillConfig(BaseModel):
+    """Everything that decides a distillation run; stored whole in the output's llmopt.json."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    teacher: str
+    student: str | None = Field(None, description="model or artifact; default: a copy of the teacher (then "
+                                                  "student_layers or init makes it smaller)")
+    student_layers: list[int] | None = Field(None, description="keep only these decoder layers of the student")
+    init: str | None = Field(None, description="drop-layers:N: drop the N least important layers (block "
+                                               "importance, as the structured pruner scores it)")
+    data: str = DISTILL["data"]
+    text_field: str = "text"
+    max_steps: int | None = Field(None, ge=1)
+    max_time: float | None = Field(None, gt=0, description="seconds (the CLI reads 15m, 1h, 90s)")
+    seqlen: int = Field(DISTILL["seqlen"], ge=8)
+    batch_size: int = Field(DISTILL["batch_size"], ge=1)
+    grad_accum: int = Field(DISTILL["grad_accum"], ge=1)
+    lr: float = Field(DISTILL["lr"], gt=0)
+    warmup: int = Field(DISTILL["warmup"], ge=0, description="optimizer steps of linear warm-up")
+    schedule: Literal["cosine", "linear", "constant"] = DISTILL["schedule"]
+    weight_decay: float = Field(DISTILL["weight_decay"], ge=0)
+    max_grad_norm: float | None = Field(DISTILL["max_grad_norm"], gt=0)
+    seed: int = 0
+    dtype: Literal["auto", "float32", "bfloat16"] = "auto"
+    loss: Literal["forward_kl", "reverse_kl", "jsd", "skew_kl", "skew_reverse_kl"] = DISTILL["loss"]
+    temperature: float = Field(DISTILL["temperature"], gt=0)
+    beta: float = Field(DISTILL["beta"], ge=0, le=1, description="JSD's mixture weight / skew KL's skew")
+    alpha: float = Field(DISTILL["alpha"], ge=0, le=1,
+                         description="weight of the distillation loss; the hard-label CE gets 1 - alpha")
+    teacher_topk: int | None = Field(None, ge=1)
+    hidden_loss: Literal["mse", "cosine"] | None = None
+    hidden_weight: float = Field(DISTILL["hidden_weight"], ge=0)
+    layer_map: str = "auto"
+    on_policy_ratio: float = Field(0.0, ge=0, le=1, description="fraction of batches that are student generations")
+    on_policy_prompt_len: int = Field(DISTILL["on_policy_prompt_len"], ge=1)
+    on_policy_temperature: float = Field(1.0, ge=0)
+    qat: Literal["scales"] = Field("scales", description="quantized students: what trains (scales and zero "
+                                                         "points; the integer codes stay fixed)")
+    eval_every: int | None = Field(None, ge=1)
+    eval_windows: int = Field(DISTILL["eval_windows"], ge=1, description="held-out windows for --eval-every")
+    save_every: int | None = Field(None, ge=1)
+    max_train_tokens: int = Field(DISTILL["max_train_tokens"], ge=1)
+    teacher_device: str | None = None
+    log_every: int = Field(1, ge=1)
+
+    @field_validator("layer_map")
+    @classmethod
+    def _check_layer_map(cls, value: str) -> str:
+        parse_layer_map(value)
+        return value
+
+    @field_validator("init")
+    @classmethod
+    def _check_init(cls, value: str | None) -> str | None:
+        if value is not None and not re.fullmatch(r"drop-layers:\d+", value):
+            raise ValueError(f"--init {value!r}: the only initializer is drop-layers:N")
+        return value
+
+    @model_validator(mode="after")
+    def _check(self):
+        if self.max_steps is None and self.max_time is None:
+            raise ValueError("give --max-steps and/or --max-time: the run needs an end")
+        if self.student_layers is not None and self.init is not None:
+            raise ValueError("give --student-layers or --init drop-layers:N, not both")
+        if self.alpha == 0 and (self.hidden_loss or self.on_policy_ratio):
+            raise ValueError("alpha 0 trains on the labels alone: hidden-state loss and on-policy batches need "
+                             "the teacher (raise --alpha)")
+        return self
+
+    @property
+    def needs_teacher(self) -> bool:
+        return self.alpha > 0
+
+    @property
+    def drop_layers(self) -> int | None:
+        return int(self.init.split(":")[1]) if self.init else None
+
+
+def make_distill_config(**settings) -> DistillConfig:
+    """A DistillConfig from flat settings (CLI options, a recipe stage); max_time may be '15m'; a validation
+    error becomes one ConfigError line naming the setting."""
+    from pydantic import ValidationError
+
+    from llmopt.core.errors import ConfigError
+
+    settings = {k: v for k, v in settings.items() if v is not None}
+    try:
+        if "max_time" in settings:
+            settings["max_time"] = parse_duration(settings["max_time"])
+        if isinstance(settings.get("student_layers"), str):
+            settings["student_layers"] = [int(i) for i in settings["student_layers"].split(",") if i.strip()]
+        return DistillConfig(**settings)
+    except ValidationError as e:
+        first = e.errors()[0]
+        where = ".".join(str(p) for p in first["loc"])
+        message = first["msg"].removeprefix("Value error, ")
+        raise ConfigError(f"invalid distill setting{' ' + where if where else ''}: {message}") from None
+    except ValueError as e:
+        raise ConfigError(str(e)) from None

@@ -1,0 +1,94 @@
+"""distill TEACHER -> STUDENT -> artifact: a Hugging Face folder (dense or sparse students) or the quantized
+student's own format, with llmopt.json holding the whole configuration, the data, the steps and the final
+losses. Checkpoints and the step log live in OUT.ckpt/ beside the output."""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+from typing import Callable
+
+import torch
+
+from llmopt.core.errors import ConfigError
+from llmopt.core.io import check_output_free
+from llmopt.core.models import resolve_model
+from llmopt.distill.config import DistillConfig
+from llmopt.distill.data import training_windows
+from llmopt.distill.defaults import CHECKPOINT_SUFFIX
+from llmopt.distill.student import Student
+from llmopt.distill.trainer import CHECKPOINT_DIR, LOG_FILE, Distiller, Progress
+from llmopt.export.artifact import dense_state_dict, write_artifact
+from llmopt.export.load import load_model
+from llmopt.pipelines.common import peak_rss_bytes, source_entry, weights_bytes
+from llmopt.pipelines.distill_students import build_student
+
+
+def run_dir_for(output: str | Path) -> Path:
+    output = Path(output)
+    return output.parent / f"{output.name}{CHECKPOINT_SUFFIX}"
+
+
+def generate_with_engine(model, tokenizer, prompts: list[list[int]], max_tokens: int, temperature: float,
+                         seeds: list[int]) -> list[list[int]]:
+    """On-policy continuations from llmopt's own engine, on the model's own modules (fast_path off: the packed
+    fast layers would be copies of weights that are still training)."""
+    from llmopt.runtime.engine.config import EngineConfig
+    from llmopt.runtime.engine.engine import Engine
+    from llmopt.runtime.engine.sampling import SamplingParams
+
+    engine = Engine(model, tokenizer, EngineConfig(fast_path=False, max_num_seqs=len(prompts)), record_steps=False)
+    params = [SamplingParams(max_tokens=max_tokens, ignore_eos=True, temperature=temperature, seed=seed)
+              for seed in seeds]
+    return [output.token_ids for output in engine.generate(prompts, params)]
+
+
+def distill_to_artifact(config: DistillConfig, output: str | Path, resume: bool = False, overwrite: bool = False,
+                        trust_remote_code: bool = False, progress: Callable[[Progress], None] | None = None) -> dict:
+    """Distill as `config` says and write the student to `output`; return the facts measured."""
+    start = time.perf_counter()
+    output = check_output_free(output, overwrite or resume)
+    earlier = run_dir_for(output) / CHECKPOINT_DIR
+    if earlier.is_dir() and not resume and not overwrite:
+        raise ConfigError(f"{earlier} holds an earlier run's checkpoint: pass --resume to continue it, or "
+                          "--overwrite to start over")
+    teacher, tokenizer, teacher_source = load_model(config.teacher, "float32", trust_remote_code=trust_remote_code)
+    student = build_student(config, teacher, tokenizer, trust_remote_code)
+    if not config.needs_teacher:  # alpha 0: plain fine-tuning on the labels
+        teacher = None
+    windows = training_windows(tokenizer, config.data, config.seqlen, config.eval_windows,
+                               config.max_train_tokens, config.seed, config.text_field)
+    distiller = Distiller(config, teacher, student, tokenizer, windows, run_dir_for(output), progress,
+                          generate_with_engine)
+    facts = distiller.train(resume=resume)
+    if not distiller.accelerator.is_main_process:
+        return facts
+    model = distiller.accelerator.unwrap_model(distiller.model)
+    model.eval()
+    manifest = {"source": source_entry(config.student or config.teacher,
+                                       resolve_model(config.student) if config.student else teacher_source),
+                "teacher": source_entry(config.teacher, teacher_source),
+                "stages": [{"stage": "distill", "settings": config.model_dump(mode="json")}],
+                "distill": {**facts, **student.facts, "student_kind": student.kind,
+                            "train_windows": int(windows.train.shape[0]), "log": str(distiller.run_dir / LOG_FILE)}}
+    _write_student(output, student, model, tokenizer, manifest, overwrite or resume)
+    return {"output": str(output), "student_kind": student.kind, **facts, **student.facts,
+            "num_parameters": sum(p.numel() for p in model.parameters()),
+            "total_wall_s": round(time.perf_counter() - start, 2), "peak_rss_bytes": peak_rss_bytes(),
+            "artifact_weights_bytes": weights_bytes(output)}
+
+
+def _write_student(output: Path, student: Student, model, tokenizer, manifest: dict, overwrite: bool) -> None:
+    config_dict = model.config.to_dict()
+    if student.kind == "quantized":
+        layers = student.fake_quant_layers()
+        qweights = {name: layer.to_quantized() for name, layer in layers.items()}
+        skip = {f"{name}.{suffix}" for name in layers for suffix in ("q", "g_idx", "scales", "zeros", "bias")}
+        dense = dense_state_dict(model, skip, torch.float16)
+        write_artifact(output, dense, config_dict, tokenizer, qweights, student.format_name, {}, manifest,
+                       generation_config=getattr(model, "generation_config", None), overwrite=overwrite,
+                       quantization_config=student.quantization_config)
+        return
+    config_dict.pop("quantization_config", None)
+    write_artifact(output, dense_state_dict(model, set(), torch.float32), config_dict, tokenizer, {}, None, {},
+                   manifest, generation_config=getattr(model, "generation_config", None), overwrite=overwrite)

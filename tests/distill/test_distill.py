@@ -1,0 +1,211 @@
+"""Distillation end to end on tiny models: the KL falls, pruned zeros stay zero, quantized students keep their
+codes and format, narrower students get a projection, and a killed run resumes onto the same losses."""
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+import torch
+from typer.testing import CliRunner
+
+from llmopt.cli.main import app
+from llmopt.core.errors import ConfigError
+from llmopt.core.tiny import build_tiny_model, save_tiny_model
+from llmopt.distill.config import make_distill_config, parse_duration
+from llmopt.distill.data import training_windows
+from llmopt.distill.losses import divergence_loss
+from llmopt.distill.student import layer_pairs
+from llmopt.pipelines.distill_students import build_student
+from llmopt.distill.trainer import Distiller
+from llmopt.export.load import load_model
+from llmopt.export.read import read_artifact
+from llmopt.pipelines.distill import distill_to_artifact, run_dir_for
+
+TEACHER = "tiny-random-llama"
+FAST = dict(data="pystdlib", seqlen=32, batch_size=4, max_train_tokens=20_000, eval_windows=2, warmup=2)
+
+
+def log_of(output):
+    return [json.loads(line) for line in (run_dir_for(output) / "log.jsonl").read_text().splitlines()]
+
+
+def mean_kl(student_path, windows):
+    teacher, _, _ = load_model(TEACHER)
+    student, _, _ = load_model(str(student_path))
+    with torch.no_grad():
+        ids = windows[:4]
+        s, t = student(input_ids=ids).logits, teacher(input_ids=ids).logits
+        return float(divergence_loss(s.flatten(0, 1), t.flatten(0, 1), ids.flatten()))
+
+
+def test_distilling_a_differently_initialized_student_halves_the_kl(tmp_path):
+    save_tiny_model(tmp_path / "student", "llama", seed=1)
+    _, tokenizer, _ = load_model(TEACHER)
+    windows = training_windows(tokenizer, "pystdlib", 32, 2, 20_000, 0).held_out
+    before = mean_kl(tmp_path / "student", windows)
+    config = make_distill_config(teacher=TEACHER, student=str(tmp_path / "student"), max_steps=40, lr=3e-3, **FAST)
+    facts = distill_to_artifact(config, tmp_path / "out")
+    after = mean_kl(tmp_path / "out", windows)
+    assert after < 0.5 * before, (before, after)
+    assert facts["steps"] == 40 and facts["student_kind"] == "dense"
+    manifest = json.loads((tmp_path / "out" / "llmopt.json").read_text())
+    assert manifest["stages"][0]["settings"]["max_steps"] == 40
+    assert manifest["teacher"]["model"] == TEACHER
+    from transformers import AutoModelForCausalLM
+
+    assert AutoModelForCausalLM.from_pretrained(tmp_path / "out").config.num_hidden_layers == 2
+
+
+def test_plain_fine_tuning_needs_no_teacher_forward(tmp_path):
+    config = make_distill_config(teacher=TEACHER, max_steps=3, alpha=0.0, **FAST)
+    distill_to_artifact(config, tmp_path / "out")
+    records = [r for r in log_of(tmp_path / "out") if "loss" in r]
+    assert all("kd" not in r and r["ce"] == r["loss"] for r in records)
+
+
+def test_sparse_students_keep_their_zeros_exactly(tmp_path):
+    from llmopt.pipelines.prune import prune_to_artifact
+
+    prune_to_artifact(TEACHER, tmp_path / "sparse", dict(method="magnitude", pattern="2:4", calib="pystdlib",
+                                                         num_samples=4, seqlen=32))
+    config = make_distill_config(teacher=TEACHER, student=str(tmp_path / "sparse"), max_steps=5, lr=1e-2, **FAST)
+    facts = distill_to_artifact(config, tmp_path / "out")
+    assert facts["student_kind"] == "sparse"
+    before, after = read_artifact(tmp_path / "sparse"), read_artifact(tmp_path / "out")
+    changed = 0
+    for name, weight in before.dense.items():
+        if ".layers." in name and name.endswith("proj.weight"):
+            zeros = weight == 0
+            assert zeros.float().mean() >= 0.5
+            assert torch.all(after.dense[name][zeros] == 0), name
+            changed += int(not torch.equal(after.dense[name], weight))
+    assert changed > 0  # the kept weights did train
+    assert after.config["sparsity_config"] == before.config["sparsity_config"]
+
+
+@pytest.mark.parametrize("fmt", ["gptq", "awq"])
+def test_quantized_students_train_scales_and_keep_codes_and_format(tmp_path, fmt):
+    from llmopt.pipelines.quantize import quantize_to_artifact
+
+    quantize_to_artifact(TEACHER, tmp_path / "q", "rtn", dict(bits=4, group_size=32, sym=fmt == "gptq"), fmt)
+    config = make_distill_config(teacher=TEACHER, student=str(tmp_path / "q"), max_steps=4, lr=1e-2, **FAST)
+    facts = distill_to_artifact(config, tmp_path / "out")
+    assert facts["student_kind"] == "quantized"
+    before, after = read_artifact(tmp_path / "q"), read_artifact(tmp_path / "out")
+    assert after.fmt.name == fmt and after.config["quantization_config"] == before.config["quantization_config"]
+    assert set(after.qweights) == set(before.qweights)
+    moved = 0
+    for name, qweight in before.qweights.items():
+        assert torch.equal(after.qweights[name].q, qweight.q), name
+        moved += int(not torch.allclose(after.qweights[name].scales, qweight.scales))
+    assert moved > 0
+    model, _, _ = load_model(str(tmp_path / "out"))  # the reader loads what was written
+    assert torch.isfinite(model(input_ids=torch.tensor([[1, 2, 3]])).logits).all()
+
+
+def test_layer_dropped_and_narrower_students(tmp_path):
+    teacher, tokenizer = build_tiny_model("llama", seed=0, num_hidden_layers=4)
+    config = make_distill_config(teacher=TEACHER, student_layers="0,3", max_steps=1, hidden_loss="mse", **FAST)
+    student = build_student(config, teacher, tokenizer)
+    assert student.model.config.num_hidden_layers == 2 and student.teacher_layers == [0, 3]
+    assert layer_pairs(config, student, 4) == [(0, 0), (3, 1)]
+    narrow = make_distill_config(teacher=TEACHER, student=str(save_tiny_model(tmp_path / "narrow", "llama", seed=1,
+                                                                              hidden_size=32)),
+                                 max_steps=2, hidden_loss="cosine", **FAST)
+    student = build_student(narrow, teacher, tokenizer)
+    windows = training_windows(tokenizer, "pystdlib", 32, 2, 20_000, 0)
+    distiller = Distiller(narrow, teacher, student, tokenizer, windows, tmp_path / "run")
+    assert tuple(distiller.projection.weight.shape) == (64, 32)
+    record = distiller.train_step()
+    assert record["hidden"] > 0 and distiller.projection.weight.grad is None  # zeroed after the step
+    assert layer_pairs(narrow, student, 4) == [(1, 0), (3, 1)]
+
+
+def test_drop_layers_init_keeps_the_most_important_layers(tmp_path):
+    teacher, tokenizer = build_tiny_model("llama", seed=0, num_hidden_layers=4)
+    config = make_distill_config(teacher=TEACHER, init="drop-layers:2", max_steps=1, **FAST)
+    student = build_student(config, teacher, tokenizer)
+    assert student.model.config.num_hidden_layers == 2
+    assert len(student.facts["kept_layers"]) == 2 and student.teacher_layers == student.facts["kept_layers"]
+
+
+def test_on_policy_batches_are_the_students_own_generations(tmp_path):
+    config = make_distill_config(teacher=TEACHER, max_steps=2, on_policy_ratio=1.0, on_policy_prompt_len=8,
+                                 student_layers="0", **FAST)
+    distill_to_artifact(config, tmp_path / "out")
+    records = [r for r in log_of(tmp_path / "out") if "loss" in r]
+    assert all(r["on_policy"] for r in records) and all(r["kd"] >= 0 for r in records)
+
+
+def test_a_killed_run_resumes_onto_the_same_losses(tmp_path):
+    common = ["distill", "--teacher", TEACHER, "--student-layers", "0", "--data", "pystdlib", "--seqlen", "32",
+              "--batch-size", "2", "--max-train-tokens", "20000", "--max-steps", "12", "--lr", "3e-3",
+              "--warmup", "2", "--save-every", "1"]
+    runner = CliRunner()
+    result = runner.invoke(app, common + ["-o", str(tmp_path / "whole")])
+    assert result.exit_code == 0, result.output
+    whole = [r["loss"] for r in log_of(tmp_path / "whole") if "loss" in r]
+
+    killed = tmp_path / "killed"
+    env = {**os.environ, "TOKENIZERS_PARALLELISM": "false"}
+    proc = subprocess.Popen([sys.executable, "-m", "llmopt", *common, "-o", str(killed)], env=env,
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    log = run_dir_for(killed) / "log.jsonl"
+    deadline = time.time() + 120
+    while time.time() < deadline and proc.poll() is None:
+        if log.is_file() and sum(1 for _ in log.open()) >= 5:
+            proc.send_signal(signal.SIGKILL)
+            break
+        time.sleep(0.01)
+    proc.wait(30)
+    assert proc.returncode == -signal.SIGKILL, "the run ended before it could be killed"
+    assert not killed.exists()
+    result = runner.invoke(app, common + ["-o", str(killed), "--resume"])
+    assert result.exit_code == 0, result.output
+    resumed = [r["loss"] for r in log_of(killed) if "loss" in r]
+    assert len(resumed) == len(whole) == 12
+    assert resumed == pytest.approx(whole, abs=1e-6)
+
+
+def test_tied_embeddings_checkpoint_once_and_resume(tmp_path):
+    save_tiny_model(tmp_path / "tied", "llama", seed=0, tie_word_embeddings=True)
+    config = make_distill_config(teacher=str(tmp_path / "tied"), max_steps=2, student_layers="0", **FAST)
+    distill_to_artifact(config, tmp_path / "out")
+    more = make_distill_config(**{**config.model_dump(), "max_steps": 3})
+    facts = distill_to_artifact(more, tmp_path / "out", resume=True)
+    assert facts["steps"] == 3
+    model, _, _ = load_model(str(tmp_path / "out"))
+    assert model.lm_head.weight.data_ptr() == model.model.embed_tokens.weight.data_ptr()
+
+
+def test_an_earlier_checkpoint_is_not_overwritten_silently(tmp_path):
+    config = make_distill_config(teacher=TEACHER, max_steps=1, student_layers="0", **FAST)
+    distill_to_artifact(config, tmp_path / "out")
+    (tmp_path / "out").rename(tmp_path / "gone")  # output gone, checkpoint folder still there
+    with pytest.raises(ConfigError, match="--resume"):
+        distill_to_artifact(config, tmp_path / "out")
+    distill_to_artifact(config, tmp_path / "out", overwrite=True)  # starting over is explicit
+
+
+@pytest.mark.parametrize("args, message", [
+    (["--max-steps", "0"], "max_steps"),
+    ([], "--max-steps and/or --max-time"),
+    (["--max-time", "soon"], "duration"),
+    (["--max-steps", "1", "--init", "drop-everything"], "drop-layers:N"),
+    (["--max-steps", "1", "--layer-map", "a:b"], "layer-map"),
+    (["--max-steps", "1", "--alpha", "0", "--hidden-loss", "mse"], "alpha"),
+])
+def test_bad_options_give_one_line_errors(tmp_path, args, message):
+    result = CliRunner().invoke(app, ["distill", "--teacher", TEACHER, "-o", str(tmp_path / "o"), *args])
+    assert result.exit_code == 1
+    assert message in result.output and "Traceback" not in result.output
+
+
+def test_durations():
+    assert parse_duration("15m") == 900 and parse_duration("1h30m") == 5400 and parse_duration("90") == 90
+    with pytest.raises(ValueError):
+        parse_duration("15 minutes")
