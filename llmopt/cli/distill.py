@@ -95,6 +95,12 @@ def distill(
     trust_remote_code: TrustRemoteCodeOpt = False,
 ) -> None:
     """Distill TEACHER into a student and write it to OUTPUT (checkpoints and the step log in OUTPUT.ckpt/)."""
+    from llmopt.core.errors import ConfigError
+
+    try:
+        import accelerate  # noqa: F401
+    except ImportError:
+        raise ConfigError("llmopt distill needs the distill extra: pip install 'llmopt[distill]'") from None
     from llmopt.distill.config import make_distill_config
     from llmopt.distill.trainer import Interrupted
     from llmopt.pipelines.distill import distill_to_artifact
@@ -113,6 +119,8 @@ def distill(
         except Interrupted as exc:
             stderr.print(str(exc), highlight=False, markup=False, soft_wrap=True)
             raise typer.Exit(130) from None
+    if facts is None:  # not the main process of `accelerate launch`
+        return
     if as_json:
         print_json(facts)
     else:

@@ -63,6 +63,7 @@ class Distiller:
         """generate(model, tokenizer, prompts, max_tokens, temperature, seeds) -> continuations: makes the
         on-policy batches (the pipeline passes the runtime engine's)."""
         from accelerate import Accelerator
+        from accelerate.state import AcceleratorState
 
         from llmopt.core.hardware import resolve_dtype
 
@@ -70,6 +71,9 @@ class Distiller:
         self.run_dir, self.progress, self.generate = Path(run_dir), progress, generate
         device = config.teacher_device or "cpu"
         dtype = resolve_dtype(config.dtype, "cuda" if torch.cuda.is_available() else "cpu")
+        # accelerate keeps one process-wide state; a later run in this process may want another precision
+        # (the distributed part, PartialState, is kept)
+        AcceleratorState._reset_state()
         self.accelerator = Accelerator(mixed_precision="bf16" if dtype == "bfloat16" else "no",
                                        cpu=not torch.cuda.is_available())
         torch.manual_seed(config.seed)

@@ -44,8 +44,10 @@ def generate_with_engine(model, tokenizer, prompts: list[list[int]], max_tokens:
 
 
 def distill_to_artifact(config: DistillConfig, output: str | Path, resume: bool = False, overwrite: bool = False,
-                        trust_remote_code: bool = False, progress: Callable[[Progress], None] | None = None) -> dict:
-    """Distill as `config` says and write the student to `output`; return the facts measured."""
+                        trust_remote_code: bool = False, progress: Callable[[Progress], None] | None = None
+                        ) -> dict | None:
+    """Distill as `config` says and write the student to `output`; return the facts measured (None in the other
+    processes of a multi-process run)."""
     start = time.perf_counter()
     output = check_output_free(output, overwrite or resume)
     earlier = run_dir_for(output) / CHECKPOINT_DIR
@@ -61,8 +63,8 @@ def distill_to_artifact(config: DistillConfig, output: str | Path, resume: bool 
     distiller = Distiller(config, teacher, student, tokenizer, windows, run_dir_for(output), progress,
                           generate_with_engine)
     facts = distiller.train(resume=resume)
-    if not distiller.accelerator.is_main_process:
-        return facts
+    if not distiller.accelerator.is_main_process:  # the main process writes (and reports) the student
+        return None
     model = distiller.accelerator.unwrap_model(distiller.model)
     model.eval()
     manifest = {"source": source_entry(config.student or config.teacher,

@@ -87,7 +87,7 @@ def test_sparse_students_keep_their_zeros_exactly(tmp_path):
     assert after.config["sparsity_config"] == before.config["sparsity_config"]
 
 
-@pytest.mark.parametrize("fmt", ["gptq", "awq"])
+@pytest.mark.parametrize("fmt", ["gptq", "awq", "compressed-tensors"])
 def test_quantized_students_train_scales_and_keep_codes_and_format(tmp_path, fmt):
     from llmopt.pipelines.quantize import quantize_to_artifact
 
@@ -182,6 +182,35 @@ def test_tied_embeddings_checkpoint_once_and_resume(tmp_path):
     assert model.lm_head.weight.data_ptr() == model.model.embed_tokens.weight.data_ptr()
 
 
+def test_ctrl_c_checkpoints_and_exits_130_then_resumes(tmp_path):
+    out = tmp_path / "out"
+    args = [sys.executable, "-m", "llmopt", "distill", "--teacher", TEACHER, "--student-layers", "0", "--data",
+            "pystdlib", "--seqlen", "32", "--batch-size", "2", "--max-train-tokens", "20000", "--max-steps", "100000",
+            "-o", str(out)]
+    proc = subprocess.Popen(args, env={**os.environ, "TOKENIZERS_PARALLELISM": "false"},
+                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    log = run_dir_for(out) / "log.jsonl"
+    deadline = time.time() + 120
+    while time.time() < deadline and not (log.is_file() and log.stat().st_size):
+        time.sleep(0.05)
+    proc.send_signal(signal.SIGINT)
+    _, err = proc.communicate(timeout=60)
+    assert proc.returncode == 130, err[-2000:]
+    assert "--resume" in err
+    state = json.loads((run_dir_for(out) / "checkpoint" / "state.json").read_text())
+    assert state["step"] >= 1 and not out.exists()
+    config = make_distill_config(teacher=TEACHER, student_layers="0", max_steps=state["step"] + 1, **{
+        **FAST, "batch_size": 2})
+    assert distill_to_artifact(config, out, resume=True)["steps"] == state["step"] + 1
+
+
+def test_bf16_autocast_trains(tmp_path):
+    config = make_distill_config(teacher=TEACHER, student_layers="0", max_steps=2, dtype="bfloat16", **FAST)
+    facts = distill_to_artifact(config, tmp_path / "out")
+    assert facts["steps"] == 2 and all(torch.isfinite(torch.tensor(r["loss"])) for r in log_of(tmp_path / "out")
+                                       if "loss" in r)
+
+
 def test_an_earlier_checkpoint_is_not_overwritten_silently(tmp_path):
     config = make_distill_config(teacher=TEACHER, max_steps=1, student_layers="0", **FAST)
     distill_to_artifact(config, tmp_path / "out")
@@ -209,3 +238,24 @@ def test_durations():
     assert parse_duration("15m") == 900 and parse_duration("1h30m") == 5400 and parse_duration("90") == 90
     with pytest.raises(ValueError):
         parse_duration("15 minutes")
+
+
+@pytest.mark.slow
+def test_two_processes_follow_the_one_process_loss_curve(tmp_path):
+    """`accelerate launch --multi_gpu --num_processes 2` on CPU (torchrun underneath; the trainer's Accelerator
+    runs gloo), each process half of the same global batch."""
+    common = ["distill", "--teacher", TEACHER, "--student-layers", "0", "--data", "pystdlib", "--seqlen", "32",
+              "--max-train-tokens", "20000", "--max-steps", "4", "--lr", "3e-3", "--warmup", "1"]
+    result = CliRunner().invoke(app, common + ["--batch-size", "4", "-o", str(tmp_path / "one")])
+    assert result.exit_code == 0, result.output
+    env = {**os.environ, "TOKENIZERS_PARALLELISM": "false", "OMP_NUM_THREADS": "1"}
+    launch = [sys.executable, "-m", "accelerate.commands.launch", "--multi_gpu", "--num_processes", "2",
+              "--num_machines", "1", "--mixed_precision", "no", "--dynamo_backend", "no", "-m", "llmopt"]
+    done = subprocess.run(launch + common + ["--batch-size", "2", "-o", str(tmp_path / "two")], env=env,
+                          capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-3000:]
+    one = [r["loss"] for r in log_of(tmp_path / "one") if "loss" in r]
+    two = [r["loss"] for r in log_of(tmp_path / "two") if "loss" in r]
+    assert len(one) == len(two) == 4
+    assert two == pytest.approx(one, abs=1e-4)
+    assert one[0] != one[-1]
