@@ -25,7 +25,12 @@ class DatasetError(LLMOptError):
 
 
 class ConfigError(LLMOptError):
-    """Invalid settings (bad option value, conflicting options, bad recipe)."""
+    """Invalid settings (bad option value, conflicting options, bad recipe). `param` names the setting when one
+    is at fault (the HTTP server reports it as the error's `param`)."""
+
+    def __init__(self, message: str, param: str | None = None):
+        super().__init__(message)
+        self.param = param
 
 
 class ArtifactError(LLMOptError):

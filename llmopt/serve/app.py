@@ -52,7 +52,7 @@ class Server:
                                   top_k=req.top_k, seed=seed, stop=req.stop_strings(), ignore_eos=req.ignore_eos,
                                   logprobs=logprobs, prompt_logprobs=prompt_logprobs)
         except ConfigError as exc:
-            raise RequestError(str(exc), _param_of(str(exc))) from None
+            raise RequestError(str(exc), exc.param) from None
 
     def max_tokens_for(self, requested: int | None, prompt: list[int]) -> int:
         if not prompt:
@@ -102,14 +102,7 @@ class Server:
                     self.metrics.finished(output, len(prompt), first, time.perf_counter() - start)
                 yield output
         except ConfigError as exc:
-            raise RequestError(str(exc), _param_of(str(exc))) from None
-
-
-def _param_of(message: str) -> str | None:
-    for field in ("max_tokens", "temperature", "top_p", "top_k", "logprobs", "stop", "prompt"):
-        if field.replace("_", " ") in message or field in message:
-            return field
-    return None
+            raise RequestError(str(exc), exc.param) from None
 
 
 async def merged(streams: list[AsyncIterator[RequestOutput]]) -> AsyncIterator[tuple[int, RequestOutput]]:

@@ -73,11 +73,11 @@ class AsyncEngine:
 
     @property
     def num_waiting(self) -> int:
-        return len(self.engine.scheduler.waiting) + self._pending
+        return self.engine.num_waiting + self._pending
 
     @property
     def num_running(self) -> int:
-        return len(self.engine.scheduler.running)
+        return self.engine.num_running
 
     # --- requests -------------------------------------------------------------------------------
     async def generate(self, prompt_ids: list[int], params: SamplingParams) -> AsyncIterator[RequestOutput]:

@@ -49,12 +49,13 @@ class Engine:
         """Queue a request; returns its id. arrival_time (perf_counter) defaults to now."""
         params = params or SamplingParams()
         if params.stop and self.tokenizer is None:
-            raise ConfigError("stop strings need the model's tokenizer; give stop_token_ids instead")
+            raise ConfigError("stop strings need the model's tokenizer; give stop_token_ids instead", param="stop")
         if not prompt_token_ids:
-            raise ConfigError("empty prompt: give at least one token")
+            raise ConfigError("empty prompt: give at least one token", param="prompt")
         if self.max_context and len(prompt_token_ids) + params.max_tokens > self.max_context:
             raise ConfigError(f"prompt ({len(prompt_token_ids)} tokens) + max_tokens ({params.max_tokens}) exceeds "
-                              f"the model's context of {self.max_context}: shorten the prompt or lower max_tokens")
+                              f"the model's context of {self.max_context}: shorten the prompt or lower max_tokens",
+                              param="max_tokens")
         seq = Sequence(prompt_token_ids, params, arrival_time=arrival_time)
         self.scheduler.add(seq)  # refuses a request larger than the whole KV cache
         self._live[seq.seq_id] = seq
@@ -76,6 +77,15 @@ class Engine:
     @property
     def num_live_requests(self) -> int:
         return len(self._live)
+
+    @property
+    def num_waiting(self) -> int:
+        """Requests not yet running (queued, or preempted and waiting to resume)."""
+        return len(self.scheduler.waiting)
+
+    @property
+    def num_running(self) -> int:
+        return len(self.scheduler.running)
 
     # --- stepping -------------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:

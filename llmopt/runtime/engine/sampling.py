@@ -28,23 +28,25 @@ class SamplingParams:
 
     def __post_init__(self):
         if self.max_tokens < 1:
-            raise ConfigError(f"max_tokens must be at least 1 (got {self.max_tokens})")
+            raise ConfigError(f"max_tokens must be at least 1 (got {self.max_tokens})", param="max_tokens")
         if self.temperature < 0:
-            raise ConfigError(f"temperature must be >= 0 (got {self.temperature}); 0 means greedy")
+            raise ConfigError(f"temperature must be >= 0 (got {self.temperature}); 0 means greedy",
+                              param="temperature")
         if not 0 < self.top_p <= 1:
-            raise ConfigError(f"top_p must be in (0, 1] (got {self.top_p})")
+            raise ConfigError(f"top_p must be in (0, 1] (got {self.top_p})", param="top_p")
         if isinstance(self.stop, str):
             object.__setattr__(self, "stop", (self.stop,))
         if any(not s for s in self.stop):
-            raise ConfigError("a stop string must not be empty")
+            raise ConfigError("a stop string must not be empty", param="stop")
         if self.stop and not self.detokenize:
-            raise ConfigError("stop strings need detokenize=True (they are matched on the text)")
+            raise ConfigError("stop strings need detokenize=True (they are matched on the text)", param="stop")
         if self.logprobs is not None and not 0 <= self.logprobs <= MAX_LOGPROBS:
-            raise ConfigError(f"logprobs must be in [0, {MAX_LOGPROBS}] (got {self.logprobs})")
+            raise ConfigError(f"logprobs must be in [0, {MAX_LOGPROBS}] (got {self.logprobs})", param="logprobs")
         if self.prompt_logprobs is not None and not 0 <= self.prompt_logprobs <= MAX_LOGPROBS:
-            raise ConfigError(f"prompt_logprobs must be in [0, {MAX_LOGPROBS}] (got {self.prompt_logprobs})")
+            raise ConfigError(f"prompt_logprobs must be in [0, {MAX_LOGPROBS}] (got {self.prompt_logprobs})",
+                              param="prompt_logprobs")
         if self.top_k < 0:
-            raise ConfigError(f"top_k must be >= 0 (got {self.top_k}); 0 turns it off")
+            raise ConfigError(f"top_k must be >= 0 (got {self.top_k}); 0 turns it off", param="top_k")
 
     @property
     def is_greedy(self) -> bool:
