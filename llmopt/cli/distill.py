@@ -61,6 +61,8 @@ def distill(
     warmup: Annotated[int, typer.Option("--warmup", help="Warm-up optimizer steps.")] = DISTILL["warmup"],
     schedule: Annotated[ScheduleName, typer.Option("--schedule")] = ScheduleName(DISTILL["schedule"]),
     weight_decay: Annotated[float, typer.Option("--weight-decay")] = DISTILL["weight_decay"],
+    max_grad_norm: Annotated[Optional[float], typer.Option(
+        "--max-grad-norm", help="Clip the gradient norm to this.")] = DISTILL["max_grad_norm"],
     seed: Annotated[int, typer.Option("--seed")] = 0,
     dtype: Annotated[TrainDtype, typer.Option(
         "--dtype", help="auto: bfloat16 autocast where the device computes it fast, else float32.")
@@ -81,6 +83,14 @@ def distill(
         "--layer-map", help="auto, or TEACHER:STUDENT layer pairs such as 0:0,4:2.")] = "auto",
     on_policy_ratio: Annotated[float, typer.Option(
         "--on-policy-ratio", help="Fraction of batches made of the student's own generations (GKD).")] = 0.0,
+    on_policy_prompt_len: Annotated[int, typer.Option(
+        "--on-policy-prompt-len", help="Tokens of each window kept as the on-policy prompt.")
+    ] = DISTILL["on_policy_prompt_len"],
+    on_policy_temperature: Annotated[float, typer.Option(
+        "--on-policy-temperature", help="Sampling temperature of the on-policy generations (0: greedy).")] = 1.0,
+    eval_windows: Annotated[int, typer.Option(
+        "--eval-windows", help="Windows held out of training for --eval-every.")] = DISTILL["eval_windows"],
+    log_every: Annotated[int, typer.Option("--log-every", help="Write every Nth step to the log.")] = 1,
     eval_every: Annotated[Optional[int], typer.Option(
         "--eval-every", help="Held-out perplexity every N steps (windows never trained on).")] = None,
     save_every: Annotated[Optional[int], typer.Option(
@@ -111,7 +121,9 @@ def distill(
         lr=lr, warmup=warmup, schedule=schedule.value, weight_decay=weight_decay, seed=seed, dtype=dtype.value,
         loss=loss.value, temperature=temperature, beta=beta, alpha=alpha, teacher_topk=teacher_topk,
         hidden_loss=hidden_loss.value if hidden_loss else None, hidden_weight=hidden_weight, layer_map=layer_map,
-        on_policy_ratio=on_policy_ratio, eval_every=eval_every, save_every=save_every,
+        on_policy_ratio=on_policy_ratio, on_policy_prompt_len=on_policy_prompt_len,
+        on_policy_temperature=on_policy_temperature, eval_windows=eval_windows, log_every=log_every,
+        max_grad_norm=max_grad_norm, eval_every=eval_every, save_every=save_every,
         max_train_tokens=max_train_tokens, text_field=text_field, teacher_device=teacher_device)
     with training_progress() as update:
         try:

@@ -74,3 +74,23 @@ def test_engine_defaults_are_the_engine_config():
     from llmopt.recipe.schema import BenchSpec
 
     assert BenchSpec().max_num_seqs == defaults.max_num_seqs
+
+
+def test_distill_options_are_the_config():
+    import inspect
+
+    from llmopt.cli import distill
+    from llmopt.distill.config import DistillConfig
+    from llmopt.distill.losses import DIVERGENCES
+
+    params = inspect.signature(distill.distill, eval_str=True).parameters
+    cli_only = {"output", "resume", "overwrite", "as_json", "trust_remote_code"}
+    # every config field is an option and every option (but the run's own) a field
+    assert set(params) - cli_only == set(DistillConfig.model_fields) - {"qat"}  # qat has one choice yet
+    for name, field in DistillConfig.model_fields.items():
+        if name in params and field.default is not None and not field.is_required():
+            default = params[name].default
+            assert getattr(default, "value", default) == field.default, name
+    assert {m.value for m in distill.LossName} == literal(DistillConfig, "loss") == set(DIVERGENCES.names())
+    assert {m.value for m in distill.ScheduleName} == literal(DistillConfig, "schedule")
+    assert {m.value for m in distill.TrainDtype} == literal(DistillConfig, "dtype")
