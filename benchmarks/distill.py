@@ -63,9 +63,9 @@ def bare_loop_tokens_per_s(student_model, teacher, windows, batch_size: int, ste
     for step in range(steps + 2):
         ids = windows.samples(step * batch_size, batch_size)
         start = time.perf_counter()
-        logits = student_model(input_ids=ids).logits[:, :-1].flatten(0, 1)
+        logits = student_model(input_ids=ids, use_cache=False).logits[:, :-1].flatten(0, 1)
         with torch.no_grad():
-            t_logits = teacher(input_ids=ids).logits[:, :-1].flatten(0, 1)
+            t_logits = teacher(input_ids=ids, use_cache=False).logits[:, :-1].flatten(0, 1)
         loss = divergence_loss(logits, t_logits, ids[:, 1:].flatten())
         loss.backward()
         torch.nn.utils.clip_grad_norm_(params, 1.0)

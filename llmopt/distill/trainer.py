@@ -35,13 +35,19 @@ class Interrupted(LLMOptError):
     """Training stopped on SIGINT / SIGTERM after writing a checkpoint."""
 
 
-def learning_rate(step: int, config: DistillConfig, horizon: int | None) -> float:
-    """The learning rate of optimizer step `step` (0-based): linear warm-up, then the schedule to 0 at horizon."""
+def learning_rate(step: int, config: DistillConfig, elapsed: float = 0.0) -> float:
+    """The learning rate of optimizer step `step` (0-based): linear warm-up over `warmup` steps, then the schedule
+    decays to 0 at the run's end: `max_steps`, or with only `max_time` the time budget (progress = elapsed /
+    max_time, so a slow step early on cannot end the schedule before the budget does)."""
     if step < config.warmup:
         return config.lr * (step + 1) / config.warmup
-    if config.schedule == "constant" or not horizon:
+    if config.schedule == "constant":
         return config.lr
-    progress = min(1.0, (step - config.warmup) / max(1, horizon - config.warmup))
+    if config.max_steps is not None:
+        progress = (step - config.warmup) / max(1, config.max_steps - config.warmup)
+    else:
+        progress = elapsed / config.max_time
+    progress = min(1.0, max(0.0, progress))
     if config.schedule == "linear":
         return config.lr * (1 - progress)
     return config.lr * 0.5 * (1 + math.cos(math.pi * progress))
@@ -95,7 +101,7 @@ class Distiller:
         self.model = prepared[0]
         self.projection = prepared[1] if self.projection is not None else None
         self.optimizer = prepared[-1]
-        self.step, self.samples_seen, self.horizon, self.elapsed = 0, 0, config.max_steps, 0.0
+        self.step, self.samples_seen, self.elapsed = 0, 0, 0.0
         self._stop_signal: int | None = None
 
     # --- setup ------------------------------------------------------------------------------------------
@@ -123,7 +129,7 @@ class Distiller:
         if self.projection is not None:
             _load_unique(self.accelerator.unwrap_model(self.projection), tensors, "projection.")
         self.step, self.samples_seen = counters["step"], counters["samples_seen"]
-        self.horizon, self.elapsed = counters["horizon"], counters["elapsed_s"]
+        self.elapsed = counters["elapsed_s"]
         log = self.run_dir / LOG_FILE
         if log.is_file():  # lines written after the checkpoint belong to the lost tail of the old run
             kept = [line for line in log.read_text().splitlines() if json.loads(line).get("step", 0) <= self.step]
@@ -133,8 +139,7 @@ class Distiller:
         if self.accelerator.is_main_process:
             save_checkpoint(self.run_dir / CHECKPOINT_DIR, self.trainable_state(), self.optimizer.optimizer
                             if hasattr(self.optimizer, "optimizer") else self.optimizer,
-                            {"step": self.step, "samples_seen": self.samples_seen, "horizon": self.horizon,
-                             "elapsed_s": self.elapsed})
+                            {"step": self.step, "samples_seen": self.samples_seen, "elapsed_s": self.elapsed})
         self.accelerator.wait_for_everyone()
 
     # --- one step ---------------------------------------------------------------------------------------
@@ -174,7 +179,7 @@ class Distiller:
             labels[:, : prompt_len - 1] = -100  # on-policy: only the generated tokens are scored
         want_hidden = bool(self.pairs)
         with self.accelerator.autocast():
-            out = self.model(input_ids=input_ids, output_hidden_states=want_hidden)
+            out = self.model(input_ids=input_ids, output_hidden_states=want_hidden, use_cache=False)
         vocab = out.logits.shape[-1]
         logits = out.logits[:, :-1].reshape(-1, vocab)
         flat_labels = labels.reshape(-1)
@@ -185,7 +190,8 @@ class Distiller:
             loss = loss + (1 - config.alpha) * parts["ce"]
         if self.teacher is not None and config.alpha > 0:
             with torch.no_grad(), self.accelerator.autocast():
-                t_out = self.teacher(input_ids=input_ids.to(self.teacher.device), output_hidden_states=want_hidden)
+                t_out = self.teacher(input_ids=input_ids.to(self.teacher.device), output_hidden_states=want_hidden,
+                                     use_cache=False)
             t_logits = t_out.logits[:, :-1].reshape(-1, t_out.logits.shape[-1]).to(logits.device)
             parts["kd"] = divergence_loss(logits, t_logits[:, :vocab], flat_labels, config.loss, config.temperature,
                                           config.beta, config.teacher_topk)
@@ -208,7 +214,7 @@ class Distiller:
     def train_step(self) -> dict:
         """One optimizer step over grad_accum micro-batches; returns its log record."""
         config, started = self.config, time.perf_counter()
-        lr = learning_rate(self.step, config, self.horizon)
+        lr = learning_rate(self.step, config, self.elapsed)
         for group in self.optimizer.param_groups:
             group["lr"] = lr
         on_policy = self._on_policy()
@@ -251,7 +257,7 @@ class Distiller:
             for row in self.windows.held_out:
                 ids = row[None].to(self.accelerator.device)
                 with self.accelerator.autocast():
-                    logits = model(input_ids=ids).logits[0, :-1]
+                    logits = model(input_ids=ids, use_cache=False).logits[0, :-1]
                 nll += float(cross_entropy(logits, ids[0, 1:])) * (ids.shape[1] - 1)
                 count += ids.shape[1] - 1
         finally:
@@ -259,13 +265,6 @@ class Distiller:
         return math.exp(nll / count)
 
     # --- the loop ---------------------------------------------------------------------------------------
-    def _fix_horizon(self) -> None:
-        """With --max-time only, the schedule's length is fixed once (after warm-up or 5 steps) from the time per
-        step so far, and kept in checkpoints so a resumed run follows the same schedule."""
-        if self.horizon is None and self.config.max_time and self.step >= max(self.config.warmup, 5):
-            per_step = self.elapsed / self.step
-            self.horizon = max(self.step + 1, int(self.config.max_time / per_step))
-
     def _done(self) -> bool:
         config = self.config
         if config.max_steps is not None and self.step >= config.max_steps:
@@ -288,14 +287,13 @@ class Distiller:
                 self._log({"step": 0, "held_out_ppl": first_ppl})
             while not self._done():
                 record = self.train_step()
-                self._fix_horizon()
                 if self.config.eval_every and self.step % self.config.eval_every == 0:
                     record["held_out_ppl"] = self.held_out_perplexity()
                 records.append(record)
                 if self.step % self.config.log_every == 0 or "held_out_ppl" in record:
                     self._log(record)
                 if self.progress:
-                    self.progress(Progress(self.step, self.config.max_steps or self.horizon, record))
+                    self.progress(Progress(self.step, self.config.max_steps, record))
                 if self.config.save_every and self.step % self.config.save_every == 0:
                     self.save()
                 if self._stop_signal is not None:

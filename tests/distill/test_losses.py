@@ -107,3 +107,21 @@ def test_hidden_losses():
     s.requires_grad_(True)
     hidden_loss(s, t, "mse").backward()
     assert t.grad is None and s.grad is not None
+
+
+def test_learning_rate_schedules():
+    from llmopt.distill.config import make_distill_config
+    from llmopt.distill.trainer import learning_rate
+
+    steps = make_distill_config(teacher="t", max_steps=110, lr=1.0, warmup=10)
+    assert [learning_rate(s, steps) for s in (0, 4, 9)] == [0.1, 0.5, 1.0]
+    assert learning_rate(10, steps) == 1.0 and learning_rate(60, steps) == pytest.approx(0.5)
+    assert learning_rate(110, steps) == pytest.approx(0.0, abs=1e-12)
+    linear = make_distill_config(teacher="t", max_steps=110, lr=1.0, warmup=10, schedule="linear")
+    assert learning_rate(35, linear) == pytest.approx(0.75)
+    timed = make_distill_config(teacher="t", max_time="10m", lr=1.0, warmup=2)
+    assert learning_rate(50, timed, elapsed=0.0) == 1.0  # steps alone never end a timed schedule
+    assert learning_rate(50, timed, elapsed=300.0) == pytest.approx(0.5)
+    assert learning_rate(3, timed, elapsed=600.0) == pytest.approx(0.0, abs=1e-12)
+    constant = make_distill_config(teacher="t", max_steps=5, lr=1.0, warmup=0, schedule="constant")
+    assert learning_rate(4, constant) == 1.0
