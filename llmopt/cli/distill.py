@@ -7,7 +7,7 @@ from typing import Annotated, Optional
 
 import typer
 
-from llmopt.cli.options import JsonOpt, OutputOpt, OverwriteOpt, TrustRemoteCodeOpt
+from llmopt.cli.options import CalibDtype, JsonOpt, OutputOpt, OverwriteOpt, TrustRemoteCodeOpt
 from llmopt.cli.output import print_json, print_table, stderr
 from llmopt.distill.defaults import DISTILL
 
@@ -29,12 +29,6 @@ class ScheduleName(str, Enum):
 class HiddenLossName(str, Enum):
     mse = "mse"
     cosine = "cosine"
-
-
-class TrainDtype(str, Enum):
-    auto = "auto"
-    float32 = "float32"
-    bfloat16 = "bfloat16"
 
 
 def distill(
@@ -64,9 +58,9 @@ def distill(
     max_grad_norm: Annotated[Optional[float], typer.Option(
         "--max-grad-norm", help="Clip the gradient norm to this.")] = DISTILL["max_grad_norm"],
     seed: Annotated[int, typer.Option("--seed")] = 0,
-    dtype: Annotated[TrainDtype, typer.Option(
+    dtype: Annotated[CalibDtype, typer.Option(
         "--dtype", help="auto: bfloat16 autocast where the device computes it fast, else float32.")
-    ] = TrainDtype.auto,
+    ] = CalibDtype.auto,
     loss: Annotated[LossName, typer.Option("--loss", help="Divergence to the teacher's distribution.")
                     ] = LossName(DISTILL["loss"]),
     temperature: Annotated[float, typer.Option("--temperature")] = DISTILL["temperature"],

@@ -173,13 +173,10 @@ def build_config(config_cls: type[BaseModel], what: str, **settings) -> BaseMode
     `calibration`; a validation error becomes one ConfigError line."""
     from pydantic import ValidationError
 
-    from llmopt.core.errors import ConfigError
+    from llmopt.core.errors import invalid_settings
 
     calibration = {k: settings.pop(k) for k in list(settings) if k in CalibrationConfig.model_fields}
     try:
         return config_cls(calibration=CalibrationConfig(**calibration), **settings)
     except ValidationError as e:
-        first = e.errors()[0]
-        where = ".".join(str(p) for p in first["loc"])
-        message = first["msg"].removeprefix("Value error, ")
-        raise ConfigError(f"invalid {what} setting{' ' + where if where else ''}: {message}") from None
+        raise invalid_settings(e, what) from None

@@ -203,20 +203,24 @@ def load_text(name: str, split: str = "eval", max_chars: int | None = None, text
 
 
 def tokenize_corpus(
-    tokenizer, name: str, max_tokens: int | None, split: str = "eval", text_field: str = "text"
+    tokenizer, name: str, max_tokens: int | None, split: str = "eval", text_field: str = "text",
+    max_chars: int | None = None,
 ) -> torch.Tensor:
-    """Token ids [num_tokens] of a corpus, tokenized once without special tokens, truncated to max_tokens.
+    """Token ids [num_tokens] of a corpus, tokenized once without special tokens, truncated to max_tokens, from at
+    most `max_chars` characters of text.
 
     Only as much text as needed is read: a character budget that grows until it yields enough tokens
     (BPE pre-tokenization is local, so the kept tokens equal those of the whole text).
     """
-    budget = None if max_tokens is None else max(4096, max_tokens * 6)
+    budget = max_chars if max_tokens is None else max(4096, max_tokens * 6)
     while True:
+        if max_chars is not None:
+            budget = min(budget, max_chars)
         text = load_text(name, split, budget, text_field)
         if not text.strip():
             raise DatasetError(f"dataset {name!r} is empty")
         ids = tokenizer(text, add_special_tokens=False, return_attention_mask=False)["input_ids"]
-        exhausted = budget is None or len(text) < budget
+        exhausted = budget is None or len(text) < budget or budget == max_chars
         if max_tokens is None or len(ids) > max_tokens or exhausted:
             break
         budget *= 2

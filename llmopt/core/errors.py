@@ -35,3 +35,11 @@ class ConfigError(LLMOptError):
 
 class ArtifactError(LLMOptError):
     """An output artifact cannot be written or read (exists, incomplete, wrong format)."""
+
+
+def invalid_settings(error, what: str) -> ConfigError:
+    """One ConfigError line for a pydantic ValidationError of `what`'s settings: the first problem and where."""
+    first = error.errors()[0]
+    where = ".".join(str(p) for p in first["loc"])
+    message = first["msg"].removeprefix("Value error, ")
+    return ConfigError(f"invalid {what} setting{' ' + where if where else ''}: {message}")

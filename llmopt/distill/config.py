@@ -119,7 +119,7 @@ def make_distill_config(**settings) -> DistillConfig:
     error becomes one ConfigError line naming the setting."""
     from pydantic import ValidationError
 
-    from llmopt.core.errors import ConfigError
+    from llmopt.core.errors import ConfigError, invalid_settings
 
     settings = {k: v for k, v in settings.items() if v is not None}
     try:
@@ -129,9 +129,6 @@ def make_distill_config(**settings) -> DistillConfig:
             settings["student_layers"] = [int(i) for i in settings["student_layers"].split(",") if i.strip()]
         return DistillConfig(**settings)
     except ValidationError as e:
-        first = e.errors()[0]
-        where = ".".join(str(p) for p in first["loc"])
-        message = first["msg"].removeprefix("Value error, ")
-        raise ConfigError(f"invalid distill setting{' ' + where if where else ''}: {message}") from None
+        raise invalid_settings(e, "distill") from None
     except ValueError as e:
         raise ConfigError(str(e)) from None

@@ -8,7 +8,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from llmopt.core.datasets import documents, load_text
+from llmopt.core.datasets import documents, tokenize_corpus
 from llmopt.core.errors import DatasetError
 
 
@@ -38,17 +38,8 @@ def training_windows(tokenizer, data: str, seqlen: int, held_out: int, max_token
     second half, so evaluation (`llmopt eval ppl`, which reads from the start) never sees a trained-on token; the
     last `held_out` windows are kept out of training."""
     docs = documents(data, text_field)
-    limit = sum(len(d) for d in docs) // 2 if isinstance(docs, list) else None  # characters
-    budget = max(4096, max_tokens * 2)
-    while True:  # read only as much text as the tokens need (pre-tokenization is local: the kept ids are exact)
-        if limit is not None:
-            budget = min(budget, limit)
-        text = load_text(data, "calib", budget, text_field)
-        ids = tokenizer(text, add_special_tokens=False)["input_ids"]
-        if len(ids) > max_tokens or len(text) < budget or budget == limit:
-            break
-        budget *= 2
-    ids = torch.tensor(ids[:max_tokens], dtype=torch.long)
+    half = sum(len(d) for d in docs) // 2 if isinstance(docs, list) else None  # characters
+    ids = tokenize_corpus(tokenizer, data, max_tokens, "calib", text_field, max_chars=half)
     num_windows = ids.numel() // seqlen
     if num_windows < held_out + 1:
         raise DatasetError(f"dataset {data!r} gives {ids.numel()} tokens: fewer than {held_out + 1} windows of "

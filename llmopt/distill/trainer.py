@@ -10,6 +10,7 @@ import math
 import random
 import signal
 import time
+from contextlib import nullcontext
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable
@@ -75,7 +76,6 @@ class Distiller:
 
         self.config, self.student, self.tokenizer, self.windows = config, student, tokenizer, windows
         self.run_dir, self.progress, self.generate = Path(run_dir), progress, generate
-        device = config.teacher_device or "cpu"
         dtype = resolve_dtype(config.dtype, "cuda" if torch.cuda.is_available() else "cpu")
         # accelerate keeps one process-wide state; a later run in this process may want another precision
         # (the distributed part, PartialState, is kept)
@@ -87,7 +87,7 @@ class Distiller:
         self.teacher = teacher
         if teacher is not None:
             teacher.eval().requires_grad_(False)
-            teacher.to(self.accelerator.device if config.teacher_device is None else device)
+            teacher.to(config.teacher_device or self.accelerator.device)
         self.pairs = layer_pairs(config, student, teacher.config.num_hidden_layers) \
             if config.hidden_loss and teacher is not None else []
         self.projection = self._projection()
@@ -100,7 +100,8 @@ class Distiller:
         prepared = self.accelerator.prepare(*modules, self.optimizer)
         self.model = prepared[0]
         self.projection = prepared[1] if self.projection is not None else None
-        self.optimizer = prepared[-1]
+        self.optimizer = prepared[-1]  # accelerate's wrapper; checkpoints hold the torch optimizer inside it
+        self.torch_optimizer = getattr(self.optimizer, "optimizer", self.optimizer)
         self.step, self.samples_seen, self.elapsed = 0, 0, 0.0
         self._stop_signal: int | None = None
 
@@ -123,8 +124,7 @@ class Distiller:
         return state
 
     def resume(self) -> None:
-        tensors, counters = load_checkpoint(self.run_dir / CHECKPOINT_DIR, self.optimizer.optimizer
-                                            if hasattr(self.optimizer, "optimizer") else self.optimizer)
+        tensors, counters = load_checkpoint(self.run_dir / CHECKPOINT_DIR, self.torch_optimizer)
         _load_unique(self.accelerator.unwrap_model(self.model), tensors, "student.")
         if self.projection is not None:
             _load_unique(self.accelerator.unwrap_model(self.projection), tensors, "projection.")
@@ -137,8 +137,7 @@ class Distiller:
 
     def save(self) -> None:
         if self.accelerator.is_main_process:
-            save_checkpoint(self.run_dir / CHECKPOINT_DIR, self.trainable_state(), self.optimizer.optimizer
-                            if hasattr(self.optimizer, "optimizer") else self.optimizer,
+            save_checkpoint(self.run_dir / CHECKPOINT_DIR, self.trainable_state(), self.torch_optimizer,
                             {"step": self.step, "samples_seen": self.samples_seen, "elapsed_s": self.elapsed})
         self.accelerator.wait_for_everyone()
 
@@ -226,7 +225,7 @@ class Distiller:
             if on_policy:
                 input_ids, prompt_len = self._generate(input_ids)
             sync = k == config.grad_accum - 1
-            context = self.accelerator.no_sync(self.model) if not sync and self.world > 1 else _null()
+            context = self.accelerator.no_sync(self.model) if not sync and self.world > 1 else nullcontext()
             with context:
                 loss, parts = self._loss(input_ids, prompt_len)
                 self.accelerator.backward(loss / config.grad_accum)
@@ -280,7 +279,7 @@ class Distiller:
             (self.run_dir / LOG_FILE).unlink()
         previous = {s: signal.signal(s, self._on_signal) for s in (signal.SIGINT, signal.SIGTERM)} \
             if _main_thread() else {}
-        records = []
+        last: dict = {}
         try:
             first_ppl = self.held_out_perplexity() if self.config.eval_every and self.step == 0 else None
             if first_ppl is not None:
@@ -289,7 +288,7 @@ class Distiller:
                 record = self.train_step()
                 if self.config.eval_every and self.step % self.config.eval_every == 0:
                     record["held_out_ppl"] = self.held_out_perplexity()
-                records.append(record)
+                last = record
                 if self.step % self.config.log_every == 0 or "held_out_ppl" in record:
                     self._log(record)
                 if self.progress:
@@ -305,7 +304,6 @@ class Distiller:
             for s, handler in previous.items():
                 signal.signal(s, handler)
         final_ppl = self.held_out_perplexity() if self.config.eval_every else None
-        last = records[-1] if records else {}
         return {"steps": self.step, "samples_seen": self.samples_seen, "train_seconds": round(self.elapsed, 2),
                 "final_loss": last.get("loss"), "final_kd": last.get("kd"), "final_ce": last.get("ce"),
                 "held_out_ppl": final_ppl,
@@ -346,11 +344,3 @@ def _main_thread() -> bool:
     import threading
 
     return threading.current_thread() is threading.main_thread()
-
-
-class _null:
-    def __enter__(self):
-        return self
-
-    def __exit__(self, *exc):
-        return False

@@ -50,11 +50,7 @@ def _drop_layers_plan(model, tokenizer, config: DistillConfig):
                                   calibration=CalibrationConfig(calib=config.data, num_samples=16,
                                                                 seqlen=min(config.seqlen, 512), seed=config.seed))
     scores = collect_importance(model, tokenizer, structured)
-    plan = plan_pruning(model.config, "layers", drop / num_layers, scores)
-    if len(plan.keep_layers) != num_layers - drop:  # ratio rounding: keep exactly the N most important
-        plan.keep_layers = sorted(torch.topk(scores[:, 0], num_layers - drop).indices.tolist())
-        plan.config_updates["num_hidden_layers"] = num_layers - drop
-    return plan
+    return plan_pruning(model.config, "layers", drop / num_layers, scores)  # removes round(ratio * L) = drop
 
 
 def build_student(config: DistillConfig, teacher: nn.Module, tokenizer, trust_remote_code: bool = False

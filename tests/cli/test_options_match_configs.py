@@ -27,9 +27,10 @@ def choices(command: str, name: str) -> set[str]:
     """The values of the option's enum (its default's class, or the enum named in the command's signature)."""
     import inspect
 
-    from llmopt.cli import export, generate, prune, quantize
+    from llmopt.cli import distill, export, generate, prune, quantize
 
-    module = {"quantize": quantize, "prune": prune, "export": export, "generate": generate}[command]
+    module = {"quantize": quantize, "prune": prune, "export": export, "generate": generate,
+              "distill": distill}[command]
     annotation = inspect.signature(getattr(module, command), eval_str=True).parameters[name].annotation
     enum = next(a for a in typing.get_args(annotation)[:1] for a in [a, *typing.get_args(a)] if isinstance(a, type))
     return {member.value for member in enum}
@@ -93,4 +94,4 @@ def test_distill_options_are_the_config():
             assert getattr(default, "value", default) == field.default, name
     assert {m.value for m in distill.LossName} == literal(DistillConfig, "loss") == set(DIVERGENCES.names())
     assert {m.value for m in distill.ScheduleName} == literal(DistillConfig, "schedule")
-    assert {m.value for m in distill.TrainDtype} == literal(DistillConfig, "dtype")
+    assert choices("distill", "dtype") == literal(DistillConfig, "dtype")
