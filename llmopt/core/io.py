@@ -46,6 +46,19 @@ def atomic_output_dir(final: str | Path, overwrite: bool = False) -> Iterator[Pa
         os.replace(tmp, final)
 
 
+@contextmanager
+def atomic_output_file(path: str | Path) -> Iterator[Path]:
+    """Yield a temporary file name beside `path`; renamed over `path` only if the block succeeds."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.parent / f".{path.name}.tmp-{uuid.uuid4().hex[:8]}"
+    try:
+        yield tmp
+        os.replace(tmp, path)
+    finally:
+        tmp.unlink(missing_ok=True)
+
+
 def write_json(path: str | Path, data: Any, indent: int = 2) -> None:
     """Write JSON atomically: into a temporary file beside `path`, renamed over it once complete."""
     write_text(path, json.dumps(data, indent=indent, sort_keys=False, default=str) + "\n")
@@ -53,14 +66,8 @@ def write_json(path: str | Path, data: Any, indent: int = 2) -> None:
 
 def write_text(path: str | Path, text: str) -> None:
     """Write a file atomically (a reader sees the old content or the new, never a part)."""
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.parent / f".{path.name}.tmp-{uuid.uuid4().hex[:8]}"
-    try:
+    with atomic_output_file(path) as tmp:
         tmp.write_text(text)
-        os.replace(tmp, path)
-    finally:
-        tmp.unlink(missing_ok=True)
 
 
 def read_json(path: str | Path) -> Any:

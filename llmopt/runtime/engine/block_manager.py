@@ -139,6 +139,17 @@ class BlockManager:
         self.ref_counts[block_id] = 1
         return block_id
 
+    def truncate(self, seq: Sequence, num_tokens: int) -> None:
+        """Keep only the blocks that `num_tokens` tokens need: after speculative decoding rejected drafts, the
+        blocks that held only their KV go back to the free list. They never entered the prefix cache (only
+        computed, accepted tokens are cached), so each is private to the sequence."""
+        keep = seq.num_blocks(self.block_size, num_tokens)
+        while len(seq.block_table) > keep:
+            block_id = seq.block_table.pop()
+            assert self.ref_counts[block_id] == 1 and block_id not in self.node_of_block, "truncating a shared block"
+            self.ref_counts[block_id] = 0
+            self.free_block_ids.append(block_id)
+
     def cache_full_blocks(self, seq: Sequence) -> None:
         """Insert the sequence's computed full blocks into the radix tree (they are immutable from now)."""
         if not self.enable_prefix_cache:

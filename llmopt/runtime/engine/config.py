@@ -6,11 +6,54 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Literal
 
+from llmopt.core.errors import ConfigError
+
 # The KV cache's default size: this fraction of the memory available when the engine starts (CPU: the host's
 # available memory; CUDA: the device's free memory after the weights), as vLLM's VLLM_CPU_KVCACHE_SPACE /
 # gpu_memory_utilization size it from the machine. On CPU the cache is zero pages that the OS commits as blocks
 # are first written, so an unused budget costs address space, not memory.
 KV_CACHE_MEMORY_FRACTION = 0.25
+
+SPECULATIVE_METHODS = ("ngram", "draft", "medusa")
+MEDUSA_HEADS_FILE = "medusa_heads.safetensors"  # next to the model, or named by --speculative medusa:PATH
+
+
+@dataclass(frozen=True)
+class SpeculativeConfig:
+    """Speculative decoding: a proposer guesses the next tokens, the target verifies them in one forward.
+
+    method: ngram (prompt lookup: copy what followed the last n tokens where they occurred before), draft (a
+    smaller model with the same tokenizer, `model` its path), medusa (extra heads on the target's last hidden
+    state, `model` the heads' file). adaptive: per sequence, speculate only as many tokens as its acceptance
+    pays for at the measured cost of a token in this batch (large batches are compute-bound)."""
+
+    method: Literal["ngram", "draft", "medusa"] = "ngram"
+    model: str | None = None
+    num_speculative_tokens: int = 5
+    ngram_min: int = 1
+    ngram_max: int = 4
+    adaptive: bool = True
+
+    def __post_init__(self):
+        if self.method not in SPECULATIVE_METHODS:
+            raise ConfigError(f"speculative method must be one of {', '.join(SPECULATIVE_METHODS)} "
+                             f"(got {self.method!r})")
+        if self.num_speculative_tokens < 1:
+            raise ConfigError(f"--num-speculative-tokens must be >= 1 (got {self.num_speculative_tokens})")
+        if not 1 <= self.ngram_min <= self.ngram_max:
+            raise ConfigError(f"need 1 <= --ngram-min <= --ngram-max (got {self.ngram_min}, {self.ngram_max})")
+        if self.method == "draft" and not self.model:
+            raise ConfigError("--speculative draft needs its model: draft:MODEL")
+
+    @classmethod
+    def parse(cls, text: str, **fields) -> SpeculativeConfig:
+        """From the CLI's form: ngram, draft:MODEL, medusa or medusa:PATH."""
+        method, _, model = text.partition(":")
+        if method not in SPECULATIVE_METHODS:
+            raise ConfigError(f"--speculative {text!r}: use ngram, draft:MODEL or medusa[:PATH]")
+        if method == "ngram" and model:
+            raise ConfigError(f"--speculative {text!r}: ngram takes no model")
+        return cls(method, model or None, **fields)
 
 
 @dataclass(frozen=True)
@@ -27,6 +70,7 @@ class EngineConfig:
     enable_prefix_cache: bool = True
     policy: Literal["continuous", "static"] = "continuous"
     fast_path: bool | None = None  # fused projections and compiled kernels; None: on for CPU (executor.model)
+    speculative: SpeculativeConfig | None = None
 
     def __post_init__(self):
         if self.max_num_seqs < 1 or self.max_num_batched_tokens < 1:

@@ -21,7 +21,7 @@ from llmopt.runtime.engine.output import OutputProcessor, RequestOutput
 from llmopt.runtime.engine.sampling import SamplingParams
 from llmopt.runtime.engine.scheduler import Scheduler
 from llmopt.runtime.engine.sequence import Sequence
-from llmopt.runtime.engine.stats import EngineStats, step_stats
+from llmopt.runtime.engine.stats import EngineStats, SpecDecodeStats, step_stats
 
 
 class Engine:
@@ -42,6 +42,11 @@ class Engine:
         self._stats = EngineStats()
         # per-step records for benchmarks; a server that runs for days turns them off to keep memory flat
         self.record_steps = record_steps
+        self.speculator = None
+        if self.config.speculative is not None:
+            from llmopt.runtime.spec_decode.speculator import Speculator
+
+            self.speculator = Speculator(self.config.speculative, hf_model, self.runner, self.config)
 
     # --- requests -------------------------------------------------------------------------------
     def add_request(self, prompt_token_ids: list[int], params: SamplingParams | None = None,
@@ -91,14 +96,19 @@ class Engine:
     def step(self) -> list[RequestOutput]:
         """Run one scheduled batch; one RequestOutput per request that produced a token or finished."""
         started = time.perf_counter()
+        if self.speculator is not None:
+            self.speculator.propose(self.scheduler.running, self.max_context)
         out = self.scheduler.schedule()
         sampled: dict[int, int] = {}
         if not out.is_empty:
             stats = step_stats(out, 0.0, 0.0) if self.record_steps else None  # read before postprocess
+            executed = time.perf_counter()
             result = self.runner.execute(out)
+            if self.speculator is not None:
+                self.speculator.observe(out, result.accepted, time.perf_counter() - executed)
             for seq_id, (first, entries) in result.prompt_logprobs.items():
                 self.outputs.add_prompt_logprobs(seq_id, first, entries)
-            self.scheduler.postprocess(out, result.tokens)
+            self.scheduler.postprocess(out, result.tokens, result.accepted)
             for seq_id in result.tokens:
                 if self.outputs.update(seq_id, result.logprobs.get(seq_id)):
                     self._stop_on_string(seq_id)
@@ -122,6 +132,8 @@ class Engine:
         output = self.outputs.output(seq_id)
         if output.finished:
             self.runner.release(seq_id)
+            if self.speculator is not None:
+                self.speculator.release(seq_id)
             del self._live[seq_id]
             self._stats.num_finished += 1
             reasons = self._stats.finish_reasons
@@ -150,12 +162,15 @@ class Engine:
         """Counters since start or the last reset_stats(): per-step records, preemptions, prefix-cache hits."""
         bm = self.block_manager
         return EngineStats(list(self._stats.steps), self.scheduler.num_preemptions, bm.num_lookup_tokens,
-                           bm.num_hit_tokens, self._stats.num_finished, dict(self._stats.finish_reasons))
+                           bm.num_hit_tokens, self._stats.num_finished, dict(self._stats.finish_reasons),
+                           self.speculator.stats.copy() if self.speculator is not None else None)
 
     def reset_stats(self, clear_prefix_cache: bool = False) -> None:
         """Zero the counters (after a warm-up, say); clear_prefix_cache also forgets the cached prefixes."""
         self._stats = EngineStats()
         self.scheduler.num_preemptions = 0
+        if self.speculator is not None:
+            self.speculator.stats = SpecDecodeStats()
         if clear_prefix_cache:
             self.block_manager.reset_prefix_cache()
         self.block_manager.num_lookup_tokens = self.block_manager.num_hit_tokens = 0

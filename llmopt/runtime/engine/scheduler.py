@@ -1,8 +1,9 @@
 """Iteration-level (continuous) batching with a token budget, chunked prefill and preemption by
 recompute; or request-level (static) batches, so the two can be compared. Never touches a tensor.
 
-Each step: running sequences first (oldest first): a decode takes 1 token of the budget, an unfinished
-prefill takes the next chunk. When a sequence needs a block and none is free, the newest running sequence is
+Each step: running sequences first (oldest first): a decode takes 1 token of the budget (1 + k when it
+verifies k draft tokens of speculative decoding; drafts are cut to fit the budget), an unfinished prefill takes
+the next chunk. When a sequence needs a block and none is free, the newest running sequence is
 preempted (its KV dropped, back to the front of the waiting queue, recomputed later). Then, if nothing was
 preempted, waiting sequences are admitted FCFS while the budget, the sequence cap and the blocks allow.
 """
@@ -21,12 +22,13 @@ from llmopt.runtime.engine.sequence import Sequence, SequenceStatus
 @dataclass
 class ScheduledSeq:
     seq: Sequence
-    num_new_tokens: int  # tokens computed this step, from seq.num_computed_tokens on
+    num_new_tokens: int  # tokens computed this step, from seq.num_computed_tokens on (drafts included)
+    num_draft_tokens: int = 0  # of those, the last ones are seq.draft_token_ids[:num_draft_tokens]
 
     @property
     def samples(self) -> bool:
         """Whether this step reaches the sequence's last token, so a new token is sampled."""
-        return self.seq.num_computed_tokens + self.num_new_tokens == self.seq.num_tokens
+        return self.seq.num_computed_tokens + self.num_new_tokens - self.num_draft_tokens == self.seq.num_tokens
 
 
 @dataclass
@@ -91,6 +93,10 @@ class Scheduler:
             num_new = self._chunk(seq.num_tokens - seq.num_computed_tokens, budget)
             if num_new == 0:
                 continue
+            num_draft = min(len(seq.draft_token_ids), budget - 1) if seq.is_decoding else 0
+            if num_draft and not bm.can_grow(seq, seq.num_computed_tokens + num_new + num_draft):
+                num_draft = 0  # drafts never cost another sequence its KV
+            num_new += num_draft
             while not bm.can_grow(seq, seq.num_computed_tokens + num_new):
                 victim = self.running[-1]
                 self._preempt(victim, out)
@@ -98,7 +104,7 @@ class Scheduler:
                     break
             if seq.status is SequenceStatus.RUNNING:
                 bm.grow(seq, seq.num_computed_tokens + num_new)
-                out.scheduled.append(ScheduledSeq(seq, num_new))
+                out.scheduled.append(ScheduledSeq(seq, num_new, num_draft))
                 budget -= num_new
         may_admit = self.config.policy == "continuous" or not self.running
         # After a preemption only an idle engine admits (the preempted request is first in line).
@@ -136,25 +142,37 @@ class Scheduler:
         self.num_preemptions += 1
 
     # --- after the model ran --------------------------------------------------------------------
-    def postprocess(self, out: SchedulerOutput, sampled: dict[int, int]) -> list[Sequence]:
-        """Record computed tokens and the new sampled token of each sequence; returns the ones finished."""
+    def postprocess(self, out: SchedulerOutput, sampled: dict[int, int],
+                    accepted: dict[int, list[int]] | None = None) -> list[Sequence]:
+        """Record computed tokens and the new tokens of each sequence; returns the ones finished.
+
+        sampled: the token the model chose after the sequence's last (accepted) token; accepted: of a sequence
+        that verified drafts, the drafts accepted before it. The KV of rejected drafts is dropped: they do not
+        count as computed, so their blocks never enter the prefix cache, and blocks holding only them are freed."""
         finished = []
+        bm = self.block_manager
         for item in out.scheduled:
             seq = item.seq
             samples = item.samples
-            full_blocks = seq.num_computed_tokens // self.block_manager.block_size
-            seq.num_computed_tokens += item.num_new_tokens
-            if seq.num_computed_tokens // self.block_manager.block_size > full_blocks:  # a block just filled
-                self.block_manager.cache_full_blocks(seq)
+            taken = (accepted or {}).get(seq.seq_id, []) if item.num_draft_tokens else []
+            full_blocks = seq.num_computed_tokens // bm.block_size
+            seq.num_computed_tokens += item.num_new_tokens - item.num_draft_tokens + len(taken)
+            seq.draft_token_ids = []
+            if seq.num_computed_tokens // bm.block_size > full_blocks:  # a block just filled
+                bm.cache_full_blocks(seq)
             if not samples:
                 continue
-            token = sampled[seq.seq_id]
-            seq.append_token(token)
-            reason = self._stop_reason(seq, token)
+            reason = None
+            for token in [*taken, sampled[seq.seq_id]]:
+                seq.append_token(token)
+                if (reason := self._stop_reason(seq, token)) is not None:
+                    break
             if reason is not None:
                 self.running.remove(seq)
                 self._finish(seq, reason)
                 finished.append(seq)
+            elif item.num_draft_tokens:
+                bm.truncate(seq, seq.num_tokens)
         return finished
 
     def _stop_reason(self, seq: Sequence, token: int) -> str | None:

@@ -41,6 +41,8 @@ class Sequence:
         self.finish_reason: str | None = None
         self.arrival_time = time.perf_counter() if arrival_time is None else arrival_time
         self.token_times: list[float] = []  # when each output token was produced
+        # speculative decoding: tokens a proposer guessed to follow token_ids, verified by the next step
+        self.draft_token_ids: list[int] = []
 
     @property
     def num_tokens(self) -> int:
@@ -62,6 +64,11 @@ class Sequence:
         self.token_ids.append(token_id)
         self.token_times.append(time.perf_counter() if now is None else now)
 
+    @property
+    def is_decoding(self) -> bool:
+        """Every token but the newest has its KV: the next step computes one token (or verifies drafts)."""
+        return self.num_computed_tokens == self.num_tokens - 1
+
     def reset_for_recompute(self) -> None:
         """After preemption: the KV is gone; everything (prompt and output so far) is recomputed."""
         self.block_table = []
@@ -69,6 +76,7 @@ class Sequence:
         self.num_cached_tokens = 0
         self.num_preemptions += 1
         self.status = SequenceStatus.WAITING
+        self.draft_token_ids = []
 
     def __repr__(self) -> str:
         return (f"Sequence(id={self.seq_id}, tokens={self.num_tokens}, computed={self.num_computed_tokens}, "

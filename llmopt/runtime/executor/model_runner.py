@@ -16,13 +16,16 @@ from llmopt.runtime.executor.host_memory import keep_freed_host_memory
 from llmopt.runtime.executor.kernels.attention import AttentionMetadata
 from llmopt.runtime.executor.kernels.cpu_ops import cpu_ops
 from llmopt.runtime.executor.model import RuntimeDecoder
-from llmopt.runtime.executor.sampler import sample, token_logprobs
+from llmopt.runtime.executor.sampler import probabilities, sample, token_logprobs
 from llmopt.runtime.engine.scheduler import SchedulerOutput
+from llmopt.runtime.spec_decode.verify import accept_greedy, rejection_sample
 
 
 @dataclass
 class StepResult:
     tokens: dict[int, int] = field(default_factory=dict)  # seq_id -> sampled token
+    # seq_id -> the draft tokens verified and accepted before `tokens[seq_id]` (speculative decoding)
+    accepted: dict[int, list[int]] = field(default_factory=dict)
     logprobs: dict[int, dict[int, float]] = field(default_factory=dict)  # seq_id -> {token: logprob}
     # seq_id -> (first prompt position scored, [{token: logprob}] for positions first, first + 1, ...): the
     # log-probability of prompt token p (and the top-n) given the tokens before it
@@ -93,6 +96,9 @@ class ModelRunner:
                           for _ in range(self.decoder.num_layers)]
         log.info(self.kv_cache_summary())
         self.generators: dict[int, torch.Generator] = {}
+        # Medusa heads read the hidden state [hidden] that produced each sequence's newest token
+        self.keep_last_hidden = False
+        self.last_hidden: dict[int, torch.Tensor] = {}
 
     def kv_cache_summary(self) -> str:
         """One line for start-up: the KV cache's size, where it came from, and the tokens it holds."""
@@ -109,46 +115,66 @@ class ModelRunner:
             seq, first = item.seq, item.seq.num_computed_tokens
             last = first + item.num_new_tokens
             table = seq.block_table
+            drafts = seq.draft_token_ids[:item.num_draft_tokens]
             if item.num_new_tokens == 1:  # decode: skip the per-token range machinery
                 input_ids.append(seq.token_ids[first])
                 positions.append(first)
                 slots.append(table[first // bs] * bs + first % bs)
             else:
-                input_ids.extend(seq.token_ids[first:last])
+                input_ids.extend(seq.token_ids[first:last - len(drafts)] + drafts)
                 positions.extend(range(first, last))
                 slots.extend(table[p // bs] * bs + p % bs for p in range(first, last))
             starts.append(starts[-1] + item.num_new_tokens)
             context_lens.append(last)
             tables.append(table)
-            if item.samples:
-                sample_rows.append((starts[-1] - 1, seq))
+            if item.samples:  # the rows of the last real token and of each draft after it
+                sample_rows.append((starts[-1] - 1 - len(drafts), seq, drafts))
         meta = AttentionMetadata.build(starts, context_lens, tables,
                                        torch.tensor(slots, dtype=torch.long, device=self.device), bs, self.device)
         hidden = self.decoder(torch.tensor(input_ids, device=self.device),
                               torch.tensor(positions, device=self.device), meta, self.kv_caches)
         result = StepResult()
         self._score_prompts(out, starts, hidden, result)
-        if not sample_rows:
-            return result
-        rows = [row for row, _ in sample_rows]
+        if sample_rows:
+            self._sample(hidden, sample_rows, result)
+        return result
+
+    def _sample(self, hidden: torch.Tensor, sample_rows: list[tuple[int, object, list[int]]], result: StepResult
+                ) -> None:
+        """The next token of each sequence that reached its last token; a sequence with drafts gets the ones
+        the target accepts (spec_decode.verify) and the target's token after them."""
+        rows = [first + j for first, _, drafts in sample_rows for j in range(len(drafts) + 1)]
         last_hidden = hidden if rows == list(range(hidden.shape[0])) else hidden[rows]
-        # [S, vocab] in the model's dtype: the greedy rows need no fp32 copy (argmax over bf16 values is the
+        # [R, vocab] in the model's dtype: the greedy rows need no fp32 copy (argmax over bf16 values is the
         # argmax over their exact fp32 values); rows that sample or report logprobs are converted one by one
         logits = self.decoder.logits(last_hidden, as_float=False).cpu()
         # one call for the whole batch (most requests are greedy); torch.argmax is slow on wide rows
         ops = cpu_ops()
         greedy = (ops.argmax_rows(logits) if ops is not None else logits.float().argmax(dim=-1)).tolist()
-        for i, (_, seq) in enumerate(sample_rows):
-            params = seq.params
-            row = None if params.is_greedy and params.logprobs is None else logits[i].float()
-            if params.is_greedy:
-                token = greedy[i]
+        offset, final_rows = 0, []
+        for _, seq, drafts in sample_rows:
+            params, width = seq.params, len(drafts) + 1
+            if drafts:
+                if params.is_greedy:
+                    taken = accept_greedy(greedy[offset:offset + width], drafts)
+                    token = greedy[offset + taken]
+                else:
+                    probs = probabilities(logits[offset:offset + width].float(), params)
+                    taken, token = rejection_sample(probs, drafts, None, self._generator(seq))
+                result.accepted[seq.seq_id] = drafts[:taken]
             else:
-                token = sample(row, params, self._generator(seq))
+                taken = 0
+                row = None if params.is_greedy and params.logprobs is None else logits[offset].float()
+                token = greedy[offset] if params.is_greedy else sample(row, params, self._generator(seq))
+                if params.logprobs is not None:
+                    result.logprobs[seq.seq_id] = token_logprobs(row, token, params.logprobs)
             result.tokens[seq.seq_id] = token
-            if params.logprobs is not None:
-                result.logprobs[seq.seq_id] = token_logprobs(row, token, params.logprobs)
-        return result
+            final_rows.append(offset + taken)
+            offset += width
+        if self.keep_last_hidden:
+            kept = last_hidden[final_rows].clone()  # [S, hidden]
+            for i, (_, seq, _) in enumerate(sample_rows):
+                self.last_hidden[seq.seq_id] = kept[i]
 
     def _score_prompts(self, out: SchedulerOutput, starts: list[int], hidden: torch.Tensor, result: StepResult
                        ) -> None:
@@ -177,7 +203,8 @@ class ModelRunner:
 
     def release(self, seq_id: int) -> None:
         self.generators.pop(seq_id, None)
+        self.last_hidden.pop(seq_id, None)
 
     def has_request_state(self) -> bool:
         """Whether any request still holds per-request state here (seeded generators)."""
-        return bool(self.generators)
+        return bool(self.generators or self.last_hidden)
