@@ -8,7 +8,9 @@ from typing import Annotated, Optional
 
 import typer
 
-from llmopt.cli.options import DeviceOpt, Dtype, DtypeOpt, ModelArg, SeedOpt, resolve_dtype_option
+from llmopt.cli.options import (
+    DeviceOpt, Dtype, DtypeOpt, ModelArg, SeedOpt, resolve_dtype_option, with_speculative_options,
+)
 from llmopt.runtime.engine.config import ENGINE_DEFAULTS
 
 SHOWN = [  # (metric key, label) in the terminal table
@@ -18,15 +20,19 @@ SHOWN = [  # (metric key, label) in the terminal table
     ("mean_ttft_ms", "TTFT mean ms"), ("median_ttft_ms", "TTFT median ms"), ("p99_ttft_ms", "TTFT p99 ms"),
     ("mean_tpot_ms", "TPOT mean ms"), ("median_tpot_ms", "TPOT median ms"), ("p99_tpot_ms", "TPOT p99 ms"),
     ("mean_itl_ms", "ITL mean ms"), ("p99_itl_ms", "ITL p99 ms"), ("mean_e2el_ms", "E2E mean ms"),
-    ("mbu", "MBU"), ("mfu", "MFU"), ("num_preemptions", "preemptions"),
+    ("spec_acceptance_rate", "spec acceptance"), ("spec_mean_accepted_length", "spec tokens/verify"),
+    ("decode_speedup", "decode speedup"), ("mbu", "MBU"), ("mfu", "MFU"), ("num_preemptions", "preemptions"),
     ("prefix_cache_hit_rate", "prefix hit rate"), ("mean_batch_size", "mean batch"),
     ("max_kv_cache_usage", "max KV usage"), ("duration", "duration s"),
 ]
 
 
+@with_speculative_options
 def bench(
     model: ModelArg,
-    dataset: Annotated[str, typer.Option("--dataset", help="random, sharegpt or prefix-repetition.")] = "random",
+    dataset: Annotated[str, typer.Option(
+        "--dataset", help="random, sharegpt, grounded (prompts whose answer copies them) or prefix-repetition.")
+    ] = "random",
     dataset_path: Annotated[Optional[str], typer.Option(
         "--dataset-path", help="ShareGPT-format .json file (default: the data dir's).")] = None,
     num_requests: Annotated[int, typer.Option("--num-requests")] = 64,
@@ -69,6 +75,7 @@ def bench(
     device: DeviceOpt = "cpu",
     seed: SeedOpt = 0,
     json_out: Annotated[Optional[Path], typer.Option("--json", help="Write every run and request here.")] = None,
+    speculative=None,
 ) -> None:
     """Benchmark MODEL on the runtime (and a baseline), with vLLM's serving metrics."""
     from llmopt.cli.output import progress_bar, stderr, stdout
@@ -89,7 +96,10 @@ def bench(
     engine = EngineConfig(
         block_size=block_size, kv_cache_bytes=kv_cache_bytes, kv_cache_memory_fraction=kv_cache_memory_fraction,
         max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
-        enable_prefix_cache=not no_prefix_cache, policy=batching)
+        enable_prefix_cache=not no_prefix_cache, policy=batching, speculative=speculative)
+    if speculative is not None and base_url:
+        raise ConfigError("--speculative configures the runtime in this process: give it to `llmopt serve` instead "
+                          "of --base-url")
     config = BenchConfig(
         dtype=resolve_dtype_option(dtype, device), device=device, engine=engine, max_concurrency=max_concurrency,
         hf_batch_size=hf_batch_size, slo=slo_pairs,

@@ -9,6 +9,7 @@ import typer
 
 from llmopt.cli.options import (
     DeviceOpt, Dtype, DtypeOpt, JsonOpt, ModelArg, SeedOpt, TrustRemoteCodeOpt, resolve_dtype_option,
+    with_speculative_options,
 )
 from llmopt.cli.output import print_json, stdout
 
@@ -18,6 +19,7 @@ class Backend(str, Enum):
     hf = "hf"
 
 
+@with_speculative_options
 def generate(
     model: ModelArg,
     prompt: Annotated[list[str], typer.Option("--prompt", "-p", help="Prompt text; repeat for several.")],
@@ -36,11 +38,13 @@ def generate(
     device: DeviceOpt = "cpu",
     as_json: JsonOpt = False,
     trust_remote_code: TrustRemoteCodeOpt = False,
+    speculative=None,
 ) -> None:
     """Generate a completion for each --prompt."""
     from llmopt.core.errors import ConfigError
     from llmopt.export.load import load_model
     from llmopt.eval.hf_baseline import encode_prompts, hf_generate
+    from llmopt.runtime.engine.config import EngineConfig
     from llmopt.runtime.engine.engine import Engine
     from llmopt.runtime.engine.sampling import SamplingParams
     from llmopt.runtime.executor.loader import load_runtime_model
@@ -49,6 +53,8 @@ def generate(
                             stop=tuple(stop or ()))
     if stop and backend is Backend.hf:
         raise ConfigError("--stop needs the runtime backend: drop --backend hf")
+    if speculative is not None and backend is Backend.hf:
+        raise ConfigError("--speculative needs the runtime backend: drop --backend hf")
     loader = load_runtime_model if backend is Backend.runtime else load_model
     lm, tokenizer, _ = loader(model, dtype=resolve_dtype_option(dtype, device), device=device,
                               trust_remote_code=trust_remote_code)
@@ -57,7 +63,7 @@ def generate(
         outputs = hf_generate(lm, tokenizer, prompt_ids, params)
         texts = [tokenizer.decode(ids, skip_special_tokens=True) for ids in outputs]
     else:
-        finished = Engine(lm, tokenizer).generate(prompt_ids, params)
+        finished = Engine(lm, tokenizer, EngineConfig(speculative=speculative)).generate(prompt_ids, params)
         outputs, texts = [o.token_ids for o in finished], [o.text for o in finished]
     if as_json:
         print_json({"outputs": [

@@ -11,6 +11,9 @@ import inspect
 import typer
 
 from llmopt.compress.defaults import CALIBRATION
+from llmopt.runtime.engine.config import SpeculativeConfig
+
+SPECULATIVE_DEFAULTS = SpeculativeConfig()
 
 
 class Dtype(str, Enum):
@@ -81,25 +84,68 @@ CALIBRATION_OPTIONS = (  # (parameter, option type, default)
 IgnoreOpt = Annotated[Optional[list[str]], typer.Option("--ignore", help="Glob of linears to keep dense.")]
 
 
-def with_calibration_options(command):
-    """Add the calibration options to a command; it receives them as one dict, `calibration` (the calibration
-    keys of a method's settings)."""
+def _with_options(command, param: str, options: tuple, collect):
+    """Add `options` ((parameter, option type, default)) to a command; it receives collect({name: value}) as
+    its parameter `param` instead of the separate values."""
     signature = inspect.signature(command, eval_str=True)
-    own = [p for p in signature.parameters.values() if p.name != "calibration"]
+    own = [p for p in signature.parameters.values() if p.name != param]
     added = [inspect.Parameter(name, inspect.Parameter.KEYWORD_ONLY, default=default, annotation=annotation)
-             for name, annotation, default in CALIBRATION_OPTIONS]
+             for name, annotation, default in options]
 
     @functools.wraps(command)
     def run(*args, **kwargs):
-        values = {name: kwargs.pop(name) for name, _, _ in CALIBRATION_OPTIONS}
-        values["compute_dtype"] = values.pop("calib_dtype").value
-        return command(*args, calibration=values, **kwargs)
+        values = {name: kwargs.pop(name) for name, _, _ in options}
+        return command(*args, **{param: collect(values)}, **kwargs)
 
     run.__signature__ = signature.replace(parameters=[
         p.replace(kind=inspect.Parameter.KEYWORD_ONLY) for p in own] + added)
     run.__annotations__ = {**{p.name: p.annotation for p in own},
-                           **{name: annotation for name, annotation, _ in CALIBRATION_OPTIONS}}
+                           **{name: annotation for name, annotation, _ in options}}
     return run
+
+
+def _calibration(values: dict) -> dict:
+    values["compute_dtype"] = values.pop("calib_dtype").value
+    return values
+
+
+def with_calibration_options(command):
+    """Add the calibration options to a command; it receives them as one dict, `calibration` (the calibration
+    keys of a method's settings)."""
+    return _with_options(command, "calibration", CALIBRATION_OPTIONS, _calibration)
+
+
+# Speculative decoding options of generate, bench and serve (defaults: runtime.engine.config.SpeculativeConfig)
+SPECULATIVE_OPTIONS = (
+    ("speculative", Annotated[Optional[str], typer.Option(
+        "--speculative", help="Speculative decoding: ngram (prompt lookup), draft:MODEL (a smaller model with the "
+        "same tokenizer) or medusa[:PATH] (heads from `llmopt distill --medusa-heads`; default: the model's "
+        "folder).")], None),
+    ("num_speculative_tokens", Annotated[int, typer.Option(
+        "--num-speculative-tokens", help="Draft tokens verified per step at most.")],
+     SPECULATIVE_DEFAULTS.num_speculative_tokens),
+    ("ngram_min", Annotated[int, typer.Option("--ngram-min", help="ngram: shortest suffix looked up.")],
+     SPECULATIVE_DEFAULTS.ngram_min),
+    ("ngram_max", Annotated[int, typer.Option("--ngram-max", help="ngram: longest suffix looked up.")],
+     SPECULATIVE_DEFAULTS.ngram_max),
+    ("no_adaptive_speculation", Annotated[bool, typer.Option(
+        "--no-adaptive-speculation", help="Always draft --num-speculative-tokens (default: per sequence, as many "
+        "as its acceptance pays for at the measured step cost).")], False),
+)
+
+
+def _speculative(values: dict) -> SpeculativeConfig | None:
+    spec = values.pop("speculative")
+    if spec is None:
+        return None
+    adaptive = not values.pop("no_adaptive_speculation")
+    return SpeculativeConfig.parse(spec, adaptive=adaptive, **values)
+
+
+def with_speculative_options(command):
+    """Add the speculative decoding options to a command; it receives `speculative`, a SpeculativeConfig or
+    None."""
+    return _with_options(command, "speculative", SPECULATIVE_OPTIONS, _speculative)
 
 
 def resolve_dtype_option(dtype: Dtype | str, device: str) -> str:

@@ -9,10 +9,13 @@ from typing import Annotated, Optional
 
 import typer
 
-from llmopt.cli.options import DeviceOpt, Dtype, DtypeOpt, ModelArg, TrustRemoteCodeOpt, resolve_dtype_option
+from llmopt.cli.options import (
+    DeviceOpt, Dtype, DtypeOpt, ModelArg, TrustRemoteCodeOpt, resolve_dtype_option, with_speculative_options,
+)
 from llmopt.runtime.engine.config import ENGINE_DEFAULTS
 
 
+@with_speculative_options
 def serve(
     model: ModelArg,
     host: Annotated[str, typer.Option("--host", help="Address to bind (loopback unless told otherwise).")
@@ -38,6 +41,7 @@ def serve(
     dtype: DtypeOpt = Dtype.auto,
     device: DeviceOpt = "cpu",
     trust_remote_code: TrustRemoteCodeOpt = False,
+    speculative=None,
 ) -> None:
     """Serve MODEL over the OpenAI API: /v1/completions, /v1/chat/completions, /v1/models, /health, /metrics."""
     from llmopt.cli.output import stderr
@@ -56,7 +60,7 @@ def serve(
         raise ConfigError(f"--chat-template {chat_template} does not exist")
     config = EngineConfig(max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
                           kv_cache_bytes=kv_cache_bytes, kv_cache_memory_fraction=kv_cache_memory_fraction,
-                          enable_prefix_cache=not no_prefix_cache)
+                          enable_prefix_cache=not no_prefix_cache, speculative=speculative)
     app, server = start_server(model, config, resolve_dtype_option(dtype, device), device,
                                served_model_name=served_model_name, api_key=api_key,
                                chat_template=chat_template.read_text() if chat_template else None,

@@ -9,7 +9,7 @@ from __future__ import annotations
 import math
 import time
 from collections import deque
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from typing import Callable
 
 import torch
@@ -232,6 +232,8 @@ def bench_runtime(name: str, model_name: str, spec: WorkloadSpec, config: BenchC
     # TTFT of the requests that found their prefix cached (the first of each prefix pays the full prefill)
     hits = [r.ttft for r in records if r.num_cached_tokens > 0]
     metrics["mean_ttft_prefix_hit_ms"] = 1000 * sum(hits) / len(hits) if hits else None
+    if stats.spec_decode is not None:
+        metrics.update({f"spec_{key}": value for key, value in stats.spec_decode.to_json().items()})
     return RunResult(name, model_name, {"backend": "runtime", **asdict(config), "workload": asdict(spec),
                                         "kv_cache": kv["summary"], "hardware": _hardware(config)},
                      metrics, records, [s.num_seqs for s in stats.steps])
@@ -309,6 +311,15 @@ def bench(model_name: str, spec: WorkloadSpec, config: BenchConfig, baseline: st
     runs = [bench_runtime(model_name, model_name, spec, config, progress)]
     if baseline == "hf":
         runs.append(bench_hf("baseline", model_name, spec, config, progress))
-    elif baseline:
-        runs.append(bench_runtime("baseline", baseline, spec, config, progress))
+    elif baseline:  # another model on the runtime, without speculative decoding
+        plain = replace(config, engine=replace(config.engine, speculative=None))
+        runs.append(bench_runtime("baseline", baseline, spec, plain, progress))
+        if config.engine.speculative is not None:
+            runs[0].metrics["decode_speedup"] = decode_speedup(runs[0].metrics, runs[1].metrics)
     return runs
+
+
+def decode_speedup(metrics: dict, baseline: dict) -> float | None:
+    """The baseline's mean TPOT over this run's: how much faster each output token came after the first."""
+    ours, theirs = metrics.get("mean_tpot_ms"), baseline.get("mean_tpot_ms")
+    return theirs / ours if ours and theirs else None

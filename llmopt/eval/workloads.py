@@ -3,6 +3,10 @@
 random:            uniform random token ids; lengths in [len * (1 - range_ratio), len * (1 + range_ratio)]
 sharegpt:          real first-turn prompts from the data dir's ShareGPT file. The file keeps prompts only
                    (responses were dropped upstream), so output lengths are drawn like `random`'s.
+grounded:          input-grounded prompts whose answer copies the prompt (where prompt lookup pays): "repeat this
+                   code, renaming one name" over Python standard library functions, and, when WikiText-2 is in
+                   the data dir, "repeat this passage word for word" over its paragraphs; about input_len tokens
+                   of source each, deterministic for a seed.
 prefix-repetition: num_prefixes shared prefixes of prefix_len tokens, each request one of them plus a unique
                    suffix, in shuffled order (the prefix cache's workload).
 Arrivals: all at time 0 (request_rate = inf) or a Poisson process (exponential gaps, seeded).
@@ -10,8 +14,12 @@ Arrivals: all at time 0 (request_rate = inf) or a Poisson process (exponential g
 
 from __future__ import annotations
 
+import builtins
+import keyword
 import math
 import random
+import re
+import textwrap
 from dataclasses import dataclass, field
 
 from llmopt.core.errors import ConfigError
@@ -103,6 +111,75 @@ def prefix_repetition_workload(spec: WorkloadSpec, tokenizer, vocab_size: int) -
                 for i in range(spec.num_requests)]
     rng.shuffle(requests)
     return requests
+
+
+_IDENTIFIER = re.compile(r"\b[a-z_][a-z0-9_]{2,}\b")
+
+
+def _code_prompt(code: str) -> str:
+    """Repeat `code` with its most frequent local name renamed."""
+    names = [n for n in _IDENTIFIER.findall(code) if not keyword.iskeyword(n) and n not in dir(builtins)
+             and n != "self"]
+    old = max(sorted(set(names)), key=names.count) if names else "x"
+    return (f"```python\n{code}\n```\nRepeat the code above exactly, renaming `{old}` to `new_{old}`:\n"
+            f"```python\n")
+
+
+def _passage_prompt(passage: str) -> str:
+    return f"Passage:\n{passage}\n\nRepeat the passage above word for word, then say what it is about:\n"
+
+
+def _code_chunks(rng: random.Random, tokenizer, size: int, count: int) -> list[str]:
+    """`count` runs of whole lines of about `size` tokens, from function bodies of standard-library files."""
+    from llmopt.core.datasets import documents
+
+    docs = documents("pystdlib")
+    chunks = []
+    while len(chunks) < count:
+        lines = docs[rng.randrange(len(docs))].splitlines()
+        starts = [i for i, line in enumerate(lines) if line.lstrip().startswith("def ")]
+        if not starts:
+            continue
+        start, taken, tokens = rng.choice(starts), [], 0
+        for line in lines[start:]:
+            tokens += len(tokenizer(line + "\n", add_special_tokens=False)["input_ids"])
+            taken.append(line)
+            if tokens >= size:
+                break
+        if tokens >= size // 2:
+            chunks.append(textwrap.dedent("\n".join(taken)))
+    return chunks
+
+
+def _passages(rng: random.Random, tokenizer, size: int, count: int) -> list[str]:
+    """WikiText-2 paragraphs cut to about `size` tokens at a sentence end; [] without the data file."""
+    from llmopt.core.datasets import DatasetError, documents
+
+    try:
+        text = documents("wikitext2")[0]
+    except DatasetError:
+        return []
+    paragraphs = [p.strip() for p in text.split("\n") if len(p.strip()) > 400 and not p.strip().startswith("=")]
+    rng.shuffle(paragraphs)
+    out = []
+    for para in paragraphs[:count]:
+        ids = tokenizer(para, add_special_tokens=False)["input_ids"][:size]
+        cut = tokenizer.decode(ids)
+        out.append(cut[:cut.rfind(". ") + 1] if ". " in cut else cut)
+    return out
+
+
+@WORKLOADS.register("grounded")
+def grounded_workload(spec: WorkloadSpec, tokenizer, vocab_size: int) -> list[BenchRequest]:
+    rng = random.Random(spec.seed)
+    passages = _passages(rng, tokenizer, spec.input_len, spec.num_requests // 2)
+    prompts = [("code", _code_prompt(c)) for c in _code_chunks(rng, tokenizer, spec.input_len,
+                                                               spec.num_requests - len(passages))]
+    prompts += [("passage", _passage_prompt(p)) for p in passages]
+    rng.shuffle(prompts)
+    return [BenchRequest(tokenizer(text, add_special_tokens=True)["input_ids"],
+                         _length(rng, spec.output_len, spec.range_ratio), meta={"source": kind})
+            for kind, text in prompts]
 
 
 def build_workload(spec: WorkloadSpec, tokenizer, vocab_size: int) -> list[BenchRequest]:

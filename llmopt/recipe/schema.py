@@ -23,7 +23,7 @@ import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 from llmopt.core.errors import ConfigError
-from llmopt.runtime.engine.config import ENGINE_DEFAULTS
+from llmopt.runtime.engine.config import ENGINE_DEFAULTS, SpeculativeConfig
 
 
 class _Strict(BaseModel):
@@ -78,6 +78,24 @@ class BenchSpec(_Strict):
     max_num_seqs: int = ENGINE_DEFAULTS.max_num_seqs
     slo: Optional[str] = None
     serve: bool = False  # bench each variant served over HTTP (llmopt serve on loopback), not the engine directly
+    # speculative decoding as `--speculative` takes it (ngram, draft:MODEL, medusa[:PATH]), and its draft length
+    speculative: Optional[str] = None
+    num_speculative_tokens: int = SpeculativeConfig().num_speculative_tokens
+
+    @field_validator("speculative")
+    @classmethod
+    def _method(cls, text):
+        if text is not None:
+            try:
+                SpeculativeConfig.parse(text)
+            except ConfigError as e:
+                raise ValueError(str(e)) from None
+        return text
+
+    def speculative_config(self) -> SpeculativeConfig | None:
+        if self.speculative is None:
+            return None
+        return SpeculativeConfig.parse(self.speculative, num_speculative_tokens=self.num_speculative_tokens)
 
     @field_validator("dataset")
     @classmethod

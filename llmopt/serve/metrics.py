@@ -37,6 +37,16 @@ class ServerMetrics:
                               buckets=LATENCY_BUCKETS)
         self.tpot = Histogram("llmopt:time_per_output_token_seconds", "Time per output token after the first",
                               registry=r, buckets=LATENCY_BUCKETS)
+        self.spec_verifications = Counter(
+            "llmopt:spec_decode_num_drafts", "Speculative decoding: verification steps of finished requests",
+            registry=r)
+        self.spec_draft_tokens = Counter("llmopt:spec_decode_num_draft_tokens",
+                                         "Speculative decoding: draft tokens verified", registry=r)
+        self.spec_accepted_tokens = Counter("llmopt:spec_decode_num_accepted_tokens",
+                                            "Speculative decoding: draft tokens accepted", registry=r)
+        self.spec_acceptance = Histogram(
+            "llmopt:spec_decode_request_acceptance_rate", "Speculative decoding: accepted / drafted tokens of each "
+            "request that speculated", registry=r, buckets=(0.1, 0.2, 0.3, 0.4, 0.5, 0.6, 0.7, 0.8, 0.9, 1.0))
         self.e2e = Histogram("llmopt:e2e_request_latency_seconds", "Request latency", registry=r,
                              buckets=LATENCY_BUCKETS)
 
@@ -45,6 +55,11 @@ class ServerMetrics:
         self.generation_tokens.inc(len(output.token_ids))
         self.request_success.labels(output.finish_reason or "unknown").inc()
         self.e2e.observe(e2e)
+        if output.num_draft_tokens:
+            self.spec_verifications.inc(output.num_verifications)
+            self.spec_draft_tokens.inc(output.num_draft_tokens)
+            self.spec_accepted_tokens.inc(output.num_accepted_tokens)
+            self.spec_acceptance.observe(output.num_accepted_tokens / output.num_draft_tokens)
         if ttft is not None:
             self.ttft.observe(ttft)
             if len(output.token_ids) > 1:

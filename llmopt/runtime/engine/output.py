@@ -37,6 +37,10 @@ class RequestOutput:
     # with SamplingParams.prompt_logprobs: one entry per prompt token (None for the first, which nothing
     # predicts), in the first output after the whole prompt was scored and again in the finished one
     prompt_logprobs: list[dict[int, float] | None] | None = None
+    # speculative decoding, in the finished output: verification steps, drafts verified, drafts accepted
+    num_verifications: int = 0
+    num_draft_tokens: int = 0
+    num_accepted_tokens: int = 0
 
 
 class IncrementalDetokenizer:
@@ -177,6 +181,8 @@ class OutputProcessor:
             out.token_ids, out.text = seq.output_token_ids, state.text
             out.token_times, out.logprobs = list(seq.token_times), list(state.logprobs)
             out.prompt_logprobs = state.prompt_logprobs
+            out.num_verifications, out.num_draft_tokens = seq.num_verifications, seq.num_draft_tokens
+            out.num_accepted_tokens = seq.num_accepted_tokens
             del self.states[seq_id]
         return out
 

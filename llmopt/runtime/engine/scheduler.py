@@ -158,6 +158,10 @@ class Scheduler:
             full_blocks = seq.num_computed_tokens // bm.block_size
             seq.num_computed_tokens += item.num_new_tokens - item.num_draft_tokens + len(taken)
             seq.draft_token_ids = []
+            if item.num_draft_tokens:
+                seq.num_verifications += 1
+                seq.num_draft_tokens += item.num_draft_tokens
+                seq.num_accepted_tokens += len(taken)
             if seq.num_computed_tokens // bm.block_size > full_blocks:  # a block just filled
                 bm.cache_full_blocks(seq)
             if not samples:

@@ -43,6 +43,9 @@ class Sequence:
         self.token_times: list[float] = []  # when each output token was produced
         # speculative decoding: tokens a proposer guessed to follow token_ids, verified by the next step
         self.draft_token_ids: list[int] = []
+        self.num_verifications = 0  # steps that verified drafts of this sequence
+        self.num_draft_tokens = 0  # drafts verified
+        self.num_accepted_tokens = 0  # of those, accepted
 
     @property
     def num_tokens(self) -> int:

@@ -20,6 +20,7 @@ def probabilities(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
         drop = torch.cumsum(sorted_probs, dim=-1) - sorted_probs >= params.top_p
         sorted_probs = sorted_probs.masked_fill(drop, 0.0)
         probs = torch.zeros_like(probs).scatter_(-1, order, sorted_probs)
+        probs = probs / probs.sum(dim=-1, keepdim=True)  # rejection sampling compares these as probabilities
     return probs
 
 

@@ -55,7 +55,8 @@ class DraftProposer:
             shadow = self.shadows[seq.seq_id] = Sequence(seq.token_ids, GREEDY, seq_id=seq.seq_id)
         else:
             keep = common_prefix(shadow.token_ids, seq.token_ids, min(shadow.num_computed_tokens, seq.num_prompt_tokens))
-            shadow.num_computed_tokens = min(shadow.num_computed_tokens, keep)
+            # the newest token is always fed again: its logits give the first draft
+            shadow.num_computed_tokens = min(shadow.num_computed_tokens, keep, seq.num_tokens - 1)
             shadow.token_ids = list(seq.token_ids)
         bm = self.block_manager
         bm.truncate(shadow, shadow.num_computed_tokens)
