@@ -94,6 +94,10 @@ def distill(
     text_field: Annotated[str, typer.Option("--text-field", help="JSONL field holding the text.")] = "text",
     teacher_device: Annotated[Optional[str], typer.Option(
         "--teacher-device", help="Run the teacher on another device (e.g. cuda:1).")] = None,
+    medusa_heads: Annotated[Optional[int], typer.Option(
+        "--medusa-heads", help="Instead of a student: train this many Medusa heads on the frozen teacher (its own "
+        "greedy continuations of --data's prompts) into OUTPUT/medusa_heads.safetensors, for `--speculative "
+        "medusa:OUTPUT`.")] = None,
     overwrite: OverwriteOpt = False,
     as_json: JsonOpt = False,
     trust_remote_code: TrustRemoteCodeOpt = False,
@@ -107,7 +111,7 @@ def distill(
         raise ConfigError("llmopt distill needs the distill extra: pip install 'llmopt[distill]'") from None
     from llmopt.distill.config import make_distill_config
     from llmopt.distill.trainer import Interrupted
-    from llmopt.pipelines.distill import distill_to_artifact
+    from llmopt.pipelines.distill import distill_to_artifact, train_medusa_heads
 
     config = make_distill_config(
         teacher=teacher, student=student, student_layers=student_layers, init=init, data=data,
@@ -118,10 +122,12 @@ def distill(
         on_policy_ratio=on_policy_ratio, on_policy_prompt_len=on_policy_prompt_len,
         on_policy_temperature=on_policy_temperature, eval_windows=eval_windows, log_every=log_every,
         max_grad_norm=max_grad_norm, eval_every=eval_every, save_every=save_every,
-        max_train_tokens=max_train_tokens, text_field=text_field, teacher_device=teacher_device)
+        max_train_tokens=max_train_tokens, text_field=text_field, teacher_device=teacher_device,
+        medusa_heads=medusa_heads)
+    run = train_medusa_heads if config.medusa_heads else distill_to_artifact
     with training_progress() as update:
         try:
-            facts = distill_to_artifact(config, output, resume, overwrite, trust_remote_code, update)
+            facts = run(config, output, resume, overwrite, trust_remote_code, update)
         except Interrupted as exc:
             stderr.print(str(exc), highlight=False, markup=False, soft_wrap=True)
             raise typer.Exit(130) from None
@@ -150,6 +156,8 @@ def training_progress():
             def update(p) -> None:
                 r = p.record
                 parts = [f"loss {r['loss']:.4f}"] + [f"{k} {r[k]:.4f}" for k in ("kd", "ce", "hidden") if k in r]
+                if "head_top1" in r:
+                    parts.append("top-1 " + "/".join(f"{a:.2f}" for a in r["head_top1"]))
                 parts.append(f"{r['tokens_per_s']:.0f} tok/s")
                 if "held_out_ppl" in r:
                     parts.append(f"held-out ppl {r['held_out_ppl']:.2f}")

@@ -80,6 +80,8 @@ class DistillConfig(BaseModel):
     max_train_tokens: int = Field(DISTILL["max_train_tokens"], ge=1)
     teacher_device: str | None = None
     log_every: int = Field(1, ge=1)
+    medusa_heads: int | None = Field(None, ge=1, description="train this many Medusa heads on the frozen teacher "
+                                                             "(self-distillation) instead of a student")
 
     @field_validator("layer_map")
     @classmethod
@@ -100,6 +102,11 @@ class DistillConfig(BaseModel):
             raise ValueError("give --max-steps and/or --max-time: the run needs an end")
         if self.student_layers is not None and self.init is not None:
             raise ValueError("give --student-layers or --init drop-layers:N, not both")
+        if self.medusa_heads is not None:
+            clash = [name for name in ("student", "student_layers", "init", "hidden_loss") if getattr(self, name)]
+            if clash or self.on_policy_ratio:
+                raise ValueError(f"--medusa-heads trains heads on the teacher itself: drop "
+                                 f"{', '.join('--' + n.replace('_', '-') for n in clash) or '--on-policy-ratio'}")
         if self.alpha == 0 and (self.hidden_loss or self.on_policy_ratio):
             raise ValueError("alpha 0 trains on the labels alone: hidden-state loss and on-policy batches need "
                              "the teacher (raise --alpha)")

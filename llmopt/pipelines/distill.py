@@ -80,6 +80,47 @@ def distill_to_artifact(config: DistillConfig, output: str | Path, resume: bool 
             "artifact_weights_bytes": weights_bytes(output)}
 
 
+def train_medusa_heads(config: DistillConfig, output: str | Path, resume: bool = False, overwrite: bool = False,
+                       trust_remote_code: bool = False, progress: Callable[[Progress], None] | None = None) -> dict:
+    """Train config.medusa_heads Medusa heads on the frozen teacher and write OUTPUT/medusa_heads.safetensors
+    (with llmopt.json); `--speculative medusa:OUTPUT` serves with them."""
+    from llmopt.core.io import atomic_output_dir, write_json
+    from llmopt.distill.medusa import GENERATION_STEPS, MedusaTrainer, medusa_prompts
+    from llmopt.runtime.engine.config import MEDUSA_HEADS_FILE, EngineConfig
+    from llmopt.runtime.engine.engine import Engine
+    from llmopt.runtime.engine.sampling import SamplingParams
+
+    start = time.perf_counter()
+    output = check_output_free(output, overwrite or resume)
+    earlier = run_dir_for(output) / CHECKPOINT_DIR
+    if earlier.is_dir() and not resume and not overwrite:
+        raise ConfigError(f"{earlier} holds an earlier run's checkpoint: pass --resume to continue it, or "
+                          "--overwrite to start over")
+    model, tokenizer, source = load_model(config.teacher, "float32", trust_remote_code=trust_remote_code)
+    prompts = medusa_prompts(tokenizer, config.data, min(config.on_policy_prompt_len, config.seqlen - 1),
+                             config.seed, config.text_field)
+    if len(prompts) < 2:
+        raise ConfigError(f"--data {config.data} gave {len(prompts)} usable prompts: Medusa heads need more")
+    generations = config.batch_size * GENERATION_STEPS
+    engine = Engine(model, tokenizer, EngineConfig(max_num_seqs=generations), record_steps=False)
+
+    def generate(batch: list[list[int]], new_tokens: int) -> list[list[int]]:
+        params = SamplingParams(max_tokens=new_tokens, ignore_eos=True, detokenize=False)
+        return [o.token_ids for o in engine.generate(batch, params)]
+
+    trainer = MedusaTrainer(config, model, prompts, generate, run_dir_for(output), progress)
+    facts = trainer.train(resume=resume)
+    manifest = {"source": source_entry(config.teacher, source),
+                "stages": [{"stage": "distill", "settings": config.model_dump(mode="json")}],
+                "medusa": {**facts, "num_heads": config.medusa_heads, "prompts": len(prompts),
+                           "log": str(trainer.run_dir / LOG_FILE)}}
+    with atomic_output_dir(output, overwrite=overwrite or resume) as tmp:
+        trainer.heads.save(tmp / MEDUSA_HEADS_FILE)
+        write_json(tmp / "llmopt.json", manifest)
+    return {"output": str(output), "heads": str(output / MEDUSA_HEADS_FILE), **facts,
+            "total_wall_s": round(time.perf_counter() - start, 2), "peak_rss_bytes": peak_rss_bytes()}
+
+
 def _write_student(output: Path, student: Student, model, tokenizer, manifest: dict, overwrite: bool) -> None:
     config_dict = model.config.to_dict()
     if student.kind == "quantized":
