@@ -108,3 +108,34 @@ def test_smollm2_served_over_http_answers_as_the_engine_does(smollm2):
             model="smollm2-135m", messages=[{"role": "user", "content": "What is the capital of France?"}],
             max_tokens=20, temperature=0)
         assert "Paris" in chat.choices[0].message.content
+
+
+@pytest.mark.parametrize("method", ["ngram", "draft", "medusa"])
+def test_smollm2_speculative_greedy_equals_plain_greedy(smollm2, tmp_path, method):
+    """Every proposer on the real model (the draft: SmolLM2 itself; Medusa: random heads), batched with a code
+    prompt that prompt lookup copies from and a chat prompt."""
+    from llmopt.core.medusa import MedusaHeads
+    from llmopt.runtime.engine.config import EngineConfig, SpeculativeConfig
+    from llmopt.runtime.engine.engine import Engine
+    from llmopt.runtime.engine.sampling import SamplingParams
+    from llmopt.runtime.executor.loader import load_runtime_model
+
+    model, tokenizer, _ = load_runtime_model("smollm2-135m")
+    code = "def area(x, z):\n    s = x * z\n    return s + x\n\nRepeat the code above, renaming s to t:\n"
+    prompts = [tokenizer(code)["input_ids"], tokenizer.apply_chat_template(
+        [{"role": "user", "content": "Name three colours."}], add_generation_prompt=True)]
+    params = SamplingParams(max_tokens=32, ignore_eos=True)
+    plain = [o.token_ids for o in Engine(model, tokenizer).generate(prompts, params)]
+    target = None
+    if method == "draft":
+        target = "smollm2-135m"
+    elif method == "medusa":
+        heads = MedusaHeads(3, model.config.hidden_size)
+        torch.manual_seed(0)
+        for head in heads.heads:
+            head.weight.data.normal_(0, 0.01)
+        heads.save(tmp_path / "medusa_heads.safetensors")
+        target = str(tmp_path)
+    engine = Engine(model, tokenizer, EngineConfig(speculative=SpeculativeConfig(method, target, adaptive=False)))
+    assert [o.token_ids for o in engine.generate(prompts, params)] == plain
+    assert engine.stats().spec_decode.num_accepted_tokens > 0

@@ -12,7 +12,8 @@ token, keeps them).
 
 Per step the metadata is built once (`AttentionMetadata.build`) and read by every layer: sequences whose
 step is a single token (decodes) are attended together in one padded batch; sequences with several new
-tokens (prefill chunks) one by one, each with its causal mask over cached + new tokens.
+tokens (prefill chunks) one by one, each with its causal mask over cached + new tokens; a few new tokens after a
+cached prefix (speculative verification) become decode rows, each over the keys up to its own position.
 """
 
 from __future__ import annotations
@@ -24,6 +25,11 @@ import torch
 import torch.nn.functional as F
 
 from llmopt.runtime.executor.kernels.cpu_ops import cpu_ops
+
+
+# Sequences with at most this many new tokens after a cached prefix attend as decode rows (batched with the
+# decodes, through the compiled kernel on CPU) instead of one masked SDPA per sequence.
+MAX_QUERIES_AS_DECODES = 8
 
 
 @dataclass
@@ -61,10 +67,14 @@ class AttentionMetadata:
         for i, ctx in enumerate(context_lens):
             start, end = query_starts[i], query_starts[i + 1]
             num_blocks = (ctx + block_size - 1) // block_size
-            if end - start == 1:
-                decode_rows.append(start)
-                decode_tables.append(block_tables[i][:num_blocks])
-                decode_lens.append(ctx)
+            if end - start == 1 or (end - start <= MAX_QUERIES_AS_DECODES and ctx > end - start):
+                # a decode, or a few new tokens after a cached prefix (speculative verification, a short chunk):
+                # each query row attends as a decode over the keys up to its own position
+                table = block_tables[i][:num_blocks]
+                for row in range(start, end):
+                    decode_rows.append(row)
+                    decode_tables.append(table)
+                    decode_lens.append(ctx - (end - 1 - row))
                 continue
             query_pos = torch.arange(ctx - (end - start), ctx, device=device).unsqueeze(1)
             mask = torch.arange(ctx, device=device).unsqueeze(0) <= query_pos
