@@ -288,3 +288,30 @@ def test_int4_matmul_rows_q8_is_exact_for_its_8_bit_inputs(ops, dtype, n, k, gro
                 + xd @ (offset - 8 * scale).repeat_interleave(group, 1).t())
     tol = 1e-5 if dtype == torch.float32 else 2e-3
     torch.testing.assert_close(out.double(), expected, rtol=tol, atol=tol * expected.abs().max().item())
+
+
+@pytest.mark.parametrize("compiled", [False, True])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_few_tokens_after_a_cached_prefix_attend_as_decode_rows(monkeypatch, dtype, compiled):
+    """Speculative verification (k + 1 new tokens after a cached prefix) through decode rows, each over the keys up
+    to its own position, equals the per-sequence masked attention."""
+    new_lens = [1, 6, 3, 2]
+    context_lens = [9, 30, 7, 18]
+    page, num_heads, num_kv_heads, head_dim = 4, 6, 2, 16
+    k_cache, v_cache, tables = triton_paged_setup(context_lens, num_heads, num_kv_heads, head_dim, page, dtype, 5,
+                                                  device="cpu")
+    starts, slots = [0], []
+    for table, ctx, new in zip(tables, context_lens, new_lens):
+        starts.append(starts[-1] + new)
+        slots += [table[p // page] * page + p % page for p in range(ctx - new, ctx)]
+    slots = torch.tensor(slots)
+    q = torch.randn(starts[-1], num_heads, head_dim, generator=torch.Generator().manual_seed(5)).to(dtype)
+    meta = AttentionMetadata.build(starts, context_lens, tables, slots, page)
+    assert not meta.prefills and meta.decode.rows.tolist() == list(range(starts[-1]))
+    out = paged_attention(q, k_cache, v_cache, meta, head_dim ** -0.5, compiled=compiled)
+    monkeypatch.setattr(attention, "MAX_QUERIES_AS_DECODES", 1)
+    reference_meta = AttentionMetadata.build(starts, context_lens, tables, slots, page)
+    assert len(reference_meta.prefills) == 3
+    expected = paged_attention(q, k_cache, v_cache, reference_meta, head_dim ** -0.5, compiled=False)
+    tol = {"atol": 1e-5, "rtol": 1e-5} if dtype == torch.float32 else {"atol": 2e-2, "rtol": 2e-2}
+    torch.testing.assert_close(out, expected, **tol)

@@ -24,7 +24,7 @@ from torch import nn
 from llmopt.core.adapters import adapter_for, attention_geometry, get_module
 from llmopt.core.errors import UnsupportedArchitectureError
 from llmopt.runtime.executor.kernels.attention import AttentionMetadata, paged_attention, store_kv
-from llmopt.runtime.executor.kernels.cpu_ops import cpu_ops
+from llmopt.runtime.executor.kernels.cpu_ops import GEMV_MAX_ROWS, cpu_ops
 from llmopt.runtime.executor.layers import fuse_linears
 
 SUPPORTED = ("llama", "mistral", "qwen2", "qwen3")
@@ -190,10 +190,11 @@ class RuntimeDecoder(nn.Module):
     def logits(self, hidden: torch.Tensor, as_float: bool = True) -> torch.Tensor:
         """[S, hidden] -> [S, vocab], fp32 (as_float) or as the head computed them (the model's dtype)."""
         weight = self._gemv_weight
-        if self.fused_ops is not None and hidden.shape[0] == 1 and weight is not None and (
+        rows = hidden.shape[0]
+        if self.fused_ops is not None and (rows == 1 or 2 < rows <= GEMV_MAX_ROWS) and weight is not None and (
                 weight.dtype == hidden.dtype or hidden.dtype == torch.float32):
-            # batch-1 decode: the vocab x hidden weight (57 MB for SmolLM2 in bf16) streamed by one matrix-vector
-            # kernel
+            # batch-1 decode (or its speculative verification, a few rows): the vocab x hidden weight (57 MB for
+            # SmolLM2 in bf16) streamed once by one kernel
             logits = self.fused_ops.gemv(hidden, weight)
         else:
             logits = self.logits_head(hidden)

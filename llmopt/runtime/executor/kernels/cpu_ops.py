@@ -29,6 +29,8 @@ from llmopt.core.hardware import X86_ISAS, cpu_info, kernel_isa
 
 log = logging.getLogger(__name__)
 
+GEMV_MAX_ROWS = 8  # ops.gemv takes x [1..8, K] (csrc/fused_cpu.cpp, GEMV_MAX_ROWS)
+
 SOURCES = [Path(__file__).parent / "csrc" / name
            for name in ("paged_attention_cpu.cpp", "fused_cpu.cpp", "int4_cpu.cpp", "register.cpp")]
 _X86_FLAGS = {

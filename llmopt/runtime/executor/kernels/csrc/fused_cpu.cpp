@@ -271,6 +271,8 @@ void store_kv_(at::Tensor& k_cache, at::Tensor& v_cache, const at::Tensor& k, co
 // same result). 4 rows at a time: 4 independent accumulation chains and 4 memory streams, the rows 8 ahead
 // requested early. With AVX512_BF16 and both in bf16 the products come straight from the stored pairs
 // (vdpbf16ps): ~15% more bandwidth than oneDNN's linear reaches on it.
+constexpr int64_t GEMV_MAX_ROWS = 8;
+
 template <typename TX, typename TW>
 void gemv_rows(const TX* xp, const TW* wp, TX* yp, int64_t K, int64_t begin, int64_t end) {
   int64_t n = begin;
@@ -320,24 +322,87 @@ void gemv_rows(const TX* xp, const TW* wp, TX* yp, int64_t K, int64_t begin, int
   }
 }
 
+// M (2..8) inputs against weight rows n in [begin, end): each weight row is streamed once for all M inputs (an
+// sgemm at M = 6 packs the weight first and runs at half the speed of M = 1: speculative verification's shape).
+// y [M, N] = x [M, K] . w [N, K]^T; R weight rows at a time (R x M fp32 accumulators in registers: R = 4 up to
+// M = 6 with 16 AVX-512 lanes, else 2), each x vector loaded once per R rows.
+template <typename TX, typename TW, int M>
+void gemm_few_rows(const TX* xp, const TW* wp, TX* yp, int64_t K, int64_t N, int64_t begin, int64_t end) {
+  constexpr int R = M <= 6 ? 4 : 2;
+  int64_t n = begin;
+#if defined(LLMOPT_VEC)
+  const int64_t vec_k = K - K % 16;
+  for (; n + R <= end; n += R) {
+    const TW* row = wp + n * K;
+    for (int64_t off = 0; off < R * K * static_cast<int64_t>(sizeof(TW)); off += 64)
+      _mm_prefetch(reinterpret_cast<const char*>(row + 2 * R * K) + off, _MM_HINT_T0);
+    Vec acc[R][M];
+    for (int r = 0; r < R; ++r)
+      for (int m = 0; m < M; ++m) acc[r][m] = vzero();
+    for (int64_t k = 0; k < vec_k; k += 16) {
+      Vec w[R];
+      for (int r = 0; r < R; ++r) w[r] = load16(row + r * K + k);
+      for (int m = 0; m < M; ++m) {
+        const Vec xv = load16(xp + m * K + k);
+        for (int r = 0; r < R; ++r) acc[r][m] = vfma(w[r], xv, acc[r][m]);
+      }
+    }
+    for (int r = 0; r < R; ++r) {
+      for (int m = 0; m < M; ++m) {
+        float sum = reduce_add(acc[r][m]);
+        for (int64_t k = vec_k; k < K; ++k) sum += to_float(row[r * K + k]) * to_float(xp[m * K + k]);
+        yp[m * N + n + r] = from_float<TX>(sum);
+      }
+    }
+  }
+#endif
+  for (; n < end; ++n) {
+    const TW* row = wp + n * K;
+    for (int m = 0; m < M; ++m) {
+      float sum = 0.f;
+      for (int64_t k = 0; k < K; ++k) sum += to_float(row[k]) * to_float(xp[m * K + k]);
+      yp[m * N + n] = from_float<TX>(sum);
+    }
+  }
+}
+
+template <typename TX, typename TW, int M>
+void gemm_few_impl(const TX* xp, const TW* wp, TX* yp, int64_t K, int64_t N) {
+  at::parallel_for(0, N, 64, [&](int64_t begin, int64_t end) {
+    gemm_few_rows<TX, TW, M>(xp, wp, yp, K, N, begin, end);
+  });
+}
+
 template <typename TX, typename TW>
 void gemv_impl(const at::Tensor& x, const at::Tensor& w, at::Tensor& y) {
-  const int64_t K = x.size(1), N = w.size(0);
+  const int64_t M = x.size(0), K = x.size(1), N = w.size(0);
   const TX* xp = x.data_ptr<TX>();
   const TW* wp = w.data_ptr<TW>();
   TX* yp = y.data_ptr<TX>();
-  at::parallel_for(0, N, 64, [&](int64_t begin, int64_t end) { gemv_rows<TX, TW>(xp, wp, yp, K, begin, end); });
+  switch (M) {
+    case 1: at::parallel_for(0, N, 64, [&](int64_t begin, int64_t end) { gemv_rows<TX, TW>(xp, wp, yp, K, begin, end); });
+            return;
+    case 2: return gemm_few_impl<TX, TW, 2>(xp, wp, yp, K, N);
+    case 3: return gemm_few_impl<TX, TW, 3>(xp, wp, yp, K, N);
+    case 4: return gemm_few_impl<TX, TW, 4>(xp, wp, yp, K, N);
+    case 5: return gemm_few_impl<TX, TW, 5>(xp, wp, yp, K, N);
+    case 6: return gemm_few_impl<TX, TW, 6>(xp, wp, yp, K, N);
+    case 7: return gemm_few_impl<TX, TW, 7>(xp, wp, yp, K, N);
+    case 8: return gemm_few_impl<TX, TW, 8>(xp, wp, yp, K, N);
+    default: TORCH_CHECK(false, "gemv takes 1 to 8 rows");
+  }
 }
 
 at::Tensor gemv(const at::Tensor& x, const at::Tensor& weight) {
-  TORCH_CHECK(x.dim() == 2 && x.size(0) == 1 && weight.dim() == 2 && weight.size(1) == x.size(1),
-              "x [1, K] and weight [N, K] expected");
+  TORCH_CHECK(x.dim() == 2 && x.size(0) >= 1 && x.size(0) <= GEMV_MAX_ROWS && weight.dim() == 2 &&
+                  weight.size(1) == x.size(1),
+              "x [M <= 8, K] and weight [N, K] expected");
   const bool narrower = x.scalar_type() == at::kFloat &&
                         (weight.scalar_type() == at::kBFloat16 || weight.scalar_type() == at::kHalf);
   TORCH_CHECK(x.scalar_type() == weight.scalar_type() || narrower,
               "weight must have x's dtype (or bf16 / fp16 with fp32 x)");
   const at::Tensor xc = x.contiguous(), wc = weight.contiguous();
-  at::Tensor y = at::empty({1, weight.size(0)}, x.options());
+  at::Tensor y = at::empty({x.size(0), weight.size(0)}, x.options());
   if (weight.scalar_type() == at::kBFloat16 && narrower) {
     gemv_impl<float, at::BFloat16>(xc, wc, y);
   } else if (weight.scalar_type() == at::kHalf && narrower) {
