@@ -188,10 +188,11 @@ def test_store_kv_writes_strided_rows_into_their_slots(ops, dtype):
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("k", [100, 576])  # K = 100: a scalar tail
-def test_gemv_matches_a_float_matmul(ops, dtype, k):
+@pytest.mark.parametrize("rows", [1, 3, 6, 8])  # 1: decode; 3-8: speculative verification
+def test_gemv_matches_a_float_matmul(ops, dtype, k, rows):
     g = torch.Generator().manual_seed(0)
     weight = torch.randn(1001, k, generator=g).to(dtype)  # odd rows: 4-row groups and a remainder
-    x = torch.randn(1, k, generator=g).to(dtype)
+    x = torch.randn(rows, k, generator=g).to(dtype)
     expected = (x.float() @ weight.float().t()).to(dtype)
     tol = 1e-5 if dtype == torch.float32 else 1e-2
     torch.testing.assert_close(ops.gemv(x, weight), expected, rtol=tol, atol=tol)

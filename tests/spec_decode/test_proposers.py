@@ -85,3 +85,11 @@ def test_medusa_heads_refuse_other_files(tmp_path):
         MedusaHeads.load(tmp_path / "x.safetensors")
     with pytest.raises(ConfigError, match="no Medusa heads"):
         MedusaHeads.load(tmp_path / "missing.safetensors")
+
+
+def test_a_new_sequence_starts_from_the_acceptance_seen_so_far():
+    model = AdaptiveSpeculation()
+    assert model.acceptance(0) == 0.5
+    for seq_id in range(1, 30):
+        model.record_verification(seq_id, 4, 0)  # a proposer that is never right
+    assert model.acceptance(100) < 0.1

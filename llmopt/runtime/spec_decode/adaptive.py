@@ -13,9 +13,11 @@ from __future__ import annotations
 
 from collections import deque
 
-# Beta(1, 1)-like prior on a sequence's per-token acceptance before any verification
+# Beta(1, 1)-like prior on per-token acceptance before any verification; a new sequence starts from the
+# proposer's acceptance over all sequences so far (a weak draft model is not re-tried at 0.5 for every request)
 PRIOR_ACCEPTED, PRIOR_REJECTED = 1.0, 1.0
 DECAY = 0.8  # weight of a sequence's earlier verifications against its latest one
+OVERALL_DECAY = 0.99
 COST_WINDOW = 64  # steps the cost model is fitted on
 
 
@@ -23,11 +25,12 @@ class AdaptiveSpeculation:
     def __init__(self, enabled: bool = True):
         self.enabled = enabled
         self.counts: dict[int, tuple[float, float]] = {}  # seq_id -> (accepted, rejected), decayed
+        self.overall = (PRIOR_ACCEPTED, PRIOR_REJECTED)  # every sequence's verifications, decayed alike
         self.steps: deque[tuple[int, float]] = deque(maxlen=COST_WINDOW)  # (tokens, seconds)
         self.proposal_cost = 0.0  # seconds per drafted token (EMA)
 
     def acceptance(self, seq_id: int) -> float:
-        accepted, rejected = self.counts.get(seq_id, (PRIOR_ACCEPTED, PRIOR_REJECTED))
+        accepted, rejected = self.counts.get(seq_id, self.overall)
         return accepted / (accepted + rejected)
 
     def cost_model(self) -> tuple[float, float] | None:
@@ -64,9 +67,11 @@ class AdaptiveSpeculation:
 
     def record_verification(self, seq_id: int, num_drafts: int, num_accepted: int) -> None:
         """A geometric model: each accepted draft is a success, a rejection (if any) one failure."""
-        accepted, rejected = self.counts.get(seq_id, (PRIOR_ACCEPTED, PRIOR_REJECTED))
-        self.counts[seq_id] = (DECAY * accepted + num_accepted,
-                               DECAY * rejected + (1.0 if num_accepted < num_drafts else 0.0))
+        failed = 1.0 if num_accepted < num_drafts else 0.0
+        accepted, rejected = self.counts.get(seq_id, self.overall)
+        self.counts[seq_id] = (DECAY * accepted + num_accepted, DECAY * rejected + failed)
+        accepted, rejected = self.overall
+        self.overall = (OVERALL_DECAY * accepted + num_accepted, OVERALL_DECAY * rejected + failed)
 
     def record_step(self, num_tokens: int, seconds: float) -> None:
         self.steps.append((num_tokens, seconds))
