@@ -115,6 +115,7 @@ def test_smollm2_speculative_greedy_equals_plain_greedy(smollm2, tmp_path, metho
     """Every proposer on the real model (the draft: SmolLM2 itself; Medusa: random heads), batched with a code
     prompt that prompt lookup copies from and a chat prompt."""
     from llmopt.core.medusa import MedusaHeads
+    from llmopt.eval.hf_baseline import encode_prompts
     from llmopt.runtime.engine.config import EngineConfig, SpeculativeConfig
     from llmopt.runtime.engine.engine import Engine
     from llmopt.runtime.engine.sampling import SamplingParams
@@ -122,8 +123,7 @@ def test_smollm2_speculative_greedy_equals_plain_greedy(smollm2, tmp_path, metho
 
     model, tokenizer, _ = load_runtime_model("smollm2-135m")
     code = "def area(x, z):\n    s = x * z\n    return s + x\n\nRepeat the code above, renaming s to t:\n"
-    prompts = [tokenizer(code)["input_ids"], tokenizer.apply_chat_template(
-        [{"role": "user", "content": "Name three colours."}], add_generation_prompt=True)]
+    prompts = [tokenizer(code)["input_ids"], *encode_prompts(tokenizer, ["Name three colours."], chat=True)]
     params = SamplingParams(max_tokens=32, ignore_eos=True)
     plain = [o.token_ids for o in Engine(model, tokenizer).generate(prompts, params)]
     target = None

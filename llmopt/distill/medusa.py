@@ -7,9 +7,7 @@ continues the same batches; checkpoints (heads, optimizer, counters) go to OUT.c
 
 from __future__ import annotations
 
-import json
 import random
-import signal
 import time
 from pathlib import Path
 from typing import Callable
@@ -21,7 +19,7 @@ from torch.nn import functional as F
 from llmopt.core.medusa import MedusaHeads
 from llmopt.distill.checkpoint import load_checkpoint, save_checkpoint
 from llmopt.distill.config import DistillConfig
-from llmopt.distill.trainer import CHECKPOINT_DIR, LOG_FILE, Interrupted, Progress, _main_thread, learning_rate
+from llmopt.distill.trainer import CHECKPOINT_DIR, Progress, TrainingLoop, learning_rate
 
 GENERATION_STEPS = 8  # steps' worth of prompts continued in one batched generation
 # (prompts [n][<= prompt_len], new tokens) -> continuations [n][new tokens], greedy
@@ -56,7 +54,7 @@ def head_losses(heads: MedusaHeads, lm_head: nn.Module, hidden: torch.Tensor, ta
     return losses, agreements
 
 
-class MedusaTrainer:
+class MedusaTrainer(TrainingLoop):
     def __init__(self, config: DistillConfig, model: nn.Module, prompts: list[list[int]], generate: GenerateFn,
                  run_dir: Path, progress: Callable[[Progress], None] | None = None):
         self.config = config
@@ -74,7 +72,6 @@ class MedusaTrainer:
         self.step = 0
         self.elapsed = 0.0
         self._chunk: tuple[int, torch.Tensor] | None = None
-        self._stop_signal: int | None = None
 
     def _sequences(self, prompts: list[list[int]]) -> torch.Tensor:
         """prompt + greedy continuation, seqlen tokens each: [n, seqlen]."""
@@ -130,11 +127,6 @@ class MedusaTrainer:
         return {"held_out_head_kl": [round(x.item(), 4) for x in losses],
                 "held_out_head_top1": [round(a, 4) for a in agreements]}
 
-    def _done(self) -> bool:
-        if self.config.max_steps is not None and self.step >= self.config.max_steps:
-            return True
-        return self.config.max_time is not None and self.elapsed >= self.config.max_time
-
     def save(self) -> None:
         save_checkpoint(self.run_dir / CHECKPOINT_DIR, dict(self.heads.state_dict()), self.optimizer,
                         {"step": self.step, "elapsed": self.elapsed})
@@ -143,50 +135,14 @@ class MedusaTrainer:
         tensors, counters = load_checkpoint(self.run_dir / CHECKPOINT_DIR, self.optimizer)
         self.heads.load_state_dict(tensors, strict=True)
         self.step, self.elapsed = counters["step"], counters["elapsed"]
-        log = self.run_dir / LOG_FILE
-        if log.is_file():  # steps logged after the checkpoint are run again: drop their lines
-            kept = [line for line in log.read_text().splitlines() if json.loads(line).get("step", 0) <= self.step]
-            log.write_text("".join(line + "\n" for line in kept))
 
     def train(self, resume: bool = False) -> dict:
-        self.run_dir.mkdir(parents=True, exist_ok=True)
-        if resume:
-            self.resume()
-        elif (self.run_dir / LOG_FILE).exists():
-            (self.run_dir / LOG_FILE).unlink()
-        previous = {s: signal.signal(s, self._on_signal) for s in (signal.SIGINT, signal.SIGTERM)} \
-            if _main_thread() else {}
+        self.begin(resume)
         before = self.evaluate() if self.step == 0 else {}
-        last: dict = {}
-        try:
-            while not self._done():
-                last = self.train_step()
-                if self.step % self.config.log_every == 0:
-                    self._log(last)
-                if self.progress:
-                    self.progress(Progress(self.step, self.config.max_steps, last))
-                if self.config.save_every and self.step % self.config.save_every == 0:
-                    self.save()
-                if self._stop_signal is not None:
-                    self.save()
-                    raise Interrupted(f"stopped at step {self.step} (signal {self._stop_signal}); checkpoint in "
-                                      f"{self.run_dir}: run the same command with --resume to continue")
-            self.save()
-        finally:
-            for s, handler in previous.items():
-                signal.signal(s, handler)
+        last = self.run_steps()
         after = self.evaluate()
         self._log({"step": self.step, **after})
         return {"steps": self.step, "train_seconds": round(self.elapsed, 2), "final_loss": last.get("loss"),
                 "tokens_per_s": (self.step * self.config.batch_size * self.config.seqlen / self.elapsed)
                 if self.elapsed else None,
                 **{f"initial_{k}": v for k, v in before.items()}, **after}
-
-    def _on_signal(self, signum, frame) -> None:
-        if self._stop_signal is not None:
-            raise KeyboardInterrupt
-        self._stop_signal = signum
-
-    def _log(self, record: dict) -> None:
-        with open(self.run_dir / LOG_FILE, "a") as f:
-            f.write(json.dumps(record) + "\n")

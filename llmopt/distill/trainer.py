@@ -61,7 +61,70 @@ class Progress:
     record: dict = field(default_factory=dict)
 
 
-class Distiller:
+class TrainingLoop:
+    """The loop both trainers share (the distiller and the Medusa heads' trainer): train_step() until max_steps /
+    max_time, a log line every log_every steps, checkpoints every save_every steps and at the end, and SIGINT /
+    SIGTERM -> checkpoint, then Interrupted (a second signal stops at once). Subclasses give config, step, elapsed,
+    run_dir, progress, train_step() and save()."""
+
+    _stop_signal: int | None = None
+
+    def _done(self) -> bool:
+        config = self.config
+        if config.max_steps is not None and self.step >= config.max_steps:
+            return True
+        return config.max_time is not None and self.elapsed >= config.max_time
+
+    def begin(self, resume: bool) -> None:
+        """A fresh run (no step log) or a resumed one: the checkpoint loaded, and the log lines of steps after it
+        (written before a kill reached the next checkpoint, and about to be run again) dropped."""
+        self.run_dir.mkdir(parents=True, exist_ok=True)
+        log = self.run_dir / LOG_FILE
+        if not resume:
+            log.unlink(missing_ok=True)
+            return
+        self.resume()
+        if log.is_file():
+            kept = [line for line in log.read_text().splitlines() if json.loads(line).get("step", 0) <= self.step]
+            log.write_text("".join(line + "\n" for line in kept))
+
+    def run_steps(self, after_step: Callable[[dict], None] | None = None) -> dict:
+        """Train to the end; after_step may add to a step's record (held-out figures). Returns the last record."""
+        previous = {s: signal.signal(s, self._on_signal) for s in (signal.SIGINT, signal.SIGTERM)} \
+            if _main_thread() else {}
+        last: dict = {}
+        try:
+            while not self._done():
+                last = self.train_step()
+                if after_step is not None:
+                    after_step(last)
+                if self.step % self.config.log_every == 0 or "held_out_ppl" in last:
+                    self._log(last)
+                if self.progress:
+                    self.progress(Progress(self.step, self.config.max_steps, last))
+                if self.config.save_every and self.step % self.config.save_every == 0:
+                    self.save()
+                if self._stop_signal is not None:
+                    self.save()
+                    raise Interrupted(f"stopped at step {self.step} (signal {self._stop_signal}); checkpoint in "
+                                      f"{self.run_dir}: run the same command with --resume to continue")
+            self.save()
+        finally:
+            for s, handler in previous.items():
+                signal.signal(s, handler)
+        return last
+
+    def _on_signal(self, signum, frame) -> None:
+        if self._stop_signal is not None:  # a second Ctrl-C: stop now
+            raise KeyboardInterrupt
+        self._stop_signal = signum
+
+    def _log(self, record: dict) -> None:
+        with open(self.run_dir / LOG_FILE, "a") as f:
+            f.write(json.dumps(record) + "\n")
+
+
+class Distiller(TrainingLoop):
     """Trains `student` towards `teacher` on `windows` as `config` says; checkpoints under `run_dir`."""
 
     def __init__(self, config: DistillConfig, teacher: nn.Module | None, student: Student, tokenizer,
@@ -103,7 +166,6 @@ class Distiller:
         self.optimizer = prepared[-1]  # accelerate's wrapper; checkpoints hold the torch optimizer inside it
         self.torch_optimizer = getattr(self.optimizer, "optimizer", self.optimizer)
         self.step, self.samples_seen, self.elapsed = 0, 0, 0.0
-        self._stop_signal: int | None = None
 
     # --- setup ------------------------------------------------------------------------------------------
     def _projection(self) -> nn.Module | None:
@@ -264,60 +326,27 @@ class Distiller:
         return math.exp(nll / count)
 
     # --- the loop ---------------------------------------------------------------------------------------
-    def _done(self) -> bool:
-        config = self.config
-        if config.max_steps is not None and self.step >= config.max_steps:
-            return True
-        return config.max_time is not None and self.elapsed >= config.max_time
-
     def train(self, resume: bool = False) -> dict:
         """Run to the end (max_steps and/or max_time); returns the run's facts."""
-        self.run_dir.mkdir(parents=True, exist_ok=True)
-        if resume:
-            self.resume()
-        elif (self.run_dir / LOG_FILE).exists():
-            (self.run_dir / LOG_FILE).unlink()
-        previous = {s: signal.signal(s, self._on_signal) for s in (signal.SIGINT, signal.SIGTERM)} \
-            if _main_thread() else {}
-        last: dict = {}
-        try:
-            first_ppl = self.held_out_perplexity() if self.config.eval_every and self.step == 0 else None
-            if first_ppl is not None:
-                self._log({"step": 0, "held_out_ppl": first_ppl})
-            while not self._done():
-                record = self.train_step()
-                if self.config.eval_every and self.step % self.config.eval_every == 0:
-                    record["held_out_ppl"] = self.held_out_perplexity()
-                last = record
-                if self.step % self.config.log_every == 0 or "held_out_ppl" in record:
-                    self._log(record)
-                if self.progress:
-                    self.progress(Progress(self.step, self.config.max_steps, record))
-                if self.config.save_every and self.step % self.config.save_every == 0:
-                    self.save()
-                if self._stop_signal is not None:
-                    self.save()
-                    raise Interrupted(f"stopped at step {self.step} (signal {self._stop_signal}); checkpoint in "
-                                      f"{self.run_dir}: run the same command with --resume to continue")
-            self.save()
-        finally:
-            for s, handler in previous.items():
-                signal.signal(s, handler)
+        self.begin(resume)
+        first_ppl = self.held_out_perplexity() if self.config.eval_every and self.step == 0 else None
+        if first_ppl is not None:
+            self._log({"step": 0, "held_out_ppl": first_ppl})
+
+        def evaluate(record: dict) -> None:
+            if self.config.eval_every and self.step % self.config.eval_every == 0:
+                record["held_out_ppl"] = self.held_out_perplexity()
+
+        last = self.run_steps(evaluate)
         final_ppl = self.held_out_perplexity() if self.config.eval_every else None
         return {"steps": self.step, "samples_seen": self.samples_seen, "train_seconds": round(self.elapsed, 2),
                 "final_loss": last.get("loss"), "final_kd": last.get("kd"), "final_ce": last.get("ce"),
                 "held_out_ppl": final_ppl,
                 "tokens_per_s": (self.samples_seen * self.config.seqlen / self.elapsed) if self.elapsed else None}
 
-    def _on_signal(self, signum, frame) -> None:
-        if self._stop_signal is not None:  # a second Ctrl-C: stop now
-            raise KeyboardInterrupt
-        self._stop_signal = signum
-
     def _log(self, record: dict) -> None:
         if self.accelerator.is_main_process:
-            with open(self.run_dir / LOG_FILE, "a") as f:
-                f.write(json.dumps(record) + "\n")
+            super()._log(record)
 
 
 def _unique(state: dict[str, torch.Tensor], prefix: str) -> dict[str, torch.Tensor]:

@@ -29,6 +29,17 @@ def run_dir_for(output: str | Path) -> Path:
     return output.parent / f"{output.name}{CHECKPOINT_SUFFIX}"
 
 
+def fresh_output(output: str | Path, resume: bool, overwrite: bool) -> Path:
+    """The output path, checked before any work: free (or replaceable), and no earlier run's checkpoint beside it
+    unless resuming or overwriting."""
+    output = check_output_free(output, overwrite or resume)
+    earlier = run_dir_for(output) / CHECKPOINT_DIR
+    if earlier.is_dir() and not resume and not overwrite:
+        raise ConfigError(f"{earlier} holds an earlier run's checkpoint: pass --resume to continue it, or "
+                          "--overwrite to start over")
+    return output
+
+
 def generate_with_engine(model, tokenizer, prompts: list[list[int]], max_tokens: int, temperature: float,
                          seeds: list[int]) -> list[list[int]]:
     """On-policy continuations from llmopt's own engine, on the model's own modules (fast_path off: the packed
@@ -49,11 +60,7 @@ def distill_to_artifact(config: DistillConfig, output: str | Path, resume: bool 
     """Distill as `config` says and write the student to `output`; return the facts measured (None in the other
     processes of a multi-process run)."""
     start = time.perf_counter()
-    output = check_output_free(output, overwrite or resume)
-    earlier = run_dir_for(output) / CHECKPOINT_DIR
-    if earlier.is_dir() and not resume and not overwrite:
-        raise ConfigError(f"{earlier} holds an earlier run's checkpoint: pass --resume to continue it, or "
-                          "--overwrite to start over")
+    output = fresh_output(output, resume, overwrite)
     teacher, tokenizer, teacher_source = load_model(config.teacher, "float32", trust_remote_code=trust_remote_code)
     student = build_student(config, teacher, tokenizer, trust_remote_code)
     if not config.needs_teacher:  # alpha 0: plain fine-tuning on the labels
@@ -91,11 +98,7 @@ def train_medusa_heads(config: DistillConfig, output: str | Path, resume: bool =
     from llmopt.runtime.engine.sampling import SamplingParams
 
     start = time.perf_counter()
-    output = check_output_free(output, overwrite or resume)
-    earlier = run_dir_for(output) / CHECKPOINT_DIR
-    if earlier.is_dir() and not resume and not overwrite:
-        raise ConfigError(f"{earlier} holds an earlier run's checkpoint: pass --resume to continue it, or "
-                          "--overwrite to start over")
+    output = fresh_output(output, resume, overwrite)
     model, tokenizer, source = load_model(config.teacher, "float32", trust_remote_code=trust_remote_code)
     prompts = medusa_prompts(tokenizer, config.data, min(config.on_policy_prompt_len, config.seqlen - 1),
                              config.seed, config.text_field)

@@ -141,6 +141,21 @@ def test_on_policy_batches_are_the_students_own_generations(tmp_path):
     assert all(r["on_policy"] for r in records) and all(r["kd"] >= 0 for r in records)
 
 
+def kill_after_logged_steps(args: list[str], log, steps: int) -> None:
+    """Run `llmopt ARGS` in a subprocess and SIGKILL it once its step log has `steps` lines."""
+    env = {**os.environ, "TOKENIZERS_PARALLELISM": "false"}
+    proc = subprocess.Popen([sys.executable, "-m", "llmopt", *args], env=env, stdout=subprocess.DEVNULL,
+                            stderr=subprocess.DEVNULL)
+    deadline = time.time() + 120
+    while time.time() < deadline and proc.poll() is None:
+        if log.is_file() and sum(1 for _ in log.open()) >= steps:
+            proc.send_signal(signal.SIGKILL)
+            break
+        time.sleep(0.01)
+    proc.wait(30)
+    assert proc.returncode == -signal.SIGKILL, "the run ended before it could be killed"
+
+
 def test_a_killed_run_resumes_onto_the_same_losses(tmp_path):
     common = ["distill", "--teacher", TEACHER, "--student-layers", "0", "--data", "pystdlib", "--seqlen", "32",
               "--batch-size", "2", "--max-train-tokens", "20000", "--max-steps", "12", "--lr", "3e-3",
@@ -151,18 +166,7 @@ def test_a_killed_run_resumes_onto_the_same_losses(tmp_path):
     whole = [r["loss"] for r in log_of(tmp_path / "whole") if "loss" in r]
 
     killed = tmp_path / "killed"
-    env = {**os.environ, "TOKENIZERS_PARALLELISM": "false"}
-    proc = subprocess.Popen([sys.executable, "-m", "llmopt", *common, "-o", str(killed)], env=env,
-                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    log = run_dir_for(killed) / "log.jsonl"
-    deadline = time.time() + 120
-    while time.time() < deadline and proc.poll() is None:
-        if log.is_file() and sum(1 for _ in log.open()) >= 5:
-            proc.send_signal(signal.SIGKILL)
-            break
-        time.sleep(0.01)
-    proc.wait(30)
-    assert proc.returncode == -signal.SIGKILL, "the run ended before it could be killed"
+    kill_after_logged_steps([*common, "-o", str(killed)], run_dir_for(killed) / "log.jsonl", 5)
     assert not killed.exists()
     result = runner.invoke(app, common + ["-o", str(killed), "--resume"])
     assert result.exit_code == 0, result.output

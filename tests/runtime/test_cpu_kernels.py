@@ -194,7 +194,8 @@ def test_gemv_matches_a_float_matmul(ops, dtype, k, rows):
     weight = torch.randn(1001, k, generator=g).to(dtype)  # odd rows: 4-row groups and a remainder
     x = torch.randn(rows, k, generator=g).to(dtype)
     expected = (x.float() @ weight.float().t()).to(dtype)
-    tol = 1e-5 if dtype == torch.float32 else 1e-2
+    # sums of 576 products of magnitude ~24: the scalar build's sequential order differs from BLAS's by ~3e-5
+    tol = 1e-4 if dtype == torch.float32 else 1e-2
     torch.testing.assert_close(ops.gemv(x, weight), expected, rtol=tol, atol=tol)
 
 

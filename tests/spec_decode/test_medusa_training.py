@@ -2,11 +2,6 @@
 continues the same losses, and the runtime serves with the trained heads (same greedy tokens)."""
 
 import json
-import os
-import signal
-import subprocess
-import sys
-import time
 
 import pytest
 import torch
@@ -20,6 +15,7 @@ from llmopt.runtime.engine.engine import Engine
 from llmopt.runtime.engine.sampling import SamplingParams
 from llmopt.pipelines.distill import run_dir_for
 from llmopt.distill.checkpoint import MODEL_FILE
+from tests.distill.test_distill import kill_after_logged_steps
 
 COMMON = ["distill", "--teacher", "tiny-random-llama", "--medusa-heads", "2", "--data", "pystdlib", "--seqlen", "40",
           "--batch-size", "2", "--lr", "1e-2", "--warmup", "2", "--eval-windows", "4", "--max-steps", "16"]
@@ -59,18 +55,7 @@ def test_a_killed_run_resumes_onto_the_same_losses(tmp_path):
     whole = tmp_path / "whole"
     assert runner.invoke(app, COMMON + ["-o", str(whole)]).exit_code == 0
     killed = tmp_path / "killed"
-    env = {**os.environ, "TOKENIZERS_PARALLELISM": "false"}
-    proc = subprocess.Popen([sys.executable, "-m", "llmopt", *COMMON, "--save-every", "1", "-o", str(killed)],
-                            env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    log = run_dir_for(killed) / "log.jsonl"
-    deadline = time.time() + 120
-    while time.time() < deadline and proc.poll() is None:
-        if log.is_file() and sum(1 for _ in log.open()) >= 5:
-            proc.send_signal(signal.SIGKILL)
-            break
-        time.sleep(0.01)
-    proc.wait(30)
-    assert proc.returncode == -signal.SIGKILL, "the run ended before it could be killed"
+    kill_after_logged_steps([*COMMON, "--save-every", "1", "-o", str(killed)], run_dir_for(killed) / "log.jsonl", 5)
     assert not killed.exists()
     result = runner.invoke(app, COMMON + ["--save-every", "1", "-o", str(killed), "--resume"])
     assert result.exit_code == 0, result.output

@@ -54,7 +54,8 @@ class DraftProposer:
         if shadow is None:
             shadow = self.shadows[seq.seq_id] = Sequence(seq.token_ids, GREEDY, seq_id=seq.seq_id)
         else:
-            keep = common_prefix(shadow.token_ids, seq.token_ids, min(shadow.num_computed_tokens, seq.num_prompt_tokens))
+            known = min(shadow.num_computed_tokens, seq.num_prompt_tokens)
+            keep = common_prefix(shadow.token_ids, seq.token_ids, known)
             # the newest token is always fed again: its logits give the first draft
             shadow.num_computed_tokens = min(shadow.num_computed_tokens, keep, seq.num_tokens - 1)
             shadow.token_ids = list(seq.token_ids)
