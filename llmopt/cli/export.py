@@ -6,7 +6,7 @@ from typing import Annotated
 
 import typer
 
-from llmopt.cli.options import JsonOpt, OutputOpt, OverwriteOpt
+from llmopt.cli.options import JsonOpt, OutputOpt, OverwriteOpt, TrustRemoteCodeOpt
 from llmopt.cli.output import print_json, print_table
 from llmopt.cli.options import FormatName
 
@@ -17,11 +17,12 @@ def export(
     output: OutputOpt,
     overwrite: OverwriteOpt = False,
     as_json: JsonOpt = False,
+    trust_remote_code: TrustRemoteCodeOpt = False,
 ) -> None:
     """Convert ARTIFACT to --format, or say why the target cannot express it."""
     from llmopt.export.convert import export_artifact
 
-    facts = export_artifact(artifact, output, fmt.value, overwrite)
+    facts = export_artifact(artifact, output, fmt.value, overwrite, trust_remote_code)
     if as_json:
         print_json(facts)
     else:

@@ -94,9 +94,9 @@ def convert_gguf(gguf_path: Path, out: Path) -> None:
 
     gguf_path = Path(gguf_path)
     try:
-        tokenizer = AutoTokenizer.from_pretrained(gguf_path.parent, gguf_file=gguf_path.name)
+        tokenizer = AutoTokenizer.from_pretrained(gguf_path.parent, gguf_file=gguf_path.name, trust_remote_code=False)
         gguf_model = AutoModelForCausalLM.from_pretrained(
-            gguf_path.parent, gguf_file=gguf_path.name, dtype=torch.float32
+            gguf_path.parent, gguf_file=gguf_path.name, dtype=torch.float32, trust_remote_code=False
         )
     except Exception as e:  # transformers raises many kinds here; the first line says what broke
         raise ModelLoadError(f"cannot read GGUF {gguf_path}: {str(e).splitlines()[0]}") from e
@@ -163,7 +163,7 @@ def resolve_model(name: str) -> ModelSource:
     )
 
 
-def _check_safetensors(path: Path) -> None:
+def check_safetensors(path: Path) -> None:
     if list(path.glob("*.safetensors")):
         return
     if list(path.glob("*.bin")) or list(path.glob("*.pt")):
@@ -184,6 +184,9 @@ def load_config(source: ModelSource, trust_remote_code: bool = False):
 
 def _load_error(source: ModelSource, e: Exception) -> Exception:
     first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+    if "trust_remote_code" in str(e):
+        return ModelLoadError(f"{source.load_path} ships its own model or tokenizer code, which llmopt runs only "
+                              "when asked: pass --trust-remote-code if you trust it (it is arbitrary code)")
     if source.kind == "hub":
         return ModelNotFoundError(
             f"cannot fetch {source.hub_id!r} from the Hugging Face hub ({first}); offline, use a local folder "
@@ -226,7 +229,7 @@ def load_dense_model(source: ModelSource, dtype: str = "float32", device: str = 
     hf_logging.disable_progress_bar()
     dtype = resolve_dtype_name(dtype, device)
     if source.path is not None:
-        _check_safetensors(source.path)
+        check_safetensors(source.path)
     try:
         model = AutoModelForCausalLM.from_pretrained(
             source.load_path, dtype=DTYPES[dtype], use_safetensors=True, trust_remote_code=trust_remote_code,

@@ -27,9 +27,9 @@ def settings_from_artifact(contents) -> dict:
     }
 
 
-def export_artifact(source: str | Path, output: str | Path, fmt_name: str, overwrite: bool = False) -> dict:
-    from transformers import AutoTokenizer
-
+def export_artifact(source: str | Path, output: str | Path, fmt_name: str, overwrite: bool = False,
+                    trust_remote_code: bool = False) -> dict:
+    from llmopt.core.models import load_tokenizer, resolve_model
     from llmopt.export.artifact import write_artifact
 
     start = time.perf_counter()
@@ -40,7 +40,8 @@ def export_artifact(source: str | Path, output: str | Path, fmt_name: str, overw
     contents = read_artifact(source)
     if not contents.qweights:
         raise ArtifactError(f"{source} holds no quantized weights: quantize it first (llmopt quantize)")
-    tokenizer = AutoTokenizer.from_pretrained(str(source))
+    # never the folder's own tokenizer code unless asked (transformers would prompt, then run it)
+    tokenizer = load_tokenizer(resolve_model(str(source)), trust_remote_code=trust_remote_code)
     manifest = dict(contents.manifest)
     manifest["stages"] = [*manifest.get("stages", []),
                           {"stage": "export", "from_format": contents.fmt.name, "to_format": fmt_name}]

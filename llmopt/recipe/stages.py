@@ -89,7 +89,7 @@ def _run_bnb(model: str, output: Path, options: dict) -> dict:
     import torch
 
     from llmopt.core.io import atomic_output_dir
-    from llmopt.core.models import load_tokenizer, resolve_model
+    from llmopt.core.models import check_safetensors, load_tokenizer, resolve_model
 
     try:
         import bitsandbytes  # noqa: F401
@@ -103,8 +103,10 @@ def _run_bnb(model: str, output: Path, options: dict) -> dict:
                                  bnb_4bit_compute_dtype=compute_dtype))
     start = time.perf_counter()
     source = resolve_model(model)
+    if source.path is not None:
+        check_safetensors(source.path)  # safetensors only, never a pickle checkpoint
     lm = AutoModelForCausalLM.from_pretrained(source.load_path, quantization_config=config, device_map="cpu",
-                                              dtype=compute_dtype)
+                                              dtype=compute_dtype, use_safetensors=True, trust_remote_code=False)
     with atomic_output_dir(output, overwrite=True) as tmp:
         lm.save_pretrained(tmp)
         load_tokenizer(source).save_pretrained(tmp)
