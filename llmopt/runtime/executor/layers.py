@@ -15,7 +15,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from llmopt.core.contract import QuantizedWeight
-from llmopt.runtime.executor.kernels.cpu_ops import GEMV_MAX_ROWS, cpu_ops
+from llmopt.runtime.executor.kernels.cpu_ops import GEMV_BATCHED_ROWS, cpu_ops
 from llmopt.runtime.executor.kernels.quant_matmul import (
     can_pack_int4, int4_dequantize, int4_matmul, int8_matmul, pack_int4, pack_int4_codes, pack_int8, pack_nibbles,
     unpack_nibbles,
@@ -278,14 +278,11 @@ class FusedDenseLinear(nn.Module):
             ops = cpu_ops() if weight.device.type == "cpu" and weight.dtype == torch.float32 else None
             if ops is None or weight.shape[0] < weight.shape[1]:
                 return lambda x: linear(x, weight, bias)
-            # 3..8 rows (speculative verification at batch 1) of a wide weight: the weight streamed once for all
-            # rows. MKL's sgemm is as fast as a matrix-vector product up to 2 rows, then ~2x slower from 4 (it packs
-            # the weight); measured (2 cores, AVX-512) at 6 rows: 960x576 117 -> 57 us, 3072x576 327 -> 270 us,
-            # 49152x576 5355 -> 3679 us, but 576x1536 98 -> 116 us (so narrow weights keep MKL)
-            gemv, most = ops.gemv, GEMV_MAX_ROWS
+            # a few rows (speculative verification at batch 1) of a wide weight: gemv (kernels.cpu_ops)
+            gemv, few = ops.gemv, GEMV_BATCHED_ROWS
 
             def few_rows_or_gemm(x):
-                if 2 < x.shape[0] <= most:
+                if x.shape[0] in few:
                     y = gemv(x, weight)
                     return y if bias is None else y + bias
                 return linear(x, weight, bias)

@@ -24,7 +24,7 @@ from torch import nn
 from llmopt.core.adapters import adapter_for, attention_geometry, get_module
 from llmopt.core.errors import UnsupportedArchitectureError
 from llmopt.runtime.executor.kernels.attention import AttentionMetadata, paged_attention, store_kv
-from llmopt.runtime.executor.kernels.cpu_ops import GEMV_MAX_ROWS, cpu_ops
+from llmopt.runtime.executor.kernels.cpu_ops import GEMV_BATCHED_ROWS, cpu_ops
 from llmopt.runtime.executor.layers import fuse_linears
 
 SUPPORTED = ("llama", "mistral", "qwen2", "qwen3")
@@ -191,7 +191,7 @@ class RuntimeDecoder(nn.Module):
         """[S, hidden] -> [S, vocab], fp32 (as_float) or as the head computed them (the model's dtype)."""
         weight = self._gemv_weight
         rows = hidden.shape[0]
-        if self.fused_ops is not None and (rows == 1 or 2 < rows <= GEMV_MAX_ROWS) and weight is not None and (
+        if self.fused_ops is not None and (rows == 1 or rows in GEMV_BATCHED_ROWS) and weight is not None and (
                 weight.dtype == hidden.dtype or hidden.dtype == torch.float32):
             # batch-1 decode (or its speculative verification, a few rows): the vocab x hidden weight (57 MB for
             # SmolLM2 in bf16) streamed once by one kernel

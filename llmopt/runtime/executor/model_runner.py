@@ -65,9 +65,11 @@ def zeros_lazily(shape: tuple[int, ...], dtype: torch.dtype, device: torch.devic
 
 
 class ModelRunner:
-    def __init__(self, hf_model, config: EngineConfig, kv_dtype: torch.dtype | None = None):
+    def __init__(self, hf_model, config: EngineConfig, kv_dtype: torch.dtype | None = None,
+                 num_blocks: int | None = None):
         """config.kv_cache_bytes None: sized from the machine (default_kv_cache_bytes), up to what
-        config.max_num_seqs sequences of the model's full context could hold."""
+        config.max_num_seqs sequences of the model's full context could hold. num_blocks: exactly that many blocks
+        instead (a draft model's cache holds as many tokens as its target's)."""
         block_size, kv_cache_bytes = config.block_size, config.kv_cache_bytes
         kv_cache_memory_fraction, max_num_seqs = config.kv_cache_memory_fraction, config.max_num_seqs
         fast = config.fast_path
@@ -79,7 +81,9 @@ class ModelRunner:
         self.block_size = block_size
         per_block = kv_bytes_per_block(self.decoder, block_size, self.kv_dtype)
         self.kv_cache_source = "given"
-        if kv_cache_bytes is None:
+        if num_blocks is not None:
+            kv_cache_bytes, self.kv_cache_source = num_blocks * per_block, f"{num_blocks} blocks"
+        elif kv_cache_bytes is None:
             context = getattr(hf_model.config, "max_position_embeddings", None)
             useful = (max_num_seqs * -(-context // block_size) * per_block) if context and max_num_seqs else None
             kv_cache_bytes = default_kv_cache_bytes(self.device, kv_cache_memory_fraction, useful)

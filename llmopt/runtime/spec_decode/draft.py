@@ -17,8 +17,7 @@ from llmopt.runtime.engine.config import EngineConfig, SpeculativeConfig
 from llmopt.runtime.engine.sampling import SamplingParams
 from llmopt.runtime.engine.scheduler import ScheduledSeq, SchedulerOutput
 from llmopt.runtime.engine.sequence import Sequence
-from llmopt.runtime.executor.model_runner import ModelRunner, kv_bytes_per_block
-from llmopt.runtime.executor.model import RuntimeDecoder
+from llmopt.runtime.executor.model_runner import ModelRunner
 from llmopt.runtime.spec_decode.proposer import PROPOSERS
 
 GREEDY = SamplingParams(max_tokens=1 << 30, ignore_eos=True, detokenize=False)
@@ -40,11 +39,9 @@ class DraftProposer:
         if draft_vocab != target_vocab:
             raise ConfigError(f"the draft model's vocabulary ({draft_vocab}) differs from the target's "
                               f"({target_vocab}): a draft must share the target's tokenizer")
+        config = replace(engine_config, speculative=None)
         # as many tokens as the target's cache holds, in the draft's (smaller) blocks
-        per_block = kv_bytes_per_block(RuntimeDecoder(draft_model, engine_config.fast_path), target_runner.block_size,
-                                       next(draft_model.parameters()).dtype)
-        config = replace(engine_config, kv_cache_bytes=target_runner.num_blocks * per_block, speculative=None)
-        self.runner = ModelRunner(draft_model, config)
+        self.runner = ModelRunner(draft_model, config, num_blocks=target_runner.num_blocks)
         self.block_manager = BlockManager(self.runner.num_blocks, config.block_size, enable_prefix_cache=False)
         self.shadows: dict[int, Sequence] = {}
 

@@ -265,14 +265,14 @@ void store_kv_(at::Tensor& k_cache, at::Tensor& v_cache, const at::Tensor& k, co
   }
 }
 
+constexpr int64_t GEMV_MAX_ROWS = 8;  // x rows gemv takes (cpu_ops.GEMV_MAX_ROWS)
+
 // y [1, N] = x [1, K] @ weight [N, K]^T for one row, fp32 accumulation, in x's dtype (batch-1 decode's lm_head:
 // 49152 x 576 for SmolLM2, read once per token, usually from memory). The weight may be stored narrower than x
 // (an fp32 model whose lm_head holds exactly fp16 or bf16 values, as an artifact's does: half the bytes, the
 // same result). 4 rows at a time: 4 independent accumulation chains and 4 memory streams, the rows 8 ahead
 // requested early. With AVX512_BF16 and both in bf16 the products come straight from the stored pairs
 // (vdpbf16ps): ~15% more bandwidth than oneDNN's linear reaches on it.
-constexpr int64_t GEMV_MAX_ROWS = 8;
-
 template <typename TX, typename TW>
 void gemv_rows(const TX* xp, const TW* wp, TX* yp, int64_t K, int64_t begin, int64_t end) {
   int64_t n = begin;
