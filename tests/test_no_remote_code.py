@@ -55,3 +55,33 @@ def test_export_refuses_a_folder_with_its_own_code(tiny_llama_dir, tmp_path):
     assert_one_line_error(result, "--trust-remote-code")
     assert not marker.exists() and not out.exists()
     assert "[y/N]" not in result.output
+
+
+def test_the_bnb_recipe_stage_runs_no_model_code_and_reads_no_pickle(tiny_llama_dir, tmp_path):
+    import shutil
+
+    import pytest
+
+    from llmopt.core.errors import ModelLoadError
+    from llmopt.recipe.stages import STAGES
+
+    pytest.importorskip("bitsandbytes")
+    bnb = STAGES.get("bnb")
+    folder = tmp_path / "remote"
+    shutil.copytree(tiny_llama_dir, folder)
+    marker = tmp_path / "marker"
+    (folder / "evil_model.py").write_text(f"from pathlib import Path\nPath({str(marker)!r}).write_text('ran')\n")
+    config = json.loads((folder / "config.json").read_text())
+    config.update(model_type="evil", auto_map={"AutoConfig": "evil_model.EvilConfig",
+                                               "AutoModelForCausalLM": "evil_model.EvilModel"})
+    (folder / "config.json").write_text(json.dumps(config))
+    with pytest.raises(Exception, match="trust_remote_code"):
+        bnb.run(str(folder), tmp_path / "out", {"quant_type": "nf4"})
+    assert not marker.exists() and not (tmp_path / "out").exists()
+
+    pickled = tmp_path / "pickled"
+    shutil.copytree(tiny_llama_dir, pickled)
+    for weights in pickled.glob("*.safetensors"):
+        weights.rename(weights.with_name("pytorch_model.bin"))
+    with pytest.raises(ModelLoadError, match="pickle"):
+        bnb.run(str(pickled), tmp_path / "out2", {"quant_type": "nf4"})
