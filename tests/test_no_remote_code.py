@@ -75,7 +75,7 @@ def test_the_bnb_recipe_stage_runs_no_model_code_and_reads_no_pickle(tiny_llama_
     config.update(model_type="evil", auto_map={"AutoConfig": "evil_model.EvilConfig",
                                                "AutoModelForCausalLM": "evil_model.EvilModel"})
     (folder / "config.json").write_text(json.dumps(config))
-    with pytest.raises(Exception, match="trust_remote_code"):
+    with pytest.raises(ModelLoadError, match="pass --trust-remote-code if you trust it"):
         bnb.run(str(folder), tmp_path / "out", {"quant_type": "nf4"})
     assert not marker.exists() and not (tmp_path / "out").exists()
 

@@ -86,6 +86,10 @@ def bench(
     from llmopt.eval.workloads import WorkloadSpec
     from llmopt.runtime.engine.config import EngineConfig
 
+    if json_out is not None:
+        from llmopt.core.io import check_output_file
+
+        check_output_file(json_out, "--json file")  # before minutes of benchmarking, not after
     if batching not in ("continuous", "static"):
         raise ConfigError(f"--batching {batching!r}: choose continuous or static")
     if dataset == "sharegpt" and dataset_path and not Path(dataset_path).is_file():

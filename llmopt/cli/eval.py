@@ -31,6 +31,7 @@ def ppl(
     """Perplexity over non-overlapping windows of --seqlen tokens."""
     from llmopt.core.datasets import tokenize_corpus
     from llmopt.core.errors import ConfigError
+    from llmopt.core.models import check_within_context
     from llmopt.export.load import load_model
     from llmopt.eval.perplexity import perplexity
 
@@ -40,6 +41,7 @@ def ppl(
         raise ConfigError(f"--max-tokens ({max_tokens}) must be at least --seqlen ({seqlen})")
     resolved = resolve_dtype_option(dtype, device)
     lm, tokenizer, source = load_model(model, dtype=resolved, device=device, trust_remote_code=trust_remote_code)
+    check_within_context(seqlen, lm.config, "--seqlen")
     token_ids = tokenize_corpus(tokenizer, dataset, max_tokens, "eval", text_field)
     with progress_bar(f"ppl {dataset}") as update:
         result = perplexity(lm, token_ids, seqlen=seqlen, batch_size=batch_size, progress=update)

@@ -42,6 +42,7 @@ def generate(
 ) -> None:
     """Generate a completion for each --prompt."""
     from llmopt.core.errors import ConfigError
+    from llmopt.core.models import check_within_context
     from llmopt.export.load import load_model
     from llmopt.eval.hf_baseline import encode_prompts, hf_generate
     from llmopt.runtime.engine.config import EngineConfig
@@ -55,11 +56,15 @@ def generate(
         raise ConfigError("--stop needs the runtime backend: drop --backend hf")
     if speculative is not None and backend is Backend.hf:
         raise ConfigError("--speculative needs the runtime backend: drop --backend hf")
+    for text in prompt:
+        _check_utf8(text)
     loader = load_runtime_model if backend is Backend.runtime else load_model
     lm, tokenizer, _ = loader(model, dtype=resolve_dtype_option(dtype, device), device=device,
                               trust_remote_code=trust_remote_code)
     prompt_ids = encode_prompts(tokenizer, prompt, chat)
-    if backend is Backend.hf:
+    if backend is Backend.hf:  # the runtime engine refuses these itself
+        for ids in prompt_ids:
+            check_within_context(len(ids) + max_tokens, lm.config, "the prompt + --max-tokens")
         outputs = hf_generate(lm, tokenizer, prompt_ids, params)
         texts = [tokenizer.decode(ids, skip_special_tokens=True) for ids in outputs]
     else:
@@ -75,3 +80,16 @@ def generate(
         if len(prompt) > 1:
             stdout.print(f"[bold]> {p}[/bold]", highlight=False)
         stdout.print(t, highlight=False, markup=False)
+
+
+def _check_utf8(text: str) -> None:
+    """A command-line argument that is not UTF-8 arrives with surrogate escapes; the tokenizer would fail on it."""
+    from llmopt.core.errors import ConfigError
+
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as e:
+        byte = ord(text[e.start]) - 0xDC00 if 0xDC80 <= ord(text[e.start]) <= 0xDCFF else None
+        shown = f" (byte 0x{byte:02x} at character {e.start})" if byte is not None else ""
+        raise ConfigError(f"--prompt is not valid UTF-8 text{shown}: pass the prompt encoded as UTF-8",
+                          param="prompt") from None

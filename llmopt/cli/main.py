@@ -2,33 +2,84 @@
 
 from __future__ import annotations
 
+import errno
 import os
 import sys
 from typing import Annotated
 
-import click
 import typer
+from typer._click import exceptions as click  # Typer vendors Click: its exceptions, not the click package's
 from typer.core import TyperGroup
 
 from llmopt import __version__
 from llmopt.core.errors import LLMOptError
 
 
-class ErrorBoundaryGroup(TyperGroup):
-    """Turns LLMOptError into one red line on stderr and exit code 1 (traceback with LLMOPT_DEBUG=1)."""
+# Exit codes (README "Exit codes"): 0 success, 1 an error the user can fix, 2 a usage error (the Unix
+# convention: unknown option, bad option value), 130 interrupted (Ctrl-C).
+EXIT_ERROR, EXIT_USAGE, EXIT_INTERRUPTED = 1, 2, 130
+# OS errors that bad input or a full / read-only disk cause: one line, not a traceback
+USER_OS_ERRORS = (errno.ENOSPC, errno.EROFS, errno.EACCES, errno.EPERM, errno.ENOTDIR, errno.EISDIR, errno.EDQUOT)
 
-    def invoke(self, ctx: click.Context):
+
+def _say(message: str) -> None:
+    from llmopt.cli.output import stderr
+
+    stderr.print(message, markup=False, highlight=False, soft_wrap=True)
+
+
+def _interrupted_message() -> str:
+    from llmopt.core.io import PENDING_OUTPUTS
+
+    if PENDING_OUTPUTS:
+        return f"interrupted; nothing was written to {', '.join(map(str, PENDING_OUTPUTS))}"
+    return "interrupted"
+
+
+class ErrorBoundaryGroup(TyperGroup):
+    """The one error boundary: LLMOptError and OS errors a user can fix become one line on stderr and exit 1,
+    usage errors one line and exit 2, Ctrl-C one line and exit 130 (tracebacks with LLMOPT_DEBUG=1)."""
+
+    def invoke(self, ctx: typer.Context):
         try:
             return super().invoke(ctx)
         except LLMOptError as e:
             if os.environ.get("LLMOPT_DEBUG"):
                 raise
-            from llmopt.cli.output import stderr
-
-            stderr.print(f"[red]error:[/red] {e}", markup=True, highlight=False, soft_wrap=True)
-            sys.exit(1)
+            _say(f"error: {e}")
+            sys.exit(EXIT_ERROR)
+        except OSError as e:
+            if os.environ.get("LLMOPT_DEBUG") or e.errno not in USER_OS_ERRORS:
+                raise
+            where = f" ({e.filename})" if e.filename else ""
+            _say(f"error: {e.strerror}{where}: free space or choose another location; nothing was written")
+            sys.exit(EXIT_ERROR)
         except KeyboardInterrupt:
-            sys.exit(130)
+            _say(_interrupted_message())
+            sys.exit(EXIT_INTERRUPTED)
+
+    def main(self, args=None, prog_name=None, complete_var=None, standalone_mode=True, **extra):
+        """Click's own handling, except that a usage error is one line (which command, what is wrong, where
+        the help is) instead of a boxed block."""
+        try:
+            code = super().main(args, prog_name, complete_var, standalone_mode=False, **extra)
+            code = code if isinstance(code, int) else 0
+        except click.NoArgsIsHelpError as e:
+            typer.echo(e.ctx.get_help())
+            code = EXIT_USAGE
+        except click.UsageError as e:
+            command = e.ctx.command_path if e.ctx else "llmopt"
+            _say(f"error: {e.format_message().replace('Value error, ', '')} (usage: see `{command} --help`)")
+            code = EXIT_USAGE
+        except click.ClickException as e:
+            _say(f"error: {e.format_message()}")
+            code = e.exit_code
+        except typer.Abort:
+            _say(_interrupted_message())
+            code = EXIT_INTERRUPTED
+        if standalone_mode:
+            sys.exit(code)
+        return code
 
 
 app = typer.Typer(

@@ -80,6 +80,8 @@ CALIBRATION_OPTIONS = (  # (parameter, option type, default)
      CALIBRATION["device"]),
     ("seed", Annotated[int, typer.Option("--seed", help="Random seed (calibration sample choice).")],
      CALIBRATION["seed"]),
+    ("text_field", Annotated[str, typer.Option(
+        "--text-field", help="Field holding the text in --calib .jsonl/.json files.")], CALIBRATION["text_field"]),
 )
 IgnoreOpt = Annotated[Optional[list[str]], typer.Option("--ignore", help="Glob of linears to keep dense.")]
 

@@ -15,9 +15,13 @@ def report(
 ) -> None:
     """Write an accuracy-vs-speed comparison of one or more recipe runs."""
     from llmopt.cli.output import stderr
+    from llmopt.core.io import check_output_file
     from llmopt.report.html import write_report
     from llmopt.report.tables import load_run, markdown
 
+    check_output_file(output, "report")
+    if markdown_path is not None:
+        check_output_file(markdown_path, "--markdown file")
     runs = [load_run(d) for d in run_dirs]
     write_report(runs, output, markdown_path)
     stderr.print(f"wrote {output}" + (f" and {markdown_path}" if markdown_path else ""))

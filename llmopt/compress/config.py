@@ -3,22 +3,51 @@ and the artifacts share them."""
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Literal
 
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
-from llmopt.compress.defaults import CALIBRATION, QUANTIZE, SPARSEGPT_DAMP, STRUCTURED_NUM_SAMPLES
+from llmopt.compress.defaults import (
+    CALIBRATION, QUANTIZE, SCORES_FILE, SEARCH_FILE, SPARSEGPT_DAMP, STRUCTURED_NUM_SAMPLES,
+)
 from llmopt.core.contract import SUPPORTED_BITS, QuantScheme, parse_nm
 
 
 def calibration_dtype(name: str, device: str) -> str:
     """The calibration forwards' dtype: 'auto' -> bfloat16 where the device computes bf16 fast
     (core.hardware.resolve_dtype), else float32 (calibration has no fp16 path); other names pass through."""
+    from llmopt.core.hardware import check_device, resolve_dtype
+
+    check_device(device)
     if name != "auto":
         return name
-    from llmopt.core.hardware import resolve_dtype
 
     return "bfloat16" if resolve_dtype("auto", device) == "bfloat16" else "float32"
+
+
+def saved_tensors_file(value: str | None, file_name: str, option: str, required_key: str | None = None):
+    """The path of tensors saved in an artifact (the file, or the artifact folder holding `file_name`), checked
+    now rather than after the model has loaded."""
+    if value is None:
+        return None
+    from llmopt.core.models import read_safetensors_header
+
+    path = Path(value).expanduser()
+    if path.is_dir():
+        if not (path / file_name).is_file():
+            raise ValueError(f"{option} {value}: the folder has no {file_name} (give the artifact that saved it)")
+        path = path / file_name
+    if not path.is_file():
+        raise ValueError(f"{option} {value} does not exist: give an artifact folder or its {file_name}")
+    try:
+        header = read_safetensors_header(path)
+    except Exception as e:
+        raise ValueError(f"{option} {value}: {e}") from None
+    if required_key is not None and required_key not in header:
+        raise ValueError(f"{option} {value} holds no {required_key!r} tensor: give the {file_name} of a "
+                         "structured-pruning artifact")
+    return str(path)
 
 
 class CalibrationConfig(BaseModel):
@@ -30,6 +59,7 @@ class CalibrationConfig(BaseModel):
     seed: int = CALIBRATION["seed"]
     batch_size: int = Field(CALIBRATION["batch_size"], ge=1)
     device: str = CALIBRATION["device"]
+    text_field: str = Field(CALIBRATION["text_field"], description="field holding the text in .jsonl/.json files")
     compute_dtype: Literal["auto", "float32", "bfloat16"] = Field(
         CALIBRATION["compute_dtype"],
         description="dtype of the calibration forwards (weights and statistics stay fp32); auto: bfloat16 "
@@ -107,6 +137,11 @@ class AWQConfig(QuantizeConfig):
     search_tokens: int = Field(4096, ge=16, description="calibration tokens kept per linear for the searches")
     search_file: str | None = Field(None, description="re-apply saved scales/clips instead of searching")
 
+    @field_validator("search_file")
+    @classmethod
+    def _search_file(cls, value):
+        return saved_tensors_file(value, SEARCH_FILE, "--awq-search")
+
     @property
     def needs_calibration(self) -> bool:
         return self.search_file is None
@@ -164,6 +199,11 @@ class StructuredConfig(BaseModel):
     channel_multiple: int = Field(
         32, ge=1, description="keep a multiple of this many MLP channels, so group quantization still divides")
     scores_file: str | None = Field(None, description="replay the importance scores saved in an artifact")
+
+    @field_validator("scores_file")
+    @classmethod
+    def _scores_file(cls, value):
+        return saved_tensors_file(value, SCORES_FILE, "--scores", required_key="scores")
     calibration: CalibrationConfig = Field(
         default_factory=lambda: CalibrationConfig(num_samples=STRUCTURED_NUM_SAMPLES))
 

@@ -186,8 +186,11 @@ def collect_importance(model, tokenizer, config: StructuredConfig,
     from llmopt.core.calibration import run_layerwise
     from llmopt.core.datasets import calibration_samples
 
+    from llmopt.core.models import check_within_context
+
     cal = config.calibration
-    calib_ids = calibration_samples(tokenizer, cal.calib, cal.num_samples, cal.seqlen, cal.seed)
+    check_within_context(cal.seqlen, model.config, "--seqlen")
+    calib_ids = calibration_samples(tokenizer, cal.calib, cal.num_samples, cal.seqlen, cal.seed, cal.text_field)
     collector = ImportanceCollector(config.structured, adapter_for(model), model.config.num_attention_heads,
                                     head_dim_of(model.config))
     run_layerwise(model, calib_ids, collector, cal.device, cal.batch_size, progress, getattr(torch, cal.compute_dtype))

@@ -318,10 +318,13 @@ def apply_algorithm(model: nn.Module, tokenizer, algorithm: LayerwiseAlgorithm, 
     """Run `algorithm` over every decoder layer: through the calibration pipeline when `calibration` (a
     CalibrationConfig) is given, else layer by layer with no data (RTN, magnitude). Returns facts."""
     from llmopt.core.datasets import calibration_samples
+    from llmopt.core.models import check_within_context
 
     if calibration is not None:
         cal = calibration
-        calib_ids = calibration_samples(tokenizer, cal.calib, cal.num_samples, cal.seqlen, cal.seed)
+        check_within_context(cal.seqlen, model.config, "--seqlen")
+        calib_ids = calibration_samples(tokenizer, cal.calib, cal.num_samples, cal.seqlen, cal.seed,
+                                        cal.text_field)
         facts = run_layerwise(model, calib_ids, algorithm, cal.device, cal.batch_size, progress,
                               getattr(torch, cal.compute_dtype))
         return {"calibration_tokens": calib_ids.numel(), **facts}

@@ -49,12 +49,22 @@ def _read_jsonl_field(path: Path, field: str = "text") -> list[str]:
                 record = json.loads(line)
             except json.JSONDecodeError:
                 raise DatasetError(f"{path}:{line_number} is not valid JSON: fix or remove that line") from None
-            if field not in record:
-                raise DatasetError(
-                    f"{path}:{line_number} has no field {field!r} (fields: {', '.join(record)}): pass --text-field"
-                )
-            docs.append(str(record[field]))
+            docs.append(_record_text(record, field, f"{path}:{line_number}"))
     return docs
+
+
+def _record_text(record, field: str, where: str) -> str:
+    """The text of one JSON record; anything but a string there (null, a number, a list) is refused, not
+    scored as its printed form ("None")."""
+    if not isinstance(record, dict):
+        raise DatasetError(f"{where} is a JSON {type(record).__name__}, not an object with a {field!r} field")
+    if field not in record:
+        raise DatasetError(f"{where} has no field {field!r} (fields: {', '.join(record)}): pass --text-field")
+    text = record[field]
+    if not isinstance(text, str):
+        shown = "null" if text is None else type(text).__name__
+        raise DatasetError(f"{where}: field {field!r} is {shown}, not text: fix or remove that record")
+    return text
 
 
 def _read_json_records(path: Path, field: str = "text") -> list[str]:
@@ -65,17 +75,17 @@ def _read_json_records(path: Path, field: str = "text") -> list[str]:
     if isinstance(records, dict):
         records = records.get("data") or records.get("rows") or [records]
     docs = []
-    for record in records:
+    if not isinstance(records, list):
+        raise DatasetError(f"{path} holds a JSON {type(records).__name__}: give a list of records or strings")
+    for number, record in enumerate(records, 1):
         if isinstance(record, str):
             docs.append(record)
-        elif "conversations" in record and field not in record:  # ShareGPT: the first human turn
+        elif isinstance(record, dict) and "conversations" in record and field not in record:  # ShareGPT
             turns = [t for t in record["conversations"] if t.get("from") in ("human", "user")]
             if turns:
                 docs.append(turns[0]["value"])
-        elif field in record:
-            docs.append(str(record[field]))
         else:
-            raise DatasetError(f"{path}: a record has no field {field!r} (fields: {', '.join(record)}): pass --text-field")
+            docs.append(_record_text(record, field, f"{path} record {number}"))
     return docs
 
 

@@ -208,13 +208,33 @@ def bf16_faster() -> bool:
     return rates.gemm_bf16 >= rates.gemm_fp32
 
 
+def check_device(device: str | torch.device) -> str:
+    """The device's kind (cpu or cuda) when llmopt can run there; a ConfigError naming --device otherwise (an
+    unparsable name, a device type llmopt has no kernels for, CUDA absent or the index past the last GPU)."""
+    try:
+        parsed = torch.device(device)
+    except (RuntimeError, TypeError):
+        raise ConfigError(f"--device {device}: not a device name; use cpu, cuda or cuda:N", param="device") from None
+    if parsed.type not in ("cpu", "cuda"):
+        raise ConfigError(f"--device {device}: llmopt runs on cpu or cuda", param="device")
+    if parsed.type == "cuda":
+        if not torch.cuda.is_available():
+            raise ConfigError(f"--device {device}: this machine has no usable CUDA GPU (torch {torch.__version__}); "
+                              "use --device cpu", param="device")
+        if parsed.index is not None and parsed.index >= torch.cuda.device_count():
+            raise ConfigError(f"--device {device}: only {torch.cuda.device_count()} CUDA device(s) here",
+                              param="device")
+    return parsed.type
+
+
 def resolve_dtype(name: str, device: str | torch.device = "cpu") -> str:
-    """'auto' -> the fastest dtype that keeps bf16-level accuracy on this device; other names pass through."""
+    """'auto' -> the fastest dtype that keeps bf16-level accuracy on this device; other names pass through.
+    Checks the device first (check_device): every command resolves its dtype before any work."""
+    kind = check_device(device)
     if name not in DTYPE_CHOICES:
         raise ConfigError(f"--dtype {name}: choose one of {', '.join(DTYPE_CHOICES)}")
     if name != "auto":
         return name
-    kind = torch.device(device).type
     if kind == "cuda":
         return "bfloat16" if torch.cuda.is_available() and torch.cuda.is_bf16_supported() else "float16"
     if kind == "cpu" and bf16_faster():
@@ -225,7 +245,7 @@ def resolve_dtype(name: str, device: str | torch.device = "cpu") -> str:
 def dtype_note(requested: str, device: str | torch.device = "cpu") -> str | None:
     """One line to print about the dtype choice: what 'auto' resolved to and why, or a warning that an
     explicit half-precision dtype will be slow on this CPU; None when there is nothing to say."""
-    if torch.device(device).type != "cpu":
+    if check_device(device) != "cpu":
         return f"dtype auto -> {resolve_dtype(requested, device)}" if requested == "auto" else None
     features = usable_features()
     bf16_units = [f for f in ("amx_bf16", "avx512_bf16", "bf16") if f in features]

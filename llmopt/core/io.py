@@ -1,10 +1,13 @@
-"""Writing outputs so that an interrupted run leaves nothing behind."""
+"""Writing outputs so that an interrupted run leaves nothing behind, and checking them before any work."""
 
 from __future__ import annotations
 
+import glob
 import json
 import os
+import re
 import shutil
+import tempfile
 import uuid
 from contextlib import contextmanager
 from pathlib import Path
@@ -12,13 +15,103 @@ from typing import Any, Iterator
 
 from llmopt.core.errors import ArtifactError
 
+# Outputs checked (check_output_free / check_output_file) and not yet renamed into place: when a run is
+# interrupted the CLI names them ("interrupted; nothing was written to OUT").
+PENDING_OUTPUTS: list[Path] = []
+
+# Our temporaries are `.NAME.tmp-PID-HEX` / `.NAME.old-PID-HEX` beside NAME; one whose process is gone is stale.
+_TEMP_NAME = re.compile(r"^\.(?P<name>.+)\.(?:tmp|old)-(?P<pid>\d+)-[0-9a-f]{8}$")
+
+
+def _nearest_existing(path: Path) -> Path:
+    while not path.exists() and path != path.parent:
+        path = path.parent
+    return path
+
+
+def check_writable_location(path: Path, what: str = "output") -> None:
+    """Fail early if `path` could not be created: an ancestor is a file, or the nearest existing folder is
+    read-only (tried with a real temporary file: permission bits do not tell for root or read-only mounts)."""
+    ancestor = _nearest_existing(path.parent)
+    if not ancestor.is_dir():
+        raise ArtifactError(f"cannot write {what} {path}: {ancestor} is a file, not a folder; choose another path")
+    try:
+        with tempfile.TemporaryFile(dir=ancestor):
+            pass
+    except OSError as e:
+        raise ArtifactError(f"cannot write {what} {path}: {ancestor} is not writable ({e.strerror}); "
+                            "choose another path") from None
+
 
 def check_output_free(output: str | Path, overwrite: bool = False) -> Path:
-    """Fail early (before any expensive work) if `output` exists and may not be replaced."""
+    """Fail early (before any expensive work) if the output folder exists and may not be replaced, is a file, or
+    cannot be created."""
     output = Path(output).expanduser()
     if output.exists() and not overwrite:
         raise ArtifactError(f"output {output} already exists: choose another path or pass --overwrite")
+    if output.exists() and not output.is_dir():
+        raise ArtifactError(f"output {output} is a file, not a folder: choose another path")
+    check_writable_location(output)
+    _pending(output)
     return output
+
+
+def _pending(path: Path) -> None:
+    path = path.resolve()
+    if path not in PENDING_OUTPUTS:
+        PENDING_OUTPUTS.append(path)
+
+
+def _done(path: Path) -> None:
+    path = Path(path).resolve()
+    if path in PENDING_OUTPUTS:
+        PENDING_OUTPUTS.remove(path)
+
+
+def check_output_file(path: str | Path, what: str = "output file") -> Path:
+    """Fail early if a file output is an existing folder or cannot be created."""
+    path = Path(path).expanduser()
+    if path.is_dir():
+        raise ArtifactError(f"{what} {path} is a folder: give a file path")
+    check_writable_location(path, what)
+    _pending(path)
+    return path
+
+
+def check_not_inside(output: str | Path, source: str | Path | None, what: str = "input model") -> None:
+    """Refuse an output folder that is the input (or inside it): writing it would replace what is being read."""
+    if source is None:
+        return
+    output, source = Path(output).expanduser().resolve(), Path(source).expanduser().resolve()
+    if output == source or source in output.parents:
+        raise ArtifactError(f"output {output} is the {what} or inside it: choose a path outside {source}")
+
+
+def remove_stale_temporaries(final: Path) -> None:
+    """Delete our temporaries for `final` left by a killed process (its PID no longer runs)."""
+    if not final.parent.is_dir():
+        return
+    for entry in final.parent.glob(f".{glob.escape(final.name)}.*-*-*"):
+        match = _TEMP_NAME.match(entry.name)
+        if match and match["name"] == final.name and not _process_alive(int(match["pid"])):
+            if entry.is_dir():
+                shutil.rmtree(entry, ignore_errors=True)
+            else:
+                entry.unlink(missing_ok=True)
+
+
+def _process_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+def _temporary_name(final: Path, kind: str) -> Path:
+    return final.parent / f".{final.name}.{kind}-{os.getpid()}-{uuid.uuid4().hex[:8]}"
 
 
 @contextmanager
@@ -30,7 +123,8 @@ def atomic_output_dir(final: str | Path, overwrite: bool = False) -> Iterator[Pa
     """
     final = check_output_free(final, overwrite).resolve()
     final.parent.mkdir(parents=True, exist_ok=True)
-    tmp = final.parent / f".{final.name}.tmp-{uuid.uuid4().hex[:8]}"
+    remove_stale_temporaries(final)
+    tmp = _temporary_name(final, "tmp")
     tmp.mkdir()
     try:
         yield tmp
@@ -38,12 +132,13 @@ def atomic_output_dir(final: str | Path, overwrite: bool = False) -> Iterator[Pa
         shutil.rmtree(tmp, ignore_errors=True)
         raise
     if final.exists():
-        old = final.parent / f".{final.name}.old-{uuid.uuid4().hex[:8]}"
+        old = _temporary_name(final, "old")
         os.replace(final, old)
         os.replace(tmp, final)
         shutil.rmtree(old, ignore_errors=True)
     else:
         os.replace(tmp, final)
+    _done(final)
 
 
 @contextmanager
@@ -51,10 +146,12 @@ def atomic_output_file(path: str | Path) -> Iterator[Path]:
     """Yield a temporary file name beside `path`; renamed over `path` only if the block succeeds."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.parent / f".{path.name}.tmp-{uuid.uuid4().hex[:8]}"
+    remove_stale_temporaries(path)
+    tmp = _temporary_name(path, "tmp")
     try:
         yield tmp
         os.replace(tmp, path)
+        _done(path)
     finally:
         tmp.unlink(missing_ok=True)
 
@@ -75,3 +172,5 @@ def read_json(path: str | Path) -> Any:
         return json.loads(Path(path).read_text())
     except json.JSONDecodeError as e:
         raise ArtifactError(f"{path} is not valid JSON ({e.msg} at line {e.lineno}): rewrite or remove it") from None
+    except UnicodeDecodeError:
+        raise ArtifactError(f"{path} is not a text file: rewrite or remove it") from None

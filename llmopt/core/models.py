@@ -15,7 +15,7 @@ from typing import Callable
 import torch
 
 from llmopt.core.adapters import adapter_for
-from llmopt.core.errors import ModelLoadError, ModelNotFoundError
+from llmopt.core.errors import ConfigError, ModelLoadError, ModelNotFoundError
 from llmopt.core.io import atomic_output_dir
 from llmopt.core.paths import llmopt_home
 from llmopt.core.registry import Registry
@@ -155,7 +155,11 @@ def resolve_model(name: str) -> ModelSource:
         if not (cache / "config.json").exists():
             convert_gguf(path, cache)
         return ModelSource(name, "gguf", cache)
-    if _HUB_ID.match(name) and not path.exists():
+    if _looks_like_path(name):
+        raise ModelNotFoundError(f"no such folder or file {name!r} (from {Path.cwd()}): check the path")
+    if _HUB_ID.match(name):
+        if not hub_reachable():
+            go_offline()
         return ModelSource(name, "hub", hub_id=name)
     raise ModelNotFoundError(
         f"unknown model {name!r}: use an alias ({', '.join(ALIASES.names())}), a model folder, "
@@ -163,14 +167,81 @@ def resolve_model(name: str) -> ModelSource:
     )
 
 
+def _looks_like_path(name: str) -> bool:
+    """A MODEL that can only mean a local path: explicitly relative or absolute, or whose first component is an
+    existing folder here (`runs/typo`), so a typo is not sent to the hub."""
+    if name.startswith(("/", "./", "../", "~")) or name.endswith("/"):
+        return True
+    first = Path(name).parts[0] if Path(name).parts else ""
+    return "/" in name and Path(first).is_dir()
+
+
+def hub_reachable(timeout_s: float = 2.0) -> bool:
+    """Whether the Hugging Face hub answers a TCP connect (transformers would otherwise retry for ~25 s)."""
+    import os
+    import socket
+    from urllib.parse import urlparse
+
+    if os.environ.get("HF_HUB_OFFLINE") not in (None, "", "0"):
+        return False
+    host = urlparse(os.environ.get("HF_ENDPOINT") or "https://huggingface.co").hostname or "huggingface.co"
+    try:
+        socket.create_connection((host, 443), timeout=timeout_s).close()
+        return True
+    except OSError:
+        return False
+
+
+def go_offline() -> None:
+    """Hub lookups from here on use the local cache only (no retries against an unreachable hub)."""
+    import os
+
+    os.environ["HF_HUB_OFFLINE"] = "1"
+    try:
+        from huggingface_hub import constants
+
+        constants.HF_HUB_OFFLINE = True
+    except ImportError:
+        pass
+
+
 def check_safetensors(path: Path) -> None:
-    if list(path.glob("*.safetensors")):
-        return
-    if list(path.glob("*.bin")) or list(path.glob("*.pt")):
-        raise ModelLoadError(
-            f"{path} holds only pickle weights (*.bin), which llmopt never loads: convert them to safetensors"
-        )
-    raise ModelLoadError(f"{path} has no *.safetensors weights")
+    """Refuse a folder without safetensors weights (pickle only, or none) or with a truncated / corrupt file."""
+    files = sorted(path.glob("*.safetensors"))
+    if not files:
+        if list(path.glob("*.bin")) or list(path.glob("*.pt")):
+            raise ModelLoadError(
+                f"{path} holds only pickle weights (*.bin), which llmopt never loads: convert them to safetensors"
+            )
+        raise ModelLoadError(f"{path} has no *.safetensors weights")
+    for file in files:
+        read_safetensors_header(file)
+
+
+def read_safetensors_header(file: Path) -> dict:
+    """A safetensors file's header ({name: {dtype, shape, data_offsets}}), after checking that the file holds
+    every byte the header promises (a cut download or copy otherwise loads as garbage or fails deep inside)."""
+    import json
+    import struct
+
+    size = file.stat().st_size
+    advice = "re-create or re-download it"
+    with open(file, "rb") as f:
+        raw = f.read(8)
+        if len(raw) < 8:
+            raise ModelLoadError(f"{file} is not a safetensors file ({size} bytes): {advice}")
+        (header_len,) = struct.unpack("<Q", raw)
+        if header_len > size - 8:
+            raise ModelLoadError(f"{file} is not a safetensors file or is truncated (header of {header_len} bytes "
+                                 f"in a {size}-byte file): {advice}")
+        try:
+            header = json.loads(f.read(header_len))
+            end = max((meta["data_offsets"][1] for key, meta in header.items() if key != "__metadata__"), default=0)
+        except (json.JSONDecodeError, UnicodeDecodeError, TypeError, KeyError, IndexError, AttributeError):
+            raise ModelLoadError(f"{file} is not a valid safetensors file (bad header): {advice}") from None
+    if 8 + header_len + end > size:
+        raise ModelLoadError(f"{file} is truncated: it holds {size} of {8 + header_len + end} bytes; {advice}")
+    return header
 
 
 def load_config(source: ModelSource, trust_remote_code: bool = False):
@@ -179,14 +250,21 @@ def load_config(source: ModelSource, trust_remote_code: bool = False):
     try:
         return AutoConfig.from_pretrained(source.load_path, trust_remote_code=trust_remote_code)
     except Exception as e:
-        raise _load_error(source, e) from e
+        raise load_error(source, e) from e
 
 
-def _load_error(source: ModelSource, e: Exception) -> Exception:
+def load_error(source: ModelSource, e: Exception) -> Exception:
+    """One line for an exception transformers raised loading `source`: what to do about remote code, an
+    unreachable hub, or else its first line."""
     first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
     if "trust_remote_code" in str(e):
         return ModelLoadError(f"{source.load_path} ships its own model or tokenizer code, which llmopt runs only "
                               "when asked: pass --trust-remote-code if you trust it (it is arbitrary code)")
+    if source.kind == "hub" and not hub_reachable(0.5):
+        return ModelNotFoundError(
+            f"no folder {source.hub_id!r} here, and the Hugging Face hub is unreachable (nor is it in the local hub "
+            "cache): check the path, or use an alias or a local folder"
+        )
     if source.kind == "hub":
         return ModelNotFoundError(
             f"cannot fetch {source.hub_id!r} from the Hugging Face hub ({first}); offline, use a local folder "
@@ -195,13 +273,19 @@ def _load_error(source: ModelSource, e: Exception) -> Exception:
     return ModelLoadError(f"cannot load model from {source.load_path}: {first}")
 
 
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "vocab.json", "tokenizer_config.json")
+
+
 def load_tokenizer(source: ModelSource, trust_remote_code: bool = False):
     from transformers import AutoTokenizer
 
+    if source.path is not None and not any((source.path / f).exists() for f in TOKENIZER_FILES):
+        raise ModelLoadError(f"{source.path} has no tokenizer ({' / '.join(TOKENIZER_FILES[:2])}): copy the "
+                             "tokenizer files of the model it came from into the folder")
     try:
         tokenizer = AutoTokenizer.from_pretrained(source.load_path, trust_remote_code=trust_remote_code)
     except Exception as e:
-        raise _load_error(source, e) from e
+        raise load_error(source, e) from e
     if tokenizer.pad_token is None:
         tokenizer.pad_token = tokenizer.eos_token
     return tokenizer
@@ -209,9 +293,10 @@ def load_tokenizer(source: ModelSource, trust_remote_code: bool = False):
 
 def resolve_dtype_name(dtype: str, device: str) -> str:
     """A dtype name for loading: "auto" -> the fastest accurate dtype for the device (core.hardware)."""
-    if dtype == "auto":
-        from llmopt.core.hardware import resolve_dtype
+    from llmopt.core.hardware import check_device, resolve_dtype
 
+    check_device(device)
+    if dtype == "auto":
         dtype = resolve_dtype(dtype, device)
     if dtype not in DTYPES:
         raise ModelLoadError(f"unknown dtype {dtype!r}: choose one of auto, {', '.join(DTYPES)}")
@@ -231,12 +316,35 @@ def load_dense_model(source: ModelSource, dtype: str = "float32", device: str = 
     if source.path is not None:
         check_safetensors(source.path)
     try:
-        model = AutoModelForCausalLM.from_pretrained(
+        model, info = AutoModelForCausalLM.from_pretrained(
             source.load_path, dtype=DTYPES[dtype], use_safetensors=True, trust_remote_code=trust_remote_code,
+            output_loading_info=True,
         )
     except Exception as e:
-        raise _load_error(source, e) from e
+        raise load_error(source, e) from e
+    check_loading_info(source, info)
     return model.to(device).eval()
+
+
+def check_loading_info(source: ModelSource, info: dict) -> None:
+    """Refuse a checkpoint whose tensors do not match the model: transformers would fill missing ones with
+    random values (a silently wrong model) and drop unexpected ones."""
+    for kind, what in (("missing_keys", "lacks"), ("unexpected_keys", "has unexpected"), ("mismatched_keys",
+                                                                                       "has wrongly shaped")):
+        names = sorted(str(k if isinstance(k, str) else k[0]) for k in info.get(kind) or [])
+        if names:
+            shown = ", ".join(names[:3]) + (f" and {len(names) - 3} more" if len(names) > 3 else "")
+            raise ModelLoadError(f"{source.load_path} {what} tensors for its config ({shown}): the checkpoint is "
+                                 "incomplete or belongs to another model; re-create or re-download it")
+
+
+def check_within_context(tokens: int, config, what: str) -> None:
+    """Refuse a length beyond the model's context (positions it was never trained on give silently wrong
+    results, not an error)."""
+    limit = getattr(config, "max_position_embeddings", None)
+    if limit and tokens > limit:
+        raise ConfigError(f"{what} is {tokens} tokens, beyond the model's context of {limit} "
+                          f"(max_position_embeddings): use at most {limit}", param=what)
 
 
 def describe_model(source: ModelSource, trust_remote_code: bool = False) -> dict:
@@ -265,6 +373,7 @@ def describe_model(source: ModelSource, trust_remote_code: bool = False) -> dict
         "sparsity_config": getattr(config, "sparsity_config", None),
     }
     if source.path is not None:
+        check_safetensors(source.path)
         info["num_parameters"] = count_safetensors_parameters(source.path)
         info["weights_bytes"] = sum(f.stat().st_size for f in source.path.glob("*.safetensors"))
     return info
@@ -272,18 +381,9 @@ def describe_model(source: ModelSource, trust_remote_code: bool = False) -> dict
 
 def count_safetensors_parameters(path: Path) -> int:
     """Element count of every tensor in the folder's safetensors files (headers only)."""
-    import json
-    import struct
-
     total = 0
     for file in Path(path).glob("*.safetensors"):
-        with open(file, "rb") as f:
-            try:
-                (header_len,) = struct.unpack("<Q", f.read(8))
-                header = json.loads(f.read(header_len))
-            except (struct.error, json.JSONDecodeError, UnicodeDecodeError):
-                raise ModelLoadError(f"{file} is not a valid safetensors file: re-create or re-download it") from None
-        for key, meta in header.items():
+        for key, meta in read_safetensors_header(file).items():
             if key != "__metadata__":
                 numel = 1
                 for dim in meta["shape"]:

@@ -37,6 +37,13 @@ class BenchConfig:
     peak_flops: float | None = None  # FLOP/s
     num_threads: int | None = None
 
+    def __post_init__(self):
+        for name in ("max_concurrency", "num_threads", "hf_batch_size"):
+            value = getattr(self, name)
+            if value is not None and value < 1:
+                raise ConfigError(f"--{name.replace('_', '-').replace('num-threads', 'threads')} must be at least 1 "
+                                  f"(got {value})", param=name)
+
 
 # --- model facts ------------------------------------------------------------------------------------
 def _bytes(tensors) -> int:

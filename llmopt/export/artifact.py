@@ -11,12 +11,12 @@ from safetensors.torch import save_file
 
 from llmopt.core.contract import QuantizedWeight
 from llmopt.core.environment import package_versions
+from llmopt.compress.defaults import SEARCH_FILE
 from llmopt.core.io import atomic_output_dir, write_json
 from llmopt.export.formats import FORMATS
 
 WEIGHTS_FILE = "model.safetensors"
 MANIFEST_FILE = "llmopt.json"
-SEARCH_FILE = "llmopt_search.safetensors.bin"  # not *.safetensors: loaders must not take it for weights
 
 
 def check_format(fmt_name: str, qweights: dict[str, QuantizedWeight]) -> None:

@@ -6,7 +6,7 @@ import time
 from pathlib import Path
 
 from llmopt.core.errors import ArtifactError
-from llmopt.core.io import check_output_free
+from llmopt.core.io import check_not_inside, check_output_free
 from llmopt.export.read import read_artifact
 
 
@@ -37,6 +37,7 @@ def export_artifact(source: str | Path, output: str | Path, fmt_name: str, overw
     if not (source / "config.json").exists():
         raise ArtifactError(f"{source} is not a model folder (no config.json)")
     output = check_output_free(output, overwrite)
+    check_not_inside(output, source, "input artifact")
     contents = read_artifact(source)
     if not contents.qweights:
         raise ArtifactError(f"{source} holds no quantized weights: quantize it first (llmopt quantize)")

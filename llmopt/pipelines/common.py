@@ -15,5 +15,51 @@ def source_entry(model_name: str, source) -> dict:
     return {"model": model_name, "kind": source.kind, "path": str(source.path or source.hub_id)}
 
 
+def resolve_input(model_name: str, output: str | Path):
+    """MODEL resolved (cheap: no weights read) and checked against the output: writing into the input folder
+    would replace what is being read."""
+    from llmopt.core.io import check_not_inside
+    from llmopt.core.models import resolve_model
+
+    source = resolve_model(model_name)
+    check_not_inside(output, source.path)
+    return source
+
+
+def refuse_quantized_input(source, action: str, trust_remote_code: bool = False) -> None:
+    """Quantizing or pruning an already quantized model would dequantize and re-quantize it silently (its codes
+    rounded twice, its first stage lost from the record): refuse, naming the model it came from."""
+    from llmopt.core.errors import ArtifactError
+    from llmopt.core.models import load_config
+
+    quantization = getattr(load_config(source, trust_remote_code), "quantization_config", None)
+    if not quantization:
+        return
+    if not isinstance(quantization, dict):
+        quantization = quantization.to_dict()
+    method = quantization.get("quant_method") or quantization.get("format") or "quantized"
+    bits = quantization.get("bits")
+    origin = prior_manifest(source).get("source", {}).get("model")
+    instead = f" ({origin})" if origin else ""
+    raise ArtifactError(f"{source.name} is already quantized ({method}{f', {bits}-bit' if bits else ''}): "
+                        f"{action} its unquantized source model{instead} instead")
+
+
+def prior_manifest(source) -> dict:
+    """The llmopt.json of an llmopt artifact given as MODEL ({} for anything else)."""
+    from llmopt.core.io import read_json
+
+    if source.kind != "artifact":
+        return {}
+    manifest = read_json(source.path / "llmopt.json")
+    return manifest if isinstance(manifest, dict) else {}
+
+
+def prior_stages(source) -> list[dict]:
+    """The stages an input artifact went through (a pruned model that is then quantized keeps the whole
+    chain in its manifest)."""
+    return list(prior_manifest(source).get("stages") or [])
+
+
 def weights_bytes(folder: Path) -> int:
     return sum(f.stat().st_size for f in Path(folder).glob("*.safetensors"))

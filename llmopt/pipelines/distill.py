@@ -20,7 +20,7 @@ from llmopt.distill.student import Student
 from llmopt.distill.trainer import CHECKPOINT_DIR, LOG_FILE, Distiller, Progress
 from llmopt.export.artifact import dense_state_dict, write_artifact
 from llmopt.export.load import load_model
-from llmopt.pipelines.common import peak_rss_bytes, source_entry, weights_bytes
+from llmopt.pipelines.common import peak_rss_bytes, resolve_input, source_entry, weights_bytes
 from llmopt.pipelines.distill_students import build_student
 
 
@@ -29,10 +29,12 @@ def run_dir_for(output: str | Path) -> Path:
     return output.parent / f"{output.name}{CHECKPOINT_SUFFIX}"
 
 
-def fresh_output(output: str | Path, resume: bool, overwrite: bool) -> Path:
-    """The output path, checked before any work: free (or replaceable), and no earlier run's checkpoint beside it
-    unless resuming or overwriting."""
+def fresh_output(output: str | Path, resume: bool, overwrite: bool, config: DistillConfig) -> Path:
+    """The output path, checked before any work: free (or replaceable), not a model it reads, and no earlier
+    run's checkpoint beside it unless resuming or overwriting."""
     output = check_output_free(output, overwrite or resume)
+    for model_name in filter(None, (config.teacher, config.student)):
+        resolve_input(model_name, output)
     earlier = run_dir_for(output) / CHECKPOINT_DIR
     if earlier.is_dir() and not resume and not overwrite:
         raise ConfigError(f"{earlier} holds an earlier run's checkpoint: pass --resume to continue it, or "
@@ -60,7 +62,7 @@ def distill_to_artifact(config: DistillConfig, output: str | Path, resume: bool 
     """Distill as `config` says and write the student to `output`; return the facts measured (None in the other
     processes of a multi-process run)."""
     start = time.perf_counter()
-    output = fresh_output(output, resume, overwrite)
+    output = fresh_output(output, resume, overwrite, config)
     teacher, tokenizer, teacher_source = load_model(config.teacher, "float32", trust_remote_code=trust_remote_code)
     student = build_student(config, teacher, tokenizer, trust_remote_code)
     if not config.needs_teacher:  # alpha 0: plain fine-tuning on the labels
@@ -98,7 +100,7 @@ def train_medusa_heads(config: DistillConfig, output: str | Path, resume: bool =
     from llmopt.runtime.engine.sampling import SamplingParams
 
     start = time.perf_counter()
-    output = fresh_output(output, resume, overwrite)
+    output = fresh_output(output, resume, overwrite, config)
     model, tokenizer, source = load_model(config.teacher, "float32", trust_remote_code=trust_remote_code)
     prompts = medusa_prompts(tokenizer, config.data, min(config.on_policy_prompt_len, config.seqlen - 1),
                              config.seed, config.text_field)

@@ -13,13 +13,13 @@ from llmopt.compress.api import (
     make_sparsity_config, make_structured_config, measure_sparsity, sparsify_model, sparsity_config_entry,
 )
 from llmopt.compress.structured import prune_structured
+from llmopt.compress.defaults import SCORES_FILE
 from llmopt.core.io import check_output_free
 from llmopt.export.artifact import dense_state_dict, write_artifact
 from llmopt.export.load import load_model
-from llmopt.pipelines.common import peak_rss_bytes, source_entry, weights_bytes
-
-SCORES_FILE = "llmopt_scores.safetensors.bin"
-
+from llmopt.pipelines.common import (
+    peak_rss_bytes, prior_stages, refuse_quantized_input, resolve_input, source_entry, weights_bytes,
+)
 
 def prune_config(settings: dict):
     """The typed config of a prune command: structured (`structured` + `ratio`) or sparsity (`method` +
@@ -42,10 +42,12 @@ def prune_to_artifact(
     output = check_output_free(output, overwrite)
     config = prune_config(settings)
     structured = settings.get("structured") is not None
-    model, tokenizer, source = load_model(model_name, trust_remote_code=trust_remote_code)
+    source = resolve_input(model_name, output)
+    refuse_quantized_input(source, "prune", trust_remote_code)
+    model, tokenizer, source = load_model(source, trust_remote_code=trust_remote_code)
     before = measure_sparsity(model)
     manifest = {"source": source_entry(model_name, source),
-                "stages": [{"stage": "prune", "settings": config.model_dump(mode="json")}]}
+                "stages": prior_stages(source) + [{"stage": "prune", "settings": config.model_dump(mode="json")}]}
     extra = None
     config_dict = model.config.to_dict()
     if structured:

@@ -17,7 +17,9 @@ from llmopt.core.io import check_output_free
 from llmopt.export.artifact import write_model_artifact
 from llmopt.export.formats import FORMATS
 from llmopt.export.load import load_model
-from llmopt.pipelines.common import peak_rss_bytes, source_entry, weights_bytes
+from llmopt.pipelines.common import (
+    peak_rss_bytes, prior_stages, refuse_quantized_input, resolve_input, source_entry, weights_bytes,
+)
 
 
 def default_format(method: str) -> str:
@@ -46,7 +48,9 @@ def quantize_to_artifact(
     config = configs[-1]
     fmt_name = fmt_name or default_format(method)
     fmt = FORMATS.get(fmt_name)
-    model, tokenizer, source = load_model(model_name, trust_remote_code=trust_remote_code)
+    source = resolve_input(model_name, output)
+    refuse_quantized_input(source, "quantize", trust_remote_code)
+    model, tokenizer, source = load_model(source, trust_remote_code=trust_remote_code)
     check_model_fits(model, configs)
     trivial = not (getattr(config, "act_order", False) and not getattr(config, "static_groups", True))
     for name, linear in quantizable_linears(model).items():  # fail before the expensive part
@@ -58,8 +62,9 @@ def quantize_to_artifact(
     packed, fp16 = quantized_bytes(result.qweights, fmt_name)
     manifest = {
         "source": source_entry(model_name, source),
-        "stages": [{"stage": "prune" if isinstance(c, SparsityConfig) else "quantize", "method": c.method,
-                    "settings": c.model_dump(mode="json")} for c in configs],
+        "stages": prior_stages(source) + [
+            {"stage": "prune" if isinstance(c, SparsityConfig) else "quantize", "method": c.method,
+             "settings": c.model_dump(mode="json")} for c in configs],
         "calibration": ({"datasets": config.calibration.calib, "num_samples": config.calibration.num_samples,
                          "seqlen": config.calibration.seqlen, "seed": config.calibration.seed}
                         if config.needs_calibration else None),

@@ -146,25 +146,69 @@ class RecipeRunner:
         return self._cached("bench", key, {**spec.model_dump(mode="json"), "hf": through_hf}, compute)
 
     # --- the whole recipe ---------------------------------------------------------------------
+    def variant_key(self, name: str) -> str:
+        """The cache key build_variant gives the variant's model, computed without running anything."""
+        key = cache_key(self.recipe.model)
+        for stage in self.recipe.variants[name]:
+            ((stage_name, options),) = stage.items()
+            key = cache_key(key, stage_name, self.recipe.stage_options(stage_name, options or {}))
+        return key
+
+    def bench_order(self, names: list[str]) -> list[str]:
+        """The order variants are benched in: shuffled (seeded by defaults.seed), so whatever the first
+        measurement of a process still pays (caches, clocks, allocator growth) does not always fall on the
+        first variant of the file, usually the baseline."""
+        import random
+
+        order = list(names)
+        random.Random(self.recipe.defaults.seed).shuffle(order)
+        return order
+
     def run(self, only: list[str] | None = None) -> dict:
-        variants = []
-        for name in self.recipe.variants:
-            if only and name not in only:
-                continue
+        names = [name for name in self.recipe.variants if not only or name in only]
+        records = {}
+        for name in names:
             start = time.perf_counter()
             model, key, stages = self.build_variant(name)
             self.log(f"{name}: evaluating")
             # A variant that ends in a cast is evaluated in its dtype (bf16 weights and bf16 compute).
             cast = next((s["facts"]["dtype"] for s in reversed(stages) if s["stage"] == "cast"), None)
-            record = {"name": name, "model": model, "cache_key": key, "stages": stages,
-                      "artifact_bytes": _weights_bytes(model), "eval_dtype": cast or self.recipe.defaults.dtype,
-                      **self.evaluate(model, key, cast)}
+            records[name] = {"name": name, "model": model, "cache_key": key, "stages": stages,
+                             "artifact_bytes": _weights_bytes(model), "eval_dtype": cast or self.recipe.defaults.dtype,
+                             **self.evaluate(model, key, cast), "wall_s": time.perf_counter() - start}
+        order = self.bench_order(names)
+        for name in order:
+            start, record = time.perf_counter(), records[name]
             self.log(f"{name}: bench")
-            record["bench"] = self.bench(model, key, through_hf=any("bnb" in s for s in self.recipe.variants[name]))
-            record["wall_s"] = round(time.perf_counter() - start, 2)
-            variants.append(record)
+            record["bench"] = self.bench(record["model"], record["cache_key"],
+                                         through_hf=any("bnb" in s for s in self.recipe.variants[name]))
+            record["wall_s"] = round(record["wall_s"] + time.perf_counter() - start, 2)
+        if only:
+            records.update(self.earlier_records(exclude=names))
         results = {"recipe": self.recipe.name, "model": self.recipe.model, "baseline": self.recipe.baseline,
                    "llmopt_version": __version__, "recipe_config": self.recipe.model_dump(mode="json"),
-                   "variants": variants}
+                   "bench_order": order if self.recipe.bench else [],
+                   "variants": [records[name] for name in self.recipe.variants if name in records]}
         write_json(self.run_dir / "results.json", results, indent=1)
         return results
+
+    def earlier_records(self, exclude: list[str]) -> dict[str, dict]:
+        """Variants of an earlier results.json that `--only` did not re-run and that are still what the recipe
+        says (same name, same cache key): a partial re-run adds to the results instead of replacing them."""
+        path = self.run_dir / "results.json"
+        if not path.is_file():
+            return {}
+        try:
+            earlier = read_json(path)
+        except Exception:  # a damaged file is replaced by this run's results, not merged
+            self.log(f"{path} is unreadable: it is replaced by this run's variants only")
+            return {}
+        kept = {}
+        for record in earlier.get("variants", []) if isinstance(earlier, dict) else []:
+            name = record.get("name") if isinstance(record, dict) else None
+            if name in self.recipe.variants and name not in exclude:
+                if record.get("cache_key") == self.variant_key(name):
+                    kept[name] = record
+                else:
+                    self.log(f"{name}: its earlier result is stale (the recipe changed): dropped")
+        return kept

@@ -17,7 +17,7 @@
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any, Optional
+from typing import Any, Literal, Optional
 
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
@@ -33,23 +33,23 @@ class _Strict(BaseModel):
 class Defaults(_Strict):
     data_dir: Optional[str] = None
     calib: str = "c4"
-    num_samples: int = 128
-    seqlen: int = 512
+    num_samples: int = Field(128, ge=1)
+    seqlen: int = Field(512, ge=2)
     seed: int = 0
-    dtype: str = "float32"  # evaluation dtype
+    dtype: Literal["auto", "float32", "bfloat16", "float16"] = "float32"  # evaluation dtype
 
 
 class PplEval(_Strict):
     datasets: list[str] = Field(default_factory=lambda: ["wikitext2"])
-    seqlen: int = 512
-    max_tokens: Optional[int] = 32768
-    batch_size: int = 4
+    seqlen: int = Field(512, ge=2)
+    max_tokens: Optional[int] = Field(32768, ge=2)
+    batch_size: int = Field(4, ge=1)
 
 
 class TasksEval(_Strict):
     names: list[str]
-    limit: Optional[int] = None
-    batch_size: int = 16
+    limit: Optional[int] = Field(None, ge=1)
+    batch_size: int = Field(16, ge=1)
 
     @field_validator("names")
     @classmethod
@@ -69,18 +69,19 @@ class Evaluate(_Strict):
 
 class BenchSpec(_Strict):
     dataset: str = "random"
-    num_requests: int = 16
-    input_len: int = 128
-    output_len: int = 64
-    range_ratio: float = 0.0
-    request_rate: float = float("inf")
-    dtype: str = "auto"  # bfloat16 where the CPU multiplies it natively, else float32 (core.hardware)
-    max_num_seqs: int = ENGINE_DEFAULTS.max_num_seqs
+    num_requests: int = Field(16, ge=1)
+    input_len: int = Field(128, ge=1)
+    output_len: int = Field(64, ge=1)
+    range_ratio: float = Field(0.0, ge=0, lt=1)
+    request_rate: float = Field(float("inf"), gt=0)
+    # bfloat16 where the CPU multiplies it natively, else float32 (core.hardware)
+    dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"
+    max_num_seqs: int = Field(ENGINE_DEFAULTS.max_num_seqs, ge=1)
     slo: Optional[str] = None
     serve: bool = False  # bench each variant served over HTTP (llmopt serve on loopback), not the engine directly
     # speculative decoding as `--speculative` takes it (ngram, draft:MODEL, medusa[:PATH]), and its draft length
     speculative: Optional[str] = None
-    num_speculative_tokens: int = SpeculativeConfig().num_speculative_tokens
+    num_speculative_tokens: int = Field(SpeculativeConfig().num_speculative_tokens, ge=1)
 
     @field_validator("speculative")
     @classmethod
@@ -167,13 +168,35 @@ def _line_of(node, loc: tuple) -> int | None:
     return line
 
 
+def _check_unique_keys(node, path: Path) -> None:
+    """YAML lets a later key silently replace an earlier one (two variants of one name: only the last runs)."""
+    if isinstance(node, yaml.MappingNode):
+        seen: dict = {}
+        for key, value in node.value:
+            if key.value in seen:
+                raise ConfigError(f"{path}:{key.start_mark.line + 1}: duplicate key {key.value!r} (first at line "
+                                  f"{seen[key.value]}): rename or remove one")
+            seen[key.value] = key.start_mark.line + 1
+            _check_unique_keys(value, path)
+    elif isinstance(node, yaml.SequenceNode):
+        for item in node.value:
+            _check_unique_keys(item, path)
+
+
 def load_recipe(path: str | Path) -> Recipe:
     path = Path(path)
+    if path.is_dir():
+        raise ConfigError(f"recipe {path} is a folder: give a recipe .yaml file")
     if not path.is_file():
         raise ConfigError(f"recipe {path} does not exist")
-    text = path.read_text()
+    try:
+        text = path.read_text(encoding="utf-8")
+    except UnicodeDecodeError as e:
+        raise ConfigError(f"recipe {path} is not a UTF-8 text file (byte {e.start}): give a YAML recipe") from None
     try:
         node = yaml.compose(text, Loader=yaml.SafeLoader)
+        if node is not None:
+            _check_unique_keys(node, path)
         data = yaml.safe_load(text)
     except yaml.YAMLError as e:
         mark = getattr(e, "problem_mark", None)

@@ -89,7 +89,7 @@ def _run_bnb(model: str, output: Path, options: dict) -> dict:
     import torch
 
     from llmopt.core.io import atomic_output_dir
-    from llmopt.core.models import check_safetensors, load_tokenizer, resolve_model
+    from llmopt.core.models import check_loading_info, check_safetensors, load_error, load_tokenizer, resolve_model
 
     try:
         import bitsandbytes  # noqa: F401
@@ -105,8 +105,13 @@ def _run_bnb(model: str, output: Path, options: dict) -> dict:
     source = resolve_model(model)
     if source.path is not None:
         check_safetensors(source.path)  # safetensors only, never a pickle checkpoint
-    lm = AutoModelForCausalLM.from_pretrained(source.load_path, quantization_config=config, device_map="cpu",
-                                              dtype=compute_dtype, use_safetensors=True, trust_remote_code=False)
+    try:
+        lm, info = AutoModelForCausalLM.from_pretrained(
+            source.load_path, quantization_config=config, device_map="cpu", dtype=compute_dtype,
+            use_safetensors=True, trust_remote_code=False, output_loading_info=True)
+    except Exception as e:  # transformers raises many kinds; one line that says what to do
+        raise load_error(source, e) from e
+    check_loading_info(source, info)
     with atomic_output_dir(output, overwrite=True) as tmp:
         lm.save_pretrained(tmp)
         load_tokenizer(source).save_pretrained(tmp)

@@ -3,10 +3,10 @@ change against the baseline variant of the same run."""
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
 from llmopt.core.errors import ConfigError
+from llmopt.core.io import read_json
 
 # (column, how to read it from a variant record, better: "lower" | "higher")
 SPEED = [("out tok/s", ("bench", "metrics", "output_throughput"), "higher"),
@@ -19,7 +19,12 @@ def load_run(run_dir: str | Path) -> dict:
     path = Path(run_dir) / "results.json"
     if not path.is_file():
         raise ConfigError(f"{run_dir} has no results.json: run `llmopt recipe run` first (or pass its -o folder)")
-    data = json.loads(path.read_text())
+    data = read_json(path)
+    variants = data.get("variants") if isinstance(data, dict) else None
+    if not isinstance(variants, list) or not variants or not all(
+            isinstance(v, dict) and isinstance(v.get("name"), str) for v in variants) or "recipe" not in data:
+        raise ConfigError(f"{path} is incomplete (no recipe results in it): re-run `llmopt recipe run` for "
+                          f"{run_dir}")
     data["run_dir"] = str(run_dir)
     return data
 

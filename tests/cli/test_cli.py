@@ -90,7 +90,7 @@ def test_bad_input_is_one_line_exit_1(tiny_llama_dir, tmp_path):
     corrupt = tmp_path / "corrupt"
     shutil.copytree(tiny_llama_dir, corrupt)
     (corrupt / "model.safetensors").write_bytes(b"garbage")
-    assert_one_line_error(run("eval", "ppl", corrupt), "cannot load model")
+    assert_one_line_error(run("eval", "ppl", corrupt), "is not a safetensors file")
 
 
 def test_debug_shows_the_traceback(monkeypatch):

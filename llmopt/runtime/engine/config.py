@@ -13,6 +13,7 @@ from llmopt.core.errors import ConfigError
 # gpu_memory_utilization size it from the machine. On CPU the cache is zero pages that the OS commits as blocks
 # are first written, so an unused budget costs address space, not memory.
 KV_CACHE_MEMORY_FRACTION = 0.25
+KV_CACHE_MAX_FRACTION = 0.95  # the rest stays for weights, activations and the OS
 
 SPECULATIVE_METHODS = ("ngram", "draft", "medusa")
 MEDUSA_HEADS_FILE = "medusa_heads.safetensors"  # next to the model, or named by --speculative medusa:PATH
@@ -73,10 +74,17 @@ class EngineConfig:
     speculative: SpeculativeConfig | None = None
 
     def __post_init__(self):
-        if self.max_num_seqs < 1 or self.max_num_batched_tokens < 1:
-            raise ValueError("max_num_seqs and max_num_batched_tokens must be positive")
+        for name in ("block_size", "max_num_seqs", "max_num_batched_tokens"):
+            if getattr(self, name) < 1:
+                raise ConfigError(f"--{name.replace('_', '-')} must be at least 1 (got {getattr(self, name)})",
+                                  param=name)
+        if self.kv_cache_bytes is not None and self.kv_cache_bytes < 1:
+            raise ConfigError(f"kv_cache_bytes must be positive (got {self.kv_cache_bytes})", param="kv_cache_bytes")
+        if not 0 < self.kv_cache_memory_fraction <= KV_CACHE_MAX_FRACTION:
+            raise ConfigError(f"--kv-cache-memory-fraction {self.kv_cache_memory_fraction}: give a fraction in "
+                              f"(0, {KV_CACHE_MAX_FRACTION}]", param="kv_cache_memory_fraction")
         if self.policy not in ("continuous", "static"):
-            raise ValueError(f"policy must be continuous or static (got {self.policy!r})")
+            raise ConfigError(f"--policy must be continuous or static (got {self.policy!r})", param="policy")
 
 
 ENGINE_DEFAULTS = EngineConfig()  # what the CLI and recipes show as defaults

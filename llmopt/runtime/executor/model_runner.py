@@ -48,9 +48,7 @@ def available_memory(device: torch.device) -> int:
 
 
 def default_kv_cache_bytes(device: torch.device, fraction: float, max_useful_bytes: int | None = None) -> int:
-    """fraction x available memory, no more than the engine could ever fill (max_useful_bytes)."""
-    if not 0 < fraction <= 0.95:
-        raise ConfigError(f"--kv-cache-memory-fraction {fraction}: give a fraction in (0, 0.95]")
+    """fraction (checked by EngineConfig) x available memory, no more than the engine could ever fill."""
     budget = int(available_memory(device) * fraction)
     return min(budget, max_useful_bytes) if max_useful_bytes else budget
 

@@ -1,0 +1,102 @@
+"""Kills and Ctrl-C, through the real `llmopt` entry point in a subprocess: a run stopped mid-way leaves nothing
+at its output path, says so, and a later run cleans up what a killed one left.
+
+The child runs the CLI with one library function wrapped so that it signals (a file appears) and then waits at a
+known point; the test then sends the signal. Nothing else of the command is changed."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+from pathlib import Path
+
+from typer.testing import CliRunner
+
+from llmopt.cli.main import app
+
+CHILD = """
+import sys, time
+from pathlib import Path
+import {module} as target
+
+ready = Path({ready!r})
+original = target.{function}
+
+def wrapped(*args, **kwargs):
+    result = original(*args, **kwargs) if {after} else None
+    ready.write_text("ready")
+    time.sleep(120)
+    return result
+
+target.{function} = wrapped
+sys.argv = ["llmopt", *{argv!r}]
+from llmopt.cli.main import main
+main()
+"""
+
+
+def start_paused(tmp_path: Path, argv: list[str], module: str, function: str, after: bool) -> subprocess.Popen:
+    """Start `llmopt ARGV` whose `module.function` pauses (after running, when `after`); return once paused."""
+    ready = tmp_path / "ready"
+    code = CHILD.format(module=module, function=function, ready=str(ready), argv=argv, after=after)
+    env = {**os.environ, "LLMOPT_HOME": str(tmp_path / "home")}
+    child = subprocess.Popen([sys.executable, "-c", textwrap.dedent(code)], stdout=subprocess.PIPE,
+                             stderr=subprocess.PIPE, text=True, env=env)
+    deadline = time.monotonic() + 180
+    while not ready.exists():
+        assert child.poll() is None, child.communicate()
+        assert time.monotonic() < deadline, "the child never reached its pause"
+        time.sleep(0.05)
+    return child
+
+
+def quantize_args(model: Path, out: Path) -> list[str]:
+    return ["quantize", str(model), "-o", str(out), "--method", "gptq", "--group-size", "32", "--calib", "pystdlib",
+            "--num-samples", "2", "--seqlen", "16"]
+
+
+def test_ctrl_c_during_calibration_says_nothing_was_written(tiny_llama_dir, tmp_path):
+    out = tmp_path / "out"
+    child = start_paused(tmp_path, quantize_args(tiny_llama_dir, out), "llmopt.core.datasets",
+                         "calibration_samples", after=False)
+    child.send_signal(signal.SIGINT)
+    _, stderr = child.communicate(timeout=60)
+    assert child.returncode == 130, stderr
+    assert "Traceback" not in stderr
+    assert stderr.strip().splitlines()[-1] == f"interrupted; nothing was written to {out}"
+    assert not out.exists() and not [p for p in tmp_path.iterdir() if ".tmp-" in p.name]
+
+
+def test_kill_during_write_leaves_nothing_and_the_next_run_cleans_up(tiny_llama_dir, tmp_path):
+    out = tmp_path / "out"
+    # paused after the artifact's config.json is written into the temporary folder, before the rename
+    child = start_paused(tmp_path, quantize_args(tiny_llama_dir, out), "llmopt.export.artifact", "write_json",
+                         after=True)
+    temporaries = [p for p in tmp_path.iterdir() if p.name.startswith(".out.tmp-")]
+    assert len(temporaries) == 1 and any(temporaries[0].iterdir())  # a partly written folder
+    child.send_signal(signal.SIGKILL)
+    child.communicate(timeout=60)
+    assert not out.exists()  # the output path never holds a partial artifact
+    assert temporaries[0].exists()  # SIGKILL runs no cleanup: the next run must
+    result = CliRunner().invoke(app, quantize_args(tiny_llama_dir, out))
+    assert result.exit_code == 0, result.output
+    assert (out / "llmopt.json").is_file() and (out / "model.safetensors").is_file()
+    assert not [p for p in tmp_path.iterdir() if ".tmp-" in p.name]
+
+
+def test_a_temporary_of_a_running_process_is_left_alone(tiny_llama_dir, tmp_path):
+    """Only temporaries whose process is gone are stale: one a live run is writing is not touched."""
+    live = tmp_path / f".out.tmp-{os.getpid()}-0123abcd"
+    live.mkdir()
+    dead = tmp_path / ".out.tmp-999999999-0123abcd"
+    dead.mkdir()
+    other = tmp_path / ".other.tmp-999999999-0123abcd"  # another output's: not ours to clean now
+    other.mkdir()
+    from llmopt.core.io import remove_stale_temporaries
+
+    remove_stale_temporaries(tmp_path / "out")
+    assert live.exists() and not dead.exists() and other.exists()
