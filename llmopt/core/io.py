@@ -156,6 +156,20 @@ def atomic_output_file(path: str | Path) -> Iterator[Path]:
         tmp.unlink(missing_ok=True)
 
 
+def save_tensors(tensors: dict, path: str | Path, metadata: dict | None = None) -> None:
+    """safetensors' save_file, with an OS failure (a full disk, a quota) raised as the OSError it is: the
+    library reports it as its own error type, which the CLI could not tell from a bug."""
+    from safetensors.torch import save_file
+
+    try:
+        save_file(tensors, str(path), metadata=metadata)
+    except Exception as e:
+        code = re.search(r"code: (\d+)", str(e))
+        if code is None:
+            raise
+        raise OSError(int(code[1]), os.strerror(int(code[1])), str(path)) from e
+
+
 def write_json(path: str | Path, data: Any, indent: int = 2) -> None:
     """Write JSON atomically: into a temporary file beside `path`, renamed over it once complete."""
     write_text(path, json.dumps(data, indent=indent, sort_keys=False, default=str) + "\n")

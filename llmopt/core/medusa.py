@@ -43,15 +43,13 @@ class MedusaHeads(nn.Module):
         return torch.stack([hidden + F.silu(head(hidden)) for head in heads])
 
     def save(self, path: Path) -> None:
-        from safetensors.torch import save_file
-
-        from llmopt.core.io import atomic_output_file
+        from llmopt.core.io import atomic_output_file, save_tensors
 
         tensors = {f"heads.{j}.{name}": p.detach().contiguous().cpu()
                    for j, head in enumerate(self.heads) for name, p in head.named_parameters()}
         with atomic_output_file(Path(path)) as tmp:
-            save_file(tensors, str(tmp), metadata={"format": FORMAT, "num_heads": str(self.num_heads),
-                                                   "hidden_size": str(self.hidden_size)})
+            save_tensors(tensors, tmp, metadata={"format": FORMAT, "num_heads": str(self.num_heads),
+                                                 "hidden_size": str(self.hidden_size)})
 
     @classmethod
     def load(cls, path: Path, dtype: torch.dtype | None = None, device: torch.device | str = "cpu") -> MedusaHeads:

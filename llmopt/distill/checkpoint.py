@@ -8,10 +8,10 @@ import random
 from pathlib import Path
 
 import torch
-from safetensors.torch import load_file, save_file
+from safetensors.torch import load_file
 
 from llmopt.core.errors import ConfigError
-from llmopt.core.io import atomic_output_dir, read_json, write_json
+from llmopt.core.io import atomic_output_dir, read_json, save_tensors, write_json
 
 STATE_FILE = "state.json"
 MODEL_FILE = "trainable.safetensors"
@@ -41,8 +41,8 @@ def save_checkpoint(folder: Path, trainable: dict[str, torch.Tensor], optimizer:
     """Replace `folder` with a checkpoint of this moment."""
     opt_tensors, groups = optimizer_tensors(optimizer)
     with atomic_output_dir(folder, overwrite=True) as tmp:
-        save_file({k: v.detach().contiguous() for k, v in trainable.items()}, str(tmp / MODEL_FILE))
-        save_file({**opt_tensors, "rng.torch": torch.get_rng_state()}, str(tmp / OPTIMIZER_FILE))
+        save_tensors({k: v.detach().contiguous() for k, v in trainable.items()}, tmp / MODEL_FILE)
+        save_tensors({**opt_tensors, "rng.torch": torch.get_rng_state()}, tmp / OPTIMIZER_FILE)
         write_json(tmp / STATE_FILE, {**counters, "param_groups": groups,
                                       "python_random": _jsonable(random.getstate())})
 

@@ -7,12 +7,11 @@ import time
 from pathlib import Path
 
 import torch
-from safetensors.torch import save_file
 
+from llmopt.compress.defaults import SEARCH_FILE
 from llmopt.core.contract import QuantizedWeight
 from llmopt.core.environment import package_versions
-from llmopt.compress.defaults import SEARCH_FILE
-from llmopt.core.io import atomic_output_dir, write_json
+from llmopt.core.io import atomic_output_dir, save_tensors, write_json
 from llmopt.export.formats import FORMATS
 
 WEIGHTS_FILE = "model.safetensors"
@@ -75,13 +74,13 @@ def write_artifact(
                     tensors[f"{name}.{suffix}"] = tensor.contiguous()
             scheme = next(iter(qweights.values())).scheme
             config["quantization_config"] = quantization_config or fmt.quantization_config(scheme, settings)
-        save_file(tensors, str(tmp / WEIGHTS_FILE), metadata={"format": "pt"})
+        save_tensors(tensors, tmp / WEIGHTS_FILE, metadata={"format": "pt"})
         write_json(tmp / "config.json", config)
         if generation_config is not None:
             generation_config.save_pretrained(tmp)
         tokenizer.save_pretrained(tmp)
         if extra_tensors:
-            save_file(extra_tensors, str(tmp / extra_file))
+            save_tensors(extra_tensors, tmp / extra_file)
         manifest = {
             **manifest, "format": fmt_name, "versions": package_versions(),
             "write_wall_s": round(time.perf_counter() - start, 3),

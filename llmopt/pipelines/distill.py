@@ -20,7 +20,7 @@ from llmopt.distill.student import Student
 from llmopt.distill.trainer import CHECKPOINT_DIR, LOG_FILE, Distiller, Progress
 from llmopt.export.artifact import dense_state_dict, write_artifact
 from llmopt.export.load import load_model
-from llmopt.pipelines.common import peak_rss_bytes, resolve_input, source_entry, weights_bytes
+from llmopt.pipelines.common import peak_rss_bytes, prior_stages, resolve_input, source_entry, weights_bytes
 from llmopt.pipelines.distill_students import build_student
 
 
@@ -79,7 +79,8 @@ def distill_to_artifact(config: DistillConfig, output: str | Path, resume: bool 
     manifest = {"source": source_entry(config.student or config.teacher,
                                        resolve_model(config.student) if config.student else teacher_source),
                 "teacher": source_entry(config.teacher, teacher_source),
-                "stages": [{"stage": "distill", "settings": config.model_dump(mode="json")}],
+                "stages": [*(prior_stages(resolve_model(config.student)) if config.student else []),
+                           {"stage": "distill", "settings": config.model_dump(mode="json")}],
                 "distill": {**facts, **student.facts, "student_kind": student.kind,
                             "train_windows": int(windows.train.shape[0]), "log": str(distiller.run_dir / LOG_FILE)}}
     _write_student(output, student, model, tokenizer, manifest, overwrite or resume)
@@ -116,7 +117,8 @@ def train_medusa_heads(config: DistillConfig, output: str | Path, resume: bool =
     trainer = MedusaTrainer(config, model, prompts, generate, run_dir_for(output), progress)
     facts = trainer.train(resume=resume)
     manifest = {"source": source_entry(config.teacher, source),
-                "stages": [{"stage": "distill", "settings": config.model_dump(mode="json")}],
+                "stages": [*(prior_stages(resolve_model(config.student)) if config.student else []),
+                           {"stage": "distill", "settings": config.model_dump(mode="json")}],
                 "medusa": {**facts, "num_heads": config.medusa_heads, "prompts": len(prompts),
                            "log": str(trainer.run_dir / LOG_FILE)}}
     with atomic_output_dir(output, overwrite=overwrite or resume) as tmp:

@@ -100,3 +100,17 @@ def test_a_temporary_of_a_running_process_is_left_alone(tiny_llama_dir, tmp_path
 
     remove_stale_temporaries(tmp_path / "out")
     assert live.exists() and not dead.exists() and other.exists()
+
+
+def test_a_full_disk_is_one_line_and_leaves_nothing(tiny_llama_dir, tmp_path, monkeypatch):
+    def full(tensors, path, metadata=None):  # what safetensors raises when the disk fills, as save_tensors sees it
+        raise RuntimeError('Error while serializing: IoError(Os { code: 28, kind: StorageFull, message: "No space '
+                           'left on device" })')
+
+    monkeypatch.setattr("safetensors.torch.save_file", full)
+    out = tmp_path / "out"
+    result = CliRunner().invoke(app, quantize_args(tiny_llama_dir, out))
+    assert result.exit_code == 1 and isinstance(result.exception, SystemExit), result.output
+    lines = [line for line in result.output.splitlines() if line.strip()]
+    assert lines[-1].startswith("error: No space left on device (") and "nothing was written" in lines[-1], lines
+    assert not out.exists() and not [p for p in tmp_path.iterdir() if ".tmp-" in p.name]

@@ -1,3 +1,5 @@
+import os
+
 import pytest
 import torch
 
@@ -77,3 +79,25 @@ def test_hub_id_offline_fails_clearly(monkeypatch, isolated_home):
     with pytest.raises(ModelNotFoundError, match="no folder 'someorg/somemodel' here, and the Hugging Face hub is "
                        "unreachable"):
         load_model("someorg/somemodel")
+
+
+def test_a_path_like_model_that_does_not_exist_is_not_sent_to_the_hub(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "fx").mkdir()
+    for name in ("fx/tiny-typo", "./tiny-typo", "../tiny-typo", str(tmp_path / "tiny-typo")):
+        with pytest.raises(ModelNotFoundError, match="no such folder or file"):
+            resolve_model(name)
+
+
+def test_an_unreachable_hub_is_not_retried(monkeypatch, isolated_home):
+    from huggingface_hub import constants
+
+    monkeypatch.setenv("HF_HUB_OFFLINE", "0")
+    monkeypatch.setattr(constants, "HF_HUB_OFFLINE", False)
+    monkeypatch.setenv("HF_ENDPOINT", "https://127.0.0.1:9")  # nothing listens there: refused at once
+    monkeypatch.setenv("HF_HOME", str(isolated_home / "hf"))
+    with pytest.raises(ModelNotFoundError, match="no folder 'someorg/somemodel' here, and the Hugging Face hub is "
+                       "unreachable"):
+        load_model("someorg/somemodel")
+    # the lookups went offline (cache only) instead of retrying the hub
+    assert constants.HF_HUB_OFFLINE is True and os.environ["HF_HUB_OFFLINE"] == "1"

@@ -99,6 +99,17 @@ def test_ci_smoke_recipe_runs_and_reports(tmp_path):
     second = json.loads((tmp_path / "run" / "results.json").read_text())["variants"]
     facts = lambda vs: [(v["ppl"], v["bench"], v["artifact_bytes"], [s["facts"] for s in v["stages"]]) for v in vs]  # noqa: E731
     assert facts(second) == facts(results["variants"])
+    # --only re-runs one variant and keeps the others' results (it used to leave 1 of 8)
+    only = run("recipe", "run", smoke, "-o", tmp_path / "run", "--only", "rtn-w4g32")
+    assert only.exit_code == 0, only.output
+    merged = json.loads((tmp_path / "run" / "results.json").read_text())
+    assert [v["name"] for v in merged["variants"]] == names and facts(merged["variants"]) == facts(second)
+    # variants were benched in a shuffled order (not the file's), recorded in the results
+    assert sorted(results["bench_order"]) == sorted(names) and results["bench_order"] != names
+    # a pruned model that is then quantized keeps both stages in its manifest
+    chain = next(v for v in results["variants"] if v["name"] == "sparsegpt-2of4-gptq")
+    manifest = json.loads((Path(chain["model"]) / "llmopt.json").read_text())
+    assert [s["stage"] for s in manifest["stages"]] == ["prune", "quantize"]
 
 
 KILL_RECIPE = """name: kill
