@@ -143,7 +143,8 @@ class RecipeRunner:
                     "ttft_ms": [r.ttft * 1000 for r in run.records],
                     "tpot_ms": [r.tpot * 1000 for r in run.records if r.tpot is not None]}
 
-        return self._cached("bench", key, {**spec.model_dump(mode="json"), "hf": through_hf}, compute)
+        config = {**spec.model_dump(mode="json", exclude={"order"}), "hf": through_hf}  # order: not a setting
+        return self._cached("bench", key, config, compute)
 
     # --- the whole recipe ---------------------------------------------------------------------
     def variant_key(self, name: str) -> str:
@@ -155,13 +156,14 @@ class RecipeRunner:
         return key
 
     def bench_order(self, names: list[str]) -> list[str]:
-        """The order variants are benched in: shuffled (seeded by defaults.seed), so whatever the first
-        measurement of a process still pays (caches, clocks, allocator growth) does not always fall on the
-        first variant of the file, usually the baseline."""
+        """The order variants are benched in: shuffled (seeded by defaults.seed) unless the recipe's bench says
+        `order: recipe`, so whatever the first measurement of a process still pays (caches, clocks, allocator
+        growth) does not always fall on the first variant of the file, usually the baseline."""
         import random
 
         order = list(names)
-        random.Random(self.recipe.defaults.seed).shuffle(order)
+        if self.recipe.bench is None or self.recipe.bench.order == "shuffled":
+            random.Random(self.recipe.defaults.seed).shuffle(order)
         return order
 
     def run(self, only: list[str] | None = None) -> dict:

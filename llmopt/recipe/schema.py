@@ -81,6 +81,9 @@ class BenchSpec(_Strict):
     serve: bool = False  # bench each variant served over HTTP (llmopt serve on loopback), not the engine directly
     # speculative decoding as `--speculative` takes it (ngram, draft:MODEL, medusa[:PATH]), and its draft length
     speculative: Optional[str] = None
+    # variants are benched in an order shuffled by defaults.seed (the first measurement of a process can pay
+    # one-off costs); `recipe` keeps the file's order
+    order: Literal["shuffled", "recipe"] = "shuffled"
     num_speculative_tokens: int = Field(SpeculativeConfig().num_speculative_tokens, ge=1)
 
     @field_validator("speculative")
