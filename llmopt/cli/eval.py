@@ -76,6 +76,8 @@ def tasks(
         raise ConfigError(f"unknown task {unknown[0] if unknown else '(none)'!r}: choose from {', '.join(TASKS.names())}")
     if limit is not None and limit < 1:
         raise ConfigError(f"--limit must be at least 1 (got {limit})")
+    if batch_size < 1:
+        raise ConfigError(f"--batch-size must be at least 1 (got {batch_size})")
     resolved = resolve_dtype_option(dtype, device)
     lm, tokenizer, _ = load_model(model, dtype=resolved, device=device, trust_remote_code=trust_remote_code)
     results = {}

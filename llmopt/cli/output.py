@@ -49,7 +49,8 @@ def progress_bar(description: str) -> Iterator[Callable[[int, int], None]]:
     """Yields update(done, total); the bar draws on stderr so --json output stays clean."""
     columns = (TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
                TimeRemainingColumn())
-    with Progress(*columns, console=stderr, transient=True) as progress:
+    # no bar when stderr is not a terminal (a log, a pipe): it would leave only a blank line there
+    with Progress(*columns, console=stderr, transient=True, disable=not stderr.is_terminal) as progress:
         task = progress.add_task(description, total=None)
 
         def update(done: int, total: int) -> None:

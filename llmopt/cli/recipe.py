@@ -42,6 +42,7 @@ def run(
     if unknown:
         raise ConfigError(f"--only {unknown[0]!r} is not a variant; allowed: {', '.join(recipe.variants)}")
     run_dir = output or Path("runs") / recipe.name
+    _check_run_dir(run_dir)
     if recipe.defaults.data_dir:
         import os
 
@@ -51,3 +52,13 @@ def run(
     results["run_dir"] = str(run_dir)
     stderr.print(f"wrote {run_dir / 'results.json'}")
     print(markdown([results]), end="")
+
+
+def _check_run_dir(run_dir: Path) -> None:
+    """A run folder that could not be written fails now, not after the first variant's stages."""
+    from llmopt.core.errors import ArtifactError
+    from llmopt.core.io import check_writable_location
+
+    if run_dir.exists() and not run_dir.is_dir():
+        raise ArtifactError(f"run folder {run_dir} is a file: give a folder to -o")
+    check_writable_location(run_dir / "results.json", "run folder")

@@ -56,6 +56,7 @@ def serve(
     from llmopt.runtime.engine.config import EngineConfig
     from llmopt.serve.launch import start_server
 
+    check_listen_address(host, port)  # before minutes of loading, not after
     if chat_template is not None and not chat_template.is_file():
         raise ConfigError(f"--chat-template {chat_template} does not exist")
     config = EngineConfig(max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
@@ -80,3 +81,26 @@ def serve(
         http.run()
     finally:
         server.engine.stop(shutdown_timeout)
+
+
+def check_listen_address(host: str, port: int) -> None:
+    """Refuse a port out of range, a host that does not resolve, or an address already in use, in one line."""
+    import socket
+
+    from llmopt.core.errors import ConfigError
+
+    if not 0 <= port <= 65535:
+        raise ConfigError(f"--port {port}: give a port in 0-65535", param="port")
+    try:
+        infos = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)
+    except socket.gaierror as e:
+        raise ConfigError(f"--host {host}: cannot resolve it ({e.strerror}); give an address such as 127.0.0.1",
+                          param="host") from None
+    family, kind, proto, _, address = infos[0]
+    with socket.socket(family, kind, proto) as probe:
+        probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as uvicorn binds
+        try:
+            probe.bind(address)
+        except OSError as e:
+            raise ConfigError(f"cannot listen on {host}:{port} ({e.strerror}): choose another --port or --host",
+                              param="port") from None

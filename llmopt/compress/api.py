@@ -10,7 +10,9 @@ from typing import Callable
 import torch
 from pydantic import BaseModel
 
-from llmopt.compress.base import PRUNE_METHODS, QUANT_METHODS, MethodSpec, Pruner, Quantizer, quantizable_linears
+from llmopt.compress.base import (
+    PRUNE_METHODS, QUANT_METHODS, MethodSpec, Pruner, Quantizer, ignore_matches, quantizable_linears,
+)
 from llmopt.compress.config import SparsityConfig, StructuredConfig, build_config
 from llmopt.compress.defaults import SPARSEGPT_DAMP
 from llmopt.compress.masks import check_nm_fits
@@ -70,9 +72,15 @@ class CompressResult:
 
 
 def check_model_fits(model, configs: list[BaseModel]) -> None:
-    """Fail before any work if a method cannot apply to some linear (group size or N:M not dividing K)."""
+    """Fail before any work if a method cannot apply to some linear (group size or N:M not dividing K) or an
+    --ignore pattern matches none (a typo would otherwise compress what was meant to stay dense)."""
     linears = quantizable_linears(model)
     for config in configs:
+        for pattern in getattr(config, "ignore", None) or []:
+            if not any(ignore_matches(pattern, name) for name in linears):
+                example = next(iter(linears), "")
+                raise ConfigError(f"--ignore {pattern!r} matches no linear (names look like {example!r} or "
+                                  f"{example.split('.', 3)[-1]!r}): fix the pattern")
         if isinstance(config, SparsityConfig):
             if config.nm is not None:
                 check_nm_fits(linears, config.nm)

@@ -36,8 +36,7 @@ class Modifier:
         return f"{self.adapter.layers}.{layer_index}.{name}"
 
     def is_ignored(self, full_name: str) -> bool:
-        return any(fnmatch.fnmatch(full_name, p) or fnmatch.fnmatch(full_name.split(".", 3)[-1], p)
-                   for p in self.config.ignore)
+        return any(ignore_matches(p, full_name) for p in self.config.ignore)
 
     def stages(self, adapter: ArchAdapter) -> list[tuple[str, ...]]:
         return [adapter.linears]
@@ -127,6 +126,11 @@ class MethodSpec:
 
 QUANT_METHODS: Registry[MethodSpec] = Registry("quantization method")
 PRUNE_METHODS: Registry[MethodSpec] = Registry("pruning method")
+
+
+def ignore_matches(pattern: str, full_name: str) -> bool:
+    """An --ignore glob matches a linear by its full path or by its path inside the layer (mlp.down_proj)."""
+    return fnmatch.fnmatch(full_name, pattern) or fnmatch.fnmatch(full_name.split(".", 3)[-1], pattern)
 
 
 def quantizable_linears(model: nn.Module) -> dict[str, nn.Linear]:

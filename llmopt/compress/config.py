@@ -65,6 +65,18 @@ class CalibrationConfig(BaseModel):
         description="dtype of the calibration forwards (weights and statistics stay fp32); auto: bfloat16 "
         "where the device multiplies it natively, else float32 (resolved when the config is made)")
 
+    @field_validator("calib")
+    @classmethod
+    def _known_datasets(cls, calib: str) -> str:
+        from llmopt.core.datasets import check_dataset_name
+
+        names = [name.strip() for name in calib.split(",") if name.strip()]
+        if not names:
+            raise ValueError("no calibration dataset given: pass --calib NAME[,NAME...]")
+        for name in names:
+            check_dataset_name(name)
+        return calib
+
     @model_validator(mode="after")
     def _resolve_auto_dtype(self):
         self.compute_dtype = calibration_dtype(self.compute_dtype, self.device)

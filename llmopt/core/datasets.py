@@ -146,12 +146,26 @@ CORPORA.add("sharegpt", Corpus(
 ))
 
 
-def documents(name: str, text_field: str = "text"):
-    """The documents of a named corpus or a local .txt/.jsonl/.json file, in corpus order."""
+FILE_SUFFIXES = (".txt", ".jsonl", ".json", ".bz2")
+
+
+def check_dataset_name(name: str) -> None:
+    """Fail now (not after the model has loaded) on a dataset that is neither a corpus nor an existing file."""
     path = Path(name).expanduser()
-    if path.suffix in (".txt", ".jsonl", ".json", ".bz2"):
+    if path.suffix in FILE_SUFFIXES:
         if not path.is_file():
             raise DatasetError(f"dataset file {path} does not exist")
+    elif name not in CORPORA:
+        raise DatasetError(
+            f"unknown dataset {name!r}: use one of {', '.join(CORPORA.names())} or a .txt/.jsonl/.json file"
+        )
+
+
+def documents(name: str, text_field: str = "text"):
+    """The documents of a named corpus or a local .txt/.jsonl/.json file, in corpus order."""
+    check_dataset_name(name)
+    path = Path(name).expanduser()
+    if path.suffix in FILE_SUFFIXES:
         if path.suffix == ".jsonl":
             return _read_jsonl_field(path, text_field)
         if path.suffix == ".json":
@@ -159,10 +173,6 @@ def documents(name: str, text_field: str = "text"):
         if path.suffix == ".bz2":
             return [bz2.decompress(path.read_bytes()).decode("utf-8", errors="replace")]
         return [path.read_text(encoding="utf-8", errors="replace")]
-    if name not in CORPORA:
-        raise DatasetError(
-            f"unknown dataset {name!r}: use one of {', '.join(CORPORA.names())} or a .txt/.jsonl/.json file"
-        )
     return _corpus_documents(name)
 
 

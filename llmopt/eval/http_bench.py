@@ -92,4 +92,5 @@ def run_http(base_url: str, endpoint: str, model: str, requests: list[BenchReque
     try:
         return asyncio.run(_run(base_url, endpoint, model, requests, tokenizer, max_concurrency, api_key, progress))
     except httpx.HTTPError as exc:
-        raise ConfigError(f"cannot reach {base_url}: {exc}; is the server running?") from None
+        reason = str(exc).rstrip(".") or type(exc).__name__
+        raise ConfigError(f"cannot reach {base_url} ({reason}): is the server running?") from None

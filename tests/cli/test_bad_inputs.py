@@ -64,6 +64,7 @@ CASES = [
     (["eval", "ppl", "{truncated}", "--dataset", "pystdlib"], 1, r"truncated", None),
     (["eval", "tasks", "{tiny}", "--tasks", "nosuch"], 1, r"unknown task 'nosuch'", None),
     (["eval", "tasks", "{tiny}", "--limit", "0"], 1, r"--limit must be at least 1", None),
+    (["eval", "tasks", "{tiny}", "--batch-size", "0"], 1, r"--batch-size must be at least 1", None),
     # --- quantize -------------------------------------------------------------------------------------------------
     (["quantize", "{tiny_copy}", "-o", "{tiny_copy}", "--overwrite", "--method", "rtn", "--group-size", "32"], 1,
      r"is the input model or inside it", None),
@@ -94,6 +95,10 @@ CASES = [
     (["quantize", "{tiny}", "-o", OUT, "--method", "foo"], 2, r"'foo' is not one of", OUT),
     (["quantize", "{tiny}", "-o", OUT, "--method", "rtn", "--damp", "0.1"], 1, r"--damp applies to gptq only", OUT),
     (["quantize", "{pickle}", "-o", OUT, "--method", "rtn"], 1, r"only pickle weights", OUT),
+    (["quantize", "{tiny}", "-o", OUT, "--method", "rtn", "--group-size", "32", "--ignore", "mlp.down_prj"], 1,
+     r"--ignore 'mlp\.down_prj' matches no linear", OUT),
+    (["quantize", "{tiny}", "-o", OUT, "--method", "gptq", "--group-size", "32", "--calib", "c4,nosuch"], 1,
+     r"unknown dataset 'nosuch'", OUT),
     (["quantize", "{tiny}", "-o", OUT, "--method", "gptq", "--calib-dtype", "float16"], 2, r"--calib-dtype", OUT),
     # --- prune ----------------------------------------------------------------------------------------------------
     (["prune", "{tiny}", "-o", OUT], 1, r"give --method", OUT),
@@ -135,6 +140,8 @@ CASES = [
     # --- serve ----------------------------------------------------------------------------------------------------
     (["serve", "no-such-model"], 1, r"unknown model", None),
     (["serve", "{tiny}", "--device", "banana"], 1, r"--device banana", None),
+    (["serve", "{tiny}", "--port", "70000"], 1, r"--port 70000: give a port in 0-65535", None),
+    (["serve", "{tiny}", "--host", "999.1.1.1"], 1, r"--host 999\.1\.1\.1: cannot resolve it", None),
     # --- recipe ---------------------------------------------------------------------------------------------------
     (["recipe", "validate", "{duplicate_variant}"], 1,
      r"duplicate_variant\.yaml:6: duplicate key 'a' \(first at line 4\)", None),
@@ -145,6 +152,8 @@ CASES = [
     (["recipe", "validate", "{missing}.yaml"], 1, r"does not exist", None),
     (["recipe", "validate", "{bad_yaml}"], 1, r"bad_yaml\.yaml:\d+: not valid YAML", None),
     (["recipe", "run", "{duplicate_variant}", "-o", OUT], 1, r"duplicate key", OUT),
+    (["recipe", "run", "{zero_variant_ok}", "-o", "{a_file}"], 1, r"run folder .*a_file is a file", None),
+    (["recipe", "run", "{zero_variant_ok}", "-o", "{a_file}/run"], 1, r"a_file is a file, not a folder", None),
     # --- report ---------------------------------------------------------------------------------------------------
     (["report", "{run_empty_list}", "-o", OUT], 1, r"results\.json is incomplete", OUT),
     (["report", "{run_empty_object}", "-o", OUT], 1, r"results\.json is incomplete", OUT),
@@ -195,6 +204,7 @@ def bad(tmp_path_factory, tiny_llama_dir):
     text("bad_json_line.jsonl", '{"text": "fine"}\n{"text": \n')
     text("duplicate_variant.yaml", "name: x\nmodel: tiny-random-llama\nvariants:\n  a: []\n  b: []\n  a:\n"
                                    "    - cast: {dtype: bfloat16}\n")
+    text("zero_variant_ok.yaml", "name: x\nmodel: tiny-random-llama\nvariants:\n  a: []\n")
     text("zero_requests.yaml", "name: x\nmodel: tiny-random-llama\nvariants:\n  a: []\nbench: {num_requests: 0}\n")
     text("bad_yaml.yaml", "name: x\nvariants: [a\n")
     text("binary.yaml", bytes(range(256)) * 4)

@@ -19,8 +19,10 @@ from typer.testing import CliRunner
 from llmopt.cli.main import app
 
 CHILD = """
-import sys, time
+import signal, sys, time
 from pathlib import Path
+# Ctrl-C as in a terminal: a shell's background job (how CI may run us) inherits SIGINT ignored
+signal.signal(signal.SIGINT, signal.default_int_handler)
 import {module} as target
 
 ready = Path({ready!r})
