@@ -11,6 +11,11 @@ def encode_prompts(tokenizer, prompts: list[str], chat: bool) -> list[list[int]]
     """Token ids per prompt; with `chat`, the tokenizer's chat template with a generation prompt."""
     if not chat:
         return [tokenizer(p, add_special_tokens=True)["input_ids"] for p in prompts]
+    if not getattr(tokenizer, "chat_template", None):
+        from llmopt.core.errors import ConfigError
+
+        raise ConfigError("--chat: this model's tokenizer has no chat template; drop --chat and give the prompt "
+                          "already formatted", param="chat")
     ids = []
     for prompt in prompts:
         encoded = tokenizer.apply_chat_template(

@@ -42,6 +42,20 @@ def fresh_output(output: str | Path, resume: bool, overwrite: bool, config: Dist
     return output
 
 
+def check_student_vocabulary(config: DistillConfig, trust_remote_code: bool = False) -> None:
+    """Refuse (before loading anything) a student whose vocabulary is not the teacher's: the losses compare
+    their distributions token by token."""
+    from llmopt.core.models import load_config
+
+    if config.student is None:
+        return
+    sizes = [getattr(load_config(resolve_model(name), trust_remote_code), "vocab_size", None)
+             for name in (config.teacher, config.student)]
+    if sizes[0] != sizes[1]:
+        raise ConfigError(f"--student {config.student} has a vocabulary of {sizes[1]} tokens, the teacher "
+                          f"{sizes[0]}: the student must share the teacher's tokenizer")
+
+
 def generate_with_engine(model, tokenizer, prompts: list[list[int]], max_tokens: int, temperature: float,
                          seeds: list[int]) -> list[list[int]]:
     """On-policy continuations from llmopt's own engine, on the model's own modules (fast_path off: the packed
@@ -63,6 +77,7 @@ def distill_to_artifact(config: DistillConfig, output: str | Path, resume: bool 
     processes of a multi-process run)."""
     start = time.perf_counter()
     output = fresh_output(output, resume, overwrite, config)
+    check_student_vocabulary(config, trust_remote_code)
     teacher, tokenizer, teacher_source = load_model(config.teacher, "float32", trust_remote_code=trust_remote_code)
     student = build_student(config, teacher, tokenizer, trust_remote_code)
     if not config.needs_teacher:  # alpha 0: plain fine-tuning on the labels

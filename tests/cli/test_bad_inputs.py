@@ -46,6 +46,8 @@ CASES = [
     (["generate", "{missing_tensors}", "-p", "hi"], 1, r"lacks tensors for its config \(model\.layers\.1\.", None),
     (["generate", "{tiny}", "-p", "hi", "--speculative", "bogus"], 1, r"--speculative", None),
     (["generate", "{tiny}", "-p", "hi", "--stop", "x", "--backend", "hf"], 1, r"--stop needs the runtime", None),
+    (["generate", "{no_chat_template}", "-p", "hi", "--chat"], 1, r"--chat: this model's tokenizer has no chat "
+     "template", None),
     # --- eval -----------------------------------------------------------------------------------------------------
     (["eval", "ppl", "{tiny}", "--dataset", "{null_text}", "--seqlen", "8"], 1,
      r"null_text\.jsonl:2: field 'text' is null, not text", None),
@@ -118,6 +120,8 @@ CASES = [
     (["distill", "--teacher", "{tiny_copy}", "--medusa-heads", "2", "-o", "{tiny_copy}", "--overwrite",
       "--max-steps", "1"], 1, r"is the input model", None),
     (["distill", "--teacher", "{tiny}", "-o", OUT], 1, r"needs an end", OUT),
+    (["distill", "--teacher", "{tiny}", "--student", "{other_vocab}", "-o", OUT, "--max-steps", "1"], 1,
+     r"has a vocabulary of 300 tokens, the teacher 259", OUT),
     (["distill", "--teacher", "no-such-model", "-o", OUT, "--max-steps", "1"], 1, r"unknown model", OUT),
     # --- export ---------------------------------------------------------------------------------------------------
     (["export", "{tiny}", "-o", OUT, "--format", "gptq"], 1, r"holds no quantized weights", OUT),
@@ -195,6 +199,14 @@ def bad(tmp_path_factory, tiny_llama_dir):
     missing = folder("missing_tensors", "config.json", "tokenizer.json", "tokenizer_config.json")
     tensors = {k: v for k, v in load_file(tiny_llama_dir / "model.safetensors").items() if ".layers.1." not in k}
     save_file(tensors, missing / "model.safetensors", metadata={"format": "pt"})
+    # no chat template: none in tokenizer_config.json, and chat_template.jinja not copied
+    template = json.loads((tiny_llama_dir / "tokenizer_config.json").read_text())
+    template.pop("chat_template", None)
+    (folder("no_chat_template", "config.json", "model.safetensors", "tokenizer.json") / "tokenizer_config.json"
+     ).write_text(json.dumps(template))
+    other = folder("other_vocab", "model.safetensors", "tokenizer.json", "tokenizer_config.json")
+    (other / "config.json").write_text(json.dumps({**json.loads((tiny_llama_dir / "config.json").read_text()),
+                                                    "vocab_size": 300}))
     folder("a_folder")
     text("a_file", "not a folder")
     text("null_text.jsonl", '{"text": "fine"}\n{"text": null}\n')
