@@ -15,17 +15,28 @@ from llmopt import __version__
 from llmopt.core.errors import LLMOptError
 
 
-# Exit codes (README "Exit codes"): 0 success, 1 an error the user can fix, 2 a usage error (the Unix
+# Exit codes (README, "Errors, exit codes and outputs"): 0 success, 1 an error the user can fix, 2 a usage error (the Unix
 # convention: unknown option, bad option value), 130 interrupted (Ctrl-C).
 EXIT_ERROR, EXIT_USAGE, EXIT_INTERRUPTED = 1, 2, 130
 # OS errors that bad input or a full / read-only disk cause: one line, not a traceback
-USER_OS_ERRORS = (errno.ENOSPC, errno.EROFS, errno.EACCES, errno.EPERM, errno.ENOTDIR, errno.EISDIR, errno.EDQUOT)
+FULL_DISK_ERRORS = (errno.ENOSPC, errno.EDQUOT)
+USER_OS_ERRORS = (*FULL_DISK_ERRORS, errno.EROFS, errno.EACCES, errno.EPERM, errno.ENOTDIR, errno.EISDIR)
 
 
-def _say(message: str) -> None:
+def _say(message: str, error: bool = True) -> None:
+    """One line on stderr; an error's prefix in red on a terminal (the message itself is never read as markup)."""
+    from rich.markup import escape
+
     from llmopt.cli.output import stderr
 
-    stderr.print(message, markup=False, highlight=False, soft_wrap=True)
+    stderr.print(("[red]error:[/red] " if error else "") + escape(message), highlight=False, soft_wrap=True)
+
+
+def _os_error_message(e: OSError) -> str:
+    where = f" ({e.filename})" if e.filename else ""
+    advice = ("free space or choose another location" if e.errno in FULL_DISK_ERRORS
+              else "check the path and its permissions")
+    return f"{e.strerror}{where}: {advice}; nothing was written"
 
 
 def _interrupted_message() -> str:
@@ -46,16 +57,15 @@ class ErrorBoundaryGroup(TyperGroup):
         except LLMOptError as e:
             if os.environ.get("LLMOPT_DEBUG"):
                 raise
-            _say(f"error: {e}")
+            _say(str(e))
             sys.exit(EXIT_ERROR)
         except OSError as e:
             if os.environ.get("LLMOPT_DEBUG") or e.errno not in USER_OS_ERRORS:
                 raise
-            where = f" ({e.filename})" if e.filename else ""
-            _say(f"error: {e.strerror}{where}: free space or choose another location; nothing was written")
+            _say(_os_error_message(e))
             sys.exit(EXIT_ERROR)
         except KeyboardInterrupt:
-            _say(_interrupted_message())
+            _say(_interrupted_message(), error=False)
             sys.exit(EXIT_INTERRUPTED)
 
     def main(self, args=None, prog_name=None, complete_var=None, standalone_mode=True, **extra):
@@ -69,13 +79,13 @@ class ErrorBoundaryGroup(TyperGroup):
             code = EXIT_USAGE
         except click.UsageError as e:
             command = e.ctx.command_path if e.ctx else "llmopt"
-            _say(f"error: {e.format_message().replace('Value error, ', '')} (usage: see `{command} --help`)")
+            _say(f"{e.format_message().replace('Value error, ', '')} (usage: see `{command} --help`)")
             code = EXIT_USAGE
         except click.ClickException as e:
-            _say(f"error: {e.format_message()}")
+            _say(e.format_message())
             code = e.exit_code
         except typer.Abort:
-            _say(_interrupted_message())
+            _say(_interrupted_message(), error=False)
             code = EXIT_INTERRUPTED
         if standalone_mode:
             sys.exit(code)

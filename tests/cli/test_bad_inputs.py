@@ -99,6 +99,9 @@ CASES = [
     (["quantize", "{pickle}", "-o", OUT, "--method", "rtn"], 1, r"only pickle weights", OUT),
     (["quantize", "{tiny}", "-o", OUT, "--method", "rtn", "--group-size", "32", "--ignore", "mlp.down_prj"], 1,
      r"--ignore 'mlp\.down_prj' matches no linear", OUT),
+    # a value that looks like terminal markup is printed as given
+    (["quantize", "{tiny}", "-o", OUT, "--method", "rtn", "--group-size", "32", "--ignore", "[bold]down"], 1,
+     r"--ignore '\[bold\]down' matches no linear", OUT),
     (["quantize", "{tiny}", "-o", OUT, "--method", "gptq", "--group-size", "32", "--calib", "c4,nosuch"], 1,
      r"unknown dataset 'nosuch'", OUT),
     (["quantize", "{tiny}", "-o", OUT, "--method", "gptq", "--calib-dtype", "float16"], 2, r"--calib-dtype", OUT),
