@@ -52,6 +52,9 @@ class ErrorBoundaryGroup(TyperGroup):
     usage errors one line and exit 2, Ctrl-C one line and exit 130 (tracebacks with LLMOPT_DEBUG=1)."""
 
     def invoke(self, ctx: typer.Context):
+        from llmopt.core.io import PENDING_OUTPUTS
+
+        PENDING_OUTPUTS.clear()  # this command's outputs only (tests run many commands in one process)
         try:
             return super().invoke(ctx)
         except LLMOptError as e:
