@@ -47,7 +47,8 @@ def run(
         import os
 
         os.environ.setdefault("LLMOPT_DATA_DIR", recipe.defaults.data_dir)
-    runner = RecipeRunner(recipe, run_dir, log=lambda m: stderr.print(f"[dim]{m}[/dim]"))
+    runner = RecipeRunner(recipe, run_dir, log=lambda m: stderr.print(m, style="dim", markup=False, highlight=False,
+                                                                      soft_wrap=True))
     results = runner.run(only)
     results["run_dir"] = str(run_dir)
     stderr.print(f"wrote {run_dir / 'results.json'}")

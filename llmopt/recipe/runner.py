@@ -13,6 +13,7 @@ from pathlib import Path
 from typing import Callable
 
 from llmopt import __version__
+from llmopt.core.errors import LLMOptError
 from llmopt.core.io import read_json, write_json
 from llmopt.recipe.schema import Recipe
 from llmopt.recipe.stages import STAGES
@@ -56,7 +57,10 @@ class RecipeRunner:
                 facts = read_json(out / "stage_facts.json")
             else:
                 self.log(f"{name}: {stage_name} {options}")
-                facts = STAGES.get(stage_name).run(model, out, options)
+                try:
+                    facts = STAGES.get(stage_name).run(model, out, options)
+                except LLMOptError as e:  # which variant and stage, then what the stage said
+                    raise type(e)(f"variant {name!r}, stage {i} ({stage_name}): {e}") from e
                 write_json(out / "stage_facts.json", facts, indent=1)
                 self.stages_run.append(f"{name}/{i}/{stage_name}")
             records.append({"stage": stage_name, "options": options, "artifact": str(out), "cache_key": key,

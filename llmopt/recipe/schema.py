@@ -111,6 +111,11 @@ class BenchSpec(_Strict):
         return name
 
 
+# stages that leave a quantized model, and the stages that refuse one as input (pipelines.common)
+QUANTIZING_STAGES = {"quantize", "bnb"}
+QUANTIZED_INPUT_REFUSED = {"quantize", "prune", "cast"}
+
+
 class Recipe(_Strict):
     name: str
     model: str
@@ -135,6 +140,10 @@ class Recipe(_Strict):
                 if stage_name not in STAGES:
                     raise ValueError(f"variant {name!r}: unknown stage {stage_name!r}; "
                                      f"allowed: {', '.join(STAGES.names())}")
+                earlier = [next(iter(s)) for s in stages[:i]]
+                if stage_name in QUANTIZED_INPUT_REFUSED and QUANTIZING_STAGES & set(earlier):
+                    raise ValueError(f"variant {name!r} stage {i}: {stage_name} after {earlier[-1]}: the model is "
+                                     "already quantized there (quantize or prune the unquantized model once)")
         return variants
 
     @model_validator(mode="after")

@@ -18,7 +18,9 @@ from typer.testing import CliRunner
 from llmopt.cli.main import app
 
 OUT = "{out}"  # the case's output path (never created)
-NOTES = ("dtype auto -> ", "CPU: ")
+# what commands print before failing: the dtype auto chose, the CPU a bench measures, a recipe's progress
+# (`VARIANT: stage ...`, for the one variant, q, of the recipe that fails at run time)
+NOTES = ("dtype auto -> ", "CPU: ", "q: ")
 
 CASES = [
     # --- models ---------------------------------------------------------------------------------------------------
@@ -159,6 +161,9 @@ CASES = [
     (["recipe", "validate", "{missing}.yaml"], 1, r"does not exist", None),
     (["recipe", "validate", "{bad_yaml}"], 1, r"bad_yaml\.yaml:\d+: not valid YAML", None),
     (["recipe", "run", "{duplicate_variant}", "-o", OUT], 1, r"duplicate key", OUT),
+    (["recipe", "validate", "{requantize}"], 1, r"variant 'qq' stage 1: quantize after quantize", None),
+    (["recipe", "run", "{bad_stage}", "-o", OUT], 1,
+     r"variant 'q', stage 0 \(quantize\): --group-size 128 does not divide", None),
     (["recipe", "run", "{zero_variant_ok}", "-o", "{a_file}"], 1, r"run folder .*a_file is a file", None),
     (["recipe", "run", "{zero_variant_ok}", "-o", "{a_file}/run"], 1, r"a_file is a file, not a folder", None),
     # --- report ---------------------------------------------------------------------------------------------------
@@ -220,6 +225,10 @@ def bad(tmp_path_factory, tiny_llama_dir):
     text("duplicate_variant.yaml", "name: x\nmodel: tiny-random-llama\nvariants:\n  a: []\n  b: []\n  a:\n"
                                    "    - cast: {dtype: bfloat16}\n")
     text("zero_variant_ok.yaml", "name: x\nmodel: tiny-random-llama\nvariants:\n  a: []\n")
+    text("requantize.yaml", "name: x\nmodel: tiny-random-llama\nvariants:\n  qq:\n"
+                            "    - quantize: {method: rtn, group_size: 32}\n    - quantize: {method: rtn, bits: 8}\n")
+    text("bad_stage.yaml", "name: x\nmodel: tiny-random-llama\nvariants:\n  q:\n"
+                           "    - quantize: {method: rtn, group_size: 128}\n")
     text("zero_requests.yaml", "name: x\nmodel: tiny-random-llama\nvariants:\n  a: []\nbench: {num_requests: 0}\n")
     text("bad_yaml.yaml", "name: x\nvariants: [a\n")
     text("binary.yaml", bytes(range(256)) * 4)
@@ -255,7 +264,6 @@ def test_bad_input_is_one_line(args, code, pattern, output, bad, tmp_path, monke
     assert result.exit_code == code, text
     assert isinstance(result.exception, SystemExit), repr(result.exception)  # not an exception CliRunner caught
     assert "Traceback" not in text, text
-    # the notes a command prints before its work (what dtype auto chose, the CPU a bench measures) may come first
     lines = [line for line in text.splitlines() if line.strip() and not line.startswith(NOTES)]
     if pattern != "Usage":  # (a group without its command prints its help)
         assert len(lines) == 1 and lines[0].startswith("error: "), text
