@@ -15,8 +15,8 @@ from llmopt import __version__
 from llmopt.core.errors import LLMOptError
 
 
-# Exit codes (README, "Errors, exit codes and outputs"): 0 success, 1 an error the user can fix, 2 a usage error (the Unix
-# convention: unknown option, bad option value), 130 interrupted (Ctrl-C).
+# Exit codes (README, "Errors, exit codes and outputs"): 0 success, 1 an error the user can fix, 2 a usage
+# error (the Unix convention: unknown option, bad option value), 130 interrupted (Ctrl-C).
 EXIT_ERROR, EXIT_USAGE, EXIT_INTERRUPTED = 1, 2, 130
 # OS errors that bad input or a full / read-only disk cause: one line, not a traceback
 FULL_DISK_ERRORS = (errno.ENOSPC, errno.EDQUOT)
