@@ -8,8 +8,12 @@ import sys
 from typing import Annotated
 
 import typer
-from typer._click import exceptions as click  # Typer vendors Click: its exceptions, not the click package's
 from typer.core import TyperGroup
+
+try:  # Typer vendors Click from 0.2x on: its exceptions, not the click package's
+    from typer._click import exceptions as click
+except ImportError:  # older Typer runs on the click package
+    from click import exceptions as click
 
 from llmopt import __version__
 from llmopt.core.errors import LLMOptError
