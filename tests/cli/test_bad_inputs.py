@@ -18,6 +18,8 @@ from typer.testing import CliRunner
 from llmopt.cli.main import app
 
 OUT = "{out}"  # the case's output path (never created)
+RTN = ["quantize", "{tiny}", "-o", OUT, "--method", "rtn", "--group-size", "32"]  # (quantize cases' defaults)
+GPTQ = ["quantize", "{tiny}", "-o", OUT, "--method", "gptq", "--group-size", "32"]
 # what commands print before failing: the dtype auto chose, the CPU a bench measures, a recipe's progress
 # (`VARIANT: stage ...`, for the one variant, q, of the recipe that fails at run time)
 NOTES = ("dtype auto -> ", "CPU: ", "q: ")
@@ -76,19 +78,19 @@ CASES = [
      r"is the input model or inside it", "{tiny}/sub"),
     (["quantize", "{artifact}", "-o", OUT, "--method", "rtn", "--group-size", "32"], 1,
      r"is already quantized \(compressed-tensors\): quantize its unquantized source model", OUT),
-    (["quantize", "{tiny}", "-o", OUT, "--method", "rtn", "--group-size", "32", "--device", "banana"], 1,
+    ([*RTN, "--device", "banana"], 1,
      r"--device banana", OUT),
-    (["quantize", "{tiny}", "-o", OUT, "--method", "rtn", "--group-size", "32", "--device", "cuda"], 1,
+    ([*RTN, "--device", "cuda"], 1,
      r"--device cuda: this machine has no usable CUDA", OUT),
     (["quantize", "{tiny}", "-o", "{a_file}/x", "--method", "rtn", "--group-size", "32"], 1,
      r"a_file is a file, not a folder", None),
     (["quantize", "{tiny}", "-o", "/proc/llmopt-out", "--method", "rtn", "--group-size", "32"], 1,
      r"/proc is not writable", None),
-    (["quantize", "{tiny}", "-o", OUT, "--method", "gptq", "--group-size", "32", "--seqlen", "5000"], 1,
+    ([*GPTQ, "--seqlen", "5000"], 1,
      r"--seqlen is 5000 tokens, beyond the model's context", OUT),
-    (["quantize", "{tiny}", "-o", OUT, "--method", "gptq", "--group-size", "32", "--calib", "{no_text_field}"], 1,
+    ([*GPTQ, "--calib", "{no_text_field}"], 1,
      r"has no field 'text'.*pass --text-field", OUT),
-    (["quantize", "{tiny}", "-o", OUT, "--method", "gptq", "--group-size", "32", "--calib", "{null_text}"], 1,
+    ([*GPTQ, "--calib", "{null_text}"], 1,
      r"field 'text' is null", OUT),
     (["quantize", "{tiny}", "-o", OUT, "--method", "awq", "--group-size", "32", "--awq-search", "{missing}"], 1,
      r"--awq-search .* does not exist", OUT),
@@ -99,12 +101,12 @@ CASES = [
     (["quantize", "{tiny}", "-o", OUT, "--method", "foo"], 2, r"'foo' is not one of", OUT),
     (["quantize", "{tiny}", "-o", OUT, "--method", "rtn", "--damp", "0.1"], 1, r"--damp applies to gptq only", OUT),
     (["quantize", "{pickle}", "-o", OUT, "--method", "rtn"], 1, r"only pickle weights", OUT),
-    (["quantize", "{tiny}", "-o", OUT, "--method", "rtn", "--group-size", "32", "--ignore", "mlp.down_prj"], 1,
+    ([*RTN, "--ignore", "mlp.down_prj"], 1,
      r"--ignore 'mlp\.down_prj' matches no linear", OUT),
     # a value that looks like terminal markup is printed as given
-    (["quantize", "{tiny}", "-o", OUT, "--method", "rtn", "--group-size", "32", "--ignore", "[bold]down"], 1,
+    ([*RTN, "--ignore", "[bold]down"], 1,
      r"--ignore '\[bold\]down' matches no linear", OUT),
-    (["quantize", "{tiny}", "-o", OUT, "--method", "gptq", "--group-size", "32", "--calib", "c4,nosuch"], 1,
+    ([*GPTQ, "--calib", "c4,nosuch"], 1,
      r"unknown dataset 'nosuch'", OUT),
     (["quantize", "{tiny}", "-o", OUT, "--method", "gptq", "--calib-dtype", "float16"], 2, r"--calib-dtype", OUT),
     # --- prune ----------------------------------------------------------------------------------------------------
