@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import errno
 import os
+import signal
 import sys
 from typing import Annotated
 
@@ -20,8 +21,9 @@ from llmopt.core.errors import LLMOptError
 
 
 # Exit codes (README, "Errors, exit codes and outputs"): 0 success, 1 an error the user can fix, 2 a usage
-# error (the Unix convention: unknown option, bad option value), 130 interrupted (Ctrl-C).
-EXIT_ERROR, EXIT_USAGE, EXIT_INTERRUPTED = 1, 2, 130
+# error (the Unix convention: unknown option, bad option value), 130 interrupted (Ctrl-C), 143 terminated
+# (SIGTERM: 128 + 15, as a shell reports it).
+EXIT_ERROR, EXIT_USAGE, EXIT_INTERRUPTED, EXIT_TERMINATED = 1, 2, 130, 143
 # OS errors that bad input or a full / read-only disk cause: one line, not a traceback
 FULL_DISK_ERRORS = (errno.ENOSPC, errno.EDQUOT)
 USER_OS_ERRORS = (*FULL_DISK_ERRORS, errno.EROFS, errno.EACCES, errno.EPERM, errno.ENOTDIR, errno.EISDIR)
@@ -43,12 +45,20 @@ def _os_error_message(e: OSError) -> str:
     return f"{e.strerror}{where}: {advice}; nothing was written"
 
 
-def _interrupted_message() -> str:
+class Terminated(KeyboardInterrupt):
+    """SIGTERM, raised where the program is, so that it unwinds as Ctrl-C does (temporaries removed)."""
+
+
+def _raise_terminated(signum, frame) -> None:
+    raise Terminated()
+
+
+def _interrupted_message(how: str = "interrupted") -> str:
     from llmopt.core.io import PENDING_OUTPUTS
 
     if PENDING_OUTPUTS:
-        return f"interrupted; nothing was written to {', '.join(map(str, PENDING_OUTPUTS))}"
-    return "interrupted"
+        return f"{how}; nothing was written to {', '.join(map(str, PENDING_OUTPUTS))}"
+    return how
 
 
 class ErrorBoundaryGroup(TyperGroup):
@@ -71,9 +81,10 @@ class ErrorBoundaryGroup(TyperGroup):
                 raise
             _say(_os_error_message(e))
             sys.exit(EXIT_ERROR)
-        except KeyboardInterrupt:
-            _say(_interrupted_message(), error=False)
-            sys.exit(EXIT_INTERRUPTED)
+        except KeyboardInterrupt as e:
+            terminated = isinstance(e, Terminated)
+            _say(_interrupted_message("terminated" if terminated else "interrupted"), error=False)
+            sys.exit(EXIT_TERMINATED if terminated else EXIT_INTERRUPTED)
 
     def main(self, args=None, prog_name=None, complete_var=None, standalone_mode=True, **extra):
         """Click's own handling, except that a usage error is one line (which command, what is wrong, where
@@ -144,4 +155,7 @@ _register()
 
 
 def main() -> None:
+    """The console entry point. SIGTERM (a scheduler's or container's stop) unwinds like Ctrl-C; commands that
+    stop gracefully on it (serve, distill) install their own handler while they run."""
+    signal.signal(signal.SIGTERM, _raise_terminated)
     app()

@@ -73,6 +73,17 @@ def test_ctrl_c_during_calibration_says_nothing_was_written(tiny_llama_dir, tmp_
     assert not out.exists() and not [p for p in tmp_path.iterdir() if ".tmp-" in p.name]
 
 
+def test_sigterm_unwinds_like_ctrl_c(tiny_llama_dir, tmp_path):
+    out = tmp_path / "out"
+    child = start_paused(tmp_path, quantize_args(tiny_llama_dir, out), "llmopt.export.artifact", "write_json",
+                         after=True)  # the artifact half written in its temporary folder
+    child.send_signal(signal.SIGTERM)
+    _, stderr = child.communicate(timeout=60)
+    assert child.returncode == 143, stderr
+    assert stderr.strip().splitlines()[-1] == f"terminated; nothing was written to {out}"
+    assert not out.exists() and not [p for p in tmp_path.iterdir() if ".tmp-" in p.name]  # removed on the way out
+
+
 def test_kill_during_write_leaves_nothing_and_the_next_run_cleans_up(tiny_llama_dir, tmp_path):
     out = tmp_path / "out"
     # paused after the artifact's config.json is written into the temporary folder, before the rename
