@@ -34,6 +34,7 @@ GEMV_MAX_ROWS = 8  # ops.gemv takes x [1..8, K] (csrc/fused_cpu.cpp, GEMV_MAX_RO
 # sgemm is as fast as a matrix-vector product up to 2 rows, then ~2x slower from 4 (it packs the weight); gemv
 # streams each weight row once for all rows. Measured (2 cores, AVX-512) at 6 rows: 960x576 117 -> 57 us, 3072x576
 # 327 -> 270 us, 49152x576 5355 -> 3679 us, but 576x1536 98 -> 116 us (weights taller than wide keep BLAS).
+# AVX2 only (simulated; benchmarks/gemv_rows.py): 960x576 ~105 -> 70-82 us, 3072x576 ~410 -> 263-271 us.
 GEMV_BATCHED_ROWS = range(3, GEMV_MAX_ROWS + 1)
 
 SOURCES = [Path(__file__).parent / "csrc" / name

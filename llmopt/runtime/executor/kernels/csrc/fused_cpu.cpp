@@ -324,11 +324,16 @@ void gemv_rows(const TX* xp, const TW* wp, TX* yp, int64_t K, int64_t begin, int
 
 // M (2..8) inputs against weight rows n in [begin, end): each weight row is streamed once for all M inputs (an
 // sgemm at M = 6 packs the weight first and runs at half the speed of M = 1: speculative verification's shape).
-// y [M, N] = x [M, K] . w [N, K]^T; R weight rows at a time (R x M fp32 accumulators in registers: R = 4 up to
-// M = 6 with 16 AVX-512 lanes, else 2), each x vector loaded once per R rows.
+// y [M, N] = x [M, K] . w [N, K]^T; R weight rows at a time, each x vector loaded once per R rows. R x M fp32
+// accumulators must stay in registers: AVX-512 (32 registers, one per Vec): R = 4 up to M = 6, else 2; AVX2 (16
+// registers, two per Vec): R = 2 for M = 2, else 1 (R = 4 at M = 6 spilled 48 registers' worth).
 template <typename TX, typename TW, int M>
 void gemm_few_rows(const TX* xp, const TW* wp, TX* yp, int64_t K, int64_t N, int64_t begin, int64_t end) {
+#if defined(__AVX512F__)
   constexpr int R = M <= 6 ? 4 : 2;
+#else
+  constexpr int R = M <= 2 ? 2 : 1;
+#endif
   int64_t n = begin;
 #if defined(LLMOPT_VEC)
   const int64_t vec_k = K - K % 16;
