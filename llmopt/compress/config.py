@@ -211,13 +211,13 @@ class StructuredConfig(BaseModel):
     channel_multiple: int = Field(
         32, ge=1, description="keep a multiple of this many MLP channels, so group quantization still divides")
     scores_file: str | None = Field(None, description="replay the importance scores saved in an artifact")
+    calibration: CalibrationConfig = Field(
+        default_factory=lambda: CalibrationConfig(num_samples=STRUCTURED_NUM_SAMPLES))
 
     @field_validator("scores_file")
     @classmethod
     def _scores_file(cls, value):
         return saved_tensors_file(value, SCORES_FILE, "--scores", required_key="scores")
-    calibration: CalibrationConfig = Field(
-        default_factory=lambda: CalibrationConfig(num_samples=STRUCTURED_NUM_SAMPLES))
 
 
 def build_config(config_cls: type[BaseModel], what: str, **settings) -> BaseModel:

@@ -185,7 +185,6 @@ def collect_importance(model, tokenizer, config: StructuredConfig,
                        progress: Callable[[int, int], None] | None = None) -> torch.Tensor:
     from llmopt.core.calibration import run_layerwise
     from llmopt.core.datasets import calibration_samples
-
     from llmopt.core.models import check_within_context
 
     cal = config.calibration

@@ -176,13 +176,21 @@ def _looks_like_path(name: str) -> bool:
     return "/" in name and Path(first).is_dir()
 
 
+def hub_offline() -> bool:
+    """Whether hub lookups are cache-only: HF_HUB_OFFLINE set by the user, or by go_offline once the hub did not
+    answer."""
+    import os
+
+    return os.environ.get("HF_HUB_OFFLINE") not in (None, "", "0")
+
+
 def hub_reachable(timeout_s: float = 2.0) -> bool:
     """Whether the Hugging Face hub answers a TCP connect (transformers would otherwise retry for ~25 s)."""
     import os
     import socket
     from urllib.parse import urlparse
 
-    if os.environ.get("HF_HUB_OFFLINE") not in (None, "", "0"):
+    if hub_offline():
         return False
     host = urlparse(os.environ.get("HF_ENDPOINT") or "https://huggingface.co").hostname or "huggingface.co"
     try:
@@ -205,8 +213,9 @@ def go_offline() -> None:
         pass
 
 
-def check_safetensors(path: Path) -> None:
-    """Refuse a folder without safetensors weights (pickle only, or none) or with a truncated / corrupt file."""
+def check_safetensors(path: Path) -> dict[Path, dict]:
+    """Each safetensors file's header; refuses a folder without safetensors weights (pickle only, or none) or
+    with a truncated / corrupt file."""
     files = sorted(path.glob("*.safetensors"))
     if not files:
         if list(path.glob("*.bin")) or list(path.glob("*.pt")):
@@ -214,8 +223,7 @@ def check_safetensors(path: Path) -> None:
                 f"{path} holds only pickle weights (*.bin), which llmopt never loads: convert them to safetensors"
             )
         raise ModelLoadError(f"{path} has no *.safetensors weights")
-    for file in files:
-        read_safetensors_header(file)
+    return {file: read_safetensors_header(file) for file in files}
 
 
 def read_safetensors_header(file: Path) -> dict:
@@ -260,7 +268,7 @@ def load_error(source: ModelSource, e: Exception) -> Exception:
     if "trust_remote_code" in str(e):
         return ModelLoadError(f"{source.load_path} ships its own model or tokenizer code, which llmopt runs only "
                               "when asked: pass --trust-remote-code if you trust it (it is arbitrary code)")
-    if source.kind == "hub" and not hub_reachable(0.5):
+    if source.kind == "hub" and hub_offline():  # resolve_model went offline when the hub did not answer
         return ModelNotFoundError(
             f"no folder {source.hub_id!r} here, and the Hugging Face hub is unreachable (nor is it in the local hub "
             "cache): check the path, or use an alias or a local folder"
@@ -373,17 +381,16 @@ def describe_model(source: ModelSource, trust_remote_code: bool = False) -> dict
         "sparsity_config": getattr(config, "sparsity_config", None),
     }
     if source.path is not None:
-        check_safetensors(source.path)
-        info["num_parameters"] = count_safetensors_parameters(source.path)
+        info["num_parameters"] = count_safetensors_parameters(source.path)  # refuses pickle-only / corrupt
         info["weights_bytes"] = sum(f.stat().st_size for f in source.path.glob("*.safetensors"))
     return info
 
 
 def count_safetensors_parameters(path: Path) -> int:
-    """Element count of every tensor in the folder's safetensors files (headers only)."""
+    """Element count of every tensor in the folder's safetensors files (headers only, checked)."""
     total = 0
-    for file in Path(path).glob("*.safetensors"):
-        for key, meta in read_safetensors_header(file).items():
+    for header in check_safetensors(Path(path)).values():
+        for key, meta in header.items():
             if key != "__metadata__":
                 numel = 1
                 for dim in meta["shape"]:

@@ -91,10 +91,10 @@ def distill_to_artifact(config: DistillConfig, output: str | Path, resume: bool 
         return None
     model = distiller.accelerator.unwrap_model(distiller.model)
     model.eval()
-    manifest = {"source": source_entry(config.student or config.teacher,
-                                       resolve_model(config.student) if config.student else teacher_source),
+    student_source = resolve_model(config.student) if config.student else teacher_source
+    manifest = {"source": source_entry(config.student or config.teacher, student_source),
                 "teacher": source_entry(config.teacher, teacher_source),
-                "stages": [*(prior_stages(resolve_model(config.student)) if config.student else []),
+                "stages": [*(prior_stages(student_source) if config.student else []),
                            {"stage": "distill", "settings": config.model_dump(mode="json")}],
                 "distill": {**facts, **student.facts, "student_kind": student.kind,
                             "train_windows": int(windows.train.shape[0]), "log": str(distiller.run_dir / LOG_FILE)}}
@@ -131,9 +131,8 @@ def train_medusa_heads(config: DistillConfig, output: str | Path, resume: bool =
 
     trainer = MedusaTrainer(config, model, prompts, generate, run_dir_for(output), progress)
     facts = trainer.train(resume=resume)
-    manifest = {"source": source_entry(config.teacher, source),
-                "stages": [*(prior_stages(resolve_model(config.student)) if config.student else []),
-                           {"stage": "distill", "settings": config.model_dump(mode="json")}],
+    manifest = {"source": source_entry(config.teacher, source),  # (Medusa heads train on the teacher: no student)
+                "stages": [{"stage": "distill", "settings": config.model_dump(mode="json")}],
                 "medusa": {**facts, "num_heads": config.medusa_heads, "prompts": len(prompts),
                            "log": str(trainer.run_dir / LOG_FILE)}}
     with atomic_output_dir(output, overwrite=overwrite or resume) as tmp:

@@ -12,14 +12,15 @@ import torch
 from llmopt.compress.api import (
     make_sparsity_config, make_structured_config, measure_sparsity, sparsify_model, sparsity_config_entry,
 )
-from llmopt.compress.structured import prune_structured
 from llmopt.compress.defaults import SCORES_FILE
+from llmopt.compress.structured import prune_structured
 from llmopt.core.io import check_output_free
 from llmopt.export.artifact import dense_state_dict, write_artifact
 from llmopt.export.load import load_model
 from llmopt.pipelines.common import (
     peak_rss_bytes, prior_stages, refuse_quantized_input, resolve_input, source_entry, weights_bytes,
 )
+
 
 def prune_config(settings: dict):
     """The typed config of a prune command: structured (`structured` + `ratio`) or sparsity (`method` +

@@ -43,13 +43,20 @@ class RecipeRunner:
         self.stages_run: list[str] = []  # keys of stages actually executed (not cached) in this run
 
     # --- stages -------------------------------------------------------------------------------
-    def build_variant(self, name: str) -> tuple[str, str, list[dict]]:
-        """Run (or reuse) the variant's stages; returns (MODEL to measure, its cache key, stage records)."""
-        model, key, records = self.recipe.model, cache_key(self.recipe.model), []
-        for i, stage in enumerate(self.recipe.variants[name]):
+    def stage_chain(self, name: str):
+        """The variant's stages as (stage name, options with the recipe's defaults, cache key of its output);
+        each key chains the previous one, from the recipe's model."""
+        key = cache_key(self.recipe.model)
+        for stage in self.recipe.variants[name]:
             ((stage_name, options),) = stage.items()
             options = self.recipe.stage_options(stage_name, options or {})
             key = cache_key(key, stage_name, options)
+            yield stage_name, options, key
+
+    def build_variant(self, name: str) -> tuple[str, str, list[dict]]:
+        """Run (or reuse) the variant's stages; returns (MODEL to measure, its cache key, stage records)."""
+        model, key, records = self.recipe.model, cache_key(self.recipe.model), []
+        for i, (stage_name, options, key) in enumerate(self.stage_chain(name)):
             out = self.cache / f"{stage_name}-{key}"
             start = time.perf_counter()
             if (out / "stage_facts.json").is_file():  # written (atomically) only after the folder is complete
@@ -154,9 +161,8 @@ class RecipeRunner:
     def variant_key(self, name: str) -> str:
         """The cache key build_variant gives the variant's model, computed without running anything."""
         key = cache_key(self.recipe.model)
-        for stage in self.recipe.variants[name]:
-            ((stage_name, options),) = stage.items()
-            key = cache_key(key, stage_name, self.recipe.stage_options(stage_name, options or {}))
+        for _, _, key in self.stage_chain(name):
+            pass
         return key
 
     def bench_order(self, names: list[str]) -> list[str]:

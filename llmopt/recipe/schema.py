@@ -26,6 +26,10 @@ from llmopt.core.errors import ConfigError
 from llmopt.runtime.engine.config import ENGINE_DEFAULTS, SpeculativeConfig
 
 
+# --dtype's choices (core.hardware.DTYPE_CHOICES, which imports torch: recipe validation does not)
+Dtype = Literal["auto", "float32", "bfloat16", "float16"]
+
+
 class _Strict(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
@@ -36,7 +40,7 @@ class Defaults(_Strict):
     num_samples: int = Field(128, ge=1)
     seqlen: int = Field(512, ge=2)
     seed: int = 0
-    dtype: Literal["auto", "float32", "bfloat16", "float16"] = "float32"  # evaluation dtype
+    dtype: Dtype = "float32"  # evaluation dtype
 
 
 class PplEval(_Strict):
@@ -75,7 +79,7 @@ class BenchSpec(_Strict):
     range_ratio: float = Field(0.0, ge=0, lt=1)
     request_rate: float = Field(float("inf"), gt=0)
     # bfloat16 where the CPU multiplies it natively, else float32 (core.hardware)
-    dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"
+    dtype: Dtype = "auto"
     max_num_seqs: int = Field(ENGINE_DEFAULTS.max_num_seqs, ge=1)
     slo: Optional[str] = None
     serve: bool = False  # bench each variant served over HTTP (llmopt serve on loopback), not the engine directly
@@ -140,10 +144,10 @@ class Recipe(_Strict):
                 if stage_name not in STAGES:
                     raise ValueError(f"variant {name!r}: unknown stage {stage_name!r}; "
                                      f"allowed: {', '.join(STAGES.names())}")
-                earlier = [next(iter(s)) for s in stages[:i]]
-                if stage_name in QUANTIZED_INPUT_REFUSED and QUANTIZING_STAGES & set(earlier):
-                    raise ValueError(f"variant {name!r} stage {i}: {stage_name} after {earlier[-1]}: the model is "
-                                     "already quantized there (quantize or prune the unquantized model once)")
+                quantizing = [next(iter(s)) for s in stages[:i] if next(iter(s)) in QUANTIZING_STAGES]
+                if stage_name in QUANTIZED_INPUT_REFUSED and quantizing:
+                    raise ValueError(f"variant {name!r} stage {i}: {stage_name} after {quantizing[-1]}: the model "
+                                     "is already quantized there (quantize or prune the unquantized model once)")
         return variants
 
     @model_validator(mode="after")

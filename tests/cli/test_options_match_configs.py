@@ -95,3 +95,10 @@ def test_distill_options_are_the_config():
     assert {m.value for m in distill.LossName} == literal(DistillConfig, "loss") == set(DIVERGENCES.names())
     assert {m.value for m in distill.ScheduleName} == literal(DistillConfig, "schedule")
     assert choices("distill", "dtype") == literal(DistillConfig, "dtype")
+
+
+def test_recipe_dtypes_are_the_dtype_choices():
+    from llmopt.core.hardware import DTYPE_CHOICES
+    from llmopt.recipe.schema import BenchSpec, Defaults
+
+    assert literal(Defaults, "dtype") == literal(BenchSpec, "dtype") == set(DTYPE_CHOICES)
