@@ -28,7 +28,7 @@ def main() -> None:
     from llmopt.eval.speed import best_time  # best of 5 calls
     from llmopt.runtime.executor.kernels.cpu_ops import cpu_ops
     from llmopt.runtime.executor.kernels.quant_matmul import int4_dequantize, int4_matmul
-    from llmopt.runtime.executor.layers import quantized_linear
+    from llmopt.runtime.executor.linear import make_linear as quantized_linear
 
     ops = cpu_ops()
 

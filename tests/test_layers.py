@@ -111,6 +111,6 @@ def test_no_import_cycles():
 
 
 @pytest.mark.parametrize("module, dep", [("llmopt.core.models", "llmopt.export.read"),
-                                         ("llmopt.export.read", "llmopt.runtime.executor.layers")])
+                                         ("llmopt.export.read", "llmopt.runtime.executor.linear")])
 def test_the_check_would_catch_an_upward_import(module, dep):
     assert RANK[top_package(dep)] >= RANK[top_package(module)]

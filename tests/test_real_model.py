@@ -56,7 +56,7 @@ def test_smollm2_rtn_artifact_round_trip_and_transformers_load(smollm2, tmp_path
     config = make_config("rtn", bits=4, group_size=64)
     result = quantize_model(quantized, tokenizer, config)
     out = write_model_artifact(tmp_path / "rtn", quantized, tokenizer, result.qweights, "compressed-tensors",
-                               config.model_dump(), {})
+                               config.record(), {})
     ours = load_artifact_model(out)
     ids = tokenize_corpus(tokenizer, "pystdlib", 1024)
     fp_ppl = perplexity(model, ids, 512).ppl

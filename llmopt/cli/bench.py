@@ -9,9 +9,8 @@ from typing import Annotated, Optional
 import typer
 
 from llmopt.cli.options import (
-    DeviceOpt, Dtype, DtypeOpt, ModelArg, SeedOpt, resolve_dtype_option, with_speculative_options,
+    DeviceOpt, Dtype, DtypeOpt, ModelArg, SeedOpt, resolve_dtype_option, with_engine_options,
 )
-from llmopt.runtime.engine.config import ENGINE_DEFAULTS
 
 SHOWN = [  # (metric key, label) in the terminal table
     ("request_throughput", "requests/s"), ("output_throughput", "output tok/s"),
@@ -27,7 +26,7 @@ SHOWN = [  # (metric key, label) in the terminal table
 ]
 
 
-@with_speculative_options
+@with_engine_options
 def bench(
     model: ModelArg,
     dataset: Annotated[str, typer.Option(
@@ -44,23 +43,11 @@ def bench(
     request_rate: Annotated[float, typer.Option("--request-rate", help="Poisson arrivals per second; inf = all "
                                                 "at once.")] = float("inf"),
     max_concurrency: Annotated[Optional[int], typer.Option("--max-concurrency")] = None,
-    batching: Annotated[str, typer.Option("--batching", help="continuous or static.")] = ENGINE_DEFAULTS.policy,
     baseline: Annotated[Optional[str], typer.Option(
         "--baseline", help="'hf' (transformers generate, static batches), another MODEL on the runtime, or with "
         "--base-url another server's URL.")] = None,
     hf_batch_size: Annotated[int, typer.Option("--hf-batch-size", help="Static batch size of --baseline hf.")] = 32,
     slo: Annotated[Optional[str], typer.Option("--slo", help="Goodput SLOs in ms, e.g. ttft=200,tpot=50.")] = None,
-    max_num_seqs: Annotated[int, typer.Option("--max-num-seqs")] = ENGINE_DEFAULTS.max_num_seqs,
-    max_num_batched_tokens: Annotated[int, typer.Option(
-        "--max-num-batched-tokens")] = ENGINE_DEFAULTS.max_num_batched_tokens,
-    block_size: Annotated[int, typer.Option("--block-size")] = ENGINE_DEFAULTS.block_size,
-    kv_cache_bytes: Annotated[Optional[int], typer.Option(
-        "--kv-cache-bytes", help="KV cache size in bytes (default: --kv-cache-memory-fraction of the available "
-        "memory).")] = None,
-    kv_cache_memory_fraction: Annotated[float, typer.Option(
-        "--kv-cache-memory-fraction", help="Default KV cache size as a fraction of the memory available at start "
-        "(host memory on CPU, free device memory on CUDA).")] = ENGINE_DEFAULTS.kv_cache_memory_fraction,
-    no_prefix_cache: Annotated[bool, typer.Option("--no-prefix-cache")] = False,
     peak_bandwidth: Annotated[Optional[float], typer.Option("--peak-bandwidth", help="GB/s (else measured).")] = None,
     peak_flops: Annotated[Optional[float], typer.Option("--peak-flops", help="TFLOP/s (else measured).")] = None,
     threads: Annotated[Optional[int], typer.Option("--threads", help="torch threads (default: torch's).")] = None,
@@ -75,7 +62,7 @@ def bench(
     device: DeviceOpt = "cpu",
     seed: SeedOpt = 0,
     json_out: Annotated[Optional[Path], typer.Option("--json", help="Write every run and request here.")] = None,
-    speculative=None,
+    engine=None,
 ) -> None:
     """Benchmark MODEL on the runtime (and a baseline), with vLLM's serving metrics."""
     from llmopt.cli.output import progress_bar, stderr, stdout
@@ -84,24 +71,17 @@ def bench(
     from llmopt.eval.speed import BenchConfig, HttpTarget
     from llmopt.eval.speed import bench as run_bench
     from llmopt.eval.workloads import WorkloadSpec
-    from llmopt.runtime.engine.config import EngineConfig
 
     if json_out is not None:
         from llmopt.core.io import check_output_file
 
         check_output_file(json_out, "--json file")  # before minutes of benchmarking, not after
-    if batching not in ("continuous", "static"):
-        raise ConfigError(f"--batching {batching!r}: choose continuous or static")
     if dataset == "sharegpt" and dataset_path and not Path(dataset_path).is_file():
         raise ConfigError(f"--dataset-path {dataset_path} does not exist")
     spec = WorkloadSpec(dataset, num_requests, input_len, output_len, range_ratio, prefix_len, num_prefixes,
                         request_rate, seed, dataset_path)
     slo_pairs = tuple(parse_slo(slo).items())
-    engine = EngineConfig(
-        block_size=block_size, kv_cache_bytes=kv_cache_bytes, kv_cache_memory_fraction=kv_cache_memory_fraction,
-        max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
-        enable_prefix_cache=not no_prefix_cache, policy=batching, speculative=speculative)
-    if speculative is not None and base_url:
+    if engine.speculative is not None and base_url:
         raise ConfigError("--speculative configures the runtime in this process: give it to `llmopt serve` instead "
                           "of --base-url")
     config = BenchConfig(

@@ -9,7 +9,7 @@ import typer
 
 from llmopt.cli.options import (
     DeviceOpt, Dtype, DtypeOpt, JsonOpt, ModelArg, SeedOpt, TrustRemoteCodeOpt, resolve_dtype_option,
-    with_speculative_options,
+    with_engine_options,
 )
 from llmopt.cli.output import print_json, stdout
 
@@ -19,7 +19,7 @@ class Backend(str, Enum):
     hf = "hf"
 
 
-@with_speculative_options
+@with_engine_options
 def generate(
     model: ModelArg,
     prompt: Annotated[list[str], typer.Option("--prompt", "-p", help="Prompt text; repeat for several.")],
@@ -38,14 +38,13 @@ def generate(
     device: DeviceOpt = "cpu",
     as_json: JsonOpt = False,
     trust_remote_code: TrustRemoteCodeOpt = False,
-    speculative=None,
+    engine=None,
 ) -> None:
     """Generate a completion for each --prompt."""
     from llmopt.core.errors import ConfigError
     from llmopt.core.models import check_within_context
     from llmopt.export.load import load_model
     from llmopt.eval.hf_baseline import encode_prompts, hf_generate
-    from llmopt.runtime.engine.config import EngineConfig
     from llmopt.runtime.engine.engine import Engine
     from llmopt.runtime.engine.sampling import SamplingParams
     from llmopt.runtime.executor.loader import load_runtime_model
@@ -54,13 +53,16 @@ def generate(
                             stop=tuple(stop or ()))
     if stop and backend is Backend.hf:
         raise ConfigError("--stop needs the runtime backend: drop --backend hf")
-    if speculative is not None and backend is Backend.hf:
+    if engine.speculative is not None and backend is Backend.hf:
         raise ConfigError("--speculative needs the runtime backend: drop --backend hf")
     for text in prompt:
         _check_utf8(text)
-    loader = load_runtime_model if backend is Backend.runtime else load_model
-    lm, tokenizer, _ = loader(model, dtype=resolve_dtype_option(dtype, device), device=device,
-                              trust_remote_code=trust_remote_code)
+    dtype = resolve_dtype_option(dtype, device)
+    if backend is Backend.runtime:
+        lm, tokenizer, _ = load_runtime_model(model, dtype=dtype, device=device, trust_remote_code=trust_remote_code,
+                                              activations=engine.activations)
+    else:
+        lm, tokenizer, _ = load_model(model, dtype=dtype, device=device, trust_remote_code=trust_remote_code)
     prompt_ids = encode_prompts(tokenizer, prompt, chat)
     if backend is Backend.hf:  # the runtime engine refuses these itself
         for ids in prompt_ids:
@@ -68,7 +70,7 @@ def generate(
         outputs = hf_generate(lm, tokenizer, prompt_ids, params)
         texts = [tokenizer.decode(ids, skip_special_tokens=True) for ids in outputs]
     else:
-        finished = Engine(lm, tokenizer, EngineConfig(speculative=speculative)).generate(prompt_ids, params)
+        finished = Engine(lm, tokenizer, engine).generate(prompt_ids, params)
         outputs, texts = [o.token_ids for o in finished], [o.text for o in finished]
     if as_json:
         print_json({"outputs": [

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from enum import Enum
-from typing import Annotated, Optional
+from typing import Annotated, Literal, Optional, get_args, get_origin, get_type_hints
 
 import functools
 import inspect
@@ -11,7 +11,7 @@ import inspect
 import typer
 
 from llmopt.compress.defaults import CALIBRATION
-from llmopt.runtime.engine.config import SpeculativeConfig
+from llmopt.runtime.engine.config import EngineConfig, SpeculativeConfig, engine_fields, engine_flag
 
 SPECULATIVE_DEFAULTS = SpeculativeConfig()
 
@@ -148,6 +148,39 @@ def with_speculative_options(command):
     """Add the speculative decoding options to a command; it receives `speculative`, a SpeculativeConfig or
     None."""
     return _with_options(command, "speculative", SPECULATIVE_OPTIONS, _speculative)
+
+
+ENGINE_PANEL = "Engine (EngineConfig)"
+
+
+def _engine_option(field, hint) -> tuple:
+    """(parameter, option type, default) of one EngineConfig field: the type, default and help are the
+    field's; a Literal becomes a choice, a boolean (or optional boolean) a --FLAG/--no-FLAG pair."""
+    flag, help_text = engine_flag(field.name), field.metadata["help"]
+    if get_origin(hint) is Literal:
+        kind = choices(f"Engine_{field.name}", list(get_args(hint)))
+        return field.name, Annotated[kind, typer.Option(f"--{flag}", help=help_text, rich_help_panel=ENGINE_PANEL)], kind(
+            field.default)
+    base = [a for a in get_args(hint) if a is not type(None)] or [hint]
+    names = (f"--{flag}/--no-{flag}",) if base[0] is bool else (f"--{flag}",)
+    return field.name, Annotated[hint, typer.Option(*names, help=help_text, rich_help_panel=ENGINE_PANEL)], field.default
+
+
+def _engine_options() -> tuple:
+    hints = get_type_hints(EngineConfig)
+    return tuple(_engine_option(f, hints[f.name]) for f in engine_fields())
+
+
+def _engine(values: dict) -> EngineConfig:
+    speculative = _speculative({name: values.pop(name) for name, _, _ in SPECULATIVE_OPTIONS})
+    engine = {name: getattr(value, "value", value) for name, value in values.items()}
+    return EngineConfig(**engine, speculative=speculative)
+
+
+def with_engine_options(command):
+    """Add every engine option to a command, generated from EngineConfig's fields (so each exists once, with one
+    check: EngineConfig's), and the speculative options; it receives them as one EngineConfig, `engine`."""
+    return _with_options(command, "engine", _engine_options() + SPECULATIVE_OPTIONS, _engine)
 
 
 def resolve_dtype_option(dtype: Dtype | str, device: str) -> str:

@@ -10,12 +10,10 @@ from typing import Annotated, Optional
 import typer
 
 from llmopt.cli.options import (
-    DeviceOpt, Dtype, DtypeOpt, ModelArg, TrustRemoteCodeOpt, resolve_dtype_option, with_speculative_options,
+    DeviceOpt, Dtype, DtypeOpt, ModelArg, TrustRemoteCodeOpt, resolve_dtype_option, with_engine_options,
 )
-from llmopt.runtime.engine.config import ENGINE_DEFAULTS
 
-
-@with_speculative_options
+@with_engine_options
 def serve(
     model: ModelArg,
     host: Annotated[str, typer.Option("--host", help="Address to bind (loopback unless told otherwise).")
@@ -29,19 +27,12 @@ def serve(
         "--chat-template", help="A Jinja chat template file replacing the tokenizer's.")] = None,
     max_waiting: Annotated[Optional[int], typer.Option(
         "--max-waiting", help="Waiting requests beyond which new ones get 429 (default: unbounded).")] = None,
-    max_num_seqs: Annotated[int, typer.Option("--max-num-seqs")] = ENGINE_DEFAULTS.max_num_seqs,
-    max_num_batched_tokens: Annotated[int, typer.Option(
-        "--max-num-batched-tokens")] = ENGINE_DEFAULTS.max_num_batched_tokens,
-    kv_cache_bytes: Annotated[Optional[int], typer.Option("--kv-cache-bytes")] = None,
-    kv_cache_memory_fraction: Annotated[float, typer.Option(
-        "--kv-cache-memory-fraction")] = ENGINE_DEFAULTS.kv_cache_memory_fraction,
-    no_prefix_cache: Annotated[bool, typer.Option("--no-prefix-cache")] = False,
     shutdown_timeout: Annotated[float, typer.Option(
         "--shutdown-timeout", help="Seconds in-flight requests get to finish on SIGTERM / Ctrl-C.")] = 30.0,
     dtype: DtypeOpt = Dtype.auto,
     device: DeviceOpt = "cpu",
     trust_remote_code: TrustRemoteCodeOpt = False,
-    speculative=None,
+    engine=None,
 ) -> None:
     """Serve MODEL over the OpenAI API: /v1/completions, /v1/chat/completions, /v1/models, /health, /metrics."""
     from llmopt.cli.output import stderr
@@ -53,16 +44,12 @@ def serve(
         import uvicorn
     except ImportError:
         raise ConfigError("llmopt serve needs the serve extra: pip install 'llmopt[serve]'") from None
-    from llmopt.runtime.engine.config import EngineConfig
     from llmopt.serve.launch import start_server
 
     check_listen_address(host, port)  # before minutes of loading, not after
     if chat_template is not None and not chat_template.is_file():
         raise ConfigError(f"--chat-template {chat_template} does not exist")
-    config = EngineConfig(max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
-                          kv_cache_bytes=kv_cache_bytes, kv_cache_memory_fraction=kv_cache_memory_fraction,
-                          enable_prefix_cache=not no_prefix_cache, speculative=speculative)
-    app, server = start_server(model, config, resolve_dtype_option(dtype, device), device,
+    app, server = start_server(model, engine, resolve_dtype_option(dtype, device), device,
                                served_model_name=served_model_name, api_key=api_key,
                                chat_template=chat_template.read_text() if chat_template else None,
                                max_waiting=max_waiting, trust_remote_code=trust_remote_code)

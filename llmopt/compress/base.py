@@ -14,6 +14,7 @@ from torch import nn
 
 from llmopt.core.adapters import ArchAdapter, adapter_for, decoder_layers, get_module
 from llmopt.core.contract import QuantizedWeight
+from llmopt.core.errors import UnsupportedArchitectureError
 from llmopt.core.registry import Registry
 
 
@@ -136,6 +137,9 @@ def ignore_matches(pattern: str, full_name: str) -> bool:
 def quantizable_linears(model: nn.Module) -> dict[str, nn.Linear]:
     """Every decoder-layer linear the adapter names, by full module path."""
     adapter = adapter_for(model)
+    reason = adapter.unsupported(model.config)
+    if reason:
+        raise UnsupportedArchitectureError(reason)
     return {
         f"{adapter.layers}.{i}.{name}": get_module(layer, name)
         for i, layer in enumerate(decoder_layers(model)) for name in adapter.linears

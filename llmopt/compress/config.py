@@ -11,7 +11,7 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator, model_valida
 from llmopt.compress.defaults import (
     CALIBRATION, QUANTIZE, SCORES_FILE, SEARCH_FILE, SPARSEGPT_DAMP, STRUCTURED_NUM_SAMPLES,
 )
-from llmopt.core.contract import SUPPORTED_BITS, QuantScheme, parse_nm
+from llmopt.core.contract import SUPPORTED_BITS, QuantRecord, QuantScheme, parse_nm
 
 
 def calibration_dtype(name: str, device: str) -> str:
@@ -106,7 +106,11 @@ class QuantizeConfig(BaseModel):
 
     @property
     def scheme(self) -> QuantScheme:
-        return QuantScheme(self.bits, self.group_size, self.sym)
+        return QuantScheme(self.bits, self.group_size, self.sym, observer="mse" if self.mse else "minmax")
+
+    def record(self) -> QuantRecord:
+        """What a checkpoint records of this config (formats read nothing else of it)."""
+        return QuantRecord.from_config(self.scheme, self.model_dump())
 
     @property
     def needs_calibration(self) -> bool:

@@ -44,6 +44,24 @@ class ArchAdapter:
         ("mlp.up_proj", ("mlp.down_proj",)),
     )
     notes: str = ""
+    # (config attribute, whether it must be set): for families whose layers differ with the config (DeepSeek's
+    # q_lora_rank: low-rank queries or one q_proj); adapter_for takes the first adapter whose test passes
+    when: tuple[str, bool] | None = None
+
+    def fits(self, config) -> bool:
+        if self.when is None:
+            return True
+        name, must_be_set = self.when
+        return (getattr(config, name, None) is not None) == must_be_set
+
+    def unsupported(self, config) -> str | None:
+        """Why compression cannot handle this model, or None: mixture-of-experts layers (DeepSeek's
+        `first_k_dense_replace` dense layers, then routed experts) are not supported yet."""
+        experts, dense = getattr(config, "n_routed_experts", None), getattr(config, "first_k_dense_replace", None)
+        if experts and dense is not None and dense < config.num_hidden_layers:
+            return (f"layers {dense}-{config.num_hidden_layers - 1} of this {self.family} model are mixtures of "
+                    f"{experts} experts, which llmopt cannot compress or run yet; only dense-MLP layers are supported")
+        return None
 
     @property
     def linears(self) -> tuple[str, ...]:
@@ -87,9 +105,44 @@ ADAPTERS: tuple[ArchAdapter, ...] = (
         ),
         notes="fused qkv_proj and gate_up_proj",
     ),
+    ArchAdapter(
+        "deepseek",
+        ("deepseek_v2", "deepseek_v3"),
+        # MLA: q through its low-rank pair (q_a -> norm -> q_b; q_proj when q_lora_rank is null), keys and values
+        # from the latent kv_a_proj_with_mqa -> norm -> kv_b_proj
+        sequential=(("self_attn.q_a_proj", "self_attn.kv_a_proj_with_mqa"), ("self_attn.q_b_proj",),
+                    ("self_attn.kv_b_proj",), ("self_attn.o_proj",), ("mlp.gate_proj", "mlp.up_proj"),
+                    ("mlp.down_proj",)),
+        smooth_groups=(
+            ("input_layernorm", ("self_attn.q_a_proj", "self_attn.kv_a_proj_with_mqa")),
+            ("self_attn.q_a_layernorm", ("self_attn.q_b_proj",)),
+            ("self_attn.kv_a_layernorm", ("self_attn.kv_b_proj",)),
+            ("post_attention_layernorm", ("mlp.gate_proj", "mlp.up_proj")),
+            ("mlp.up_proj", ("mlp.down_proj",)),
+        ),
+        notes="multi-head latent attention; dense-MLP layers only (mixtures of experts are refused)",
+        when=("q_lora_rank", True),
+    ),
+    ArchAdapter(  # DeepSeek-V2-Lite and kin: full-rank queries (q_lora_rank null)
+        "deepseek",
+        ("deepseek_v2", "deepseek_v3"),
+        sequential=(("self_attn.q_proj", "self_attn.kv_a_proj_with_mqa"), ("self_attn.kv_b_proj",),
+                    ("self_attn.o_proj",), ("mlp.gate_proj", "mlp.up_proj"), ("mlp.down_proj",)),
+        smooth_groups=(
+            ("input_layernorm", ("self_attn.q_proj", "self_attn.kv_a_proj_with_mqa")),
+            ("self_attn.kv_a_layernorm", ("self_attn.kv_b_proj",)),
+            ("post_attention_layernorm", ("mlp.gate_proj", "mlp.up_proj")),
+            ("mlp.up_proj", ("mlp.down_proj",)),
+        ),
+        notes="multi-head latent attention with full-rank queries; dense-MLP layers only",
+        when=("q_lora_rank", False),
+    ),
 )
 
-_BY_MODEL_TYPE = {model_type: a for a in ADAPTERS for model_type in a.model_types}
+_BY_MODEL_TYPE: dict[str, list[ArchAdapter]] = {}
+for _adapter in ADAPTERS:
+    for _model_type in _adapter.model_types:
+        _BY_MODEL_TYPE.setdefault(_model_type, []).append(_adapter)
 
 
 def supported_model_types() -> list[str]:
@@ -100,12 +153,11 @@ def adapter_for(model_or_config) -> ArchAdapter:
     """The adapter for a model (or its config), by `config.model_type`."""
     config = getattr(model_or_config, "config", model_or_config)
     model_type = getattr(config, "model_type", None)
-    try:
-        return _BY_MODEL_TYPE[model_type]
-    except KeyError:
-        raise UnsupportedArchitectureError(
-            f"model family {model_type!r} is not supported; supported: {', '.join(supported_model_types())}"
-        ) from None
+    for adapter in _BY_MODEL_TYPE.get(model_type, ()):
+        if adapter.fits(config):
+            return adapter
+    raise UnsupportedArchitectureError(
+        f"model family {model_type!r} is not supported; supported: {', '.join(supported_model_types())}")
 
 
 def get_module(root: nn.Module, path: str) -> nn.Module:

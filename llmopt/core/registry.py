@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import importlib
+import pkgutil
 from typing import Callable, Generic, Iterator, TypeVar
 
 from llmopt.core.errors import ConfigError
@@ -51,3 +53,14 @@ class Registry(Generic[T]):
 
     def __iter__(self) -> Iterator[str]:
         return iter(self.names())
+
+
+def import_submodules(package: str) -> list[str]:
+    """Import every module of `package` (not its sub-packages' modules), so that each registers what it defines:
+    adding a method, format, linear method, attention backend or model family is adding a module. Returns the
+    modules' names."""
+    root = importlib.import_module(package)
+    names = [f"{package}.{info.name}" for info in pkgutil.iter_modules(root.__path__) if not info.name.startswith("_")]
+    for name in names:
+        importlib.import_module(name)
+    return names

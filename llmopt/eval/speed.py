@@ -230,7 +230,8 @@ def bench_runtime(name: str, model_name: str, spec: WorkloadSpec, config: BenchC
     from llmopt.runtime.executor.loader import load_runtime_model
 
     config = _resolved(config)
-    model, tokenizer, _ = load_runtime_model(model_name, dtype=config.dtype, device=config.device)
+    model, tokenizer, _ = load_runtime_model(model_name, dtype=config.dtype, device=config.device,
+                                             activations=config.engine.activations)
     engine = Engine(model, tokenizer, config.engine)
     vocab_size = model.config.vocab_size
     requests = build_workload(spec, tokenizer, vocab_size)

@@ -9,7 +9,7 @@ from pathlib import Path
 import torch
 
 from llmopt.compress.defaults import SEARCH_FILE
-from llmopt.core.contract import QuantizedWeight
+from llmopt.core.contract import QuantizedWeight, QuantRecord
 from llmopt.core.environment import package_versions
 from llmopt.core.io import atomic_output_dir, save_tensors, write_json
 from llmopt.export.formats import FORMATS
@@ -44,7 +44,7 @@ def write_artifact(
     tokenizer,
     qweights: dict[str, QuantizedWeight],
     fmt_name: str | None,
-    settings: dict,
+    record: QuantRecord | None,
     manifest: dict,
     extra_tensors: dict[str, torch.Tensor] | None = None,
     generation_config=None,
@@ -55,7 +55,8 @@ def write_artifact(
     """Write dense tensors + `qweights` packed in format `fmt_name` (None: a dense artifact) to `out`, and
     `extra_tensors` (search results, importance scores) as `extra_file`; all of it appears at once or not at all.
 
-    `config` is the model's config.json dict; its quantization_config is replaced by the format's, or by
+    `record` says how `qweights` were quantized (None when there are none). `config` is the model's config.json
+    dict; its quantization_config is replaced by the format's entry for `record`, or by
     `quantization_config` verbatim (a re-written artifact keeps the entry it was read with).
     """
     start = time.perf_counter()
@@ -72,8 +73,7 @@ def write_artifact(
             for name, qweight in qweights.items():
                 for suffix, tensor in fmt.pack(qweight).items():
                     tensors[f"{name}.{suffix}"] = tensor.contiguous()
-            scheme = next(iter(qweights.values())).scheme
-            config["quantization_config"] = quantization_config or fmt.quantization_config(scheme, settings)
+            config["quantization_config"] = quantization_config or fmt.quantization_config(record)
         save_tensors(tensors, tmp / WEIGHTS_FILE, metadata={"format": "pt"})
         write_json(tmp / "config.json", config)
         if generation_config is not None:
@@ -90,10 +90,10 @@ def write_artifact(
     return Path(out)
 
 
-def write_model_artifact(out, model, tokenizer, qweights, fmt_name, settings, manifest, extra_tensors=None,
+def write_model_artifact(out, model, tokenizer, qweights, fmt_name, record, manifest, extra_tensors=None,
                          dense_dtype: torch.dtype = torch.float16, overwrite: bool = False) -> Path:
     """write_artifact for an in-memory model whose quantized linears are described by `qweights`."""
     skip = {f"{name}.weight" for name in qweights} | {f"{name}.bias" for name in qweights}
     dense = dense_state_dict(model, skip, dense_dtype)
-    return write_artifact(out, dense, model.config.to_dict(), tokenizer, qweights, fmt_name, settings, manifest,
+    return write_artifact(out, dense, model.config.to_dict(), tokenizer, qweights, fmt_name, record, manifest,
                           extra_tensors, getattr(model, "generation_config", None), overwrite)

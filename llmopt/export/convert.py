@@ -5,26 +5,27 @@ from __future__ import annotations
 import time
 from pathlib import Path
 
+from llmopt.core.contract import QuantRecord
 from llmopt.core.errors import ArtifactError
 from llmopt.core.io import check_not_inside, check_output_free
 from llmopt.export.read import read_artifact
 
 
-def settings_from_artifact(contents) -> dict:
-    """The quantization settings a format needs, from llmopt.json or else the source quantization_config."""
+def record_from_artifact(contents) -> QuantRecord:
+    """How the artifact's weights were quantized: from llmopt.json's quantize stage, or else from the source's
+    quantization_config."""
+    scheme = next(iter(contents.qweights.values())).scheme
     for stage in reversed(contents.manifest.get("stages", [])):
         if stage.get("stage") == "quantize":
-            return stage["settings"]
+            return QuantRecord.from_config(scheme, stage["settings"])
     qcfg = contents.config.get("quantization_config", {})
     groups = qcfg.get("config_groups") or {}
     weights = next(iter(groups.values()), {}).get("weights", {}) if groups else {}
     actorder = weights.get("actorder")
-    return {
-        "act_order": bool(qcfg.get("desc_act")) or actorder in ("weight", "static", "group", "dynamic"),
-        "static_groups": bool(qcfg.get("static_groups")) or actorder in ("weight", "static"),
-        "damp": qcfg.get("damp_percent", 0.01),
-        "true_sequential": qcfg.get("true_sequential", True),
-    }
+    act_order = bool(qcfg.get("desc_act")) or actorder in ("weight", "static", "group", "dynamic")
+    static_groups = bool(qcfg.get("static_groups")) or actorder in ("weight", "static") or not act_order
+    return QuantRecord(scheme, qcfg.get("quant_method", "unknown"), act_order, static_groups,
+                       qcfg.get("damp_percent"), qcfg.get("true_sequential", True))
 
 
 def export_artifact(source: str | Path, output: str | Path, fmt_name: str, overwrite: bool = False,
@@ -47,7 +48,7 @@ def export_artifact(source: str | Path, output: str | Path, fmt_name: str, overw
     manifest["stages"] = [*manifest.get("stages", []),
                           {"stage": "export", "from_format": contents.fmt.name, "to_format": fmt_name}]
     write_artifact(output, contents.dense, contents.config, tokenizer, contents.qweights, fmt_name,
-                   settings_from_artifact(contents), manifest, overwrite=overwrite)
+                   record_from_artifact(contents), manifest, overwrite=overwrite)
     return {"output": str(output), "from_format": contents.fmt.name, "format": fmt_name,
             "num_quantized_linears": len(contents.qweights), "wall_s": round(time.perf_counter() - start, 2),
             "artifact_weights_bytes": sum(f.stat().st_size for f in output.glob("*.safetensors"))}

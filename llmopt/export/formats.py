@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import torch
 
-from llmopt.core.contract import default_g_idx, QuantizedWeight, QuantScheme
+from llmopt.core.contract import QuantizedWeight, QuantRecord, QuantScheme, default_g_idx
 from llmopt.core.errors import ArtifactError
 from llmopt.core.registry import Registry
 from llmopt.export.packing import deinterleave_awq, interleave_awq, pack_int32, unpack_int32
@@ -31,7 +31,8 @@ class Format:
     def unpack(self, tensors: dict[str, torch.Tensor], scheme: QuantScheme) -> QuantizedWeight:
         raise NotImplementedError
 
-    def quantization_config(self, scheme: QuantScheme, settings: dict) -> dict:
+    def quantization_config(self, record: QuantRecord) -> dict:
+        """The config.json `quantization_config` entry for weights quantized as `record` says."""
         raise NotImplementedError
 
     def scheme_from_config(self, qcfg: dict) -> QuantScheme:
@@ -79,14 +80,16 @@ class GPTQFormat(Format):
         return QuantizedWeight(q.to(torch.uint8).contiguous(), scales, zeros.to(torch.int32).contiguous(),
                                tensors["g_idx"].to(torch.int32), scheme, _bias(tensors))
 
-    def quantization_config(self, scheme, settings):
-        return {
+    def quantization_config(self, record):
+        scheme = record.scheme
+        config = {
             "quant_method": "gptq", "bits": scheme.bits, "group_size": scheme.group_size,
-            "desc_act": bool(settings.get("act_order", False)), "sym": scheme.sym,
-            "damp_percent": settings.get("damp", 0.01), "true_sequential": settings.get("true_sequential", True),
-            "static_groups": bool(settings.get("static_groups", False)), "checkpoint_format": "gptq",
-            "lm_head": False,
+            "desc_act": record.act_order, "sym": scheme.sym, "true_sequential": record.true_sequential,
+            "static_groups": record.static_groups, "checkpoint_format": "gptq", "lm_head": False,
         }
+        if record.damp is not None:  # (methods without a Hessian have none to record)
+            config["damp_percent"] = record.damp
+        return config
 
     def scheme_from_config(self, qcfg):
         if qcfg.get("checkpoint_format", "gptq") != "gptq":
@@ -130,8 +133,8 @@ class AWQFormat(Format):
         return QuantizedWeight(q.to(torch.uint8).contiguous(), scales, zeros.to(torch.int32).contiguous(),
                                default_g_idx(q.shape[1], scheme), scheme, _bias(tensors))
 
-    def quantization_config(self, scheme, settings):
-        return {"quant_method": "awq", "bits": 4, "group_size": scheme.group_size, "zero_point": True,
+    def quantization_config(self, record):
+        return {"quant_method": "awq", "bits": 4, "group_size": record.scheme.group_size, "zero_point": True,
                 "version": "gemm", "modules_to_not_convert": None}
 
     def scheme_from_config(self, qcfg):
@@ -177,17 +180,9 @@ class CompressedTensorsFormat(Format):
         g_idx = default_g_idx(k, scheme) if g_idx is None else g_idx.to(torch.int32)
         return QuantizedWeight(q.to(torch.uint8), scales, zeros.to(torch.int32), g_idx, scheme, _bias(tensors))
 
-    def quantization_config(self, scheme, settings):
-        if settings.get("act_order"):
-            actorder = "weight" if settings.get("static_groups", True) else "group"
-        else:
-            actorder = None
-        weights = {
-            "num_bits": scheme.bits, "type": "int", "symmetric": scheme.sym,
-            "strategy": "channel" if scheme.group_size == -1 else "group",
-            "group_size": None if scheme.group_size == -1 else scheme.group_size,
-            "actorder": actorder, "dynamic": False, "observer": "minmax",
-        }
+    def quantization_config(self, record):
+        actorder = ("weight" if record.static_groups else "group") if record.act_order else None
+        weights = {**record.scheme.to_args(), "actorder": actorder}
         return {
             "quant_method": "compressed-tensors", "format": "pack-quantized",
             "config_groups": {"group_0": {"targets": ["Linear"], "weights": weights, "input_activations": None,
@@ -202,8 +197,7 @@ class CompressedTensorsFormat(Format):
         groups = list(qcfg["config_groups"].values())
         if len(groups) != 1:
             raise ArtifactError("compressed-tensors checkpoints with several config groups are not supported yet")
-        w = groups[0]["weights"]
-        return QuantScheme(w["num_bits"], w.get("group_size") or -1, w.get("symmetric", True))
+        return QuantScheme.from_args(groups[0]["weights"])
 
 
 def _bias(tensors):

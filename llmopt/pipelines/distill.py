@@ -149,10 +149,10 @@ def _write_student(output: Path, student: Student, model, tokenizer, manifest: d
         qweights = {name: layer.to_quantized() for name, layer in layers.items()}
         skip = {f"{name}.{suffix}" for name in layers for suffix in ("q", "g_idx", "scales", "zeros", "bias")}
         dense = dense_state_dict(model, skip, torch.float16)
-        write_artifact(output, dense, config_dict, tokenizer, qweights, student.format_name, {}, manifest,
+        write_artifact(output, dense, config_dict, tokenizer, qweights, student.format_name, None, manifest,
                        generation_config=getattr(model, "generation_config", None), overwrite=overwrite,
                        quantization_config=student.quantization_config)
         return
     config_dict.pop("quantization_config", None)
-    write_artifact(output, dense_state_dict(model, set(), torch.float32), config_dict, tokenizer, {}, None, {},
+    write_artifact(output, dense_state_dict(model, set(), torch.float32), config_dict, tokenizer, {}, None, None,
                    manifest, generation_config=getattr(model, "generation_config", None), overwrite=overwrite)

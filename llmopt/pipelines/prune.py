@@ -71,7 +71,7 @@ def prune_to_artifact(
     # Pruned weights keep the source dtype: zeros are exact, and a later quantize reads them back as-is.
     dense = dense_state_dict(model, set(), torch.float32)
     config_dict.pop("quantization_config", None)
-    write_artifact(output, dense, config_dict, tokenizer, {}, None, {}, manifest, extra,
+    write_artifact(output, dense, config_dict, tokenizer, {}, None, None, manifest, extra,
                    getattr(model, "generation_config", None), overwrite, extra_file=SCORES_FILE)
     return {
         "output": str(output),

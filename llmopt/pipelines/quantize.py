@@ -52,7 +52,8 @@ def quantize_to_artifact(
     refuse_quantized_input(source, "quantize", trust_remote_code)
     model, tokenizer, source = load_model(source, trust_remote_code=trust_remote_code)
     check_model_fits(model, configs)
-    trivial = not (getattr(config, "act_order", False) and not getattr(config, "static_groups", True))
+    record = config.record()
+    trivial = not (record.act_order and not record.static_groups)
     for name, linear in quantizable_linears(model).items():  # fail before the expensive part
         fmt.check(name, (linear.out_features, linear.in_features), config.scheme, trivial)
     result = compress_model(model, tokenizer, configs, progress)
@@ -70,7 +71,7 @@ def quantize_to_artifact(
                         if config.needs_calibration else None),
         "facts": result.facts,
     }
-    write_model_artifact(output, model, tokenizer, result.qweights, fmt_name, config.model_dump(), manifest,
+    write_model_artifact(output, model, tokenizer, result.qweights, fmt_name, config.record(), manifest,
                          result.extra_tensors, overwrite=overwrite)
     return {
         "output": str(output), "method": method, "format": fmt_name, "bits": config.bits,

@@ -129,12 +129,10 @@ class RecipeRunner:
             from llmopt.eval.metrics import parse_slo
             from llmopt.eval.speed import BenchConfig, bench_runtime
             from llmopt.eval.workloads import WorkloadSpec
-            from llmopt.runtime.engine.config import EngineConfig
 
             workload = WorkloadSpec(spec.dataset, spec.num_requests, spec.input_len, spec.output_len,
                                     spec.range_ratio, request_rate=spec.request_rate, seed=self.recipe.defaults.seed)
-            config = BenchConfig(dtype=spec.dtype, engine=EngineConfig(max_num_seqs=spec.max_num_seqs,
-                                                                       speculative=spec.speculative_config()),
+            config = BenchConfig(dtype=spec.dtype, engine=spec.engine_config(),
                                  slo=tuple(parse_slo(spec.slo).items()))
             backend = "hf" if through_hf else "http" if spec.serve else "runtime"
             if through_hf:

@@ -23,7 +23,7 @@ import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 from llmopt.core.errors import ConfigError
-from llmopt.runtime.engine.config import ENGINE_DEFAULTS, SpeculativeConfig
+from llmopt.runtime.engine.config import EngineConfig, SpeculativeConfig, engine_fields
 
 
 # --dtype's choices (core.hardware.DTYPE_CHOICES, which imports torch: recipe validation does not)
@@ -32,6 +32,31 @@ Dtype = Literal["auto", "float32", "bfloat16", "float16"]
 
 class _Strict(BaseModel):
     model_config = ConfigDict(extra="forbid")
+
+
+class _CheckedByEngineConfig(_Strict):
+    @model_validator(mode="after")
+    def _engine_checks(self):
+        try:
+            EngineConfig(**self.model_dump())
+        except ConfigError as e:
+            raise ValueError(str(e)) from None
+        return self
+
+
+def _engine_section() -> type[BaseModel]:
+    """The recipe's `bench.engine` mapping, generated from EngineConfig's fields (types, defaults, help): each
+    engine setting is declared once, and checked once (EngineConfig's own checks, at validation)."""
+    from typing import get_type_hints
+
+    from pydantic import create_model
+
+    hints = get_type_hints(EngineConfig)
+    fields = {f.name: (hints[f.name], Field(f.default, description=f.metadata["help"])) for f in engine_fields()}
+    return create_model("EngineSection", __base__=_CheckedByEngineConfig, **fields)
+
+
+EngineSection = _engine_section()
 
 
 class Defaults(_Strict):
@@ -80,7 +105,7 @@ class BenchSpec(_Strict):
     request_rate: float = Field(float("inf"), gt=0)
     # bfloat16 where the CPU multiplies it natively, else float32 (core.hardware)
     dtype: Dtype = "auto"
-    max_num_seqs: int = Field(ENGINE_DEFAULTS.max_num_seqs, ge=1)
+    engine: EngineSection = Field(default_factory=EngineSection)  # any EngineConfig field: max_num_seqs, ...
     slo: Optional[str] = None
     serve: bool = False  # bench each variant served over HTTP (llmopt serve on loopback), not the engine directly
     # speculative decoding as `--speculative` takes it (ngram, draft:MODEL, medusa[:PATH]), and its draft length
@@ -99,6 +124,9 @@ class BenchSpec(_Strict):
             except ConfigError as e:
                 raise ValueError(str(e)) from None
         return text
+
+    def engine_config(self) -> EngineConfig:
+        return EngineConfig(**self.engine.model_dump(), speculative=self.speculative_config())
 
     def speculative_config(self) -> SpeculativeConfig | None:
         if self.speculative is None:

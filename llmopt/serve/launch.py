@@ -26,7 +26,7 @@ def start_server(model_name: str, config: EngineConfig, dtype: str, device: str 
     loaded in the engine's thread (async_engine's note: one thread for every torch operation)."""
     def build() -> Engine:
         model, tokenizer, _ = load_runtime_model(model_name, dtype=dtype, device=device,
-                                                 trust_remote_code=trust_remote_code)
+                                                 trust_remote_code=trust_remote_code, activations=config.activations)
         return Engine(model, tokenizer, config, record_steps=False)
 
     server = _started(build, served_model_name or model_name, api_key, chat_template, max_waiting)
@@ -41,7 +41,7 @@ def _started(build, model_name: str, api_key: str | None, chat_template: str | N
 
 
 @contextmanager
-def in_thread(server: Server) -> Iterator[str]:
+def in_thread(server: Server, start_timeout: float = 300.0) -> Iterator[str]:
     """Run `server` on a free loopback port in a background thread for the duration of the block, then stop it
     and its engine; yields the base URL (http://127.0.0.1:PORT/v1)."""
     import socket
@@ -57,9 +57,12 @@ def in_thread(server: Server) -> Iterator[str]:
     thread = threading.Thread(target=http.run, daemon=True)
     thread.start()
     try:
+        deadline = time.monotonic() + start_timeout
         while not http.started:
             if not thread.is_alive():
                 raise RuntimeError(f"the server for {server.model_name} did not start")
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"the server for {server.model_name} did not start within {start_timeout:.0f} s")
             time.sleep(0.05)
         yield f"http://127.0.0.1:{port}/v1"
     finally:

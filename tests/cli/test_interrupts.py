@@ -11,12 +11,12 @@ import signal
 import subprocess
 import sys
 import textwrap
-import time
 from pathlib import Path
 
 from typer.testing import CliRunner
 
 from llmopt.cli.main import app
+from tests.waits import communicate, wait_until
 
 CHILD = """
 import signal, sys, time
@@ -48,11 +48,7 @@ def start_paused(tmp_path: Path, argv: list[str], module: str, function: str, af
     env = {**os.environ, "LLMOPT_HOME": str(tmp_path / "home")}
     child = subprocess.Popen([sys.executable, "-c", textwrap.dedent(code)], stdout=subprocess.PIPE,
                              stderr=subprocess.PIPE, text=True, env=env)
-    deadline = time.monotonic() + 180
-    while not ready.exists():
-        assert child.poll() is None, child.communicate()
-        assert time.monotonic() < deadline, "the child never reached its pause"
-        time.sleep(0.05)
+    wait_until(ready.exists, 300, "the child reaching its pause", child)
     return child
 
 
@@ -66,7 +62,7 @@ def test_ctrl_c_during_calibration_says_nothing_was_written(tiny_llama_dir, tmp_
     child = start_paused(tmp_path, quantize_args(tiny_llama_dir, out), "llmopt.core.datasets",
                          "calibration_samples", after=False)
     child.send_signal(signal.SIGINT)
-    _, stderr = child.communicate(timeout=60)
+    _, stderr = communicate(child, 120, "the child after the signal")
     assert child.returncode == 130, stderr
     assert "Traceback" not in stderr
     assert stderr.strip().splitlines()[-1] == f"interrupted; nothing was written to {out}"
@@ -78,7 +74,7 @@ def test_sigterm_unwinds_like_ctrl_c(tiny_llama_dir, tmp_path):
     child = start_paused(tmp_path, quantize_args(tiny_llama_dir, out), "llmopt.export.artifact", "write_json",
                          after=True)  # the artifact half written in its temporary folder
     child.send_signal(signal.SIGTERM)
-    _, stderr = child.communicate(timeout=60)
+    _, stderr = communicate(child, 120, "the child after the signal")
     assert child.returncode == 143, stderr
     assert stderr.strip().splitlines()[-1] == f"terminated; nothing was written to {out}"
     assert not out.exists() and not [p for p in tmp_path.iterdir() if ".tmp-" in p.name]  # removed on the way out
@@ -92,7 +88,7 @@ def test_kill_during_write_leaves_nothing_and_the_next_run_cleans_up(tiny_llama_
     temporaries = [p for p in tmp_path.iterdir() if p.name.startswith(".out.tmp-")]
     assert len(temporaries) == 1 and any(temporaries[0].iterdir())  # a partly written folder
     child.send_signal(signal.SIGKILL)
-    child.communicate(timeout=60)
+    communicate(child, 120, "the child after SIGKILL")
     assert not out.exists()  # the output path never holds a partial artifact
     assert temporaries[0].exists()  # SIGKILL runs no cleanup: the next run must
     result = CliRunner().invoke(app, quantize_args(tiny_llama_dir, out))

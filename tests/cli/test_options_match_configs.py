@@ -12,10 +12,12 @@ from llmopt.compress.base import PRUNE_METHODS, QUANT_METHODS
 from llmopt.compress.config import CalibrationConfig, GPTQConfig, SparsityConfig, StructuredConfig
 from llmopt.core.models import DTYPES
 from llmopt.export.formats import FORMATS
-from llmopt.runtime.engine.config import EngineConfig
+from llmopt.cli.options import SPECULATIVE_OPTIONS
+from llmopt.runtime.engine.config import EngineConfig, engine_fields, engine_flag
 
 load_methods()
 COMMANDS = typer.main.get_command(app).commands
+SPECULATIVE_NAMES = {name for name, _, _ in SPECULATIVE_OPTIONS}
 
 
 def option(command: str, name: str):
@@ -66,15 +68,66 @@ def test_method_defaults_are_the_configs():
         assert option("quantize", name).default is None, name
 
 
-def test_engine_defaults_are_the_engine_config():
+ENGINE_COMMANDS = ("generate", "bench", "serve")
+
+
+def engine_params(command: str) -> dict:
+    return {p.name: p for p in COMMANDS[command].params
+            if p.name in {f.name for f in engine_fields()} | SPECULATIVE_NAMES}
+
+
+@pytest.mark.parametrize("command", ENGINE_COMMANDS)
+def test_engine_options_are_the_engine_config(command):
+    """Every EngineConfig field is an option of each engine command, with the field's default, flag and help."""
+    params = engine_params(command)
     defaults = EngineConfig()
-    for cli_name, field in [("max_num_seqs", "max_num_seqs"), ("max_num_batched_tokens", "max_num_batched_tokens"),
-                            ("block_size", "block_size"), ("kv_cache_memory_fraction", "kv_cache_memory_fraction"),
-                            ("batching", "policy")]:
-        assert option("bench", cli_name).default == getattr(defaults, field), cli_name
+    for f in engine_fields():
+        param = params[f.name]
+        default = getattr(param.default, "value", param.default)
+        assert default == getattr(defaults, f.name), f.name
+        assert f"--{engine_flag(f.name)}" in param.opts, (f.name, param.opts)
+        assert param.help == f.metadata["help"], f.name
+    assert set(params) == {f.name for f in engine_fields()} | SPECULATIVE_NAMES
+
+
+def test_engine_commands_list_the_same_engine_options():
+    shown = {c: {(p.name, tuple(p.opts), tuple(p.secondary_opts), str(p.default), p.help)
+                 for p in engine_params(c).values()} for c in ENGINE_COMMANDS}
+    assert shown["generate"] == shown["bench"] == shown["serve"]
+
+
+def test_a_field_added_to_engine_config_becomes_an_option(monkeypatch):
+    """The options are generated: a new field appears with its type, default and help."""
+    import dataclasses
+
+    from llmopt.cli import options
+    from llmopt.runtime.engine import config
+
+    @dataclasses.dataclass(frozen=True)
+    class Wider(EngineConfig):
+        max_loras: int = config.option(3, "LoRA adapters at most.")
+
+    monkeypatch.setattr(options, "EngineConfig", Wider)
+    monkeypatch.setattr(config, "EngineConfig", Wider)
+    generated = {name: (default, kind) for name, kind, default in options._engine_options()}
+    assert generated["max_loras"][0] == 3
+    received = {}
+    command = options.with_engine_options(lambda engine=None: received.setdefault("engine", engine))
+    app_ = typer.Typer()
+    app_.command()(command)
+    from typer.testing import CliRunner
+
+    assert CliRunner().invoke(app_, ["--max-loras", "5", "--no-prefix-cache"]).exit_code == 0
+    assert received["engine"].max_loras == 5 and received["engine"].enable_prefix_cache is False
+
+
+def test_recipe_engine_section_is_the_engine_config():
     from llmopt.recipe.schema import BenchSpec
 
-    assert BenchSpec().max_num_seqs == defaults.max_num_seqs
+    section = BenchSpec.model_fields["engine"].annotation
+    assert set(section.model_fields) == {f.name for f in engine_fields()}
+    assert BenchSpec().engine_config() == EngineConfig()
+    assert BenchSpec(engine={"max_num_seqs": 3}).engine_config().max_num_seqs == 3
 
 
 def test_distill_options_are_the_config():

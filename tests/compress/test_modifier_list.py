@@ -10,7 +10,7 @@ from llmopt.compress.masks import check_nm
 from llmopt.core.errors import ConfigError
 from llmopt.core.tiny import build_tiny_model
 
-CAL = dict(calib="pystdlib", num_samples=4, seqlen=32)
+CAL = dict(calib="pystdlib", num_samples=4, seqlen=32, compute_dtype="float32")  # the reference Hessian is fp32
 
 
 @pytest.fixture(scope="module")

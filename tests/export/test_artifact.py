@@ -33,7 +33,7 @@ IDS = torch.randint(0, 256, (2, 24), generator=torch.Generator().manual_seed(0))
 @pytest.mark.parametrize("fmt", ["gptq", "awq", "compressed-tensors"])
 def test_write_read_gives_the_quantized_model(tmp_path, quantized, fmt):
     model, tok, result, config = quantized
-    out = write_model_artifact(tmp_path / fmt, model, tok, result.qweights, fmt, config.model_dump(),
+    out = write_model_artifact(tmp_path / fmt, model, tok, result.qweights, fmt, config.record(),
                                {"stages": []}, dense_dtype=torch.float32)
     contents = read_artifact(out)
     assert set(contents.qweights) == set(result.qweights)
@@ -55,7 +55,7 @@ def test_transformers_with_compressed_tensors_loads_our_artifact(tmp_path, quant
 
     model, tok, result, config = quantized
     out = write_model_artifact(tmp_path / "ct", model, tok, result.qweights, "compressed-tensors",
-                               config.model_dump(), {"stages": []}, dense_dtype=torch.float32)
+                               config.record(), {"stages": []}, dense_dtype=torch.float32)
     ours = load_artifact_model(out)
     theirs = AutoModelForCausalLM.from_pretrained(
         out, quantization_config=CompressedTensorsConfig(dequantize=True), dtype=torch.float32)
@@ -69,8 +69,9 @@ def test_asymmetric_3bit_compressed_tensors_through_transformers(tmp_path):
     from transformers import AutoModelForCausalLM, CompressedTensorsConfig
 
     model, tok = build_tiny_model("qwen2", seed=3)
-    result = quantize_model(model, tok, make_config("rtn", bits=3, group_size=32, sym=False))
-    out = write_model_artifact(tmp_path / "ct3", model, tok, result.qweights, "compressed-tensors", {}, {},
+    config = make_config("rtn", bits=3, group_size=32, sym=False)
+    result = quantize_model(model, tok, config)
+    out = write_model_artifact(tmp_path / "ct3", model, tok, result.qweights, "compressed-tensors", config.record(), {},
                                dense_dtype=torch.float32)
     theirs = AutoModelForCausalLM.from_pretrained(
         out, quantization_config=CompressedTensorsConfig(dequantize=True), dtype=torch.float32).eval()
@@ -79,7 +80,7 @@ def test_asymmetric_3bit_compressed_tensors_through_transformers(tmp_path):
 
 def test_export_between_formats_is_lossless(tmp_path, quantized):
     model, tok, result, config = quantized
-    src = write_model_artifact(tmp_path / "src", model, tok, result.qweights, "gptq", config.model_dump(),
+    src = write_model_artifact(tmp_path / "src", model, tok, result.qweights, "gptq", config.record(),
                                {"stages": [{"stage": "quantize", "settings": config.model_dump()}]})
     a = export_artifact(src, tmp_path / "awq", "awq")
     b = export_artifact(tmp_path / "awq", tmp_path / "ct", "compressed-tensors")
@@ -99,7 +100,7 @@ def test_permuted_act_order_cannot_go_into_awq_and_nothing_is_left(tmp_path):
     config = make_config("gptq", bits=4, group_size=32, calib="pystdlib", num_samples=4, seqlen=32,
                          act_order=True, static_groups=False)
     result = quantize_model(model, tok, config)
-    src = write_model_artifact(tmp_path / "src", model, tok, result.qweights, "gptq", config.model_dump(), {})
+    src = write_model_artifact(tmp_path / "src", model, tok, result.qweights, "gptq", config.record(), {})
     with pytest.raises(ArtifactError, match="act-order"):
         export_artifact(src, tmp_path / "awq", "awq")
     assert sorted(p.name for p in tmp_path.iterdir()) == ["src"]
@@ -114,7 +115,7 @@ def test_awq_search_is_saved_and_reapplied(tmp_path):
     fresh = copy.deepcopy(model)
     config = make_config("awq", bits=4, group_size=32, calib="pystdlib", num_samples=4, seqlen=32)
     result = quantize_model(model, tok, config)
-    out = write_model_artifact(tmp_path / "awq", model, tok, result.qweights, "awq", config.model_dump(), {},
+    out = write_model_artifact(tmp_path / "awq", model, tok, result.qweights, "awq", config.record(), {},
                                result.extra_tensors)
     from llmopt.export.artifact import SEARCH_FILE
 

@@ -7,7 +7,6 @@ import os
 import signal
 import subprocess
 import sys
-import time
 from html.parser import HTMLParser
 from pathlib import Path
 
@@ -16,6 +15,7 @@ import pytest
 from llmopt.core.errors import ConfigError
 from llmopt.recipe.schema import load_recipe
 from tests.cli.test_cli import assert_one_line_error, run
+from tests.waits import wait_exit, wait_until
 
 RECIPES = sorted((Path(__file__).parents[2] / "recipes").glob("*.yaml"))
 
@@ -133,14 +133,15 @@ def test_resume_after_sigkill(tmp_path):
     cmd = [sys.executable, "-m", "llmopt", "recipe", "run", str(recipe), "-o", str(run_dir)]
     env = {**os.environ, "LLMOPT_DEBUG": "1"}
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=env)
-    deadline = time.time() + 240
-    while time.time() < deadline:  # kill once the first variant's stage is done and a later one has started
+    def first_stage_done_and_a_later_one_started() -> bool:
         done = list((run_dir / "cache").glob("quantize-*/llmopt.json")) if (run_dir / "cache").exists() else []
-        if done and list((run_dir / "cache").glob("ppl-*.json")):
-            break
-        time.sleep(0.02)
-    proc.send_signal(signal.SIGKILL)
-    proc.wait()
+        return bool(done and list((run_dir / "cache").glob("ppl-*.json")))
+
+    try:
+        wait_until(first_stage_done_and_a_later_one_started, 600, "the first variant's quantize stage", proc, 0.02)
+    finally:
+        proc.send_signal(signal.SIGKILL)
+        wait_exit(proc, 60, "the recipe run after SIGKILL")
     assert not (run_dir / "results.json").exists()
     finished = run(*cmd[3:], "--resume")
     assert finished.exit_code == 0, finished.output

@@ -99,7 +99,7 @@ def test_context_beyond_block_table_is_an_error(ops):
 def test_fused_elementwise_ops_match_torch(ops, dtype, rows, hidden):
     import torch.nn.functional as F
 
-    from llmopt.runtime.executor.model import rotate_half
+    from llmopt.runtime.executor.models.layers import rotate_half
 
     g = torch.Generator().manual_seed(0)
     x = (torch.randn(rows, hidden, generator=g) * 3).to(dtype)
@@ -258,7 +258,7 @@ def test_gemv_reads_a_narrower_weight_with_fp32_inputs(ops, narrow):
 
 
 def test_exactly_narrowed_keeps_every_value():
-    from llmopt.runtime.executor.model import exactly_narrowed
+    from llmopt.runtime.executor.models.llama import exactly_narrowed
 
     halves = torch.randn(64, 32).half().float()  # an fp16 checkpoint loaded in fp32
     assert exactly_narrowed(halves).dtype == torch.float16

@@ -9,7 +9,8 @@ from llmopt.core.errors import ConfigError
 from llmopt.core.tiny import build_tiny_model
 from llmopt.runtime.executor import model_runner
 from llmopt.runtime.engine.engine import Engine, EngineConfig
-from llmopt.runtime.executor.model_runner import ModelRunner, kv_bytes_per_block, zeros_lazily
+from llmopt.runtime.executor.attention.kv_cache import zeros_lazily
+from llmopt.runtime.executor.model_runner import ModelRunner, kv_bytes_per_block
 from llmopt.runtime.engine.sampling import SamplingParams
 
 

@@ -14,7 +14,15 @@ from llmopt.export.artifact import write_model_artifact
 from llmopt.runtime.engine.engine import Engine, EngineConfig
 from llmopt.eval.hf_baseline import hf_generate
 from llmopt.runtime.executor.kernels.quant_matmul import reference_quant_matmul
-from llmopt.runtime.executor.layers import Int4PackedLinear, Int8PackedLinear, packed_kind, quantized_linear
+from llmopt.core.contract import INT8_GROUP_ACTIVATIONS, LinearScheme
+from llmopt.runtime.executor.linear import make_linear as quantized_linear, select_linear_method
+from llmopt.runtime.executor.linear.int4_cpu import Int4PackedLinear, Int4Q8Linear
+from llmopt.runtime.executor.linear.int8_cpu import Int8PackedLinear
+
+
+def packed_kind(qw, device, activations=None):
+    """The registry's choice for a weight, by method name."""
+    return select_linear_method(qw, LinearScheme(qw.scheme, activations), device).name
 from llmopt.runtime.engine.sampling import SamplingParams
 
 
@@ -63,8 +71,8 @@ def test_int4_dequantize_is_the_kernels_weight():
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_compiled_int4_dequantization_is_bit_exact(dtype, monkeypatch):
-    from llmopt.runtime.executor import layers
     from llmopt.runtime.executor.kernels.cpu_ops import cpu_ops
+    from llmopt.runtime.executor.linear import int4_cpu
     from llmopt.runtime.executor.kernels.quant_matmul import int4_dequantize
 
     layer = quantized_linear(qweight(48, 192, 4, 96, False), dtype)  # kernel groups of 32
@@ -78,7 +86,7 @@ def test_compiled_int4_dequantization_is_bit_exact(dtype, monkeypatch):
     x = torch.randn(20, 192).to(dtype)
     compiled = layer(x)
     torch.testing.assert_close(compiled, torch.nn.functional.linear(x, out), rtol=0, atol=0)
-    monkeypatch.setattr(layers, "cpu_ops", lambda: None)
+    monkeypatch.setattr(int4_cpu, "cpu_ops", lambda: None)
     tol = 1e-4 if dtype == torch.float32 else 5e-2
     torch.testing.assert_close(layer(x).float(), compiled.float(), rtol=tol, atol=tol * compiled.abs().max().item())
 
@@ -101,7 +109,7 @@ def test_int8_packed_matches_reference(sym, dtype):
                                                       (8, -1, True, Int8PackedLinear), (8, -1, False, Int8PackedLinear)])
 def test_stacked_packed_linears_equal_their_parts_side_by_side(bits, group_size, sym, kind):
     """q/k/v and gate/up run as one kernel call: the same outputs as each part alone, concatenated."""
-    from llmopt.runtime.executor.layers import fuse_linears
+    from llmopt.runtime.executor.linear import fuse_linears
 
     parts = [quantized_linear(qweight(n, 96, bits, group_size, sym, seed=n, bias=n == 32), torch.bfloat16)
              for n in (48, 16, 32)]
@@ -115,7 +123,13 @@ def test_stacked_packed_linears_equal_their_parts_side_by_side(bits, group_size,
 
 
 def test_layout_choice_falls_back_to_dense_where_no_kernel_fits():
-    assert packed_kind(qweight(32, 64, 4, 32, True), "cpu") == "int4"
+    assert packed_kind(qweight(32, 64, 4, 32, True), "cpu") == "int4-cpu"
+    assert packed_kind(qweight(32, 64, 8, -1, True), "cpu") == "int8-cpu"
+    assert packed_kind(qweight(32, 128, 4, 64, True), "cpu", INT8_GROUP_ACTIVATIONS) == "int4-q8-cpu"
+    assert packed_kind(qweight(32, 64, 4, 32, True), "cpu", INT8_GROUP_ACTIVATIONS) == "dense"  # groups of 32
+    # ... which make_linear then runs with float inputs rather than dequantized
+    assert type(quantized_linear(qweight(32, 64, 4, 32, True), torch.float32, "cpu", INT8_GROUP_ACTIVATIONS)) \
+        is Int4PackedLinear
     assert packed_kind(qweight(40, 64, 4, 32, True), "cpu") == "dense"  # N not a multiple of 16
     assert packed_kind(qweight(32, 64, 4, 16, True), "cpu") == "dense"  # group 16: no kernel group
     assert packed_kind(qweight(32, 64, 8, 32, True), "cpu") == "dense"  # grouped int8
@@ -135,7 +149,7 @@ def gptq_artifact(tmp_path_factory):
     config = make_config("gptq", bits=4, group_size=32, calib="pystdlib", num_samples=4, seqlen=32)
     result = quantize_model(model, tok, config)
     return write_model_artifact(tmp_path_factory.mktemp("art") / "gptq", model, tok, result.qweights, "gptq",
-                                config.model_dump(), {"stages": []}, dense_dtype=torch.float32)
+                                config.record(), {"stages": []}, dense_dtype=torch.float32)
 
 
 def test_artifact_with_packed_kernels_matches_dequantized(gptq_artifact):
@@ -172,8 +186,8 @@ def test_decode_bytes_count_the_int4_kernel_weights_not_the_prefill_copy(gptq_ar
 @pytest.fixture
 def kernel_calls(monkeypatch):
     """The names of the compiled ops the runtime's layers call, in order."""
-    from llmopt.runtime.executor import layers
     from llmopt.runtime.executor.kernels.cpu_ops import cpu_ops
+    from llmopt.runtime.executor.linear import int4_cpu
 
     ops = cpu_ops()
     calls = []
@@ -183,7 +197,7 @@ def kernel_calls(monkeypatch):
             calls.append(name)
             return getattr(ops, name)
 
-    monkeypatch.setattr(layers, "cpu_ops", lambda: Spy())
+    monkeypatch.setattr(int4_cpu, "cpu_ops", lambda: Spy())
     return calls
 
 
@@ -202,14 +216,15 @@ def test_fp32_int4_decode_rows_run_from_the_codes(rows, kernel_calls):
     assert "int4_matmul_rows" not in calls
 
 
-def test_int8_activations_are_opt_in(kernel_calls, monkeypatch):
+def test_int8_activations_are_a_scheme(kernel_calls):
     calls = kernel_calls
     qw = qweight(48, 192, 4, 64, True)
     layer = quantized_linear(qw, torch.float32)
     x = torch.randn(2, 192)
     exact = layer(x)
-    monkeypatch.setenv("LLMOPT_INT4_ACTIVATIONS", "int8")
-    approx = layer(x)
+    q8 = quantized_linear(qw, torch.float32, "cpu", INT8_GROUP_ACTIVATIONS)
+    assert type(q8) is Int4Q8Linear and type(layer) is Int4PackedLinear
+    approx = q8(x)
     assert calls == ["int4_matmul_rows", "int4_matmul_rows_q8"]
     # 8-bit inputs: close to the exact product, not equal to it
     assert not torch.equal(approx, exact)

@@ -14,6 +14,7 @@ from llmopt.runtime.engine.config import EngineConfig
 from llmopt.runtime.engine.engine import Engine
 from llmopt.runtime.engine.sampling import SamplingParams
 from llmopt.serve.launch import in_thread, server_for
+from tests.waits import limit, output_of, wait_exit, wait_until
 
 MODEL = "tiny"
 
@@ -276,16 +277,15 @@ def test_llmopt_serve_stops_gracefully_on_sigterm(tmp_path):
                              "--dtype", "float32"], env={**os.environ, "TOKENIZERS_PARALLELISM": "false"},
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
     try:
-        deadline = time.time() + 120
-        while True:
-            assert proc.poll() is None and time.time() < deadline, proc.stdout.read().decode()[-2000:]
+        def healthy() -> bool:
             try:
-                if httpx.get(f"http://127.0.0.1:{port}/health").status_code == 200:
-                    break
+                return httpx.get(f"http://127.0.0.1:{port}/health", timeout=limit(10)).status_code == 200
             except httpx.HTTPError:
-                time.sleep(0.2)
-        assert httpx.get(f"http://127.0.0.1:{port}/metrics").status_code == 200
+                return False
+
+        wait_until(healthy, 300, "the server answering /health 200", proc, poll=0.2)
+        assert httpx.get(f"http://127.0.0.1:{port}/metrics", timeout=limit(30)).status_code == 200
         proc.send_signal(signal.SIGTERM)
-        assert proc.wait(60) == 0
+        assert wait_exit(proc, 120, "the server after SIGTERM") == 0, output_of(proc)
     finally:
         proc.kill()

@@ -3,9 +3,10 @@ importing this module does not import torch, so the CLI can show the defaults in
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import Literal
+from dataclasses import dataclass, field, fields
+from typing import Literal, Optional
 
+from llmopt.core.contract.scheme import INT8_GROUP_ACTIVATIONS
 from llmopt.core.errors import ConfigError
 
 # The KV cache's default size: this fraction of the memory available when the engine starts (CPU: the host's
@@ -57,21 +58,55 @@ class SpeculativeConfig:
         return cls(method, model or None, **fields)
 
 
+KV_CACHE_DTYPES = ("auto", "float32", "bfloat16", "float16")
+ATTENTION_BACKENDS = ("auto", "torch", "cpu", "triton")  # runtime.executor.attention's registry keeps its names
+ACTIVATION_MODES = ("float", "int8")
+# EngineConfig.activations -> the input-activation scheme linear methods are chosen for (None: the compute dtype)
+ACTIVATION_SCHEMES = {"float": None, "int8": INT8_GROUP_ACTIVATIONS}
+
+
+def option(default, help: str, flag: str | None = None, numerics: bool = False):
+    """A config field that is also a CLI option of generate, bench and serve and a key of a recipe's
+    `bench.engine` section (cli.options.engine_options reads these). flag: the option's name when it is not the
+    field's (`--FLAG`, `--FLAG/--no-FLAG` for booleans); numerics: the setting changes the numbers the model
+    computes (recorded with every bench result and in the server's /v1/models)."""
+    return field(default=default, metadata={"help": help, "flag": flag, "numerics": numerics})
+
+
 @dataclass(frozen=True)
 class EngineConfig:
-    """How the engine batches and caches. `kv_cache_bytes` None: `kv_cache_memory_fraction` of the available
-    memory, capped at what `max_num_seqs` full-context sequences can fill."""
+    """How the engine batches, caches and computes: every engine setting, declared once. The CLI's engine
+    options and the recipe schema's engine section are generated from these fields (types, defaults, help)."""
 
-    block_size: int = 16
-    kv_cache_bytes: int | None = None
-    kv_cache_memory_fraction: float = KV_CACHE_MEMORY_FRACTION
-    max_num_seqs: int = 64
-    max_num_batched_tokens: int = 2048
-    enable_chunked_prefill: bool = True
-    enable_prefix_cache: bool = True
-    policy: Literal["continuous", "static"] = "continuous"
-    fast_path: bool | None = None  # fused projections and compiled kernels; None: on for CPU (executor.model)
-    speculative: SpeculativeConfig | None = None
+    block_size: int = option(16, "Tokens per KV-cache block.")
+    kv_cache_bytes: Optional[int] = option(
+        None, "KV cache size in bytes (default: --kv-cache-memory-fraction of the available memory, capped at what "
+        "--max-num-seqs full-context sequences can fill).")
+    kv_cache_memory_fraction: float = option(
+        KV_CACHE_MEMORY_FRACTION, "Default KV cache size as a fraction of the memory available at start (host "
+        "memory on CPU, free device memory on CUDA).")
+    kv_cache_dtype: Literal["auto", "float32", "bfloat16", "float16"] = option(
+        "auto", "dtype of the cached keys and values; auto: the model's.", numerics=True)
+    max_num_seqs: int = option(64, "Sequences in one step at most.")
+    max_num_batched_tokens: int = option(2048, "Tokens in one step at most (prefill chunks + decodes).")
+    enable_chunked_prefill: bool = option(True, "Split long prompts into chunks that share steps with decodes.",
+                                          flag="chunked-prefill")
+    enable_prefix_cache: bool = option(True, "Reuse the KV blocks of prompt prefixes seen before.",
+                                       flag="prefix-cache")
+    policy: Literal["continuous", "static"] = option(
+        "continuous", "continuous: requests join and leave every step; static: a batch runs until all finish.",
+        flag="batching")
+    fast_path: Optional[bool] = option(
+        None, "Fused projections and compiled kernels (same maths, another rounding order); --no-fast-path runs "
+        "transformers' numerics token for token in fp32. Default: on for CPU.", flag="fast-path", numerics=True)
+    activations: Literal["float", "int8"] = option(
+        "float", "int8: int4 linears at few rows round their inputs to 8 bits per group (dynamic, symmetric) and "
+        "multiply integers, as llama.cpp's Q8 activations do (~1% error per output, faster on AVX2).",
+        flag="int4-activations", numerics=True)
+    attention_backend: Literal["auto", "torch", "cpu", "triton"] = option(
+        "auto", "Paged attention kernels: torch (the reference), cpu (compiled), triton (CUDA); auto: the fastest "
+        "the device and --fast-path allow.", numerics=True)
+    speculative: Optional[SpeculativeConfig] = None  # its own options (cli.options.SPECULATIVE_OPTIONS)
 
     def __post_init__(self):
         for name in ("block_size", "max_num_seqs", "max_num_batched_tokens"):
@@ -79,12 +114,32 @@ class EngineConfig:
                 raise ConfigError(f"--{name.replace('_', '-')} must be at least 1 (got {getattr(self, name)})",
                                   param=name)
         if self.kv_cache_bytes is not None and self.kv_cache_bytes < 1:
-            raise ConfigError(f"kv_cache_bytes must be positive (got {self.kv_cache_bytes})", param="kv_cache_bytes")
+            raise ConfigError(f"--kv-cache-bytes must be positive (got {self.kv_cache_bytes})",
+                              param="kv_cache_bytes")
         if not 0 < self.kv_cache_memory_fraction <= KV_CACHE_MAX_FRACTION:
             raise ConfigError(f"--kv-cache-memory-fraction {self.kv_cache_memory_fraction}: give a fraction in "
                               f"(0, {KV_CACHE_MAX_FRACTION}]", param="kv_cache_memory_fraction")
-        if self.policy not in ("continuous", "static"):
-            raise ConfigError(f"--policy must be continuous or static (got {self.policy!r})", param="policy")
+        for name, allowed in (("policy", ("continuous", "static")), ("kv_cache_dtype", KV_CACHE_DTYPES),
+                              ("activations", ACTIVATION_MODES), ("attention_backend", ATTENTION_BACKENDS)):
+            if getattr(self, name) not in allowed:
+                flag = engine_flag(name)
+                raise ConfigError(f"--{flag} must be one of {', '.join(allowed)} (got {getattr(self, name)!r})",
+                                  param=name)
+
+    def numerics(self) -> dict:
+        """The settings that change the numbers computed (with the bench JSON and the server's /v1/models)."""
+        return {f.name: getattr(self, f.name) for f in fields(self) if f.metadata.get("numerics")}
+
+
+def engine_fields() -> list:
+    """EngineConfig's fields that are options (all but `speculative`), in declaration order."""
+    return [f for f in fields(EngineConfig) if "help" in f.metadata]
+
+
+def engine_flag(name: str) -> str:
+    """The CLI flag of an EngineConfig field, without dashes: its `flag` or the field's name in kebab case."""
+    meta = EngineConfig.__dataclass_fields__[name].metadata
+    return meta.get("flag") or name.replace("_", "-")
 
 
 ENGINE_DEFAULTS = EngineConfig()  # what the CLI and recipes show as defaults

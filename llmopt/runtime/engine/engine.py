@@ -179,4 +179,14 @@ class Engine:
         """The KV cache: bytes, token capacity, dtype and how its size was chosen."""
         r = self.runner
         return {"bytes": r.kv_cache_bytes, "tokens": r.num_blocks * r.block_size,
-                "dtype": str(r.kv_dtype).removeprefix("torch."), "summary": r.kv_cache_summary()}
+                "dtype": str(r.kv_dtype).removeprefix("torch."), "summary": r.kv_cache_summary(),
+                "bytes_per_token": r.kv_cache_spec.bytes_per_token, "layout": r.kv_cache_spec.layout}
+
+    def numerics(self) -> dict:
+        """Every setting that changes the numbers computed, as configured and as resolved at start: the config's
+        numerics fields, the attention backend and the linear methods chosen (name -> count)."""
+        decoder = self.runner.decoder
+        return {**self.config.numerics(), "fast_path_resolved": decoder.fast,
+                "attention_backend_resolved": decoder.attention.name,
+                "kv_cache_dtype_resolved": str(self.runner.kv_dtype).removeprefix("torch."),
+                "linear_methods": self.runner.linear_methods}

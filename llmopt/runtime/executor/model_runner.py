@@ -6,7 +6,6 @@ from __future__ import annotations
 import logging
 from dataclasses import dataclass, field
 
-import numpy as np
 import psutil
 import torch
 
@@ -15,7 +14,7 @@ from llmopt.runtime.engine.config import EngineConfig
 from llmopt.runtime.executor.host_memory import keep_freed_host_memory
 from llmopt.runtime.executor.kernels.attention import AttentionMetadata
 from llmopt.runtime.executor.kernels.cpu_ops import cpu_ops
-from llmopt.runtime.executor.model import RuntimeDecoder
+from llmopt.runtime.executor.models import build_runtime_model
 from llmopt.runtime.executor.sampler import probabilities, sample, token_logprobs
 from llmopt.runtime.engine.scheduler import SchedulerOutput
 from llmopt.runtime.spec_decode.verify import accept_greedy, rejection_sample
@@ -35,9 +34,21 @@ class StepResult:
 log = logging.getLogger(__name__)
 
 
-def kv_bytes_per_block(decoder: RuntimeDecoder, block_size: int, dtype: torch.dtype) -> int:
-    element = torch.tensor([], dtype=dtype).element_size()
-    return 2 * decoder.num_layers * block_size * decoder.num_kv_heads * decoder.head_dim * element
+def kv_bytes_per_block(decoder, block_size: int, dtype: torch.dtype) -> int:
+    return decoder.kv_cache_spec(dtype).bytes_per_block(block_size)
+
+
+def linear_methods(model) -> dict[str, int]:
+    """How many of the model's linears each method runs (name -> count; plain nn.Linear is "dense")."""
+    from collections import Counter
+
+    from torch import nn
+
+    from llmopt.runtime.executor.linear import LinearMethod
+
+    counts = Counter(m.name if isinstance(m, LinearMethod) else "dense" for m in model.modules()
+                     if isinstance(m, (LinearMethod, nn.Linear)))
+    return dict(sorted(counts.items()))
 
 
 def available_memory(device: torch.device) -> int:
@@ -53,31 +64,28 @@ def default_kv_cache_bytes(device: torch.device, fraction: float, max_useful_byt
     return min(budget, max_useful_bytes) if max_useful_bytes else budget
 
 
-def zeros_lazily(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
-    """A zero tensor; on CPU from calloc'ed memory (numpy's zeros), whose pages the OS commits on first write."""
-    if device.type != "cpu":
-        return torch.zeros(shape, dtype=dtype, device=device)
-    element = torch.tensor([], dtype=dtype).element_size()
-    raw = np.zeros(int(np.prod(shape)) * element, dtype=np.uint8)
-    return torch.from_numpy(raw).view(dtype).view(shape)
-
-
 class ModelRunner:
-    def __init__(self, hf_model, config: EngineConfig, kv_dtype: torch.dtype | None = None,
-                 num_blocks: int | None = None):
+    def __init__(self, hf_model, config: EngineConfig, num_blocks: int | None = None):
         """config.kv_cache_bytes None: sized from the machine (default_kv_cache_bytes), up to what
         config.max_num_seqs sequences of the model's full context could hold. num_blocks: exactly that many blocks
         instead (a draft model's cache holds as many tokens as its target's)."""
         block_size, kv_cache_bytes = config.block_size, config.kv_cache_bytes
         kv_cache_memory_fraction, max_num_seqs = config.kv_cache_memory_fraction, config.max_num_seqs
-        fast = config.fast_path
-        self.decoder = RuntimeDecoder(hf_model, fast)
+        loaded_with = getattr(hf_model, "llmopt_activations", "float")
+        if config.activations != loaded_with:
+            raise ConfigError(f"the model's linears were built for --int4-activations {loaded_with}, the engine is "
+                              f"configured for {config.activations}: load it with load_runtime_model(..., "
+                              f"activations={config.activations!r})", param="activations")
+        self.decoder = build_runtime_model(hf_model, config.attention_backend, config.fast_path)
+        self.linear_methods = linear_methods(hf_model)
         self.device = next(hf_model.parameters()).device
         if self.device.type == "cpu":
             keep_freed_host_memory()  # each step's activations reuse freed memory instead of new pages
-        self.kv_dtype = kv_dtype or next(hf_model.parameters()).dtype
+        model_dtype = next(hf_model.parameters()).dtype
+        self.kv_dtype = model_dtype if config.kv_cache_dtype == "auto" else getattr(torch, config.kv_cache_dtype)
         self.block_size = block_size
-        per_block = kv_bytes_per_block(self.decoder, block_size, self.kv_dtype)
+        self.kv_cache_spec = self.decoder.kv_cache_spec(self.kv_dtype)
+        per_block = self.kv_cache_spec.bytes_per_block(block_size)
         self.kv_cache_source = "given"
         if num_blocks is not None:
             kv_cache_bytes, self.kv_cache_source = num_blocks * per_block, f"{num_blocks} blocks"
@@ -92,10 +100,8 @@ class ModelRunner:
         if self.num_blocks < 1:
             raise ConfigError(f"--kv-cache-bytes {kv_cache_bytes} holds no block of {block_size} tokens "
                               f"({per_block} bytes each): raise it")
-        self.kv_cache_bytes = self.num_blocks * per_block
-        shape = (self.num_blocks, block_size, self.decoder.num_kv_heads, self.decoder.head_dim)
-        self.kv_caches = [tuple(zeros_lazily(shape, self.kv_dtype, self.device) for _ in range(2))
-                          for _ in range(self.decoder.num_layers)]
+        self.kv_cache = self.kv_cache_spec.allocate(self.num_blocks, block_size, self.device)
+        self.kv_cache_bytes = self.kv_cache.num_bytes
         log.info(self.kv_cache_summary())
         self.generators: dict[int, torch.Generator] = {}
         # Medusa heads read the hidden state [hidden] that produced each sequence's newest token
@@ -106,7 +112,8 @@ class ModelRunner:
         """One line for start-up: the KV cache's size, where it came from, and the tokens it holds."""
         dtype = str(self.kv_dtype).removeprefix("torch.")
         return (f"KV cache: {self.kv_cache_bytes / 2**30:.2f} GiB ({self.kv_cache_source}), "
-                f"{self.num_blocks * self.block_size:,} tokens in {dtype}")
+                f"{self.kv_cache.num_tokens:,} tokens in {dtype} ({self.kv_cache_spec.bytes_per_token:,} bytes per "
+                f"token, {self.kv_cache_spec.layout} layout); attention backend {self.decoder.attention.name}")
 
     @torch.no_grad()  # the loaded model's parameters still require grad: no step may record an autograd graph
     def execute(self, out: SchedulerOutput) -> StepResult:
@@ -134,7 +141,7 @@ class ModelRunner:
         meta = AttentionMetadata.build(starts, context_lens, tables,
                                        torch.tensor(slots, dtype=torch.long, device=self.device), bs, self.device)
         hidden = self.decoder(torch.tensor(input_ids, device=self.device),
-                              torch.tensor(positions, device=self.device), meta, self.kv_caches)
+                              torch.tensor(positions, device=self.device), meta, self.kv_cache)
         result = StepResult()
         self._score_prompts(out, starts, hidden, result)
         if sample_rows:

@@ -110,7 +110,7 @@ def triton_available() -> bool:
     return True
 
 
-def _triton_paged_attention(q, k_cache, v_cache, meta: AttentionMetadata, scale: float) -> torch.Tensor:
+def triton_paged_attention(q, k_cache, v_cache, meta: AttentionMetadata, scale: float) -> torch.Tensor:
     """Decode-only steps: the split-KV decode kernel; steps with prefill chunks: the prefill kernel over every
     sequence (a decode is a one-token chunk)."""
     from llmopt.runtime.executor.kernels.triton_decode_attention import decode_attention
@@ -125,16 +125,27 @@ def _triton_paged_attention(q, k_cache, v_cache, meta: AttentionMetadata, scale:
 
 def store_kv(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
              slot_mapping: torch.Tensor) -> None:
-    """Write k, v [T, num_kv_heads, head_dim] into their slots."""
+    """Write k, v [T, num_kv_heads, head_dim] into their slots (Triton on CUDA, the compiled copy on CPU)."""
     if k_cache.is_cuda and triton_available():
         from llmopt.runtime.executor.kernels.triton_store_kv import store_kv as triton_store_kv
 
         return triton_store_kv(k, v, k_cache, v_cache, slot_mapping)
+    return compiled_store_kv(k, v, k_cache, v_cache, slot_mapping)
+
+
+def compiled_store_kv(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                      slot_mapping: torch.Tensor) -> None:
+    """The compiled CPU copy where the layouts allow it (a plain copy: the same bits as the reference)."""
     if (k_cache.device.type == "cpu" and k.dtype == k_cache.dtype == v.dtype
             and k.stride(-1) == v.stride(-1) == 1 and k.stride(1) == v.stride(1) == k.shape[2]):
         ops = cpu_ops()
         if ops is not None:
             return ops.store_kv_(k_cache, v_cache, k, v, slot_mapping)
+    reference_store_kv(k, v, k_cache, v_cache, slot_mapping)
+
+
+def reference_store_kv(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                       slot_mapping: torch.Tensor) -> None:
     num_kv_heads, head_dim = k_cache.shape[-2:]
     k_cache.view(-1, num_kv_heads, head_dim)[slot_mapping] = k.to(k_cache.dtype)
     v_cache.view(-1, num_kv_heads, head_dim)[slot_mapping] = v.to(v_cache.dtype)
@@ -189,9 +200,16 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
     k_new, v_new [T, num_kv_heads, head_dim]: this step's keys and values (already stored): prompts with nothing
     cached before attend over them directly, equal-length ones in one batched causal SDPA (a 2048-token chunk of
     128-token prompts: one call per layer instead of 16 gathers, masks and calls). compiled: decodes through the
-    CPU kernel (None: for half-precision caches only)."""
+    CPU kernel (None: for half-precision caches only). On CUDA with Triton: the Triton kernels."""
     if meta.device_tensors is not None and triton_available():
-        return _triton_paged_attention(q, k_cache, v_cache, meta, scale)
+        return triton_paged_attention(q, k_cache, v_cache, meta, scale)
+    return reference_paged_attention(q, k_cache, v_cache, meta, scale, k_new, v_new, compiled)
+
+
+def reference_paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, meta: AttentionMetadata,
+                              scale: float, k_new: torch.Tensor | None = None, v_new: torch.Tensor | None = None,
+                              compiled: bool | None = None) -> torch.Tensor:
+    """paged_attention in torch (decodes through the compiled CPU kernel when `compiled`)."""
     num_kv_heads, head_dim = k_cache.shape[2:]
     num_heads = q.shape[1]
     if meta.decode is not None and meta.decode.contiguous and not meta.prefills:

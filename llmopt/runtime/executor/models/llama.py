@@ -1,8 +1,9 @@
-"""The runtime's decoder for the Llama family (Llama, Mistral, Qwen2, Qwen3): one forward over the flat
-batch of all scheduled tokens, attention over the paged KV cache.
+"""The runtime's model class for the Llama family (Llama, Mistral, Qwen2, Qwen3): one forward over the flat
+batch of all scheduled tokens, attention over the paged KV cache through the engine's attention backend.
 
-It reads the weights of a loaded transformers model (any artifact llmopt reads: dense, packed int4/int8,
-pruned). Two numerics modes:
+It takes its parameters from a loaded model (any artifact llmopt reads: dense, packed int4/int8 linear methods,
+pruned): the packed modules (`PACKED_MODULES`: q/k/v and gate/up) become one linear each, and the norms,
+rotary tables and embedding are its own — no transformers module runs in its forward. Two numerics modes:
 - exact (`fast=False`; the default off CPU): the model's own modules for every op, so greedy tokens match
   transformers token for token in fp32;
 - fast (the default on CPU, every dtype): q/k/v and gate/up fused into one matmul each (bf16 weights prepacked
@@ -21,46 +22,41 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from llmopt.core.adapters import adapter_for, attention_geometry, get_module
-from llmopt.core.errors import UnsupportedArchitectureError
-from llmopt.runtime.executor.kernels.attention import AttentionMetadata, paged_attention, store_kv
+from llmopt.core.adapters import attention_geometry, get_module
+from llmopt.runtime.executor.attention import AttentionBackend, KVCache, KVCacheSpec
+from llmopt.runtime.executor.kernels.attention import AttentionMetadata
 from llmopt.runtime.executor.kernels.cpu_ops import GEMV_BATCHED_ROWS, cpu_ops
-from llmopt.runtime.executor.layers import fuse_linears
+from llmopt.runtime.executor.linear import fuse_linears
+from llmopt.runtime.executor.models.registry import register_model_family
+from llmopt.runtime.executor.models.layers import RMSNorm, RotaryEmbedding, rotate_half
 
-SUPPORTED = ("llama", "mistral", "qwen2", "qwen3")
-
-
-def rotate_half(x: torch.Tensor) -> torch.Tensor:
-    half = x.shape[-1] // 2
-    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+# A layer's linears the runtime runs as one (fed the same input), by the checkpoint's names (nano-vllm's
+# packed_modules_mapping); Phi-3 ships them packed already.
+PACKED_MODULES = {
+    "qkv": ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"),
+    "o_proj": ("self_attn.o_proj",),
+    "gate_up": ("mlp.gate_proj", "mlp.up_proj"),
+    "down_proj": ("mlp.down_proj",),
+}
 
 
 @dataclass
 class Block:
     """One decoder layer as the runtime calls it: qkv(x) -> [T, (H + 2 KVH) * D]; gate_up(x) -> [T, 2 I]."""
-    input_norm: nn.Module
-    post_norm: nn.Module
+    input_norm: RMSNorm
+    post_norm: RMSNorm
     qkv: nn.Module
     o_proj: nn.Module
     gate_up: nn.Module
     down_proj: nn.Module
-    q_norm: nn.Module | None
-    k_norm: nn.Module | None
+    q_norm: RMSNorm | None
+    k_norm: RMSNorm | None
 
 
 def _forward_2d(module: nn.Module):
     """The module's forward for [T, in] inputs, bound once (a prepacked dense linear's skips the module)."""
     forward_2d = getattr(module, "forward_2d", None)
     return forward_2d() if forward_2d is not None else module.forward
-
-
-def _norm_eps(norm: nn.Module) -> float:
-    return getattr(norm, "variance_epsilon", None) or getattr(norm, "eps", 1e-6)
-
-
-def _rms_norm_fast(norm: nn.Module, x: torch.Tensor) -> torch.Tensor:
-    # transformers' RMSNorm: normalize in fp32, cast back, then scale by the weight
-    return F.rms_norm(x.float(), (x.shape[-1],), eps=_norm_eps(norm)).to(x.dtype) * norm.weight
 
 
 def exactly_narrowed(weight: torch.Tensor) -> torch.Tensor:
@@ -78,27 +74,28 @@ def exactly_narrowed(weight: torch.Tensor) -> torch.Tensor:
     return weight
 
 
-class RuntimeDecoder(nn.Module):
-    def __init__(self, hf_model, fast: bool | None = None):
+@register_model_family("llama", "mistral", "qwen2", "qwen3", "phi3")
+class LlamaFamilyDecoder(nn.Module):
+    cache_layout = "kv"
+
+    def __init__(self, hf_model, adapter, attention: AttentionBackend, fast: bool | None = None):
         super().__init__()
         config = hf_model.config
-        adapter = adapter_for(hf_model)
-        if adapter.family not in SUPPORTED:
-            raise UnsupportedArchitectureError(
-                f"the runtime supports {', '.join(SUPPORTED)}; {adapter.family} runs with --backend hf")
         param = next(hf_model.parameters())
         self.dtype = param.dtype
         self.fast = fast if fast is not None else param.device.type == "cpu"
+        self.attention = attention
         self.config = config
         self.embed = get_module(hf_model, adapter.embed)
-        self.layers = get_module(hf_model, adapter.layers)
-        self.norm = get_module(hf_model, adapter.final_norm)
+        layers = get_module(hf_model, adapter.layers)
+        self.norm = RMSNorm.of(get_module(hf_model, adapter.final_norm))
         self.lm_head = get_module(hf_model, adapter.lm_head)
-        self.rotary = get_module(hf_model, adapter.layers.rsplit(".", 1)[0] + ".rotary_emb")
+        self.rotary = RotaryEmbedding.of(get_module(hf_model, adapter.layers.rsplit(".", 1)[0] + ".rotary_emb"))
         geometry = attention_geometry(config)
         self.num_heads, self.num_kv_heads, self.head_dim = geometry.num_heads, geometry.num_kv_heads, geometry.head_dim
         self.scale = self.head_dim ** -0.5
-        self.blocks = [self._block(adapter, layer) for layer in self.layers]
+        self.blocks = [self._block(adapter, layer) for layer in layers]
+        self.num_layers = len(self.blocks)
         self.logits_head = fuse_linears([self.lm_head], prepack=self.fast)
         self._gemv_weight = None  # the lm_head weight for batch-1 decode (below)
         # the compiled fused element-wise ops (kernels/csrc/fused_cpu.cpp) serve the fast path on CPU
@@ -108,39 +105,41 @@ class RuntimeDecoder(nn.Module):
             # per layer: the four projections' forward, (weight, eps) of the post-attention norm and of the norm
             # that follows the layer (the next layer's input norm, or the final one)
             norms = [b.input_norm for b in self.blocks] + [self.norm]
-            self._first_norm = (norms[0].weight, _norm_eps(norms[0]))
+            self._first_norm = (norms[0].weight, norms[0].eps)
             self._fused_layers = [(*(_forward_2d(m) for m in (b.qkv, b.o_proj, b.gate_up, b.down_proj)),
-                                   (b.post_norm.weight, _norm_eps(b.post_norm)), (n.weight, _norm_eps(n)))
+                                   (b.post_norm.weight, b.post_norm.eps), (n.weight, n.eps))
                                   for b, n in zip(self.blocks, norms[1:])]
             if type(self.lm_head) is nn.Linear and self.lm_head.bias is None:
                 self._gemv_weight = exactly_narrowed(self.lm_head.weight.detach())
 
+    def kv_cache_spec(self, dtype: torch.dtype) -> KVCacheSpec:
+        return KVCacheSpec("kv", self.num_layers, dtype, num_kv_heads=self.num_kv_heads, head_dim=self.head_dim)
+
     def _block(self, adapter, layer) -> Block:
-        # the adapter's true-sequential groups are exactly the runtime's fused projections: q/k/v, o, gate/up, down
+        # the adapter's true-sequential groups are exactly the packed modules: q/k/v, o, gate/up, down (Phi-3's
+        # are packed in the checkpoint already)
         qkv, o_proj, gate_up, down = ([get_module(layer, name) for name in group] for group in adapter.sequential)
         attn = get_module(layer, adapter.attention)
-        return Block(get_module(layer, adapter.input_norm), get_module(layer, adapter.post_attention_norm),
+        q_norm, k_norm = getattr(attn, "q_norm", None), getattr(attn, "k_norm", None)
+        return Block(RMSNorm.of(get_module(layer, adapter.input_norm)),
+                     RMSNorm.of(get_module(layer, adapter.post_attention_norm)),
                      *(fuse_linears(linears, prepack=self.fast) for linears in (qkv, o_proj, gate_up, down)),
-                     getattr(attn, "q_norm", None), getattr(attn, "k_norm", None))
+                     q_norm and RMSNorm.of(q_norm), k_norm and RMSNorm.of(k_norm))
 
-    @property
-    def num_layers(self) -> int:
-        return len(self.layers)
-
-    def _norm(self, norm: nn.Module, x: torch.Tensor) -> torch.Tensor:
-        return _rms_norm_fast(norm, x) if self.fast else norm(x)
+    def _norm(self, norm: RMSNorm, x: torch.Tensor) -> torch.Tensor:
+        return norm.fast(x) if self.fast else norm(x)
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata,
-                kv_caches: list[tuple[torch.Tensor, torch.Tensor]]) -> torch.Tensor:
+                kv_cache: KVCache) -> torch.Tensor:
         """input_ids, positions [T] -> final hidden states [T, hidden]."""
         h = self.embed(input_ids)  # [T, hidden]
-        cos, sin = self.rotary(h.unsqueeze(0), positions.unsqueeze(0))
+        cos, sin = self.rotary(positions, h.dtype)  # [T, head_dim]
         if self.fused_ops is not None:
-            return self._forward_fused(h, cos[0], sin[0], meta, kv_caches)
-        cos, sin = cos[0].unsqueeze(1), sin[0].unsqueeze(1)  # [T, 1, head_dim]
+            return self._forward_fused(h, cos, sin, meta, kv_cache)
+        cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)  # [T, 1, head_dim]
         num_tokens = input_ids.shape[0]
         nq, nkv, hd = self.num_heads, self.num_kv_heads, self.head_dim
-        for block, (k_cache, v_cache) in zip(self.blocks, kv_caches):
+        for block, cache in zip(self.blocks, kv_cache):
             x = self._norm(block.input_norm, h)
             qkv = block.qkv(x)
             if block.q_norm is not None or not self.fast:
@@ -155,8 +154,8 @@ class RuntimeDecoder(nn.Module):
                 qk = qk * cos + rotate_half(qk) * sin
                 q, k = qk[:, :nq], qk[:, nq:]
             v = qkv[:, (nq + nkv) * hd:].view(num_tokens, nkv, hd)
-            store_kv(k, v, k_cache, v_cache, meta.slot_mapping)
-            o = paged_attention(q, k_cache, v_cache, meta, self.scale, k, v, compiled=self.fast)
+            self.attention.store(k, v, cache, meta)
+            o = self.attention.attend(q, cache, meta, self.scale, k, v)
             h = h + block.o_proj(o.reshape(num_tokens, -1))
             x = self._norm(block.post_norm, h)
             gate, up = block.gate_up(x).chunk(2, dim=-1)
@@ -164,7 +163,7 @@ class RuntimeDecoder(nn.Module):
         return self._norm(self.norm, h)
 
     def _forward_fused(self, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, meta: AttentionMetadata,
-                       kv_caches: list[tuple[torch.Tensor, torch.Tensor]]) -> torch.Tensor:
+                       kv_cache: KVCache) -> torch.Tensor:
         """The fast path with each run of element-wise ops as one compiled call: the residual add fused with
         the next norm (h updated in place), rotary in place on q and k, silu(gate) * up. Same roundings as
         the torch ops they replace (tests compare bit for bit). h [T, hidden]; cos, sin [T, head_dim]."""
@@ -174,15 +173,15 @@ class RuntimeDecoder(nn.Module):
         x = ops.rms_norm(h, *self._first_norm)
         # (the projections' forward called directly: nn.Module's call machinery is ~3 us x 4 per layer, which
         # shows at batch-1 decode; the runtime registers no hooks)
-        for (qkv_proj, o_proj, gate_up, down_proj, post_norm, next_norm), (k_cache, v_cache) in zip(
-                self._fused_layers, kv_caches):
+        attention = self.attention
+        for (qkv_proj, o_proj, gate_up, down_proj, post_norm, next_norm), cache in zip(self._fused_layers, kv_cache):
             qkv = qkv_proj(x)  # [T, (H + 2 KVH) * D]
             ops.rotary_(qkv, cos, sin, nq + nkv)
             q = qkv[:, : nq * hd].view(num_tokens, nq, hd)
             k = qkv[:, nq * hd:(nq + nkv) * hd].view(num_tokens, nkv, hd)
             v = qkv[:, (nq + nkv) * hd:].view(num_tokens, nkv, hd)
-            store_kv(k, v, k_cache, v_cache, meta.slot_mapping)
-            o = paged_attention(q, k_cache, v_cache, meta, self.scale, k, v, compiled=True)
+            attention.store(k, v, cache, meta)
+            o = attention.attend(q, cache, meta, self.scale, k, v)
             x = ops.add_rms_norm_(h, o_proj(o.reshape(num_tokens, -1)), *post_norm)
             x = ops.add_rms_norm_(h, down_proj(ops.silu_mul(gate_up(x))), *next_norm)
         return x

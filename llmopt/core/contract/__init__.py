@@ -1,0 +1,19 @@
+"""The contract at the bottom, shared by compress, export and runtime: how a tensor is quantized (the typed
+`scheme`), what a quantized weight is (`weight`), how sparsity is recorded (`sparsity`).
+
+The weight's names load on first use: the scheme is imported by configs that must not import torch."""
+
+from llmopt.core.contract.scheme import (  # noqa: F401
+    INT8_GROUP_ACTIVATIONS, PRESETS, SUPPORTED_BITS, LinearScheme, QuantRecord, QuantScheme, preset,
+)
+from llmopt.core.contract.sparsity import parse_nm, sparsity_entry  # noqa: F401
+
+_WEIGHT_NAMES = ("QuantizedWeight", "default_g_idx")
+
+
+def __getattr__(name: str):
+    if name in _WEIGHT_NAMES:
+        from llmopt.core.contract import weight
+
+        return getattr(weight, name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -1,0 +1,134 @@
+"""How a tensor is quantized, typed: one frozen `QuantScheme` describes a weight, a linear's input activations or
+the KV cache, modelled on compressed-tensors' `QuantizationArgs` (num_bits, type, strategy, group_size,
+symmetric, dynamic, observer). A `LinearScheme` pairs a linear's weights with its input activations; presets name
+the usual pairs (w4a16, w8a16, w4a8); `kv_cache` schemes stand apart, as compressed-tensors' `kv_cache_scheme`.
+
+Today's integer weight schemes keep their short constructor, QuantScheme(bits, group_size, sym): the strategy
+follows from the group size (group_size -1 = one group per output channel).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Literal
+
+from llmopt.core.errors import ConfigError
+
+SUPPORTED_BITS = (2, 3, 4, 8)
+STRATEGIES = ("tensor", "channel", "group", "block", "token")
+TYPES = ("int", "float")
+OBSERVERS = ("minmax", "mse")
+
+
+@dataclass(frozen=True)
+class QuantScheme:
+    """bits: code width; group_size: consecutive input columns sharing a scale (-1: a whole row); sym: zero point
+    fixed at the middle of the code range; type: int codes or a float format (E4M3, E2M1); strategy: what one scale
+    covers (None: group when group_size > 0, else channel); dynamic: scales computed at run time from the tensor
+    itself (activations), not stored; observer: how a static range is chosen (min/max, or the error-minimising
+    search)."""
+
+    bits: int = 4
+    group_size: int = 128
+    sym: bool = True
+    type: Literal["int", "float"] = "int"
+    strategy: Literal["tensor", "channel", "group", "block", "token"] | None = None
+    dynamic: bool = False
+    observer: Literal["minmax", "mse"] = field(default="minmax", compare=False)  # how, not what: not compared
+
+    def __post_init__(self):
+        if self.strategy is None:
+            object.__setattr__(self, "strategy", "group" if self.group_size > 0 else "channel")
+        for name, allowed in (("type", TYPES), ("strategy", STRATEGIES), ("observer", OBSERVERS)):
+            if getattr(self, name) not in allowed:
+                raise ConfigError(f"scheme {name} {getattr(self, name)!r}: choose one of {', '.join(allowed)}")
+
+    @property
+    def maxq(self) -> int:
+        return 2**self.bits - 1
+
+    def num_groups(self, in_features: int) -> int:
+        return 1 if self.group_size == -1 else in_features // self.group_size
+
+    def group_width(self, in_features: int) -> int:
+        return in_features if self.group_size == -1 else self.group_size
+
+    def check(self, in_features: int, name: str = "layer") -> None:
+        if self.type == "int" and self.bits not in SUPPORTED_BITS:
+            raise ConfigError(f"--bits {self.bits} is not supported: choose one of {SUPPORTED_BITS}")
+        if self.group_size != -1 and (self.group_size < 1 or in_features % self.group_size):
+            raise ConfigError(
+                f"--group-size {self.group_size} does not divide {name}'s in_features ({in_features}): "
+                "use a divisor of it (or -1 for per channel)"
+            )
+
+    def to_args(self) -> dict:
+        """compressed-tensors' QuantizationArgs fields for this scheme."""
+        return {"num_bits": self.bits, "type": self.type, "symmetric": self.sym, "strategy": self.strategy,
+                "group_size": self.group_size if self.strategy == "group" else None, "dynamic": self.dynamic,
+                "observer": None if self.dynamic else self.observer}
+
+    @classmethod
+    def from_args(cls, args: dict) -> QuantScheme:
+        """From compressed-tensors' QuantizationArgs (a config.json's `weights` / `input_activations`)."""
+        strategy = args.get("strategy") or ("group" if args.get("group_size") else "channel")
+        group = args.get("group_size") if strategy == "group" else -1
+        observer = args.get("observer") if args.get("observer") in OBSERVERS else "minmax"
+        return cls(args.get("num_bits", 8), group or -1, args.get("symmetric", True), args.get("type", "int"),
+                   strategy, bool(args.get("dynamic", False)), observer)
+
+
+# Dynamic 8-bit activations, one symmetric scale per group of 64 input columns (the int4 kernels' block): the
+# scheme of llama.cpp's Q8 activations.
+INT8_GROUP_ACTIVATIONS = QuantScheme(8, 64, True, strategy="group", dynamic=True)
+
+
+@dataclass(frozen=True)
+class LinearScheme:
+    """A linear layer's numerics: its weights' scheme (None: dense, in the compute dtype) and its input
+    activations' (None: the compute dtype). The runtime's linear methods are chosen by it."""
+
+    weights: QuantScheme | None = None
+    input_activations: QuantScheme | None = None
+
+    @property
+    def name(self) -> str:
+        w = "16" if self.weights is None else str(self.weights.bits)
+        a = "16" if self.input_activations is None else str(self.input_activations.bits)
+        return f"w{w}a{a}"
+
+
+PRESETS: dict[str, LinearScheme] = {
+    "w4a16": LinearScheme(QuantScheme(4, 128)),
+    "w8a16": LinearScheme(QuantScheme(8, -1)),
+    "w4a8": LinearScheme(QuantScheme(4, 128), INT8_GROUP_ACTIVATIONS),
+}
+
+
+def preset(name: str) -> LinearScheme:
+    try:
+        return PRESETS[name]
+    except KeyError:
+        raise ConfigError(f"unknown scheme {name!r}: choose one of {', '.join(PRESETS)}") from None
+
+
+@dataclass(frozen=True)
+class QuantRecord:
+    """What a quantized checkpoint records beyond the scheme: how the codes were found. Built from a method's
+    typed config (`from_config`), never from an untyped dict with defaults of its own."""
+
+    scheme: QuantScheme
+    method: str
+    act_order: bool = False
+    static_groups: bool = True  # with act_order: groups stay k // group_size (g_idx trivial)
+    damp: float | None = None  # GPTQ's dampening, when the method has one
+    true_sequential: bool = True
+    extra: dict = field(default_factory=dict, compare=False)
+
+    @classmethod
+    def from_config(cls, scheme: QuantScheme, settings: dict) -> QuantRecord:
+        """From a method config's fields (its model_dump, as llmopt.json keeps it); fields a method lacks keep
+        the values that describe it (no act-order, trivial groups)."""
+        return cls(scheme, settings.get("method", "rtn"), bool(settings.get("act_order", False)),
+                   bool(settings.get("static_groups", True)), settings.get("damp"),
+                   bool(settings.get("true_sequential", True)))

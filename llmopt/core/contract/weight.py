@@ -1,0 +1,80 @@
+"""What a quantized or sparse weight is, shared by compress, export and runtime.
+
+Convention (every method and format works from it): a weight W [N out, K in] is split into groups of
+`group_size` consecutive input columns (group_size = -1: one group per row). Each (row, group) has a scale
+s > 0 and an unsigned zero point z in [0, 2^b - 1]; q = clamp(round(W / s) + z, 0, 2^b - 1) and
+W ~ s * (q - z). Symmetric schemes fix z = 2^(b-1), so zero is exactly representable.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from llmopt.core.contract.scheme import QuantScheme
+from llmopt.core.errors import ConfigError
+
+@dataclass
+class QuantizedWeight:
+    """The result every quantizer produces and every format packs.
+
+    q:      [N, K] uint8, unsigned codes in [0, 2^bits - 1]
+    scales: [N, G] float32
+    zeros:  [N, G] int32, unsigned zero points (2^(bits-1) when symmetric)
+    g_idx:  [K] int32, group of each input column (k // group_size unless act-order permuted groups)
+    """
+
+    q: torch.Tensor
+    scales: torch.Tensor
+    zeros: torch.Tensor
+    g_idx: torch.Tensor
+    scheme: QuantScheme
+    bias: torch.Tensor | None = None
+
+    @property
+    def shape(self) -> tuple[int, int]:
+        return tuple(self.q.shape)
+
+    @property
+    def has_trivial_g_idx(self) -> bool:
+        return torch.equal(self.g_idx, default_g_idx(self.q.shape[1], self.scheme))
+
+    def shard(self, dim: str, rank: int, world: int) -> QuantizedWeight:
+        """Rank `rank`'s share of `world` equal slices along out- ("out": rows, column-parallel linears) or
+        in-features ("in": whole groups of columns, row-parallel linears; the bias stays with rank 0, as the
+        all-reduce adds the shares)."""
+        n, k = self.shape
+        if dim == "out":
+            if n % world:
+                raise ConfigError(f"{n} output features do not split into {world} equal shards")
+            rows = slice(rank * n // world, (rank + 1) * n // world)
+            bias = None if self.bias is None else self.bias[rows]
+            return QuantizedWeight(self.q[rows], self.scales[rows], self.zeros[rows], self.g_idx, self.scheme, bias)
+        if dim != "in":
+            raise ValueError(f"dim must be 'in' or 'out', not {dim!r}")
+        groups = self.scales.shape[1]
+        if not self.has_trivial_g_idx or (groups > 1 and groups % world) or (groups == 1 and world > 1):
+            raise ConfigError(f"{k} input features in {groups} group(s) do not split into {world} shards of whole "
+                              "groups (per-channel or act-order permuted weights cannot be split along in-features)")
+        cols = slice(rank * k // world, (rank + 1) * k // world)
+        per = groups // world
+        group_cols = slice(rank * per, (rank + 1) * per)
+        g_idx = self.g_idx[cols] - rank * per
+        bias = self.bias if rank == 0 else None
+        return QuantizedWeight(self.q[:, cols], self.scales[:, group_cols], self.zeros[:, group_cols], g_idx,
+                               self.scheme, bias)
+
+    def dequantize(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+        """[N, K] weight s * (q - z), with each column's group taken from g_idx."""
+        g = self.g_idx.long()
+        scales = self.scales[:, g]  # [N, K]
+        zeros = self.zeros[:, g].float()
+        return (scales * (self.q.float() - zeros)).to(dtype)
+
+
+def default_g_idx(in_features: int, scheme: QuantScheme) -> torch.Tensor:
+    width = scheme.group_width(in_features)
+    return (torch.arange(in_features) // width).to(torch.int32)
+
+

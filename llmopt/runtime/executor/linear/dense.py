@@ -1,0 +1,115 @@
+"""Dense linears: the fallback for any quantized weight no kernel holds (dequantized once at load: act-order
+checkpoints with permuted groups, odd shapes), and the runtime's fused dense projections (q/k/v, gate/up as one
+matmul; bf16 weights prepacked for oneDNN on CPU)."""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from llmopt.runtime.executor.kernels.cpu_ops import GEMV_BATCHED_ROWS, cpu_ops
+from llmopt.runtime.executor.linear.base import (
+    FALLBACK_PRIORITY, LinearMethod, register_linear_method,
+)
+
+
+@register_linear_method
+class DequantizedLinear(LinearMethod):
+    """Any weight, dequantized once into a plain nn.Linear (built by `create`; the class is its registry entry)."""
+
+    name, priority = "dense", FALLBACK_PRIORITY
+
+    @classmethod
+    def accepts(cls, qweight, scheme, device):
+        return True
+
+    @classmethod
+    def create(cls, qweight, dtype, device) -> nn.Linear:
+        n, k = qweight.shape
+        dense = nn.Linear(k, n, bias=qweight.bias is not None, dtype=dtype, device=device)
+        with torch.no_grad():
+            dense.weight.copy_(qweight.dequantize(dtype))
+            if qweight.bias is not None:
+                dense.bias.copy_(qweight.bias.to(dtype))
+        return dense.requires_grad_(False)
+
+
+def _mkldnn_bf16() -> bool:
+    return torch.backends.mkldnn.is_available() and torch.ops.mkldnn._is_mkldnn_bf16_supported()
+
+
+class ConcatLinears(nn.Module):
+    """Several linears fed the same input, outputs concatenated: exact (each runs as it would alone)."""
+
+    def __init__(self, parts: list[nn.Module]):
+        super().__init__()
+        self.parts = nn.ModuleList(parts)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.cat([part(x) for part in self.parts], dim=-1)
+
+
+class FusedDenseLinear(nn.Module):
+    """Dense linears fed the same input as one matmul over their stacked weights; on CPU in bf16 the weight is
+    prepacked into oneDNN's blocked layout once (2-3x faster at decode batch sizes than plain F.linear)."""
+
+    PACK_BATCH_HINT = 256  # oneDNN picks its blocking for this M; measured best over M in 1..2048
+
+    def __init__(self, parts: list[nn.Linear], prepack: bool):
+        super().__init__()
+        weight = torch.cat([p.weight.detach() for p in parts], dim=0)
+        has_bias = any(p.bias is not None for p in parts)
+        bias = torch.cat([p.bias.detach() if p.bias is not None else weight.new_zeros(p.out_features)
+                          for p in parts]) if has_bias else None
+        self.in_features, self.out_features = weight.shape[1], weight.shape[0]
+        self.packed = prepack and weight.dtype == torch.bfloat16 and weight.device.type == "cpu" and _mkldnn_bf16()
+        if self.packed:
+            weight = torch.ops.mkldnn._reorder_linear_weight(weight, self.PACK_BATCH_HINT)
+        self.register_buffer("weight", weight)
+        self.register_buffer("bias", bias)
+
+    def forward_2d(self):
+        """A callable for [T, in] inputs, with the weight bound: the decoder's fast loop calls 120 of these per
+        step, where the module's attribute lookups and reshapes cost ~10 us each."""
+        if not self.packed:
+            # fp32 (or no oneDNN bf16): the plain GEMM; MKL's packed sgemm measured no faster at these shapes
+            linear, weight, bias = F.linear, self.weight, self.bias
+            ops = cpu_ops() if weight.device.type == "cpu" and weight.dtype == torch.float32 else None
+            if ops is None or weight.shape[0] < weight.shape[1]:
+                return lambda x: linear(x, weight, bias)
+            # a few rows (speculative verification at batch 1) of a wide weight: gemv (kernels.cpu_ops)
+            gemv, few = ops.gemv, GEMV_BATCHED_ROWS
+
+            def few_rows_or_gemm(x):
+                if x.shape[0] in few:
+                    y = gemv(x, weight)
+                    return y if bias is None else y + bias
+                return linear(x, weight, bias)
+
+            return few_rows_or_gemm
+        linear, weight, bias = torch.ops.mkldnn._linear_pointwise, self.weight, self.bias
+        return lambda x: linear(x, weight, bias, "none", [], "")
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.packed:
+            lead = x.shape[:-1]
+            y = torch.ops.mkldnn._linear_pointwise(x.reshape(-1, self.in_features), self.weight, self.bias,
+                                                   "none", [], "")
+            return y.reshape(*lead, self.out_features)
+        return F.linear(x, self.weight, self.bias)
+
+
+def fuse_linears(parts: list[nn.Module], prepack: bool) -> nn.Module:
+    """One module computing cat([part(x) for part in parts], -1) (a model's packed modules: q/k/v, gate/up).
+
+    prepack=False keeps each part's own numerics (a single part is returned as is); prepack=True stacks dense
+    parts into one (prepacked) matmul, and parts of a method that can stack (int4, int8) into one kernel call
+    (exact). Other parts run as themselves."""
+    if prepack and all(type(p) is nn.Linear for p in parts):
+        return FusedDenseLinear(parts, prepack=True)
+    if prepack and len(parts) > 1:
+        method = type(parts[0])
+        if isinstance(parts[0], LinearMethod) and method.can_stack(parts):
+            return method.stack(parts)
+    return parts[0] if len(parts) == 1 else ConcatLinears(parts)

@@ -1,0 +1,65 @@
+"""The runtime's own small layers, their parameters taken once from a loaded model: RMSNorm (transformers'
+arithmetic, so the exact mode's logits match bit for bit) and rotary tables."""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+
+def rotate_half(x: torch.Tensor) -> torch.Tensor:
+    half = x.shape[-1] // 2
+    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+
+
+class RMSNorm(nn.Module):
+    """y = weight * normalize(x in fp32) cast back to x's dtype."""
+
+    def __init__(self, weight: torch.Tensor, eps: float):
+        super().__init__()
+        self.weight = weight  # shared with the loaded model, not copied
+        self.eps = eps
+
+    @classmethod
+    def of(cls, norm: nn.Module) -> RMSNorm:
+        """From a loaded model's norm (transformers' LlamaRMSNorm and kin)."""
+        eps = getattr(norm, "variance_epsilon", None) or getattr(norm, "eps", None) or 1e-6
+        return cls(norm.weight.detach(), eps)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """transformers' order of operations (the exact mode)."""
+        h = x.to(torch.float32)
+        h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * h.to(x.dtype)
+
+    def fast(self, x: torch.Tensor) -> torch.Tensor:
+        """One fused kernel for the normalisation (the fast mode: ~1e-7 relative from forward in fp32)."""
+        return F.rms_norm(x.float(), (x.shape[-1],), eps=self.eps).to(x.dtype) * self.weight
+
+
+class RotaryEmbedding(nn.Module):
+    """cos, sin [T, rotary_dim] for positions [T]: frequencies inv_freq [rotary_dim / 2] (any rope scaling already
+    applied, as transformers computes them at load) and its attention scaling."""
+
+    def __init__(self, inv_freq: torch.Tensor, attention_scaling: float = 1.0):
+        super().__init__()
+        self.register_buffer("inv_freq", inv_freq.float(), persistent=False)
+        self.attention_scaling = attention_scaling
+
+    @classmethod
+    def of(cls, rotary: nn.Module) -> RotaryEmbedding:
+        """From a loaded model's rotary module (its frequencies are static for the rope types the runtime runs)."""
+        if getattr(rotary, "rope_type", "default") in ("dynamic", "longrope"):
+            from llmopt.core.errors import UnsupportedArchitectureError
+
+            raise UnsupportedArchitectureError(
+                f"rope type {rotary.rope_type!r} changes its frequencies with the sequence length; the runtime "
+                "supports static ones: run this model with --backend hf")
+        return cls(rotary.inv_freq.detach().clone(), float(getattr(rotary, "attention_scaling", 1.0)))
+
+    def forward(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        # as transformers computes it (one product per element, then cos/sin in fp32): the same bits
+        freqs = (self.inv_freq[:, None] @ positions[None, :].float()).t()  # [T, rotary_dim / 2]
+        emb = torch.cat((freqs, freqs), dim=-1)
+        return (emb.cos() * self.attention_scaling).to(dtype), (emb.sin() * self.attention_scaling).to(dtype)
