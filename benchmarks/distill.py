@@ -28,7 +28,8 @@ from llmopt.eval.perplexity import perplexity
 from llmopt.export.load import load_model
 from llmopt.pipelines.common import peak_rss_bytes
 from llmopt.pipelines.distill import distill_to_artifact
-from llmopt.pipelines.prune import prune_to_artifact
+from llmopt.compress.api import quantize_configs
+from llmopt.pipelines.prune import prune_config, prune_to_artifact
 from llmopt.pipelines.quantize import quantize_to_artifact
 from rows import load_rows, save_rows
 
@@ -116,9 +117,10 @@ def main() -> None:
     done = {r["name"] for r in rows}
     pruned, gptq = work / "mlp-25", work / "gptq-w4g64"
     if not (pruned / "llmopt.json").is_file():
-        prune_to_artifact(MODEL, pruned, {"structured": "mlp", "ratio": 0.25, "num_samples": 32}, overwrite=True)
+        prune_to_artifact(MODEL, pruned, prune_config({"structured": "mlp", "ratio": 0.25, "num_samples": 32}),
+                          overwrite=True)
     if not (gptq / "llmopt.json").is_file():
-        quantize_to_artifact(MODEL, gptq, "gptq", {"bits": 4, "group_size": 64}, overwrite=True)
+        quantize_to_artifact(MODEL, gptq, quantize_configs("gptq", {"bits": 4, "group_size": 64}), overwrite=True)
     common = dict(seqlen=args.seqlen, batch_size=args.batch_size, eval_windows=8)
     plan = {
         "teacher": lambda: ppl_row("teacher", MODEL, args.eval_tokens),

@@ -114,3 +114,14 @@ def test_no_import_cycles():
                                          ("llmopt.export.read", "llmopt.runtime.executor.linear")])
 def test_the_check_would_catch_an_upward_import(module, dep):
     assert RANK[top_package(dep)] >= RANK[top_package(module)]
+
+
+def test_the_readme_layout_lists_the_packages_in_layer_order():
+    import re
+
+    readme = (PACKAGE.parent / "README.md").read_text()
+    layout = readme[readme.index("## Layout"):]
+    block = layout[layout.index("```") + 3:]
+    block = block[:block.index("```")]
+    listed = [m.group(1) for m in re.finditer(r"llmopt/(\w+)/", block)]
+    assert listed == [package for layer in LAYERS for package in layer]

@@ -11,6 +11,7 @@ import inspect
 import typer
 
 from llmopt.compress.defaults import CALIBRATION
+from llmopt.core.registry import declared_names
 from llmopt.runtime.engine.config import EngineConfig, SpeculativeConfig, engine_fields, engine_flag
 
 SPECULATIVE_DEFAULTS = SpeculativeConfig()
@@ -51,11 +52,11 @@ def choices(name: str, values: list[str]) -> type[Enum]:
     return Enum(name, {value.replace("-", "_"): value for value in values}, type=str)
 
 
-# Choices that mirror registries and config literals, listed here so that `--help` does not import torch;
-# tests/cli/test_options_match_configs.py keeps them equal to the registries.
-QuantMethod = choices("QuantMethod", ["rtn", "gptq", "awq"])
-FormatName = choices("FormatName", ["gptq", "awq", "compressed-tensors"])
-PruneMethod = choices("PruneMethod", ["magnitude", "wanda", "sparsegpt"])
+# Choices read from the registries' declarations in their packages' source (core.registry.declared_names), so
+# that `--help` does not import torch and a new method's module appears here by itself.
+QuantMethod = choices("QuantMethod", declared_names("llmopt.compress", "QUANT_METHODS"))
+FormatName = choices("FormatName", ["gptq", "awq", "compressed-tensors"])  # formats.py adds them in a loop
+PruneMethod = choices("PruneMethod", declared_names("llmopt.compress", "PRUNE_METHODS"))
 StructuredKind = choices("StructuredKind", ["mlp", "heads", "layers"])
 
 
@@ -159,11 +160,12 @@ def _engine_option(field, hint) -> tuple:
     flag, help_text = engine_flag(field.name), field.metadata["help"]
     if get_origin(hint) is Literal:
         kind = choices(f"Engine_{field.name}", list(get_args(hint)))
-        return field.name, Annotated[kind, typer.Option(f"--{flag}", help=help_text, rich_help_panel=ENGINE_PANEL)], kind(
-            field.default)
+        option = typer.Option(f"--{flag}", help=help_text, rich_help_panel=ENGINE_PANEL)
+        return field.name, Annotated[kind, option], kind(field.default)
     base = [a for a in get_args(hint) if a is not type(None)] or [hint]
     names = (f"--{flag}/--no-{flag}",) if base[0] is bool else (f"--{flag}",)
-    return field.name, Annotated[hint, typer.Option(*names, help=help_text, rich_help_panel=ENGINE_PANEL)], field.default
+    option = typer.Option(*names, help=help_text, rich_help_panel=ENGINE_PANEL)
+    return field.name, Annotated[hint, option], field.default
 
 
 def _engine_options() -> tuple:

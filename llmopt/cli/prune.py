@@ -37,7 +37,7 @@ def prune(
 ) -> None:
     """Prune MODEL: zero weights (--method with --sparsity or --pattern), or shrink it (--structured --ratio)."""
     from llmopt.core.errors import ConfigError
-    from llmopt.pipelines.prune import prune_to_artifact
+    from llmopt.pipelines.prune import prune_config, prune_to_artifact
 
     if structured is not None:
         if method is not None or sparsity is not None or pattern is not None:
@@ -55,7 +55,7 @@ def prune(
         settings = dict(method=method.value, sparsity=sparsity, pattern=pattern, ignore=ignore or [], damp=damp,
                         num_samples=num_samples or CALIBRATION["num_samples"], **calibration)
     with progress_bar(f"pruning layers ({calib_dtype_label(calibration)} forwards)") as update:
-        facts = prune_to_artifact(model, output, settings, overwrite, trust_remote_code, update)
+        facts = prune_to_artifact(model, output, prune_config(settings), overwrite, trust_remote_code, update)
     if as_json:
         print_json(facts)
     else:

@@ -59,6 +59,7 @@ def quantize(
     calibration: dict | None = None,
 ) -> None:
     """Quantize MODEL's decoder linears and write an artifact loadable everywhere a MODEL is accepted."""
+    from llmopt.compress.api import quantize_configs
     from llmopt.pipelines.quantize import quantize_to_artifact
     from llmopt.core.errors import ConfigError
 
@@ -78,7 +79,7 @@ def quantize(
         settings["search_file"] = awq_search
     with progress_bar(f"{method.value} layers ({calib_dtype_label(calibration)} forwards)") as update:
         facts = quantize_to_artifact(
-            model, output, method.value, settings, fmt.value if fmt else None,
+            model, output, quantize_configs(method.value, settings), fmt.value if fmt else None,
             overwrite=overwrite, trust_remote_code=trust_remote_code, progress=update,
         )
     if as_json:

@@ -19,11 +19,13 @@ from llmopt.compress.masks import check_nm_fits
 from llmopt.compress.modifier_list import ModifierList
 from llmopt.core.contract import QuantizedWeight, sparsity_entry
 from llmopt.core.errors import ConfigError
+from llmopt.core.registry import import_submodules
 
 
 def load_methods() -> None:
-    """Importing a method's module registers it."""
-    from llmopt.compress import awq, gptq, magnitude, rtn, sparsegpt, wanda  # noqa: F401
+    """Every module of the package is imported, and a method's module registers it: a new method is a new
+    module."""
+    import_submodules("llmopt.compress")
 
 
 def method_spec(method: str) -> MethodSpec:

@@ -37,6 +37,10 @@ class Registry(Generic[T]):
     def add(self, name: str, obj: T) -> T:
         return self.register(name)(obj)
 
+    def remove(self, name: str) -> T:
+        """Unregister `name` (a test's plug-in, once the test is done)."""
+        return self._items.pop(name)
+
     def get(self, name: str) -> T:
         try:
             return self._items[name]
@@ -53,6 +57,26 @@ class Registry(Generic[T]):
 
     def __iter__(self) -> Iterator[str]:
         return iter(self.names())
+
+
+def declared_names(package: str, registry: str) -> list[str]:
+    """The names a package's modules add to `registry` (`REGISTRY.add("name", ...)` or
+    `@REGISTRY.register("name")` with a literal name), read from their source without importing them: the CLI
+    lists a registry's choices in --help without importing torch. tests/cli/test_options_match_configs.py checks
+    the lists equal the registries once imported."""
+    import ast
+    from importlib.util import find_spec
+    from pathlib import Path
+
+    root = Path(find_spec(package).origin).parent
+    names = []
+    for path in sorted(root.glob("*.py")):
+        for node in ast.walk(ast.parse(path.read_text())):
+            if (isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute)
+                    and node.func.attr in ("add", "register") and isinstance(node.func.value, ast.Name)
+                    and node.func.value.id == registry and node.args and isinstance(node.args[0], ast.Constant)):
+                names.append(node.args[0].value)
+    return sorted(names)
 
 
 def import_submodules(package: str) -> list[str]:

@@ -26,15 +26,16 @@ TINY_CONFIGS: dict[str, dict] = {
         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=1024,
         rms_norm_eps=1e-6, rope_theta=10000.0, tie_word_embeddings=True,
     ),
-    # DeepSeek-V2's multi-head latent attention at toy size: queries through a rank-32 bottleneck, keys and values
-    # from a 16-value latent plus an 8-value rope key shared by the heads; dense MLPs in every layer
-    # (first_k_dense_replace = the layer count: no mixture of experts)
+    # DeepSeek-V2's multi-head latent attention at toy size: queries through a rank-128 bottleneck, keys and values
+    # from a 128-value latent plus a 16-value rope key shared by the heads; dense MLPs in every layer
+    # (first_k_dense_replace = the layer count: no mixture of experts). Every in_features is a multiple of 128,
+    # so `llmopt quantize` runs with its default group size.
     "deepseek": dict(
-        model_type="deepseek_v2", hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+        model_type="deepseek_v2", hidden_size=128, intermediate_size=256, num_hidden_layers=2,
         num_attention_heads=4, num_key_value_heads=4, max_position_embeddings=1024, rms_norm_eps=1e-6,
-        rope_theta=10000.0, tie_word_embeddings=False, q_lora_rank=32, kv_lora_rank=16, qk_rope_head_dim=8,
-        qk_nope_head_dim=16, v_head_dim=16, first_k_dense_replace=2, n_routed_experts=4, n_shared_experts=1,
-        num_experts_per_tok=2, moe_intermediate_size=32,
+        rope_theta=10000.0, tie_word_embeddings=False, q_lora_rank=128, kv_lora_rank=128, qk_rope_head_dim=16,
+        qk_nope_head_dim=32, v_head_dim=32, first_k_dense_replace=2, n_routed_experts=4, n_shared_experts=1,
+        num_experts_per_tok=2, moe_intermediate_size=64,
     ),
 }
 

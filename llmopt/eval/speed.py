@@ -50,7 +50,7 @@ def _bytes(tensors) -> int:
     return sum(t.numel() * t.element_size() for t in tensors)
 
 
-def model_cost(model: nn.Module, kv_dtype: torch.dtype) -> ModelCost:
+def model_cost(model: nn.Module, kv_bytes_per_token: int) -> ModelCost:
     """Bytes read and FLOPs per token of a (possibly packed) model: decoder layers, final norm, lm_head."""
     from llmopt.core.adapters import adapter_for, attention_geometry, get_module
 
@@ -66,11 +66,11 @@ def model_cost(model: nn.Module, kv_dtype: torch.dtype) -> ModelCost:
     linear_params += lm_head.in_features * lm_head.out_features
     config = model.config
     geometry = attention_geometry(config)
-    heads, kv_heads, head_dim = geometry.num_heads, geometry.num_kv_heads, geometry.head_dim
-    element = torch.tensor([], dtype=kv_dtype).element_size()
+    heads, head_dim = geometry.num_heads, geometry.head_dim
     num_layers = len(layers)
-    return ModelCost(weight_bytes, linear_params, 2 * num_layers * kv_heads * head_dim * element,
-                     4 * num_layers * heads * head_dim, lm_head.in_features * lm_head.out_features)
+    # (the KV bytes come from the engine's KVCacheSpec: one place sizes the cache)
+    return ModelCost(weight_bytes, linear_params, kv_bytes_per_token, 4 * num_layers * heads * head_dim,
+                     lm_head.in_features * lm_head.out_features)
 
 
 def best_time(fn, device: str) -> float:
@@ -240,7 +240,7 @@ def bench_runtime(name: str, model_name: str, spec: WorkloadSpec, config: BenchC
     stats, kv = engine.stats(), engine.kv_cache_info()
     peaks = measure_peaks(DTYPES[config.dtype], config.peak_bandwidth, config.peak_flops, config.device)
     metrics = request_metrics(records, dict(config.slo))
-    metrics.update(engine_metrics(stats.steps, model_cost(model, DTYPES[kv["dtype"]]), peaks,
+    metrics.update(engine_metrics(stats.steps, model_cost(model, kv["bytes_per_token"]), peaks,
                                   stats.num_preemptions, stats.prefix_cache_hit_rate, metrics["duration"]))
     metrics["peak_bandwidth"], metrics["peak_flops"] = peaks.bandwidth, peaks.flops
     metrics["kv_cache_bytes"], metrics["kv_cache_tokens"] = kv["bytes"], kv["tokens"]
@@ -250,7 +250,8 @@ def bench_runtime(name: str, model_name: str, spec: WorkloadSpec, config: BenchC
     if stats.spec_decode is not None:
         metrics.update({f"spec_{key}": value for key, value in stats.spec_decode.to_json().items()})
     return RunResult(name, model_name, {"backend": "runtime", **asdict(config), "workload": asdict(spec),
-                                        "kv_cache": kv["summary"], "hardware": _hardware(config)},
+                                        "kv_cache": kv["summary"], "numerics": engine.numerics(),
+                                        "hardware": _hardware(config)},
                      metrics, records, [s.num_seqs for s in stats.steps])
 
 

@@ -12,6 +12,7 @@ import torch
 from llmopt.compress.api import (
     make_sparsity_config, make_structured_config, measure_sparsity, sparsify_model, sparsity_config_entry,
 )
+from llmopt.compress.config import StructuredConfig
 from llmopt.compress.defaults import SCORES_FILE
 from llmopt.compress.structured import prune_structured
 from llmopt.core.io import check_output_free
@@ -33,16 +34,16 @@ def prune_config(settings: dict):
 def prune_to_artifact(
     model_name: str,
     output: str | Path,
-    settings: dict,
+    config,
     overwrite: bool = False,
     trust_remote_code: bool = False,
     progress: Callable[[int, int], None] | None = None,
 ) -> dict:
-    """Prune MODEL as `settings` say (see prune_config) and write the artifact; return the facts measured."""
+    """Prune MODEL as the typed `config` says (prune_config builds it: a SparsityConfig or a StructuredConfig) and
+    write the artifact; return the facts measured."""
     start = time.perf_counter()
     output = check_output_free(output, overwrite)
-    config = prune_config(settings)
-    structured = settings.get("structured") is not None
+    structured = isinstance(config, StructuredConfig)
     source = resolve_input(model_name, output)
     refuse_quantized_input(source, "prune", trust_remote_code)
     model, tokenizer, source = load_model(source, trust_remote_code=trust_remote_code)
@@ -76,7 +77,7 @@ def prune_to_artifact(
     return {
         "output": str(output),
         "kind": "structured" if structured else "sparse",
-        "method": settings.get("structured") or settings.get("method"),
+        "method": config.structured if structured else config.method,
         "num_parameters_before": before["num_parameters"], "num_parameters_after": after["num_parameters"],
         "num_nonzero_before": before["num_nonzero"], "num_nonzero_after": after["num_nonzero"],
         "linear_sparsity": round(after["linear_sparsity"], 6),

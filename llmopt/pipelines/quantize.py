@@ -8,7 +8,7 @@ from typing import Callable
 
 import torch
 
-from llmopt.compress.api import check_model_fits, compress_model, quantize_configs
+from llmopt.compress.api import check_model_fits, compress_model
 from llmopt.compress.base import QUANT_METHODS, quantizable_linears
 from llmopt.compress.config import SparsityConfig
 from llmopt.core.adapters import get_module
@@ -33,19 +33,19 @@ def default_format(method: str) -> str:
 def quantize_to_artifact(
     model_name: str,
     output: str | Path,
-    method: str,
-    settings: dict,
+    configs: list,
     fmt_name: str | None = None,
     overwrite: bool = False,
     trust_remote_code: bool = False,
     progress: Callable[[int, int], None] | None = None,
 ) -> dict:
-    """Quantize MODEL with `method` (after a pruner when settings hold `prune_pattern`) and write it to
-    `output` in `fmt_name` (default: the method's format); return the facts measured."""
+    """Quantize MODEL with the typed `configs` (compress.api.quantize_configs: the quantizer last, after a pruner
+    in the same pass) and write it to `output` in `fmt_name` (default: the method's format); return the facts
+    measured."""
     start = time.perf_counter()
     output = check_output_free(output, overwrite)
-    configs = quantize_configs(method, settings)
     config = configs[-1]
+    method = config.method
     fmt_name = fmt_name or default_format(method)
     fmt = FORMATS.get(fmt_name)
     source = resolve_input(model_name, output)

@@ -51,7 +51,9 @@ def _run_quantize(model: str, output: Path, options: dict) -> dict:
     from llmopt.pipelines.quantize import quantize_to_artifact
 
     method, settings, fmt = _split_quantize(options)
-    return quantize_to_artifact(model, output, method, settings, fmt, overwrite=True)
+    from llmopt.compress.api import quantize_configs
+
+    return quantize_to_artifact(model, output, quantize_configs(method, settings), fmt, overwrite=True)
 
 
 def _validate_prune(options: dict) -> None:
@@ -61,9 +63,9 @@ def _validate_prune(options: dict) -> None:
 
 
 def _run_prune(model: str, output: Path, options: dict) -> dict:
-    from llmopt.pipelines.prune import prune_to_artifact
+    from llmopt.pipelines.prune import prune_config, prune_to_artifact
 
-    return prune_to_artifact(model, output, dict(options), overwrite=True)
+    return prune_to_artifact(model, output, prune_config(dict(options)), overwrite=True)
 
 
 STAGES.add("quantize", Stage("quantize", _validate_quantize, _run_quantize))

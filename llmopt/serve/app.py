@@ -38,6 +38,10 @@ class Server:
         self.engine, self.tokenizer, self.model_name = engine, tokenizer, model_name
         self.api_key, self.chat_template = api_key, chat_template
         self.max_context = engine.engine.max_context
+        # what the numbers served depend on, fixed at start (plain values: read from any thread)
+        kv = engine.engine.kv_cache_info()
+        self.engine_facts = {"numerics": engine.engine.numerics(),
+                             "kv_cache": {k: kv[k] for k in ("bytes", "tokens", "dtype", "bytes_per_token", "layout")}}
         self.metrics = ServerMetrics(engine)
 
     # --- request -> engine inputs ------------------------------------------------------------------
@@ -230,7 +234,8 @@ def build_app(server: Server) -> FastAPI:
     @app.get("/v1/models")
     async def models():
         return {"object": "list", "data": [{"id": server.model_name, "object": "model", "created": 0,
-                                            "owned_by": "llmopt", "max_model_len": server.max_context}]}
+                                            "owned_by": "llmopt", "max_model_len": server.max_context,
+                                            "llmopt": server.engine_facts}]}
 
     @app.post("/v1/completions")
     async def completions(req: CompletionRequest):

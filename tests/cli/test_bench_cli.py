@@ -25,6 +25,21 @@ def test_bench_with_hf_baseline_writes_json(tiny_llama_dir, tmp_path):
     assert runs[1]["metrics"]["total_output_tokens"] == 6 * 5
     assert ours["request_goodput"] == ours["request_throughput"]  # generous SLOs: every request is good
     assert 0 < ours["mbu"] and 0 < ours["mfu"]
+    numerics = runs[0]["config"]["numerics"]  # every setting that changes the numbers, recorded with the figures
+    assert numerics["kv_cache_dtype"] == "auto" and numerics["kv_cache_dtype_resolved"] == "float32"
+    assert numerics["activations"] == "float" and numerics["attention_backend_resolved"] == "cpu"
+
+
+def test_bench_engine_options_reach_the_engine(tiny_llama_dir, tmp_path):
+    out = tmp_path / "e.json"
+    result = run("bench", tiny_llama_dir, "--num-requests", 2, "--input-len", 8, "--output-len", 3, "--dtype",
+                 "float32", "--kv-cache-dtype", "bfloat16", "--attention-backend", "torch", "--no-fast-path",
+                 "--block-size", 8, "--json", out)
+    assert result.exit_code == 0, result.output
+    config = json.loads(out.read_text())["runs"][0]["config"]
+    assert config["engine"]["block_size"] == 8 and config["engine"]["fast_path"] is False
+    assert config["numerics"]["kv_cache_dtype_resolved"] == "bfloat16"
+    assert config["numerics"]["attention_backend_resolved"] == "torch" and "in bfloat16" in config["kv_cache"]
 
 
 def test_bench_prefix_repetition_hits_the_cache_and_static_mode_runs(tiny_llama_dir, tmp_path):
@@ -45,4 +60,5 @@ def test_bench_bad_input(tiny_llama_dir, tmp_path):
     assert_one_line_error(run("bench", tiny_llama_dir, "--request-rate", 0), "request-rate must be > 0")
     assert_one_line_error(run("bench", tiny_llama_dir, "--dataset", "sharegpt", "--dataset-path",
                               tmp_path / "missing.json"), "does not exist")
-    assert_one_line_error(run("bench", tiny_llama_dir, "--batching", "dynamic"), "continuous or static")
+    usage = run("bench", tiny_llama_dir, "--batching", "dynamic")  # a choice of the option: a usage error
+    assert usage.exit_code == 2 and "'dynamic' is not one of 'continuous', 'static'" in usage.output

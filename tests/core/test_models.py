@@ -69,7 +69,7 @@ def test_unsupported_family_is_refused(tmp_path):
     folder.mkdir()
     AutoConfig.for_model("gpt2", n_layer=1, n_embd=32, n_head=2, vocab_size=64).save_pretrained(folder)
     (folder / "model.safetensors").write_bytes(b"")
-    with pytest.raises(UnsupportedArchitectureError, match="supported: llama"):
+    with pytest.raises(UnsupportedArchitectureError, match="supported: deepseek_v2, deepseek_v3, llama"):
         load_model(str(folder))
 
 

@@ -68,10 +68,10 @@ def test_plain_fine_tuning_needs_no_teacher_forward(tmp_path):
 
 
 def test_sparse_students_keep_their_zeros_exactly(tmp_path):
-    from llmopt.pipelines.prune import prune_to_artifact
+    from llmopt.pipelines.prune import prune_config, prune_to_artifact
 
-    prune_to_artifact(TEACHER, tmp_path / "sparse", dict(method="magnitude", pattern="2:4", calib="pystdlib",
-                                                         num_samples=4, seqlen=32))
+    prune_to_artifact(TEACHER, tmp_path / "sparse", prune_config(dict(method="magnitude", pattern="2:4",
+                                                                      calib="pystdlib", num_samples=4, seqlen=32)))
     config = make_distill_config(teacher=TEACHER, student=str(tmp_path / "sparse"), max_steps=5, lr=1e-2, **FAST)
     facts = distill_to_artifact(config, tmp_path / "out")
     assert facts["student_kind"] == "sparse"
@@ -89,9 +89,11 @@ def test_sparse_students_keep_their_zeros_exactly(tmp_path):
 
 @pytest.mark.parametrize("fmt", ["gptq", "awq", "compressed-tensors"])
 def test_quantized_students_train_scales_and_keep_codes_and_format(tmp_path, fmt):
+    from llmopt.compress.api import quantize_configs
     from llmopt.pipelines.quantize import quantize_to_artifact
 
-    quantize_to_artifact(TEACHER, tmp_path / "q", "rtn", dict(bits=4, group_size=32, sym=fmt == "gptq"), fmt)
+    configs = quantize_configs("rtn", dict(bits=4, group_size=32, sym=fmt == "gptq"))
+    quantize_to_artifact(TEACHER, tmp_path / "q", configs, fmt)
     config = make_distill_config(teacher=TEACHER, student=str(tmp_path / "q"), max_steps=4, lr=1e-2, **FAST)
     facts = distill_to_artifact(config, tmp_path / "out")
     assert facts["student_kind"] == "quantized"

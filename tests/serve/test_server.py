@@ -63,6 +63,12 @@ def offline_text(prompt_ids, max_tokens, **params):
 def test_models_and_health(srv):
     assert [m.id for m in srv.client.models.list().data] == [MODEL]
     assert httpx.get(srv.url + "/health").json() == {"status": "ok"}
+    # what the served numbers depend on: every numerics setting, as configured and as resolved at start
+    facts = httpx.get(srv.url + "/v1/models").json()["data"][0]["llmopt"]
+    numerics = facts["numerics"]
+    assert set(EngineConfig().numerics()) <= set(numerics)
+    assert numerics["attention_backend_resolved"] in ("cpu", "torch") and numerics["linear_methods"]["dense"] > 0
+    assert facts["kv_cache"]["layout"] == "kv" and facts["kv_cache"]["bytes_per_token"] > 0
 
 
 def test_greedy_completion_equals_the_offline_engine_and_streaming_adds_up(srv):

@@ -59,7 +59,6 @@ class SpeculativeConfig:
 
 
 KV_CACHE_DTYPES = ("auto", "float32", "bfloat16", "float16")
-ATTENTION_BACKENDS = ("auto", "torch", "cpu", "triton")  # runtime.executor.attention's registry keeps its names
 ACTIVATION_MODES = ("float", "int8")
 # EngineConfig.activations -> the input-activation scheme linear methods are chosen for (None: the compute dtype)
 ACTIVATION_SCHEMES = {"float": None, "int8": INT8_GROUP_ACTIVATIONS}
@@ -103,9 +102,10 @@ class EngineConfig:
         "float", "int8: int4 linears at few rows round their inputs to 8 bits per group (dynamic, symmetric) and "
         "multiply integers, as llama.cpp's Q8 activations do (~1% error per output, faster on AVX2).",
         flag="int4-activations", numerics=True)
-    attention_backend: Literal["auto", "torch", "cpu", "triton"] = option(
-        "auto", "Paged attention kernels: torch (the reference), cpu (compiled), triton (CUDA); auto: the fastest "
-        "the device and --fast-path allow.", numerics=True)
+    attention_backend: str = option(
+        "auto", "Paged attention kernels: torch (the reference), cpu (compiled), triton (CUDA), latent-torch (MLA), "
+        "or any registered backend (`llmopt env` lists them); auto: the fastest the device, the model's cache and "
+        "--fast-path allow.", numerics=True)
     speculative: Optional[SpeculativeConfig] = None  # its own options (cli.options.SPECULATIVE_OPTIONS)
 
     def __post_init__(self):
@@ -119,8 +119,9 @@ class EngineConfig:
         if not 0 < self.kv_cache_memory_fraction <= KV_CACHE_MAX_FRACTION:
             raise ConfigError(f"--kv-cache-memory-fraction {self.kv_cache_memory_fraction}: give a fraction in "
                               f"(0, {KV_CACHE_MAX_FRACTION}]", param="kv_cache_memory_fraction")
+        # (attention_backend: checked against the backends' registry when the engine starts)
         for name, allowed in (("policy", ("continuous", "static")), ("kv_cache_dtype", KV_CACHE_DTYPES),
-                              ("activations", ACTIVATION_MODES), ("attention_backend", ATTENTION_BACKENDS)):
+                              ("activations", ACTIVATION_MODES)):
             if getattr(self, name) not in allowed:
                 flag = engine_flag(name)
                 raise ConfigError(f"--{flag} must be one of {', '.join(allowed)} (got {getattr(self, name)!r})",

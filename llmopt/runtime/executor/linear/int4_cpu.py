@@ -10,7 +10,8 @@ import torch.nn.functional as F
 
 from llmopt.runtime.executor.kernels.cpu_ops import cpu_ops
 from llmopt.runtime.executor.kernels.quant_matmul import (
-    can_pack_int4, int4_dequantize, int4_group_size, int4_matmul, pack_int4, pack_int4_codes, pack_nibbles, unpack_nibbles,
+    can_pack_int4, int4_dequantize, int4_group_size, int4_matmul, pack_int4, pack_int4_codes, pack_nibbles,
+    unpack_nibbles,
 )
 from llmopt.runtime.executor.linear.base import LinearMethod, new_stacked, register_linear_method
 
