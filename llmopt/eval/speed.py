@@ -50,26 +50,23 @@ def _bytes(tensors) -> int:
     return sum(t.numel() * t.element_size() for t in tensors)
 
 
-def model_cost(model: nn.Module, kv_bytes_per_token: int) -> ModelCost:
-    """Bytes read and FLOPs per token of a (possibly packed) model: decoder layers, final norm, lm_head."""
-    from llmopt.core.adapters import adapter_for, attention_geometry, get_module
+def model_cost(decoder: nn.Module, kv_bytes_per_token: int) -> ModelCost:
+    """Bytes read and FLOPs per token of a runtime model (an engine's `runner.decoder`): decoder layers, final
+    norm, lm_head; kv_bytes_per_token from its KVCacheSpec (one place sizes the cache)."""
+    from llmopt.core.adapters import attention_geometry
 
-    adapter = adapter_for(model)
-    layers = get_module(model, adapter.layers)
-    lm_head = get_module(model, adapter.lm_head)
+    layers, lm_head = decoder.blocks, decoder.lm_head
     # Buffers a layer reads only for many-row steps (int4's plain nibble copy) are not decode traffic.
     decode_buffers = [b for m in layers.modules() for name, b in m.named_buffers(recurse=False)
                       if name not in getattr(m, "prefill_only_buffers", ())]
-    weight_bytes = _bytes(list(layers.parameters()) + decode_buffers) + _bytes(lm_head.parameters())
+    weight_bytes = _bytes(list(layers.parameters()) + decode_buffers) + _bytes(
+        list(lm_head.parameters()) + list(lm_head.buffers()))
     linear_params = sum(getattr(m, "in_features", 0) * getattr(m, "out_features", 0) for m in layers.modules()
                         if hasattr(m, "in_features") and not list(m.children()))
     linear_params += lm_head.in_features * lm_head.out_features
-    config = model.config
-    geometry = attention_geometry(config)
-    heads, head_dim = geometry.num_heads, geometry.head_dim
-    num_layers = len(layers)
-    # (the KV bytes come from the engine's KVCacheSpec: one place sizes the cache)
-    return ModelCost(weight_bytes, linear_params, kv_bytes_per_token, 4 * num_layers * heads * head_dim,
+    geometry = attention_geometry(decoder.config)
+    return ModelCost(weight_bytes, linear_params, kv_bytes_per_token,
+                     4 * decoder.num_layers * geometry.num_heads * geometry.head_dim,
                      lm_head.in_features * lm_head.out_features)
 
 
@@ -240,7 +237,7 @@ def bench_runtime(name: str, model_name: str, spec: WorkloadSpec, config: BenchC
     stats, kv = engine.stats(), engine.kv_cache_info()
     peaks = measure_peaks(DTYPES[config.dtype], config.peak_bandwidth, config.peak_flops, config.device)
     metrics = request_metrics(records, dict(config.slo))
-    metrics.update(engine_metrics(stats.steps, model_cost(model, kv["bytes_per_token"]), peaks,
+    metrics.update(engine_metrics(stats.steps, model_cost(engine.runner.decoder, kv["bytes_per_token"]), peaks,
                                   stats.num_preemptions, stats.prefix_cache_hit_rate, metrics["duration"]))
     metrics["peak_bandwidth"], metrics["peak_flops"] = peaks.bandwidth, peaks.flops
     metrics["kv_cache_bytes"], metrics["kv_cache_tokens"] = kv["bytes"], kv["tokens"]

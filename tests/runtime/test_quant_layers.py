@@ -154,18 +154,23 @@ def gptq_artifact(tmp_path_factory):
 
 def test_artifact_with_packed_kernels_matches_dequantized(gptq_artifact):
     dense, tok, _ = load_model(str(gptq_artifact))
-    packed, _, _ = load_runtime_model(str(gptq_artifact))
+    # transformers over the packed layers (export.load's factory) against transformers over dequantized weights
+    packed, _, _ = load_model(str(gptq_artifact), linear_factory=quantized_linear)
     kinds = {type(m).__name__ for m in packed.modules()}
     assert "Int4PackedLinear" in kinds
     ids = torch.randint(0, 256, (2, 20), generator=torch.Generator().manual_seed(0))
     with torch.no_grad():
         torch.testing.assert_close(packed(input_ids=ids).logits, dense(input_ids=ids).logits, rtol=1e-3, atol=1e-3)
-    # the runtime over the packed layers reproduces transformers over the same layers
+    # the runtime, loading the artifact by itself (no transformers model), reproduces transformers over the same
+    # packed layers
+    checkpoint, _, _ = load_runtime_model(str(gptq_artifact))
+    assert "Int4PackedLinear" in {type(m).__name__ for m in checkpoint.modules()}
     params = SamplingParams(max_tokens=16, ignore_eos=True)
     ps = [[5, 9, 200, 31], list(range(40, 77))]
     expected = [hf_generate(packed, tok, [p], params)[0] for p in ps]
-    outputs = Engine(packed, tok, EngineConfig(block_size=4, kv_cache_bytes=2**20)).generate(ps, params)
-    assert [o.token_ids for o in outputs] == expected
+    for model in (checkpoint, packed):
+        outputs = Engine(model, tok, EngineConfig(block_size=4, kv_cache_bytes=2**20)).generate(ps, params)
+        assert [o.token_ids for o in outputs] == expected
 
 
 def test_decode_bytes_count_the_int4_kernel_weights_not_the_prefill_copy(gptq_artifact):
@@ -173,13 +178,15 @@ def test_decode_bytes_count_the_int4_kernel_weights_not_the_prefill_copy(gptq_ar
     that only many-row steps read."""
     from llmopt.eval.speed import model_cost
 
-    packed, _, _ = load_runtime_model(str(gptq_artifact))
-    int4 = [m for m in packed.modules() if isinstance(m, Int4PackedLinear)]
+    checkpoint, tok, _ = load_runtime_model(str(gptq_artifact))
+    decoder = Engine(checkpoint, tok, EngineConfig(block_size=4, kv_cache_bytes=2**20)).runner.decoder
+    int4 = [m for m in decoder.blocks.modules() if isinstance(m, Int4PackedLinear)]
+    assert int4
     nibble_bytes = sum(m.nibbles.numel() for m in int4)
-    everything = sum(t.numel() * t.element_size() for t in list(packed.model.layers.parameters())
-                     + list(packed.model.layers.buffers()))
-    lm_head = packed.lm_head.weight
-    assert model_cost(packed, 0).weight_bytes == (
+    everything = sum(t.numel() * t.element_size() for t in list(decoder.blocks.parameters())
+                     + list(decoder.blocks.buffers()))
+    lm_head = decoder.lm_head.weight
+    assert model_cost(decoder, 0).weight_bytes == (
         everything - nibble_bytes + lm_head.numel() * lm_head.element_size())
 
 
@@ -229,3 +236,24 @@ def test_int8_activations_are_a_scheme(kernel_calls):
     # 8-bit inputs: close to the exact product, not equal to it
     assert not torch.equal(approx, exact)
     torch.testing.assert_close(approx, exact, rtol=0.05, atol=0.05 * exact.abs().max().item())
+
+
+@pytest.mark.parametrize("method_cls", [Int4PackedLinear, Int8PackedLinear])
+def test_shards_along_out_and_in_features_rebuild_the_whole_product(method_cls):
+    """The sharding hook tensor parallelism will use: each rank's method, built from its share of the weight,
+    computes its slice of the outputs (column-parallel: concatenated) or a partial sum (row-parallel: added)."""
+    bits, group = (4, 32) if method_cls is Int4PackedLinear else (8, -1)
+    qw = qweight(64, 128, bits, group, True, bias=True)
+    x = torch.randn(3, 128)
+    whole = method_cls(qw, torch.float32)(x)
+    columns = [method_cls(method_cls.shard_weight(qw, "out", r, 2), torch.float32)(x) for r in range(2)]
+    torch.testing.assert_close(torch.cat(columns, dim=-1), whole, rtol=1e-5, atol=1e-5)
+    if group == -1:  # one group per row cannot split along in-features
+        from llmopt.core.errors import ConfigError
+
+        with pytest.raises(ConfigError, match="whole groups"):
+            method_cls.shard_weight(qw, "in", 0, 2)
+        return
+    rows = [method_cls(method_cls.shard_weight(qw, "in", r, 2), torch.float32)(x[:, r * 64:(r + 1) * 64])
+            for r in range(2)]
+    torch.testing.assert_close(rows[0] + rows[1], whole, rtol=1e-4, atol=1e-4)

@@ -1,24 +1,45 @@
-"""Load a MODEL for the runtime: each quantized linear of an artifact becomes the linear method the registry
+"""Load a MODEL for the runtime: the checkpoint's config and weights by name (models.RuntimeCheckpoint), read
+without building a transformers model; each quantized linear of an artifact becomes the linear method the registry
 chooses for its scheme, the engine's input-activation setting and the device (runtime.executor.linear)."""
 
 from __future__ import annotations
 
-from llmopt.export.load import load_model
+from llmopt.core.adapters import adapter_for
+from llmopt.core.models import (
+    DTYPES, check_safetensors, load_config, load_tokenizer, resolve_dtype_name, resolve_model,
+)
 from llmopt.runtime.engine.config import ACTIVATION_SCHEMES
 from llmopt.runtime.executor.linear import make_linear
+from llmopt.runtime.executor.models import RuntimeCheckpoint, model_class_for
+from llmopt.runtime.executor.models.weights import checkpoint_weights
 
 
 def load_runtime_model(name: str, dtype: str = "float32", device: str = "cpu", trust_remote_code: bool = False,
                        activations: str = "float"):
-    """(model, tokenizer, source) as export.load.load_model gives, with the runtime's linear methods; numerics
-    then follow those kernels. activations: EngineConfig.activations ("int8": 8-bit dynamic inputs where a method
-    has them)."""
-    input_activations = ACTIVATION_SCHEMES[activations]
+    """(checkpoint, tokenizer, source) for the engine: a RuntimeCheckpoint of a local folder, alias or artifact
+    (dense, GPTQ / AWQ / compressed-tensors, pruned); a hub model is loaded through transformers first.
+    activations: EngineConfig.activations ("int8": 8-bit dynamic inputs where a linear method has them)."""
+    import torch
 
-    def factory(qweight, torch_dtype, torch_device):
+    source = resolve_model(name)
+    dtype = resolve_dtype_name(dtype, device)
+    config = load_config(source, trust_remote_code)
+    adapter_for(config)  # unsupported families fail here, naming the supported ones
+    model_class_for(config.model_type)  # ... and families the runtime has no class for
+    input_activations = ACTIVATION_SCHEMES[activations]
+    torch_dtype, torch_device = DTYPES[dtype], torch.device(device)
+
+    def linear_for(qweight):
         return make_linear(qweight, torch_dtype, torch_device, input_activations)
 
-    model, tokenizer, source = load_model(name, dtype=dtype, device=device, trust_remote_code=trust_remote_code,
-                                          linear_factory=factory)
-    model.llmopt_activations = activations  # what the engine checks its config against
-    return model, tokenizer, source
+    if source.path is None:  # a hub id: transformers fetches and loads it
+        from llmopt.export.load import load_model
+
+        model, tokenizer, source = load_model(source, dtype=dtype, device=device, trust_remote_code=trust_remote_code,
+                                              linear_factory=lambda qw, _dtype, _device: linear_for(qw))
+        model.llmopt_activations = activations
+        return model, tokenizer, source
+    check_safetensors(source.path)
+    weights = checkpoint_weights(source.path, torch_dtype, torch_device, linear_for)
+    checkpoint = RuntimeCheckpoint(config, weights, activations)
+    return checkpoint, load_tokenizer(source, trust_remote_code), source

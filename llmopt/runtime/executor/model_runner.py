@@ -38,19 +38,6 @@ def kv_bytes_per_block(decoder, block_size: int, dtype: torch.dtype) -> int:
     return decoder.kv_cache_spec(dtype).bytes_per_block(block_size)
 
 
-def linear_methods(model) -> dict[str, int]:
-    """How many of the model's linears each method runs (name -> count; plain nn.Linear is "dense")."""
-    from collections import Counter
-
-    from torch import nn
-
-    from llmopt.runtime.executor.linear import LinearMethod
-
-    counts = Counter(m.name if isinstance(m, LinearMethod) else "dense" for m in model.modules()
-                     if isinstance(m, (LinearMethod, nn.Linear)))
-    return dict(sorted(counts.items()))
-
-
 def available_memory(device: torch.device) -> int:
     """Bytes the KV cache may be taken from: free device memory on CUDA, available host memory elsewhere."""
     if device.type == "cuda":
@@ -77,11 +64,11 @@ class ModelRunner:
                               f"configured for {config.activations}: load it with load_runtime_model(..., "
                               f"activations={config.activations!r})", param="activations")
         self.decoder = build_runtime_model(hf_model, config.attention_backend, config.fast_path)
-        self.linear_methods = linear_methods(hf_model)
+        self.linear_methods = dict(sorted(self.decoder.linear_methods.items()))
         self.device = next(hf_model.parameters()).device
         if self.device.type == "cpu":
             keep_freed_host_memory()  # each step's activations reuse freed memory instead of new pages
-        model_dtype = next(hf_model.parameters()).dtype
+        model_dtype = self.decoder.dtype
         self.kv_dtype = model_dtype if config.kv_cache_dtype == "auto" else getattr(torch, config.kv_cache_dtype)
         self.block_size = block_size
         self.kv_cache_spec = self.decoder.kv_cache_spec(self.kv_dtype)

@@ -3,18 +3,24 @@
 from __future__ import annotations
 
 from llmopt.core.registry import import_submodules
+from llmopt.runtime.executor.models.checkpoint import RuntimeCheckpoint
 from llmopt.runtime.executor.models.registry import MODEL_FAMILIES, model_class_for, register_model_family  # noqa: F401
+from llmopt.runtime.executor.models.weights import module_weights
 
 import_submodules(__name__)
 
 
-def build_runtime_model(hf_model, attention_backend: str = "auto", fast: bool | None = None):
-    """The runtime model for a loaded model: its family's class, with the attention backend chosen once."""
-    from llmopt.core.adapters import adapter_for
+def build_runtime_model(model, attention_backend: str = "auto", fast: bool | None = None):
+    """The runtime model for a loaded checkpoint (RuntimeCheckpoint) or a loaded transformers model: its family's
+    class, its weights handed over by name, the attention backend chosen once."""
     from llmopt.runtime.executor.attention import select_attention_backend
 
-    cls = model_class_for(hf_model.config.model_type)
-    device = next(hf_model.parameters()).device
+    config = model.config
+    cls = model_class_for(config.model_type)
+    first = next(model.parameters())
+    device = first.device
+    dtype = model.dtype if isinstance(model, RuntimeCheckpoint) else first.dtype
     fast = fast if fast is not None else device.type == "cpu"
     backend = select_attention_backend(attention_backend, device, cls.cache_layout, fast)
-    return cls(hf_model, adapter_for(hf_model), backend, fast)
+    weights = model.named_weights() if isinstance(model, RuntimeCheckpoint) else module_weights(model)
+    return cls(config, weights, backend, fast, dtype, device)

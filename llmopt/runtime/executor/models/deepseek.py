@@ -13,18 +13,22 @@ with a mixture of experts are refused (core.adapters.ArchAdapter.unsupported).
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import math
+from collections import Counter
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-from llmopt.core.adapters import get_module
+from llmopt.core.adapters import adapter_for
 from llmopt.core.errors import UnsupportedArchitectureError
 from llmopt.runtime.executor.attention import AttentionBackend, KVCache, KVCacheSpec
 from llmopt.runtime.executor.kernels.attention import AttentionMetadata
 from llmopt.runtime.executor.linear import fuse_linears
 from llmopt.runtime.executor.models.layers import RMSNorm
+from llmopt.runtime.executor.models.weights import (
+    LinearSlot, WeightLoaders, checkpoint_label, dense_linear, embedding, method_name, rope_tables,
+)
 from llmopt.runtime.executor.models.registry import register_model_family
 
 
@@ -59,64 +63,106 @@ class MlaRope(nn.Module):
         return torch.cat([a * cos - b * sin, b * cos + a * sin], dim=-1).to(x.dtype)
 
 
-@dataclass
-class MlaBlock:
-    input_norm: RMSNorm
-    post_norm: RMSNorm
-    q_a: nn.Module | None  # None: full-rank q_proj in q_b
-    q_a_norm: RMSNorm | None
-    q_b: nn.Module
-    kv_a: nn.Module
-    kv_a_norm: RMSNorm
-    w_uk: torch.Tensor  # [heads, nope, latent]
-    w_uv: torch.Tensor  # [heads, v, latent]
-    o_proj: nn.Module
-    gate_up: nn.Module
-    down_proj: nn.Module
+class MlaBlock(nn.Module):
+    """One layer: the query path (q_a -> norm -> q_b, or q_proj alone: q_a None), the latent path (kv_a -> norm),
+    kv_b_proj split per head into W_UK [heads, nope, latent] and W_UV [heads, v, latent], o_proj, the MLP."""
+
+    def __init__(self, input_norm, post_norm, q_a, q_a_norm, q_b, kv_a, kv_a_norm, w_uk, w_uv, o_proj, gate_up,
+                 down_proj):
+        super().__init__()
+        self.input_norm, self.post_norm, self.q_a, self.q_a_norm, self.q_b = input_norm, post_norm, q_a, q_a_norm, q_b
+        self.kv_a, self.kv_a_norm, self.o_proj = kv_a, kv_a_norm, o_proj
+        self.gate_up, self.down_proj = gate_up, down_proj
+        self.register_buffer("w_uk", w_uk)
+        self.register_buffer("w_uv", w_uv)
+
+
+def softmax_scale(config) -> float:
+    """(qk_nope + qk_rope)^-0.5, times YaRN's mscale squared when the rope is scaled with mscale_all_dim (as
+    transformers' DeepSeek attention computes it)."""
+    scale = (config.qk_nope_head_dim + config.qk_rope_head_dim) ** -0.5
+    params = dict(getattr(config, "rope_parameters", None) or {})
+    if params.get("rope_type", "default") != "default" and params.get("mscale_all_dim"):
+        factor = params["factor"]
+        mscale = 1.0 if factor <= 1 else 0.1 * params["mscale_all_dim"] * math.log(factor) + 1.0
+        scale *= mscale * mscale
+    return scale
 
 
 @register_model_family("deepseek_v2", "deepseek_v3")
 class DeepseekMlaDecoder(nn.Module):
     cache_layout = "latent"
 
-    def __init__(self, hf_model, adapter, attention: AttentionBackend, fast: bool | None = None):
+    def __init__(self, config, weights, attention: AttentionBackend, fast: bool, dtype: torch.dtype,
+                 device: torch.device):
         super().__init__()
-        config = hf_model.config
-        reason = adapter.unsupported(config)
+        reason = adapter_for(config).unsupported(config)
         if reason:
             raise UnsupportedArchitectureError(reason)
-        param = next(hf_model.parameters())
-        self.dtype, self.config = param.dtype, config
-        self.fast = fast if fast is not None else param.device.type == "cpu"
+        self.config, self.dtype, self.fast, self.attention = config, dtype, fast, attention
         self.num_heads = config.num_attention_heads
         self.nope, self.rope_dim = config.qk_nope_head_dim, config.qk_rope_head_dim
         self.latent, self.v_dim = config.kv_lora_rank, config.v_head_dim
-        self.attention = attention
+        self.num_layers = config.num_hidden_layers
         attention.value_width = self.latent
-        self.embed = get_module(hf_model, adapter.embed)
-        self.norm = RMSNorm.of(get_module(hf_model, adapter.final_norm))
-        self.lm_head = get_module(hf_model, adapter.lm_head)
-        self.logits_head = fuse_linears([self.lm_head], prepack=self.fast)
-        layers = get_module(hf_model, adapter.layers)
-        rotary = get_module(hf_model, adapter.layers.rsplit(".", 1)[0] + ".rotary_emb")
+        inv_freq, scaling = rope_tables(config)
         interleaved = config.model_type == "deepseek_v2" or bool(getattr(config, "rope_interleave", False))
-        self.rope = MlaRope(rotary.inv_freq.detach().clone(), float(getattr(rotary, "attention_scaling", 1.0)),
-                            interleaved)
-        self.scale = float(get_module(layers[0], adapter.attention).scaling)
-        self.blocks = [self._block(layer) for layer in layers]
-        self.num_layers = len(self.blocks)
+        self.rope = MlaRope(inv_freq.to(device), scaling, interleaved)
+        self.scale = softmax_scale(config)
+        self._load(config, weights)
+        self.logits_head = fuse_linears([self.lm_head], prepack=self.fast)
 
-    def _block(self, layer) -> MlaBlock:
-        attn, mlp = layer.self_attn, layer.mlp
-        heads = self.num_heads
-        w = dense_weight(attn.kv_b_proj, self.latent).view(heads, self.nope + self.v_dim, self.latent)
-        low_rank = getattr(attn, "q_a_proj", None) is not None
+    def _load(self, config, weights) -> None:
+        """A loader per checkpoint name (models/weights.py), then the blocks with kv_b_proj absorbed."""
+        eps = getattr(config, "rms_norm_eps", 1e-6)
+        low_rank = config.q_lora_rank is not None
+        linears = (["self_attn.q_a_proj", "self_attn.q_b_proj"] if low_rank else ["self_attn.q_proj"]) + [
+            "self_attn.kv_a_proj_with_mqa", "self_attn.kv_b_proj", "self_attn.o_proj", "mlp.gate_proj",
+            "mlp.up_proj", "mlp.down_proj"]
+        norms = ["input_layernorm", "post_attention_layernorm", "self_attn.kv_a_layernorm"] + (
+            ["self_attn.q_a_layernorm"] if low_rank else [])
+        loaders = WeightLoaders(checkpoint_label(config),
+                                ignored_suffixes=("rotary_emb.inv_freq", "rotary_emb.original_inv_freq"))
+        tensors: dict[str, torch.Tensor] = {}
+
+        def keep(name, required=True):
+            loaders.add(name, lambda tensor: tensors.__setitem__(name, tensor), required)
+
+        keep("model.embed_tokens.weight")
+        keep("model.norm.weight")
+        head = LinearSlot()
+        loaders.add_linear("lm_head", head, required=not config.tie_word_embeddings)
+        slots = [{name: LinearSlot() for name in linears} for _ in range(self.num_layers)]
+        for i, layer in enumerate(slots):
+            for name, slot in layer.items():
+                loaders.add_linear(f"model.layers.{i}.{name}", slot)
+            for norm in norms:
+                keep(f"model.layers.{i}.{norm}.weight")
+        loaders.load(weights)
+        self.embed = embedding(tensors["model.embed_tokens.weight"])
+        self.norm = RMSNorm(tensors["model.norm.weight"], eps)
+        tied = head.module is None and head.weight is None
+        self.lm_head = dense_linear(self.embed.weight, None) if tied else head.build()
+        self.linear_methods = Counter()
+        blocks = []
+        for i, layer in enumerate(slots):
+            built = {name: slot.build() for name, slot in layer.items()}
+            self.linear_methods.update(method_name(m) for m in built.values())
+            norm = {n: RMSNorm(tensors[f"model.layers.{i}.{n}.weight"], eps) for n in norms}
+            blocks.append(self._block(built, norm, low_rank))
+        self.blocks = nn.ModuleList(blocks)
+
+    def _block(self, linears: dict, norms: dict, low_rank: bool) -> MlaBlock:
+        w = dense_weight(linears["self_attn.kv_b_proj"], self.latent).view(
+            self.num_heads, self.nope + self.v_dim, self.latent)
         return MlaBlock(
-            RMSNorm.of(layer.input_layernorm), RMSNorm.of(layer.post_attention_layernorm),
-            attn.q_a_proj if low_rank else None, RMSNorm.of(attn.q_a_layernorm) if low_rank else None,
-            attn.q_b_proj if low_rank else attn.q_proj, attn.kv_a_proj_with_mqa, RMSNorm.of(attn.kv_a_layernorm),
-            w[:, : self.nope].to(self.dtype).contiguous(), w[:, self.nope:].to(self.dtype).contiguous(),
-            attn.o_proj, fuse_linears([mlp.gate_proj, mlp.up_proj], prepack=self.fast), mlp.down_proj)
+            norms["input_layernorm"], norms["post_attention_layernorm"],
+            linears["self_attn.q_a_proj"] if low_rank else None, norms.get("self_attn.q_a_layernorm"),
+            linears["self_attn.q_b_proj" if low_rank else "self_attn.q_proj"], linears["self_attn.kv_a_proj_with_mqa"],
+            norms["self_attn.kv_a_layernorm"], w[:, : self.nope].to(self.dtype).contiguous(),
+            w[:, self.nope:].to(self.dtype).contiguous(), linears["self_attn.o_proj"],
+            fuse_linears([linears["mlp.gate_proj"], linears["mlp.up_proj"]], prepack=self.fast),
+            linears["mlp.down_proj"])
 
     def kv_cache_spec(self, dtype: torch.dtype) -> KVCacheSpec:
         return KVCacheSpec("latent", self.num_layers, dtype, latent_dim=self.latent, rope_dim=self.rope_dim)

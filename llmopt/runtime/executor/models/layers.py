@@ -18,14 +18,8 @@ class RMSNorm(nn.Module):
 
     def __init__(self, weight: torch.Tensor, eps: float):
         super().__init__()
-        self.weight = weight  # shared with the loaded model, not copied
+        self.register_buffer("weight", weight.detach())  # shared with the checkpoint's tensor, not copied
         self.eps = eps
-
-    @classmethod
-    def of(cls, norm: nn.Module) -> RMSNorm:
-        """From a loaded model's norm (transformers' LlamaRMSNorm and kin)."""
-        eps = getattr(norm, "variance_epsilon", None) or getattr(norm, "eps", None) or 1e-6
-        return cls(norm.weight.detach(), eps)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """transformers' order of operations (the exact mode)."""
@@ -40,23 +34,12 @@ class RMSNorm(nn.Module):
 
 class RotaryEmbedding(nn.Module):
     """cos, sin [T, rotary_dim] for positions [T]: frequencies inv_freq [rotary_dim / 2] (any rope scaling already
-    applied, as transformers computes them at load) and its attention scaling."""
+    applied: models/weights.rope_tables) and its attention scaling."""
 
     def __init__(self, inv_freq: torch.Tensor, attention_scaling: float = 1.0):
         super().__init__()
         self.register_buffer("inv_freq", inv_freq.float(), persistent=False)
         self.attention_scaling = attention_scaling
-
-    @classmethod
-    def of(cls, rotary: nn.Module) -> RotaryEmbedding:
-        """From a loaded model's rotary module (its frequencies are static for the rope types the runtime runs)."""
-        if getattr(rotary, "rope_type", "default") in ("dynamic", "longrope"):
-            from llmopt.core.errors import UnsupportedArchitectureError
-
-            raise UnsupportedArchitectureError(
-                f"rope type {rotary.rope_type!r} changes its frequencies with the sequence length; the runtime "
-                "supports static ones: run this model with --backend hf")
-        return cls(rotary.inv_freq.detach().clone(), float(getattr(rotary, "attention_scaling", 1.0)))
 
     def forward(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
         # as transformers computes it (one product per element, then cos/sin in fp32): the same bits

@@ -16,41 +16,43 @@ rotary tables and embedding are its own — no transformers module runs in its f
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from collections import Counter
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-from llmopt.core.adapters import attention_geometry, get_module
+from llmopt.core.adapters import attention_geometry
 from llmopt.runtime.executor.attention import AttentionBackend, KVCache, KVCacheSpec
 from llmopt.runtime.executor.kernels.attention import AttentionMetadata
 from llmopt.runtime.executor.kernels.cpu_ops import GEMV_BATCHED_ROWS, cpu_ops
 from llmopt.runtime.executor.linear import fuse_linears
 from llmopt.runtime.executor.models.registry import register_model_family
 from llmopt.runtime.executor.models.layers import RMSNorm, RotaryEmbedding, rotate_half
+from llmopt.runtime.executor.models.weights import (
+    LinearSlot, WeightLoaders, checkpoint_label, dense_linear, embedding, method_name, rope_tables,
+)
 
-# A layer's linears the runtime runs as one (fed the same input), by the checkpoint's names (nano-vllm's
-# packed_modules_mapping); Phi-3 ships them packed already.
+# A layer's linears the runtime runs as one (fed the same input) -> the checkpoint's names of its parts, in order
+# (nano-vllm's packed_modules_mapping). Phi-3 ships q/k/v and gate/up packed already.
 PACKED_MODULES = {
     "qkv": ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"),
     "o_proj": ("self_attn.o_proj",),
     "gate_up": ("mlp.gate_proj", "mlp.up_proj"),
     "down_proj": ("mlp.down_proj",),
 }
+PACKED_MODULES_PHI3 = {**PACKED_MODULES, "qkv": ("self_attn.qkv_proj",), "gate_up": ("mlp.gate_up_proj",)}
+QK_NORM_TYPES = ("qwen3",)  # per-head RMSNorm on q and k before the rotation
 
 
-@dataclass
-class Block:
+class DecoderBlock(nn.Module):
     """One decoder layer as the runtime calls it: qkv(x) -> [T, (H + 2 KVH) * D]; gate_up(x) -> [T, 2 I]."""
-    input_norm: RMSNorm
-    post_norm: RMSNorm
-    qkv: nn.Module
-    o_proj: nn.Module
-    gate_up: nn.Module
-    down_proj: nn.Module
-    q_norm: RMSNorm | None
-    k_norm: RMSNorm | None
+
+    def __init__(self, input_norm, post_norm, qkv, o_proj, gate_up, down_proj, q_norm, k_norm):
+        super().__init__()
+        self.input_norm, self.post_norm = input_norm, post_norm
+        self.qkv, self.o_proj, self.gate_up, self.down_proj = qkv, o_proj, gate_up, down_proj
+        self.q_norm, self.k_norm = q_norm, k_norm
 
 
 def _forward_2d(module: nn.Module):
@@ -76,31 +78,27 @@ def exactly_narrowed(weight: torch.Tensor) -> torch.Tensor:
 
 @register_model_family("llama", "mistral", "qwen2", "qwen3", "phi3")
 class LlamaFamilyDecoder(nn.Module):
+    """Built from a config and its weights by name (models/weights.py): each checkpoint tensor or linear goes to
+    the loader registered for its name; the packed modules' parts are then fused."""
+
     cache_layout = "kv"
 
-    def __init__(self, hf_model, adapter, attention: AttentionBackend, fast: bool | None = None):
+    def __init__(self, config, weights, attention: AttentionBackend, fast: bool, dtype: torch.dtype,
+                 device: torch.device):
         super().__init__()
-        config = hf_model.config
-        param = next(hf_model.parameters())
-        self.dtype = param.dtype
-        self.fast = fast if fast is not None else param.device.type == "cpu"
-        self.attention = attention
-        self.config = config
-        self.embed = get_module(hf_model, adapter.embed)
-        layers = get_module(hf_model, adapter.layers)
-        self.norm = RMSNorm.of(get_module(hf_model, adapter.final_norm))
-        self.lm_head = get_module(hf_model, adapter.lm_head)
-        self.rotary = RotaryEmbedding.of(get_module(hf_model, adapter.layers.rsplit(".", 1)[0] + ".rotary_emb"))
+        self.config, self.dtype, self.fast, self.attention = config, dtype, fast, attention
         geometry = attention_geometry(config)
         self.num_heads, self.num_kv_heads, self.head_dim = geometry.num_heads, geometry.num_kv_heads, geometry.head_dim
         self.scale = self.head_dim ** -0.5
-        self.blocks = [self._block(adapter, layer) for layer in layers]
-        self.num_layers = len(self.blocks)
+        self.num_layers = config.num_hidden_layers
+        inv_freq, scaling = rope_tables(config)
+        self.rotary = RotaryEmbedding(inv_freq.to(device), scaling)
+        self._load(config, weights, device)
         self.logits_head = fuse_linears([self.lm_head], prepack=self.fast)
         self._gemv_weight = None  # the lm_head weight for batch-1 decode (below)
         # the compiled fused element-wise ops (kernels/csrc/fused_cpu.cpp) serve the fast path on CPU
         self.fused_ops = None
-        if self.fast and param.device.type == "cpu" and all(b.q_norm is None for b in self.blocks):
+        if self.fast and device.type == "cpu" and all(b.q_norm is None for b in self.blocks):
             self.fused_ops = cpu_ops()
             # per layer: the four projections' forward, (weight, eps) of the post-attention norm and of the norm
             # that follows the layer (the next layer's input norm, or the final one)
@@ -112,19 +110,54 @@ class LlamaFamilyDecoder(nn.Module):
             if type(self.lm_head) is nn.Linear and self.lm_head.bias is None:
                 self._gemv_weight = exactly_narrowed(self.lm_head.weight.detach())
 
+    def _load(self, config, weights, device) -> None:
+        """Register a loader per checkpoint name, hand every weight to its loader, then build the blocks."""
+        eps = getattr(config, "rms_norm_eps", 1e-6)
+        packed = PACKED_MODULES_PHI3 if config.model_type == "phi3" else PACKED_MODULES
+        loaders = WeightLoaders(checkpoint_label(config),
+                                ignored_suffixes=("rotary_emb.inv_freq", "rotary_emb.original_inv_freq"))
+        tensors: dict[str, torch.Tensor] = {}
+
+        def keep(name, required=True):
+            loaders.add(name, lambda tensor: tensors.__setitem__(name, tensor), required)
+
+        keep("model.embed_tokens.weight")
+        keep("model.norm.weight")
+        head = LinearSlot()
+        loaders.add_linear("lm_head", head, required=not config.tie_word_embeddings)
+        slots = []
+        for i in range(self.num_layers):
+            prefix = f"model.layers.{i}."
+            layer = {group: [LinearSlot() for _ in parts] for group, parts in packed.items()}
+            for group, parts in packed.items():
+                for slot, part in zip(layer[group], parts):
+                    loaders.add_linear(prefix + part, slot)
+            norms = ["input_layernorm", "post_attention_layernorm"]
+            norms += ["self_attn.q_norm", "self_attn.k_norm"] if config.model_type in QK_NORM_TYPES else []
+            for norm in norms:
+                keep(f"{prefix}{norm}.weight")
+            slots.append(layer)
+        loaders.load(weights)
+        self.embed = embedding(tensors["model.embed_tokens.weight"])
+        self.norm = RMSNorm(tensors["model.norm.weight"], eps)
+        tied = head.module is None and head.weight is None
+        self.lm_head = dense_linear(self.embed.weight, None) if tied else head.build()
+        blocks, self.linear_methods = [], Counter()
+        for i, layer in enumerate(slots):
+            prefix = f"model.layers.{i}."
+            built = {group: [slot.build() for slot in parts] for group, parts in layer.items()}
+            self.linear_methods.update(method_name(m) for parts in built.values() for m in parts)
+            q_norm, k_norm = ((RMSNorm(tensors[f"{prefix}self_attn.{n}.weight"], eps) for n in ("q_norm", "k_norm"))
+                              if config.model_type in QK_NORM_TYPES else (None, None))
+            blocks.append(DecoderBlock(
+                RMSNorm(tensors[prefix + "input_layernorm.weight"], eps),
+                RMSNorm(tensors[prefix + "post_attention_layernorm.weight"], eps),
+                *(fuse_linears(built[group], prepack=self.fast) for group in ("qkv", "o_proj", "gate_up", "down_proj")),
+                q_norm, k_norm))
+        self.blocks = nn.ModuleList(blocks)
+
     def kv_cache_spec(self, dtype: torch.dtype) -> KVCacheSpec:
         return KVCacheSpec("kv", self.num_layers, dtype, num_kv_heads=self.num_kv_heads, head_dim=self.head_dim)
-
-    def _block(self, adapter, layer) -> Block:
-        # the adapter's true-sequential groups are exactly the packed modules: q/k/v, o, gate/up, down (Phi-3's
-        # are packed in the checkpoint already)
-        qkv, o_proj, gate_up, down = ([get_module(layer, name) for name in group] for group in adapter.sequential)
-        attn = get_module(layer, adapter.attention)
-        q_norm, k_norm = getattr(attn, "q_norm", None), getattr(attn, "k_norm", None)
-        return Block(RMSNorm.of(get_module(layer, adapter.input_norm)),
-                     RMSNorm.of(get_module(layer, adapter.post_attention_norm)),
-                     *(fuse_linears(linears, prepack=self.fast) for linears in (qkv, o_proj, gate_up, down)),
-                     q_norm and RMSNorm.of(q_norm), k_norm and RMSNorm.of(k_norm))
 
     def _norm(self, norm: RMSNorm, x: torch.Tensor) -> torch.Tensor:
         return norm.fast(x) if self.fast else norm(x)
