@@ -67,6 +67,7 @@ def main() -> None:
     parser.add_argument("--int4", help="a GPTQ int4 artifact of the same model")
     parser.add_argument("--reps", type=int, default=2)
     parser.add_argument("--timeout", type=float, default=900.0, help="seconds one measurement may take")
+    parser.add_argument("--rows", help="only these rows, comma-separated (e.g. gptq-int4/throughput)")
     parser.add_argument("--json", type=Path)
     args = parser.parse_args()
     repo = Path(__file__).resolve().parents[1]
@@ -81,19 +82,20 @@ def main() -> None:
             if (home / "models").exists():
                 (homes[label] / "models").symlink_to(home / "models")
             measure(tree, "batch1", args.dense, homes[label], args.timeout)  # builds the kernels, warms caches
-        results = {label: {f"{name}/{kind}": [] for name, _ in models for kind in ("throughput", "batch1")}
-                   for label in trees}
+        wanted = set(args.rows.split(",")) if args.rows else None
+        rows_run = [(name, model, kind) for name, model in models for kind in ("throughput", "batch1")
+                    if wanted is None or f"{name}/{kind}" in wanted]
+        results = {label: {f"{name}/{kind}": [] for name, _, kind in rows_run} for label in trees}
         cpu = None
         for rep in range(args.reps):
-            for name, model in models:
-                for kind in ("throughput", "batch1"):
-                    order = ("a", "b") if rep % 2 == 0 else ("b", "a")
-                    for label in order:
-                        out = measure(trees[label], kind, model, homes[label], args.timeout)
-                        cpu = out["cpu"]
-                        value = out["output_throughput"] if kind == "throughput" else out["median_tpot_ms"]
-                        results[label][f"{name}/{kind}"].append(value)
-                        print(f"rep {rep} {label} {name} {kind}: {value:.2f}", file=sys.stderr)
+            for name, model, kind in rows_run:
+                order = ("a", "b") if rep % 2 == 0 else ("b", "a")
+                for label in order:
+                    out = measure(trees[label], kind, model, homes[label], args.timeout)
+                    cpu = out["cpu"]
+                    value = out["output_throughput"] if kind == "throughput" else out["median_tpot_ms"]
+                    results[label][f"{name}/{kind}"].append(value)
+                    print(f"rep {rep} {label} {name} {kind}: {value:.2f}", file=sys.stderr)
         for tree in trees.values():
             subprocess.run(["git", "-C", str(repo), "worktree", "remove", "--force", str(tree)], capture_output=True)
     rows = []

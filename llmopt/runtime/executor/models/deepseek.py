@@ -26,9 +26,7 @@ from llmopt.runtime.executor.attention import AttentionBackend, KVCache, KVCache
 from llmopt.runtime.executor.kernels.attention import AttentionMetadata
 from llmopt.runtime.executor.linear import fuse_linears
 from llmopt.runtime.executor.models.layers import RMSNorm
-from llmopt.runtime.executor.models.weights import (
-    LinearSlot, WeightLoaders, checkpoint_label, dense_linear, embedding, method_name, rope_tables,
-)
+from llmopt.runtime.executor.models.weights import DecoderWeights, LinearSlot, method_name, rope_tables
 from llmopt.runtime.executor.models.registry import register_model_family
 
 
@@ -121,28 +119,16 @@ class DeepseekMlaDecoder(nn.Module):
             "mlp.up_proj", "mlp.down_proj"]
         norms = ["input_layernorm", "post_attention_layernorm", "self_attn.kv_a_layernorm"] + (
             ["self_attn.q_a_layernorm"] if low_rank else [])
-        loaders = WeightLoaders(checkpoint_label(config),
-                                ignored_suffixes=("rotary_emb.inv_freq", "rotary_emb.original_inv_freq"))
-        tensors: dict[str, torch.Tensor] = {}
-
-        def keep(name, required=True):
-            loaders.add(name, lambda tensor: tensors.__setitem__(name, tensor), required)
-
-        keep("model.embed_tokens.weight")
-        keep("model.norm.weight")
-        head = LinearSlot()
-        loaders.add_linear("lm_head", head, required=not config.tie_word_embeddings)
+        shared = DecoderWeights(config)
+        loaders, tensors = shared.loaders, shared.tensors
         slots = [{name: LinearSlot() for name in linears} for _ in range(self.num_layers)]
         for i, layer in enumerate(slots):
             for name, slot in layer.items():
                 loaders.add_linear(f"model.layers.{i}.{name}", slot)
             for norm in norms:
-                keep(f"model.layers.{i}.{norm}.weight")
-        loaders.load(weights)
-        self.embed = embedding(tensors["model.embed_tokens.weight"])
-        self.norm = RMSNorm(tensors["model.norm.weight"], eps)
-        tied = head.module is None and head.weight is None
-        self.lm_head = dense_linear(self.embed.weight, None) if tied else head.build()
+                shared.keep(f"model.layers.{i}.{norm}.weight")
+        self.embed, norm_weight, self.lm_head = shared.load(weights)
+        self.norm = RMSNorm(norm_weight, eps)
         self.linear_methods = Counter()
         blocks = []
         for i, layer in enumerate(slots):

@@ -29,9 +29,7 @@ from llmopt.runtime.executor.kernels.cpu_ops import GEMV_BATCHED_ROWS, cpu_ops
 from llmopt.runtime.executor.linear import fuse_linears
 from llmopt.runtime.executor.models.registry import register_model_family
 from llmopt.runtime.executor.models.layers import RMSNorm, RotaryEmbedding, rotate_half
-from llmopt.runtime.executor.models.weights import (
-    LinearSlot, WeightLoaders, checkpoint_label, dense_linear, embedding, method_name, rope_tables,
-)
+from llmopt.runtime.executor.models.weights import DecoderWeights, LinearSlot, method_name, rope_tables
 
 # A layer's linears the runtime runs as one (fed the same input) -> the checkpoint's names of its parts, in order
 # (nano-vllm's packed_modules_mapping). Phi-3 ships q/k/v and gate/up packed already.
@@ -114,17 +112,8 @@ class LlamaFamilyDecoder(nn.Module):
         """Register a loader per checkpoint name, hand every weight to its loader, then build the blocks."""
         eps = getattr(config, "rms_norm_eps", 1e-6)
         packed = PACKED_MODULES_PHI3 if config.model_type == "phi3" else PACKED_MODULES
-        loaders = WeightLoaders(checkpoint_label(config),
-                                ignored_suffixes=("rotary_emb.inv_freq", "rotary_emb.original_inv_freq"))
-        tensors: dict[str, torch.Tensor] = {}
-
-        def keep(name, required=True):
-            loaders.add(name, lambda tensor: tensors.__setitem__(name, tensor), required)
-
-        keep("model.embed_tokens.weight")
-        keep("model.norm.weight")
-        head = LinearSlot()
-        loaders.add_linear("lm_head", head, required=not config.tie_word_embeddings)
+        shared = DecoderWeights(config)
+        loaders, tensors = shared.loaders, shared.tensors
         slots = []
         for i in range(self.num_layers):
             prefix = f"model.layers.{i}."
@@ -135,13 +124,10 @@ class LlamaFamilyDecoder(nn.Module):
             norms = ["input_layernorm", "post_attention_layernorm"]
             norms += ["self_attn.q_norm", "self_attn.k_norm"] if config.model_type in QK_NORM_TYPES else []
             for norm in norms:
-                keep(f"{prefix}{norm}.weight")
+                shared.keep(f"{prefix}{norm}.weight")
             slots.append(layer)
-        loaders.load(weights)
-        self.embed = embedding(tensors["model.embed_tokens.weight"])
-        self.norm = RMSNorm(tensors["model.norm.weight"], eps)
-        tied = head.module is None and head.weight is None
-        self.lm_head = dense_linear(self.embed.weight, None) if tied else head.build()
+        self.embed, norm_weight, self.lm_head = shared.load(weights)
+        self.norm = RMSNorm(norm_weight, eps)
         blocks, self.linear_methods = [], Counter()
         for i, layer in enumerate(slots):
             prefix = f"model.layers.{i}."

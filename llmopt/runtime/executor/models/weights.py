@@ -151,3 +151,29 @@ class LinearSlot:
 
     def build(self) -> nn.Module:
         return self.module if self.module is not None else dense_linear(self.weight, self.bias)
+
+
+class DecoderWeights:
+    """The loaders every decoder-only family shares — the embedding, the final norm, the lm_head (absent when tied
+    to the embedding) — and `keep` for any other tensor a family expects; `load` then runs them all."""
+
+    def __init__(self, config):
+        self.config = config
+        self.loaders = WeightLoaders(checkpoint_label(config),
+                                     ignored_suffixes=("rotary_emb.inv_freq", "rotary_emb.original_inv_freq"))
+        self.tensors: dict[str, torch.Tensor] = {}
+        self.head = LinearSlot()
+        self.keep("model.embed_tokens.weight")
+        self.keep("model.norm.weight")
+        self.loaders.add_linear("lm_head", self.head, required=not config.tie_word_embeddings)
+
+    def keep(self, name: str, required: bool = True) -> None:
+        self.loaders.add(name, lambda tensor: self.tensors.__setitem__(name, tensor), required)
+
+    def load(self, weights) -> tuple[nn.Embedding, torch.Tensor, nn.Module]:
+        """Run the loaders; (embedding, final norm weight, lm_head)."""
+        self.loaders.load(weights)
+        embed = embedding(self.tensors["model.embed_tokens.weight"])
+        tied = self.head.module is None and self.head.weight is None
+        lm_head = dense_linear(embed.weight, None) if tied else self.head.build()
+        return embed, self.tensors["model.norm.weight"], lm_head
