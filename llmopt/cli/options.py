@@ -55,7 +55,7 @@ def choices(name: str, values: list[str]) -> type[Enum]:
 # Choices read from the registries' declarations in their packages' source (core.registry.declared_names), so
 # that `--help` does not import torch and a new method's module appears here by itself.
 QuantMethod = choices("QuantMethod", declared_names("llmopt.compress", "QUANT_METHODS"))
-FormatName = choices("FormatName", ["gptq", "awq", "compressed-tensors"])  # formats.py adds them in a loop
+FormatName = choices("FormatName", declared_names("llmopt.export", "FORMATS"))
 PruneMethod = choices("PruneMethod", declared_names("llmopt.compress", "PRUNE_METHODS"))
 StructuredKind = choices("StructuredKind", ["mlp", "heads", "layers"])
 

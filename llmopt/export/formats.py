@@ -205,8 +205,9 @@ def _bias(tensors):
     return None if bias is None else bias.float()
 
 
-for _fmt in (GPTQFormat(), AWQFormat(), CompressedTensorsFormat()):
-    FORMATS.add(_fmt.name, _fmt)
+FORMATS.add("gptq", GPTQFormat())
+FORMATS.add("awq", AWQFormat())
+FORMATS.add("compressed-tensors", CompressedTensorsFormat())
 
 
 def format_for_config(qcfg: dict) -> Format:

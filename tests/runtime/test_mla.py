@@ -113,3 +113,28 @@ def test_mixtures_of_experts_are_refused_by_the_runtime():
     model, tok = build_tiny_model("deepseek", seed=0, first_k_dense_replace=1)
     with pytest.raises(UnsupportedArchitectureError, match="mixtures of 4 experts"):
         Engine(model, tok, EngineConfig(block_size=4))
+
+
+@pytest.mark.parametrize("args", [
+    ["quantize", "--method", "awq"], ["quantize", "--method", "rtn", "--bits", "8", "--group-size", "-1"],
+    ["prune", "--method", "wanda", "--pattern", "2:4"], ["prune", "--structured", "mlp", "--ratio", "0.25"],
+], ids=["awq", "rtn-w8", "wanda-2:4", "structured-mlp"])
+def test_every_method_on_mla_writes_an_artifact_the_runtime_runs_as_transformers_does(tmp_path, args):
+    from typer.testing import CliRunner
+
+    from llmopt.cli.main import app
+    from llmopt.core.tiny import save_tiny_model
+    from llmopt.export.load import load_model
+    from llmopt.runtime.executor.loader import load_runtime_model
+
+    source = save_tiny_model(tmp_path / "ds", "deepseek", seed=3)
+    out = tmp_path / "out"
+    result = CliRunner().invoke(app, [args[0], str(source), *args[1:], "--calib", "pystdlib", "--num-samples", "8",
+                                      "--seqlen", "64", "--calib-dtype", "float32", "-o", str(out)])
+    assert result.exit_code == 0, result.output
+    reference, tok, _ = load_model(str(out), dtype="float32")  # transformers over the dequantized weights
+    checkpoint, _, _ = load_runtime_model(str(out), dtype="float32")
+    ps = prompts(tok)
+    expected = [list(e) for e in hf_generate(reference, tok, ps, GREEDY)]
+    engine = Engine(checkpoint, tok, EngineConfig(block_size=4, fast_path=False))
+    assert [o.token_ids for o in engine.generate(ps, GREEDY)] == expected
