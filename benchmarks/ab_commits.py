@@ -71,6 +71,10 @@ def main() -> None:
     parser.add_argument("--json", type=Path)
     args = parser.parse_args()
     repo = Path(__file__).resolve().parents[1]
+    for name in ("a", "b"):  # record the commits themselves, not names like HEAD that move
+        rev = subprocess.run(["git", "-C", str(repo), "rev-parse", "--short", getattr(args, name)], check=True,
+                             capture_output=True, text=True).stdout.strip()
+        setattr(args, name, rev)
     home = Path(os.environ.get("LLMOPT_HOME", Path.home() / ".cache" / "llmopt"))
     models = [("fp32", args.dense)] + ([("gptq-int4", args.int4)] if args.int4 else [])
     with tempfile.TemporaryDirectory() as tmp:
