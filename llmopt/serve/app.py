@@ -314,6 +314,10 @@ async def respond(server: Server, req, jobs, prefix: str, choice, chunk):
     kind = "text_completion" if prefix == "cmpl" else "chat.completion"
     head = {"id": request_id, "created": created, "model": server.model_name}
     prompt_tokens = sum(len(p) for i, (p, _) in enumerate(jobs) if i % req.n == 0)
+    try:
+        server.engine.admit(len(jobs))  # all of the request's sequences, or none of them
+    except ValueError as e:
+        raise RequestError(f"{e}: lower n (or send fewer prompts per request)", "n") from None
     streams = [server.run(prompt, params) for prompt, params in jobs]
     if not req.stream:
         finals: dict[int, RequestOutput] = {}

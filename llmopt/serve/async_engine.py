@@ -79,6 +79,21 @@ class AsyncEngine:
     def num_running(self) -> int:
         return self.engine.num_running
 
+    def admit(self, count: int) -> None:
+        """Refuse, before any is queued, `count` sequences of one request that --max-waiting cannot take: more than
+        it ever queues at once (a ValueError: the request itself is too large), or more than it has room for now
+        (ServerOverloaded: retry later)."""
+        if not self.alive:
+            raise ServerOverloaded("the engine is shutting down")
+        if self.max_waiting is None:
+            return
+        if count > self.max_waiting:
+            raise ValueError(f"{count} sequences in one request, more than the server queues at once "
+                             f"(--max-waiting {self.max_waiting})")
+        if self.num_waiting + count > self.max_waiting:
+            raise ServerOverloaded(f"{self.num_waiting} requests are waiting and this one adds {count} "
+                                   f"(--max-waiting {self.max_waiting})")
+
     # --- requests -------------------------------------------------------------------------------
     async def generate(self, prompt_ids: list[int], params: SamplingParams) -> AsyncIterator[RequestOutput]:
         """The request's outputs as the engine produces them; leaving the iteration early aborts the request."""
@@ -113,19 +128,29 @@ class AsyncEngine:
                 message = self._inbox.get_nowait()
             except queue.Empty:
                 return
-            if message[0] == "add":
-                _, prompt_ids, params, stream, admitted = message
-                with self._pending_lock:
-                    self._pending -= 1
-                try:
-                    request_id = self.engine.add_request(prompt_ids, params)
-                except Exception as exc:  # noqa: BLE001  (a bad request fails alone)
-                    admitted.set_exception(exc)
-                    continue
-                self._streams[request_id] = stream
-                admitted.set_result(request_id)
-            else:
-                self.engine.abort(message[1])
+            try:
+                self._handle(message)
+            except Exception:  # noqa: BLE001  (a message that fails is that request's problem, never the loop's)
+                log.exception("a request message failed in the engine thread")
+
+    def _handle(self, message: tuple) -> None:
+        if message[0] != "add":
+            self.engine.abort(message[1])
+            return
+        _, prompt_ids, params, stream, admitted = message
+        with self._pending_lock:
+            self._pending -= 1
+        # a request whose caller went away before it was added (its future cancelled: a sibling of an n > 1
+        # request was refused, the client hung up) is dropped; once running, the future can no longer be cancelled
+        if not admitted.set_running_or_notify_cancel():
+            return
+        try:
+            request_id = self.engine.add_request(prompt_ids, params)
+        except Exception as exc:  # noqa: BLE001  (a bad request fails alone)
+            admitted.set_exception(exc)
+            return
+        self._streams[request_id] = stream
+        admitted.set_result(request_id)
 
     def _run(self, built: concurrent.futures.Future) -> None:
         try:

@@ -51,3 +51,32 @@ def test_a_failing_build_fails_start():
     with pytest.raises(ConfigError, match="no such model"):
         engine.start()
     assert not engine.alive
+
+
+def test_a_request_cancelled_before_the_engine_adds_it_never_kills_the_loop():
+    """A queued request whose future was cancelled (a sibling of an n > 1 request refused, a client gone) is
+    dropped; the engine thread keeps serving (it died of InvalidStateError: CANCELLED)."""
+    import concurrent.futures
+
+    def build():
+        model, tokenizer = build_tiny_model("llama", seed=0)
+        return Engine(model, tokenizer, EngineConfig(block_size=4))
+
+    engine = AsyncEngine(build)
+    engine.start()
+    try:
+        cancelled: concurrent.futures.Future = concurrent.futures.Future()
+        cancelled.cancel()
+        with engine._pending_lock:
+            engine._pending += 1
+        engine._inbox.put(("add", [1, 2], SamplingParams(max_tokens=2), None, cancelled))
+        engine._inbox.put(("abort", 12345))  # an abort of an unknown request is harmless too
+
+        async def run():
+            return [o async for o in engine.generate([1, 2, 3], SamplingParams(max_tokens=3, ignore_eos=True))]
+
+        outputs = asyncio.run(run())
+        assert outputs[-1].finished and len(outputs[-1].token_ids) == 3
+        assert engine.alive and engine.num_waiting == 0
+    finally:
+        engine.stop(10)

@@ -245,6 +245,17 @@ def test_api_key_and_overload():
         limited = next(r for r in asyncio.run(flood()) if r.status_code == 429)
         assert limited.headers["retry-after"] == "1"
         assert httpx.get(running.url + "/health").status_code == 200
+        # one request of more sequences than --max-waiting ever queues: a 400 naming n, and the engine lives on
+        # (its siblings' cancelled admissions killed the engine thread: /health 503 and 429s until a restart)
+        auth = {"Authorization": "Bearer sesame"}
+        too_many = httpx.post(running.url + "/v1/completions", headers=auth, timeout=60,
+                              json={"model": MODEL, "prompt": "x", "max_tokens": 4, "n": 3})
+        assert too_many.status_code == 400 and too_many.json()["error"]["param"] == "n", too_many.text
+        assert "--max-waiting 2" in too_many.json()["error"]["message"]
+        assert httpx.get(running.url + "/health").status_code == 200
+        two = httpx.post(running.url + "/v1/completions", headers=auth, timeout=60,
+                         json={"model": MODEL, "prompt": "x", "max_tokens": 4, "n": 2, "ignore_eos": True})
+        assert two.status_code == 200 and len(two.json()["choices"]) == 2, two.text
     finally:
         running.close()
 
