@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from enum import Enum
-from typing import Annotated, Literal, Optional, get_args, get_origin, get_type_hints
+from typing import Annotated, Literal, Optional, get_args, get_origin
 
 import functools
 import inspect
@@ -12,7 +12,7 @@ import typer
 
 from llmopt.compress.defaults import CALIBRATION
 from llmopt.core.registry import declared_names
-from llmopt.runtime.engine.config import EngineConfig, SpeculativeConfig, engine_fields, engine_flag
+from llmopt.runtime.engine.config import EngineConfig, SpeculativeConfig, engine_field_types, engine_flag
 
 SPECULATIVE_DEFAULTS = SpeculativeConfig()
 
@@ -169,8 +169,7 @@ def _engine_option(field, hint) -> tuple:
 
 
 def _engine_options() -> tuple:
-    hints = get_type_hints(EngineConfig)
-    return tuple(_engine_option(f, hints[f.name]) for f in engine_fields())
+    return tuple(_engine_option(f, hint) for f, hint in engine_field_types())
 
 
 def _engine(values: dict) -> EngineConfig:

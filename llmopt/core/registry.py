@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import importlib
 import pkgutil
 from typing import Callable, Generic, Iterator, TypeVar
@@ -64,19 +65,28 @@ def declared_names(package: str, registry: str) -> list[str]:
     `@REGISTRY.register("name")` with a literal name), read from their source without importing them: the CLI
     lists a registry's choices in --help without importing torch. tests/cli/test_options_match_configs.py checks
     the lists equal the registries once imported."""
+    return sorted(_declarations(package).get(registry, []))
+
+
+@functools.lru_cache(maxsize=None)
+def _declarations(package: str) -> dict[str, list[str]]:
+    """registry name -> the literal names the package's modules add to it; each file read once per process, and
+    parsed only if it names a registry call at all (the CLI pays this at every start)."""
     import ast
     from importlib.util import find_spec
     from pathlib import Path
 
-    root = Path(find_spec(package).origin).parent
-    names = []
-    for path in sorted(root.glob("*.py")):
-        for node in ast.walk(ast.parse(path.read_text())):
+    found: dict[str, list[str]] = {}
+    for path in sorted(Path(find_spec(package).origin).parent.glob("*.py")):
+        text = path.read_text()
+        if ".add(" not in text and ".register(" not in text:
+            continue
+        for node in ast.walk(ast.parse(text)):
             if (isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute)
                     and node.func.attr in ("add", "register") and isinstance(node.func.value, ast.Name)
-                    and node.func.value.id == registry and node.args and isinstance(node.args[0], ast.Constant)):
-                names.append(node.args[0].value)
-    return sorted(names)
+                    and node.args and isinstance(node.args[0], ast.Constant)):
+                found.setdefault(node.func.value.id, []).append(node.args[0].value)
+    return found
 
 
 def import_submodules(package: str) -> list[str]:

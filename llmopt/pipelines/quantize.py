@@ -71,7 +71,7 @@ def quantize_to_artifact(
                         if config.needs_calibration else None),
         "facts": result.facts,
     }
-    write_model_artifact(output, model, tokenizer, result.qweights, fmt_name, config.record(), manifest,
+    write_model_artifact(output, model, tokenizer, result.qweights, fmt_name, record, manifest,
                          result.extra_tensors, overwrite=overwrite)
     return {
         "output": str(output), "method": method, "format": fmt_name, "bits": config.bits,

@@ -23,7 +23,7 @@ import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 from llmopt.core.errors import ConfigError
-from llmopt.runtime.engine.config import EngineConfig, SpeculativeConfig, engine_fields
+from llmopt.runtime.engine.config import EngineConfig, SpeculativeConfig, engine_field_types
 
 
 # --dtype's choices (core.hardware.DTYPE_CHOICES, which imports torch: recipe validation does not)
@@ -47,12 +47,9 @@ class _CheckedByEngineConfig(_Strict):
 def _engine_section() -> type[BaseModel]:
     """The recipe's `bench.engine` mapping, generated from EngineConfig's fields (types, defaults, help): each
     engine setting is declared once, and checked once (EngineConfig's own checks, at validation)."""
-    from typing import get_type_hints
-
     from pydantic import create_model
 
-    hints = get_type_hints(EngineConfig)
-    fields = {f.name: (hints[f.name], Field(f.default, description=f.metadata["help"])) for f in engine_fields()}
+    fields = {f.name: (hint, Field(f.default, description=f.metadata["help"])) for f, hint in engine_field_types()}
     return create_model("EngineSection", __base__=_CheckedByEngineConfig, **fields)
 
 

@@ -48,11 +48,10 @@ def _validate_quantize(options: dict) -> None:
 
 
 def _run_quantize(model: str, output: Path, options: dict) -> dict:
+    from llmopt.compress.api import quantize_configs
     from llmopt.pipelines.quantize import quantize_to_artifact
 
     method, settings, fmt = _split_quantize(options)
-    from llmopt.compress.api import quantize_configs
-
     return quantize_to_artifact(model, output, quantize_configs(method, settings), fmt, overwrite=True)
 
 

@@ -10,7 +10,7 @@ from llmopt.core.tiny import build_tiny_model
 from llmopt.runtime.executor import model_runner
 from llmopt.runtime.engine.engine import Engine, EngineConfig
 from llmopt.runtime.executor.attention.kv_cache import zeros_lazily
-from llmopt.runtime.executor.model_runner import ModelRunner, kv_bytes_per_block
+from llmopt.runtime.executor.model_runner import ModelRunner
 from llmopt.runtime.engine.sampling import SamplingParams
 
 
@@ -23,7 +23,7 @@ def test_default_budget_is_a_fraction_of_available_memory(tiny, monkeypatch):
     model, _ = tiny
     monkeypatch.setattr(model_runner, "available_memory", lambda device: 2**20)  # 1 MiB available
     runner = ModelRunner(model, EngineConfig(block_size=4, kv_cache_memory_fraction=0.5, max_num_seqs=64))
-    per_block = kv_bytes_per_block(runner.decoder, 4, torch.float32)
+    per_block = runner.decoder.kv_cache_spec(torch.float32).bytes_per_block(4)
     assert runner.num_blocks == (2**19) // per_block
     assert runner.kv_cache_bytes == runner.num_blocks * per_block <= 2**19
     summary = runner.kv_cache_summary()

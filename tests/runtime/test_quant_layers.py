@@ -257,3 +257,17 @@ def test_shards_along_out_and_in_features_rebuild_the_whole_product(method_cls):
     rows = [method_cls(method_cls.shard_weight(qw, "in", r, 2), torch.float32)(x[:, r * 64:(r + 1) * 64])
             for r in range(2)]
     torch.testing.assert_close(rows[0] + rows[1], whole, rtol=1e-4, atol=1e-4)
+
+
+def test_the_scheme_presets_choose_their_methods():
+    from llmopt.core.contract import preset
+    from llmopt.core.errors import ConfigError
+
+    for name, bits, group, expected in (("w4a16", 4, 128, "int4-cpu"), ("w8a16", 8, -1, "int8-cpu"),
+                                        ("w4a8", 4, 128, "int4-q8-cpu")):
+        scheme = preset(name)
+        assert (scheme.weights.bits, scheme.weights.group_size) == (bits, group)
+        qw = qweight(32, 256, bits, group, True)
+        assert select_linear_method(qw, scheme, "cpu").name == expected, name
+    with pytest.raises(ConfigError, match="unknown scheme 'w3a3'"):
+        preset("w3a3")

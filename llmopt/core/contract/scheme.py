@@ -91,12 +91,6 @@ class LinearScheme:
     weights: QuantScheme | None = None
     input_activations: QuantScheme | None = None
 
-    @property
-    def name(self) -> str:
-        w = "16" if self.weights is None else str(self.weights.bits)
-        a = "16" if self.input_activations is None else str(self.input_activations.bits)
-        return f"w{w}a{a}"
-
 
 PRESETS: dict[str, LinearScheme] = {
     "w4a16": LinearScheme(QuantScheme(4, 128)),
@@ -123,7 +117,6 @@ class QuantRecord:
     static_groups: bool = True  # with act_order: groups stay k // group_size (g_idx trivial)
     damp: float | None = None  # GPTQ's dampening, when the method has one
     true_sequential: bool = True
-    extra: dict = field(default_factory=dict, compare=False)
 
     @classmethod
     def from_config(cls, scheme: QuantScheme, settings: dict) -> QuantRecord:

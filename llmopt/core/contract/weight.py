@@ -15,6 +15,7 @@ import torch
 from llmopt.core.contract.scheme import QuantScheme
 from llmopt.core.errors import ConfigError
 
+
 @dataclass
 class QuantizedWeight:
     """The result every quantizer produces and every format packs.
@@ -76,5 +77,3 @@ class QuantizedWeight:
 def default_g_idx(in_features: int, scheme: QuantScheme) -> torch.Tensor:
     width = scheme.group_width(in_features)
     return (torch.arange(in_features) // width).to(torch.int32)
-
-

@@ -4,7 +4,7 @@ importing this module does not import torch, so the CLI can show the defaults in
 from __future__ import annotations
 
 from dataclasses import dataclass, field, fields
-from typing import Literal, Optional
+from typing import Literal, Optional, get_type_hints
 
 from llmopt.core.contract.scheme import INT8_GROUP_ACTIVATIONS
 from llmopt.core.errors import ConfigError
@@ -135,6 +135,12 @@ class EngineConfig:
 def engine_fields() -> list:
     """EngineConfig's fields that are options (all but `speculative`), in declaration order."""
     return [f for f in fields(EngineConfig) if "help" in f.metadata]
+
+
+def engine_field_types() -> list[tuple]:
+    """(field, its type) for each of engine_fields(): what the CLI options and the recipe section are made of."""
+    hints = get_type_hints(EngineConfig)
+    return [(f, hints[f.name]) for f in engine_fields()]
 
 
 def engine_flag(name: str) -> str:

@@ -34,10 +34,6 @@ class StepResult:
 log = logging.getLogger(__name__)
 
 
-def kv_bytes_per_block(decoder, block_size: int, dtype: torch.dtype) -> int:
-    return decoder.kv_cache_spec(dtype).bytes_per_block(block_size)
-
-
 def available_memory(device: torch.device) -> int:
     """Bytes the KV cache may be taken from: free device memory on CUDA, available host memory elsewhere."""
     if device.type == "cuda":
@@ -68,8 +64,8 @@ class ModelRunner:
         self.device = next(hf_model.parameters()).device
         if self.device.type == "cpu":
             keep_freed_host_memory()  # each step's activations reuse freed memory instead of new pages
-        model_dtype = self.decoder.dtype
-        self.kv_dtype = model_dtype if config.kv_cache_dtype == "auto" else getattr(torch, config.kv_cache_dtype)
+        self.kv_dtype = (self.decoder.dtype if config.kv_cache_dtype == "auto"
+                         else getattr(torch, config.kv_cache_dtype))
         self.block_size = block_size
         self.kv_cache_spec = self.decoder.kv_cache_spec(self.kv_dtype)
         per_block = self.kv_cache_spec.bytes_per_block(block_size)

@@ -29,11 +29,11 @@ class AttentionBackend:
     name: ClassVar[str] = "base"
     priority: ClassVar[int] = 0
     layouts: ClassVar[tuple[str, ...]] = ("kv",)
-    description: ClassVar[str] = ""
 
     @classmethod
     def accepts(cls, device: torch.device, layout: str, fast: bool) -> bool:
-        raise NotImplementedError
+        """Whether it runs here: the cache layouts it reads (backends narrow it to a device or the fast path)."""
+        return layout in cls.layouts
 
     def store(self, k: torch.Tensor, v: torch.Tensor, cache: tuple[torch.Tensor, ...], meta: AttentionMetadata
               ) -> None:

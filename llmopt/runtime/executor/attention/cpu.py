@@ -15,7 +15,7 @@ class CpuAttention(AttentionBackend):
     @classmethod
     def accepts(cls, device, layout, fast):
         # the exact mode keeps the reference (its decode rounding differs in the last bits)
-        return device.type == "cpu" and layout in cls.layouts and fast and cpu_ops() is not None
+        return device.type == "cpu" and super().accepts(device, layout, fast) and fast and cpu_ops() is not None
 
     def store(self, k, v, cache, meta):
         compiled_store_kv(k, v, cache[0], cache[1], meta.slot_mapping)

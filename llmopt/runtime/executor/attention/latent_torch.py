@@ -14,10 +14,6 @@ from llmopt.runtime.executor.attention.base import AttentionBackend, register_at
 class LatentTorchAttention(AttentionBackend):
     name, priority, layouts = "latent-torch", 0, ("latent",)
 
-    @classmethod
-    def accepts(cls, device, layout, fast):
-        return layout in cls.layouts
-
     def store(self, latent, unused, cache, meta):
         """latent [T, 1, latent + rope] into its slots."""
         rows = cache[0].view(-1, cache[0].shape[-1])

@@ -11,10 +11,6 @@ from llmopt.runtime.executor.kernels.attention import reference_paged_attention,
 class TorchAttention(AttentionBackend):
     name, priority, layouts = "torch", 0, ("kv",)
 
-    @classmethod
-    def accepts(cls, device, layout, fast):
-        return layout in cls.layouts
-
     def store(self, k, v, cache, meta):
         reference_store_kv(k, v, cache[0], cache[1], meta.slot_mapping)
 

@@ -13,7 +13,7 @@ class TritonAttention(AttentionBackend):
 
     @classmethod
     def accepts(cls, device, layout, fast):
-        return device.type == "cuda" and layout in cls.layouts and triton_available()
+        return device.type == "cuda" and super().accepts(device, layout, fast) and triton_available()
 
     def store(self, k, v, cache, meta):
         from llmopt.runtime.executor.kernels.triton_store_kv import store_kv

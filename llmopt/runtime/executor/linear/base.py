@@ -47,6 +47,11 @@ class LinearMethod(nn.Module):
     def accepts(cls, qweight: QuantizedWeight, scheme: LinearScheme, device: torch.device) -> bool:
         raise NotImplementedError
 
+    @classmethod
+    def create(cls, qweight: QuantizedWeight, dtype: torch.dtype, device: torch.device | str) -> nn.Module:
+        """The module for this weight: the method itself, packed (a method may build another module instead)."""
+        return cls(qweight, dtype, device)
+
     @staticmethod
     def shard_weight(qweight: QuantizedWeight, dim: str, rank: int, world: int) -> QuantizedWeight:
         """This rank's slice of the weight ("out": rows; "in": whole groups of columns); methods whose packing

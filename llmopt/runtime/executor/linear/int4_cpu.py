@@ -47,10 +47,6 @@ class Int4PackedLinear(LinearMethod):
                 and w.type == "int" and can_pack_int4(n, k, w.bits, w.group_size))
 
     @classmethod
-    def create(cls, qweight, dtype, device):
-        return cls(qweight, dtype, device)
-
-    @classmethod
     def stack(cls, parts: list[Int4PackedLinear]) -> Int4PackedLinear:
         """One layer computing cat([part(x) for part in parts], -1) in one kernel call (q/k/v, gate/up): the
         parts' rows stacked. Exact: the kernel computes each output column on its own. Needs the same

@@ -28,10 +28,6 @@ class Int8PackedLinear(LinearMethod):
                 and w.type == "int" and w.bits == 8 and w.group_size in (-1, k) and k % 16 == 0)
 
     @classmethod
-    def create(cls, qweight, dtype, device):
-        return cls(qweight, dtype, device)
-
-    @classmethod
     def stack(cls, parts: list[Int8PackedLinear]) -> Int8PackedLinear:
         """One layer computing cat([part(x) for part in parts], -1) in one kernel call (exact: each output column
         is computed on its own)."""

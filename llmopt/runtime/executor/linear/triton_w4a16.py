@@ -28,10 +28,6 @@ class TritonW4A16Linear(LinearMethod):
         return (device.type == "cuda" and scheme.input_activations is None and qweight.has_trivial_g_idx
                 and w.type == "int" and w.bits <= 4 and qweight.shape[1] % 8 == 0 and triton_available())
 
-    @classmethod
-    def create(cls, qweight, dtype, device):
-        return cls(qweight, dtype, device)
-
     def _matmul(self, x2d):
         from llmopt.runtime.executor.kernels.triton_w4a16 import w4a16_matmul
 

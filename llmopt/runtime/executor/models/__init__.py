@@ -17,9 +17,7 @@ def build_runtime_model(model, attention_backend: str = "auto", fast: bool | Non
 
     config = model.config
     cls = model_class_for(config.model_type)
-    first = next(model.parameters())
-    device = first.device
-    dtype = model.dtype if isinstance(model, RuntimeCheckpoint) else first.dtype
+    device, dtype = next(model.parameters()).device, model.dtype  # (a transformers model's dtype: its floats')
     fast = fast if fast is not None else device.type == "cpu"
     backend = select_attention_backend(attention_backend, device, cls.cache_layout, fast)
     weights = model.named_weights() if isinstance(model, RuntimeCheckpoint) else module_weights(model)

@@ -14,7 +14,6 @@ with a mixture of experts are refused (core.adapters.ArchAdapter.unsupported).
 from __future__ import annotations
 
 import math
-from collections import Counter
 
 import torch
 import torch.nn.functional as F
@@ -25,8 +24,7 @@ from llmopt.core.errors import UnsupportedArchitectureError
 from llmopt.runtime.executor.attention import AttentionBackend, KVCache, KVCacheSpec
 from llmopt.runtime.executor.kernels.attention import AttentionMetadata
 from llmopt.runtime.executor.linear import fuse_linears
-from llmopt.runtime.executor.models.layers import RMSNorm
-from llmopt.runtime.executor.models.weights import DecoderWeights, LinearSlot, method_name, rope_tables
+from llmopt.runtime.executor.models.weights import DecoderWeights, rope_tables
 from llmopt.runtime.executor.models.registry import register_model_family
 
 
@@ -112,7 +110,6 @@ class DeepseekMlaDecoder(nn.Module):
 
     def _load(self, config, weights) -> None:
         """A loader per checkpoint name (models/weights.py), then the blocks with kv_b_proj absorbed."""
-        eps = getattr(config, "rms_norm_eps", 1e-6)
         low_rank = config.q_lora_rank is not None
         linears = (["self_attn.q_a_proj", "self_attn.q_b_proj"] if low_rank else ["self_attn.q_proj"]) + [
             "self_attn.kv_a_proj_with_mqa", "self_attn.kv_b_proj", "self_attn.o_proj", "mlp.gate_proj",
@@ -120,22 +117,17 @@ class DeepseekMlaDecoder(nn.Module):
         norms = ["input_layernorm", "post_attention_layernorm", "self_attn.kv_a_layernorm"] + (
             ["self_attn.q_a_layernorm"] if low_rank else [])
         shared = DecoderWeights(config)
-        loaders, tensors = shared.loaders, shared.tensors
-        slots = [{name: LinearSlot() for name in linears} for _ in range(self.num_layers)]
-        for i, layer in enumerate(slots):
-            for name, slot in layer.items():
-                loaders.add_linear(f"model.layers.{i}.{name}", slot)
+        slots = []
+        for i in range(self.num_layers):
+            slots.append({name: shared.linear(f"model.layers.{i}.{name}") for name in linears})
             for norm in norms:
                 shared.keep(f"model.layers.{i}.{norm}.weight")
-        self.embed, norm_weight, self.lm_head = shared.load(weights)
-        self.norm = RMSNorm(norm_weight, eps)
-        self.linear_methods = Counter()
+        self.embed, self.norm, self.lm_head = shared.load(weights)
         blocks = []
         for i, layer in enumerate(slots):
-            built = {name: slot.build() for name, slot in layer.items()}
-            self.linear_methods.update(method_name(m) for m in built.values())
-            norm = {n: RMSNorm(tensors[f"model.layers.{i}.{n}.weight"], eps) for n in norms}
-            blocks.append(self._block(built, norm, low_rank))
+            built = {name: shared.build(slot) for name, slot in layer.items()}
+            blocks.append(self._block(built, {n: shared.norm(f"model.layers.{i}.{n}") for n in norms}, low_rank))
+        self.linear_methods = shared.linear_methods
         self.blocks = nn.ModuleList(blocks)
 
     def _block(self, linears: dict, norms: dict, low_rank: bool) -> MlaBlock:

@@ -16,8 +16,6 @@ rotary tables and embedding are its own — no transformers module runs in its f
 
 from __future__ import annotations
 
-from collections import Counter
-
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -29,7 +27,7 @@ from llmopt.runtime.executor.kernels.cpu_ops import GEMV_BATCHED_ROWS, cpu_ops
 from llmopt.runtime.executor.linear import fuse_linears
 from llmopt.runtime.executor.models.registry import register_model_family
 from llmopt.runtime.executor.models.layers import RMSNorm, RotaryEmbedding, rotate_half
-from llmopt.runtime.executor.models.weights import DecoderWeights, LinearSlot, method_name, rope_tables
+from llmopt.runtime.executor.models.weights import DecoderWeights, rope_tables
 
 # A layer's linears the runtime runs as one (fed the same input) -> the checkpoint's names of its parts, in order
 # (nano-vllm's packed_modules_mapping). Phi-3 ships q/k/v and gate/up packed already.
@@ -110,36 +108,28 @@ class LlamaFamilyDecoder(nn.Module):
 
     def _load(self, config, weights, device) -> None:
         """Register a loader per checkpoint name, hand every weight to its loader, then build the blocks."""
-        eps = getattr(config, "rms_norm_eps", 1e-6)
         packed = PACKED_MODULES_PHI3 if config.model_type == "phi3" else PACKED_MODULES
+        norms = ["input_layernorm", "post_attention_layernorm"]
+        norms += ["self_attn.q_norm", "self_attn.k_norm"] if config.model_type in QK_NORM_TYPES else []
         shared = DecoderWeights(config)
-        loaders, tensors = shared.loaders, shared.tensors
         slots = []
         for i in range(self.num_layers):
             prefix = f"model.layers.{i}."
-            layer = {group: [LinearSlot() for _ in parts] for group, parts in packed.items()}
-            for group, parts in packed.items():
-                for slot, part in zip(layer[group], parts):
-                    loaders.add_linear(prefix + part, slot)
-            norms = ["input_layernorm", "post_attention_layernorm"]
-            norms += ["self_attn.q_norm", "self_attn.k_norm"] if config.model_type in QK_NORM_TYPES else []
+            slots.append({group: [shared.linear(prefix + part) for part in parts] for group, parts in packed.items()})
             for norm in norms:
                 shared.keep(f"{prefix}{norm}.weight")
-            slots.append(layer)
-        self.embed, norm_weight, self.lm_head = shared.load(weights)
-        self.norm = RMSNorm(norm_weight, eps)
-        blocks, self.linear_methods = [], Counter()
+        self.embed, self.norm, self.lm_head = shared.load(weights)
+        blocks = []
         for i, layer in enumerate(slots):
             prefix = f"model.layers.{i}."
-            built = {group: [slot.build() for slot in parts] for group, parts in layer.items()}
-            self.linear_methods.update(method_name(m) for parts in built.values() for m in parts)
-            q_norm, k_norm = ((RMSNorm(tensors[f"{prefix}self_attn.{n}.weight"], eps) for n in ("q_norm", "k_norm"))
+            built = {group: [shared.build(slot) for slot in parts] for group, parts in layer.items()}
+            q_norm, k_norm = ((shared.norm(f"{prefix}self_attn.{n}") for n in ("q_norm", "k_norm"))
                               if config.model_type in QK_NORM_TYPES else (None, None))
             blocks.append(DecoderBlock(
-                RMSNorm(tensors[prefix + "input_layernorm.weight"], eps),
-                RMSNorm(tensors[prefix + "post_attention_layernorm.weight"], eps),
+                shared.norm(prefix + "input_layernorm"), shared.norm(prefix + "post_attention_layernorm"),
                 *(fuse_linears(built[group], prepack=self.fast) for group in ("qkv", "o_proj", "gate_up", "down_proj")),
                 q_norm, k_norm))
+        self.linear_methods = shared.linear_methods
         self.blocks = nn.ModuleList(blocks)
 
     def kv_cache_spec(self, dtype: torch.dtype) -> KVCacheSpec:

@@ -13,6 +13,7 @@ Names nobody registered a loader for, and required names never loaded, are refus
 
 from __future__ import annotations
 
+from collections import Counter
 from typing import Callable, Iterator
 
 import torch
@@ -20,6 +21,8 @@ from torch import nn
 
 from llmopt.core.errors import ModelLoadError, UnsupportedArchitectureError
 from llmopt.runtime.executor.linear import LinearMethod
+from llmopt.runtime.executor.models.layers import RMSNorm
+
 
 class WeightLoaders:
     """name -> loader. Each loader meets a requirement (its own name, or a linear's: the module or its weight);
@@ -38,9 +41,9 @@ class WeightLoaders:
 
     def add_linear(self, name: str, slot: LinearSlot, required: bool = True) -> None:
         """A linear arrives whole (name -> module) or as tensors (name.weight, name.bias): either fills `slot`."""
-        self.add(name, lambda module: slot(module, "module", None), required, meets=name)
-        self.add(f"{name}.weight", lambda tensor: slot(None, "weight", tensor), required, meets=name)
-        self.add(f"{name}.bias", lambda tensor: slot(None, "bias", tensor), required=False)
+        self.add(name, slot.take_module, required, meets=name)
+        self.add(f"{name}.weight", slot.take_weight, required, meets=name)
+        self.add(f"{name}.bias", slot.take_bias, required=False)
 
     def load(self, weights) -> None:
         met, unexpected = set(), []
@@ -143,37 +146,58 @@ class LinearSlot:
         self.weight: torch.Tensor | None = None
         self.bias: torch.Tensor | None = None
 
-    def __call__(self, module, kind, tensor) -> None:
-        if kind == "module":
-            self.module = module
-        else:
-            setattr(self, kind, tensor)
+    def take_module(self, module: nn.Module) -> None:
+        self.module = module
+
+    def take_weight(self, weight: torch.Tensor) -> None:
+        self.weight = weight
+
+    def take_bias(self, bias: torch.Tensor) -> None:
+        self.bias = bias
 
     def build(self) -> nn.Module:
         return self.module if self.module is not None else dense_linear(self.weight, self.bias)
 
 
 class DecoderWeights:
-    """The loaders every decoder-only family shares — the embedding, the final norm, the lm_head (absent when tied
-    to the embedding) — and `keep` for any other tensor a family expects; `load` then runs them all."""
+    """The loaders of a decoder-only family: the embedding, the final norm and the lm_head (absent when tied to the
+    embedding) for every family, and the layer tensors (`keep`) and linears (`linear`) the family asks for; `load`
+    runs them all, then `norm` and `build` make the modules, `linear_methods` counting the methods built."""
 
     def __init__(self, config):
-        self.config = config
+        self.eps = getattr(config, "rms_norm_eps", 1e-6)
+        self.tied = config.tie_word_embeddings
         self.loaders = WeightLoaders(checkpoint_label(config),
                                      ignored_suffixes=("rotary_emb.inv_freq", "rotary_emb.original_inv_freq"))
         self.tensors: dict[str, torch.Tensor] = {}
-        self.head = LinearSlot()
+        self.linear_methods: Counter = Counter()
         self.keep("model.embed_tokens.weight")
         self.keep("model.norm.weight")
-        self.loaders.add_linear("lm_head", self.head, required=not config.tie_word_embeddings)
+        self.head = self.linear("lm_head", required=not self.tied)
 
     def keep(self, name: str, required: bool = True) -> None:
         self.loaders.add(name, lambda tensor: self.tensors.__setitem__(name, tensor), required)
 
-    def load(self, weights) -> tuple[nn.Embedding, torch.Tensor, nn.Module]:
-        """Run the loaders; (embedding, final norm weight, lm_head)."""
+    def linear(self, name: str, required: bool = True) -> LinearSlot:
+        """The slot the checkpoint's linear `name` fills (whole, or as weight + bias)."""
+        slot = LinearSlot()
+        self.loaders.add_linear(name, slot, required)
+        return slot
+
+    def load(self, weights) -> tuple[nn.Embedding, RMSNorm, nn.Module]:
+        """Run the loaders; (embedding, final norm, lm_head)."""
         self.loaders.load(weights)
         embed = embedding(self.tensors["model.embed_tokens.weight"])
         tied = self.head.module is None and self.head.weight is None
         lm_head = dense_linear(embed.weight, None) if tied else self.head.build()
-        return embed, self.tensors["model.norm.weight"], lm_head
+        return embed, self.norm("model.norm"), lm_head
+
+    def norm(self, name: str) -> RMSNorm:
+        """The RMSNorm whose weight was loaded as `name`.weight."""
+        return RMSNorm(self.tensors[f"{name}.weight"], self.eps)
+
+    def build(self, slot: LinearSlot) -> nn.Module:
+        """A layer's linear from its filled slot, counted by its method."""
+        linear = slot.build()
+        self.linear_methods[method_name(linear)] += 1
+        return linear
