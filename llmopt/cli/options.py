@@ -11,6 +11,7 @@ import inspect
 import typer
 
 from llmopt.compress.defaults import CALIBRATION
+from llmopt.core.errors import ConfigError
 from llmopt.core.registry import declared_names
 from llmopt.runtime.engine.config import EngineConfig, SpeculativeConfig, engine_field_types, engine_flag
 
@@ -124,25 +125,46 @@ SPECULATIVE_OPTIONS = (
         "--speculative", help="Speculative decoding: ngram (prompt lookup), draft:MODEL (a smaller model with the "
         "same tokenizer) or medusa[:PATH] (heads from `llmopt distill --medusa-heads`; default: the model's "
         "folder).")], None),
-    ("num_speculative_tokens", Annotated[int, typer.Option(
-        "--num-speculative-tokens", help="Draft tokens verified per step at most.")],
-     SPECULATIVE_DEFAULTS.num_speculative_tokens),
-    ("ngram_min", Annotated[int, typer.Option("--ngram-min", help="ngram: shortest suffix looked up.")],
-     SPECULATIVE_DEFAULTS.ngram_min),
-    ("ngram_max", Annotated[int, typer.Option("--ngram-max", help="ngram: longest suffix looked up.")],
-     SPECULATIVE_DEFAULTS.ngram_max),
+    # None = not given (each needs --speculative; defaults from SpeculativeConfig)
+    ("num_speculative_tokens", Annotated[Optional[int], typer.Option(
+        "--num-speculative-tokens", show_default=False,
+        help=f"Draft tokens verified per step at most (default {SPECULATIVE_DEFAULTS.num_speculative_tokens}).")],
+     None),
+    ("ngram_min", Annotated[Optional[int], typer.Option(
+        "--ngram-min", show_default=False,
+        help=f"ngram: shortest suffix looked up (default {SPECULATIVE_DEFAULTS.ngram_min}).")], None),
+    ("ngram_max", Annotated[Optional[int], typer.Option(
+        "--ngram-max", show_default=False,
+        help=f"ngram: longest suffix looked up (default {SPECULATIVE_DEFAULTS.ngram_max}).")], None),
     ("no_adaptive_speculation", Annotated[bool, typer.Option(
         "--no-adaptive-speculation", help="Always draft --num-speculative-tokens (default: per sequence, as many "
         "as its acceptance pays for at the measured step cost).")], False),
 )
+NGRAM_ONLY = ("ngram_min", "ngram_max")
+
+
+def _flag(name: str) -> str:
+    return "--" + ("no-adaptive-speculation" if name == "no_adaptive_speculation" else name.replace("_", "-"))
 
 
 def _speculative(values: dict) -> SpeculativeConfig | None:
+    """The SpeculativeConfig the options give; an option that would change nothing (no --speculative, or an
+    ngram option with another method) is refused by name rather than ignored."""
     spec = values.pop("speculative")
+    given = [name for name, value in values.items() if value not in (None, False)]
     if spec is None:
+        if given:
+            raise ConfigError(f"{_flag(given[0])} needs --speculative (ngram, draft:MODEL or medusa): add it or "
+                              f"drop {_flag(given[0])}", param=given[0])
         return None
     adaptive = not values.pop("no_adaptive_speculation")
-    return SpeculativeConfig.parse(spec, adaptive=adaptive, **values)
+    config = SpeculativeConfig.parse(spec, adaptive=adaptive,
+                                     **{k: v for k, v in values.items() if v is not None})
+    misplaced = [name for name in NGRAM_ONLY if name in given]
+    if misplaced and config.method != "ngram":
+        raise ConfigError(f"{_flag(misplaced[0])} applies to --speculative ngram only (not {config.method})",
+                          param=misplaced[0])
+    return config
 
 
 def with_speculative_options(command):

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import contextlib
 import signal
+import threading
+import time
 from pathlib import Path
 from typing import Annotated, Optional
 
@@ -12,6 +14,7 @@ import typer
 from llmopt.cli.options import (
     DeviceOpt, Dtype, DtypeOpt, ModelArg, TrustRemoteCodeOpt, resolve_dtype_option, with_engine_options,
 )
+from llmopt.serve.protocol import DEFAULT_MAX_BODY_BYTES
 
 @with_engine_options
 def serve(
@@ -28,7 +31,11 @@ def serve(
     max_waiting: Annotated[Optional[int], typer.Option(
         "--max-waiting", help="Waiting requests beyond which new ones get 429 (default: unbounded).")] = None,
     shutdown_timeout: Annotated[float, typer.Option(
-        "--shutdown-timeout", help="Seconds in-flight requests get to finish on SIGTERM / Ctrl-C.")] = 30.0,
+        "--shutdown-timeout", min=0, help="Seconds in-flight requests get to finish on SIGTERM / Ctrl-C; streams "
+        "still running then end with an SSE error event.")] = 30.0,
+    max_body_bytes: Annotated[int, typer.Option(
+        "--max-body-bytes", min=1, help="Request bodies larger than this get 413 before they are parsed.")
+    ] = DEFAULT_MAX_BODY_BYTES,
     dtype: DtypeOpt = Dtype.auto,
     device: DeviceOpt = "cpu",
     trust_remote_code: TrustRemoteCodeOpt = False,
@@ -44,7 +51,7 @@ def serve(
         import uvicorn
     except ImportError:
         raise ConfigError("llmopt serve needs the serve extra: pip install 'llmopt[serve]'") from None
-    from llmopt.serve.launch import start_server
+    from llmopt.serve.launch import begin_shutdown, start_server
 
     check_listen_address(host, port)  # before minutes of loading, not after
     if chat_template is not None and not chat_template.is_file():
@@ -52,22 +59,37 @@ def serve(
     app, server = start_server(model, engine, resolve_dtype_option(dtype, device), device,
                                served_model_name=served_model_name, api_key=api_key,
                                chat_template=chat_template.read_text() if chat_template else None,
-                               max_waiting=max_waiting, trust_remote_code=trust_remote_code)
+                               max_waiting=max_waiting, trust_remote_code=trust_remote_code,
+                               max_body_bytes=max_body_bytes)
     stderr.print(f"serving {server.model_name} at http://{host}:{port}/v1 "
                  f"({server.engine.engine.kv_cache_info()['summary']})", highlight=False, markup=False, soft_wrap=True)
     http = uvicorn.Server(uvicorn.Config(app, host=host, port=port, log_level="warning",
                                          timeout_graceful_shutdown=shutdown_timeout))
 
     def request_exit(signum, frame):  # stop accepting, let in-flight requests finish, then exit 0
-        http.should_exit = True
+        begin_shutdown(http, server, shutdown_timeout)
 
     http.capture_signals = contextlib.nullcontext  # our handlers: uvicorn's re-raise the signal after shutdown
     for signum in (signal.SIGINT, signal.SIGTERM):
         signal.signal(signum, request_exit)
+    watchdog = threading.Thread(target=exit_if_engine_failed, args=(http, server), daemon=True)
+    watchdog.start()
     try:
         http.run()
     finally:
         server.engine.stop(shutdown_timeout)
+    if server.engine.failed is not None:
+        raise ConfigError(f"the engine failed and could not be restarted ({server.engine.failed}): the server "
+                          f"stopped; see the log above")
+
+
+def exit_if_engine_failed(http, server, poll_s: float = 1.0) -> None:
+    """A server whose engine cannot run is stopped (exit 1), never left answering 503 for ever."""
+    while not http.should_exit:
+        if server.engine.failed is not None:
+            http.should_exit = True
+            return
+        time.sleep(poll_s)
 
 
 def check_listen_address(host: str, port: int) -> None:

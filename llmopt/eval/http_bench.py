@@ -27,6 +27,23 @@ def request_body(request: BenchRequest, endpoint: str, model: str, tokenizer) ->
     return {**body, "messages": [{"role": "user", "content": text}]}
 
 
+NOT_OPENAI = "is --base-url an OpenAI-compatible API (it ends in /v1)?"
+
+
+def content_kind(headers) -> str:
+    return headers.get("content-type", "no content type").split(";")[0] or "no content type"
+
+
+def refusal(url: str, status: int, headers, body: bytes) -> str:
+    """One line for a refused request: the OpenAI error's message, or what kind of page came back instead."""
+    try:
+        message = json.loads(body)["error"]["message"]
+    except (ValueError, KeyError, TypeError):
+        return (f"{url} answered {status} with {content_kind(headers)} ({len(body)} bytes), not an OpenAI error: "
+                f"{NOT_OPENAI}")
+    return f"{url} answered {status}: {message}"
+
+
 def _chunk_has_output(chunk: dict) -> bool:
     for choice in chunk.get("choices") or ():
         if choice.get("text") or (choice.get("delta") or {}).get("content"):
@@ -41,12 +58,17 @@ async def _one(client: httpx.AsyncClient, url: str, body: dict, request: BenchRe
     usage = None
     async with client.stream("POST", url, json=body) as response:
         if response.status_code != 200:
-            detail = (await response.aread()).decode(errors="replace")[:300]
-            raise ConfigError(f"{url} answered {response.status_code}: {detail}")
+            raise ConfigError(refusal(url, response.status_code, response.headers, await response.aread()))
+        if not response.headers.get("content-type", "").startswith("text/event-stream"):
+            raise ConfigError(f"{url} answered 200 with {content_kind(response.headers)}, not an event stream: "
+                              f"{NOT_OPENAI}")
         async for line in response.aiter_lines():
             if not line.startswith("data: ") or line == "data: [DONE]":
                 continue
-            chunk = json.loads(line[6:])
+            try:
+                chunk = json.loads(line[6:])
+            except ValueError:
+                raise ConfigError(f"{url} sent an event that is not JSON ({line[:80]!r}): {NOT_OPENAI}") from None
             if "error" in chunk:
                 raise ConfigError(f"{url} failed a request: {chunk['error'].get('message')}")
             if _chunk_has_output(chunk):

@@ -110,7 +110,13 @@ class BenchSpec(_Strict):
     # variants are benched in an order shuffled by defaults.seed (the first measurement of a process can pay
     # one-off costs); `recipe` keeps the file's order
     order: Literal["shuffled", "recipe"] = "shuffled"
-    num_speculative_tokens: int = Field(SpeculativeConfig().num_speculative_tokens, ge=1)
+    num_speculative_tokens: Optional[int] = Field(None, ge=1)  # default: SpeculativeConfig's; needs speculative
+
+    @model_validator(mode="after")
+    def _draft_length_needs_a_method(self):
+        if self.num_speculative_tokens is not None and self.speculative is None:
+            raise ValueError("num_speculative_tokens needs speculative (ngram, draft:MODEL or medusa)")
+        return self
 
     @field_validator("speculative")
     @classmethod
@@ -128,7 +134,8 @@ class BenchSpec(_Strict):
     def speculative_config(self) -> SpeculativeConfig | None:
         if self.speculative is None:
             return None
-        return SpeculativeConfig.parse(self.speculative, num_speculative_tokens=self.num_speculative_tokens)
+        given = {} if self.num_speculative_tokens is None else {"num_speculative_tokens": self.num_speculative_tokens}
+        return SpeculativeConfig.parse(self.speculative, **given)
 
     @field_validator("dataset")
     @classmethod

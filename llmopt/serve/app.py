@@ -1,5 +1,9 @@
 """The OpenAI-compatible HTTP API (FastAPI) over an AsyncEngine: /v1/completions, /v1/chat/completions (both
-with SSE streaming), /v1/models, /health and /metrics (Prometheus, vLLM's metric names with an llmopt: prefix)."""
+with SSE streaming), /v1/models, /health and /metrics (Prometheus, vLLM's metric names with an llmopt: prefix).
+
+A request body is read up to --max-body-bytes, then parsed, validated (serve.protocol), tokenized and checked in a
+worker thread, so a large body never stalls the event loop (/health, the other streams); only a request that
+passed every check reaches the engine."""
 
 from __future__ import annotations
 
@@ -11,32 +15,46 @@ import uuid
 from typing import AsyncIterator
 
 from fastapi import FastAPI, Request
-from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
+from pydantic import ValidationError
 
 from llmopt.core.errors import ConfigError
 from llmopt.runtime.engine.output import RequestOutput
-from llmopt.runtime.engine.sampling import SamplingParams
-from llmopt.serve.async_engine import AsyncEngine, ServerOverloaded
+from llmopt.runtime.engine.sampling import MAX_SEED, SamplingParams
+from llmopt.serve.async_engine import AsyncEngine, EngineRestarted, EngineStopping, ServerOverloaded
 from llmopt.serve.metrics import ServerMetrics
-from llmopt.serve.protocol import ChatCompletionRequest, CompletionRequest, SamplingFields, error_body
+from llmopt.serve.protocol import (
+    DEFAULT_MAX_BODY_BYTES, ChatCompletionRequest, CompletionRequest, SamplingFields, error_body,
+)
 
 
 class RequestError(Exception):
-    """A 4xx for one request: the message and the field it is about."""
+    """A 4xx for one request: the message, the field it is about, the status and OpenAI's error code."""
 
-    def __init__(self, message: str, param: str | None = None, status: int = 400):
+    def __init__(self, message: str, param: str | None = None, status: int = 400, code: str | None = None):
         super().__init__(message)
-        self.param, self.status = param, status
+        self.param, self.status, self.code = param, status, code
+
+
+def validation_error(exc: ValidationError) -> RequestError:
+    """The first pydantic error as a 400 naming its field."""
+    first = exc.errors()[0]
+    cause = (first.get("ctx") or {}).get("error")
+    if getattr(cause, "param", None):  # protocol's UnknownField / UnsupportedValue
+        return RequestError(str(cause), cause.param)
+    loc = [str(p) for p in first.get("loc", ())]
+    if first.get("type") == "extra_forbidden":  # an unknown nested field: named in full (messages.0.contnet)
+        return RequestError(f"unrecognized request argument supplied: {'.'.join(loc)}", ".".join(loc))
+    return RequestError(f"{'.'.join(loc) or 'body'}: {first.get('msg')}", loc[0] if loc else None)
 
 
 class Server:
     """The state behind the routes: the engine, the tokenizer, the served name."""
 
     def __init__(self, engine: AsyncEngine, tokenizer, model_name: str, api_key: str | None = None,
-                 chat_template: str | None = None):
+                 chat_template: str | None = None, max_body_bytes: int = DEFAULT_MAX_BODY_BYTES):
         self.engine, self.tokenizer, self.model_name = engine, tokenizer, model_name
-        self.api_key, self.chat_template = api_key, chat_template
+        self.api_key, self.chat_template, self.max_body_bytes = api_key, chat_template, max_body_bytes
         self.max_context = engine.engine.max_context
         # what the numbers served depend on, fixed at start (plain values: read from any thread)
         kv = engine.engine.kv_cache_info()
@@ -44,16 +62,72 @@ class Server:
                              "kv_cache": {k: kv[k] for k in ("bytes", "tokens", "dtype", "bytes_per_token", "layout")}}
         self.metrics = ServerMetrics(engine)
 
+    # --- body -> request (in a worker thread) -----------------------------------------------------
+    def parse(self, body: bytes, kind: type[SamplingFields]):
+        """The validated request of `kind`; a RequestError naming the field otherwise."""
+        try:
+            data = json.loads(body)
+        except (ValueError, UnicodeDecodeError) as exc:
+            raise RequestError(f"the body is not valid JSON: {exc}") from None
+        if not isinstance(data, dict):
+            raise RequestError(f"the body must be a JSON object, not {type(data).__name__}")
+        try:
+            req = kind.model_validate(data)
+        except ValidationError as exc:
+            raise validation_error(exc) from None
+        if req.model is not None and req.model != self.model_name:  # as OpenAI's API answers
+            raise RequestError(f"the model `{req.model}` does not exist: this server serves `{self.model_name}`",
+                               "model", 404, "model_not_found")
+        if req.stop_token_ids:
+            self.check_token_ids(req.stop_token_ids, "stop_token_ids")
+        return req
+
+    def check_token_ids(self, token_ids: list[int], param: str) -> None:
+        try:
+            self.engine.engine.check_token_ids(token_ids, param)
+        except ConfigError as exc:
+            raise RequestError(f"{param}: {exc}", param) from None
+
+    def completion_jobs(self, body: bytes) -> tuple[CompletionRequest, list[tuple[list[int], SamplingParams]]]:
+        """(the request, one (prompt ids, params) job per prompt and choice)."""
+        req = self.parse(body, CompletionRequest)
+        if req.echo and req.stream:
+            raise RequestError("echo with stream is not supported: drop one of them", "echo")
+        if req.max_tokens == 0 and not req.echo:
+            raise RequestError("max_tokens 0 needs echo (scoring the prompt): raise max_tokens", "max_tokens")
+        if req.best_of is not None and req.best_of != req.n:
+            raise RequestError(f"best_of {req.best_of} other than n ({req.n}) is not supported: leave it out",
+                               "best_of")
+        prompts = self.completion_prompts(req)
+        prompt_logprobs = req.logprobs if req.echo and req.logprobs is not None else None
+        jobs = []
+        for prompt in prompts:
+            # max_tokens 0: score the prompt, generate one token and drop it
+            max_tokens = self.max_tokens_for(req.max_tokens or 1, prompt)
+            for j in range(req.n):
+                jobs.append((prompt, self.sampling_params(req, max_tokens, req.logprobs, j, prompt_logprobs)))
+        return req, jobs
+
+    def chat_jobs(self, body: bytes) -> tuple[ChatCompletionRequest, list[tuple[list[int], SamplingParams]]]:
+        req = self.parse(body, ChatCompletionRequest)
+        if req.top_logprobs is not None and not req.logprobs:
+            raise RequestError("top_logprobs needs logprobs: true", "top_logprobs")
+        prompt = self.chat_prompt(req)
+        max_tokens = self.max_tokens_for(req.max_completion_tokens or req.max_tokens, prompt)
+        top = req.top_logprobs or 0
+        logprobs = max(top, 1) if req.logprobs else None
+        return req, [(prompt, self.sampling_params(req, max_tokens, logprobs, j)) for j in range(req.n)]
+
     # --- request -> engine inputs ------------------------------------------------------------------
     def sampling_params(self, req: SamplingFields, max_tokens: int, logprobs: int | None, index: int,
                         prompt_logprobs: int | None = None) -> SamplingParams:
-        if req.presence_penalty or req.frequency_penalty:
-            raise RequestError("presence_penalty and frequency_penalty are not supported: leave them at 0",
-                               "presence_penalty" if req.presence_penalty else "frequency_penalty")
-        seed = None if req.seed is None else req.seed + index  # n > 1: a different draw per choice
+        seed = req.seed
+        if seed is not None and index:  # n > 1: a different draw per choice (kept within 64 bits)
+            seed = (seed + index) & MAX_SEED
         try:
             return SamplingParams(max_tokens=max_tokens, temperature=req.temperature, top_p=req.top_p,
-                                  top_k=req.top_k, seed=seed, stop=req.stop_strings(), ignore_eos=req.ignore_eos,
+                                  top_k=max(req.top_k, 0), seed=seed, stop=req.stop_strings(),
+                                  stop_token_ids=tuple(req.stop_token_ids or ()), ignore_eos=req.ignore_eos,
                                   logprobs=logprobs, prompt_logprobs=prompt_logprobs)
         except ConfigError as exc:
             raise RequestError(str(exc), exc.param) from None
@@ -80,17 +154,29 @@ class Server:
             prompt = [prompt]
         if not prompt:
             raise RequestError("the prompt is empty", "prompt")
-        return [self.tokenizer(p, add_special_tokens=True)["input_ids"] if isinstance(p, str) else list(p)
-                for p in prompt]
+        encoded = []
+        for i, p in enumerate(prompt):
+            if isinstance(p, str):
+                encoded.append(self.tokenizer(p, add_special_tokens=req.add_special_tokens)["input_ids"])
+            else:
+                self.check_token_ids(p, "prompt" if len(prompt) == 1 else f"prompt[{i}]")
+                encoded.append(list(p))
+        return encoded
 
     def chat_prompt(self, req: ChatCompletionRequest) -> list[int]:
-        messages = [{"role": m.role, "content": m.text()} for m in req.messages]
+        for i, message in enumerate(req.messages):
+            unsupported = message.unsupported_part()
+            if unsupported:
+                raise RequestError(f"messages[{i}].content: parts of type {unsupported!r} are not supported (text "
+                                   f"only)", "messages")
+        messages = [m.template_fields() for m in req.messages]
         try:
-            encoded = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True,
-                                                         chat_template=self.chat_template)
+            text = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False,
+                                                      chat_template=self.chat_template)
         except Exception as exc:  # noqa: BLE001  (a template that rejects these messages)
             raise RequestError(f"the chat template cannot render these messages: {exc}", "messages") from None
-        return list(encoded["input_ids"] if hasattr(encoded, "keys") else encoded)
+        # the template places the special tokens itself (as transformers tokenizes a rendered chat)
+        return self.tokenizer(text, add_special_tokens=req.add_special_tokens)["input_ids"]
 
     def token_text(self, token_id: int) -> str:
         return self.tokenizer.decode([token_id])
@@ -175,6 +261,22 @@ def chat_logprobs(server: Server, token_ids: list[int], entries, top: int) -> di
 
 
 # --- the routes ------------------------------------------------------------------------------------
+async def read_body(request: Request, limit: int) -> bytes:
+    """The body, refused with a 413 once it exceeds `limit` bytes (by its Content-Length before reading any)."""
+    declared = request.headers.get("content-length", "")
+    if declared.isdigit() and int(declared) > limit:
+        raise RequestError(f"the body is {int(declared)} bytes, more than this server accepts ({limit}; "
+                           f"--max-body-bytes)", None, 413, "body_too_large")
+    chunks, size = [], 0
+    async for chunk in request.stream():
+        size += len(chunk)
+        if size > limit:
+            raise RequestError(f"the body is more than this server accepts ({limit} bytes; --max-body-bytes)",
+                               None, 413, "body_too_large")
+        chunks.append(chunk)
+    return b"".join(chunks)
+
+
 class BearerAuth:
     """Plain ASGI middleware: /v1 routes need `Authorization: Bearer KEY`. (Starlette's @app.middleware("http")
     would relay every SSE chunk through an extra in-memory stream and task: a cost on every streamed token.)"""
@@ -199,22 +301,21 @@ def build_app(server: Server) -> FastAPI:
     if server.api_key:
         app.add_middleware(BearerAuth, api_key=server.api_key)
 
-    @app.exception_handler(RequestValidationError)
-    async def invalid_body(request: Request, exc: RequestValidationError):
-        first = exc.errors()[0]
-        loc = [str(p) for p in first.get("loc", ()) if p != "body"]
-        if first.get("type") == "json_invalid":
-            return JSONResponse(error_body(f"the body is not valid JSON: {first.get('msg')}"), 400)
-        param = loc[0] if loc else None
-        return JSONResponse(error_body(f"{'.'.join(loc) or 'body'}: {first.get('msg')}", param), 400)
-
     @app.exception_handler(RequestError)
     async def bad_request(request: Request, exc: RequestError):
-        return JSONResponse(error_body(str(exc), exc.param), exc.status)
+        return JSONResponse(error_body(str(exc), exc.param, code=exc.code), exc.status)
 
     @app.exception_handler(ServerOverloaded)
     async def overloaded(request: Request, exc: ServerOverloaded):
         return JSONResponse(error_body(str(exc), kind="server_overloaded"), 429, headers={"Retry-After": "1"})
+
+    @app.exception_handler(EngineStopping)
+    async def stopping(request: Request, exc: EngineStopping):
+        return JSONResponse(error_body(str(exc), kind="server_shutting_down"), 503)
+
+    @app.exception_handler(EngineRestarted)
+    async def restarted(request: Request, exc: EngineRestarted):
+        return JSONResponse(error_body(str(exc), kind="server_error"), 503, headers={"Retry-After": "1"})
 
     @app.exception_handler(Exception)
     async def failed(request: Request, exc: Exception):
@@ -238,28 +339,15 @@ def build_app(server: Server) -> FastAPI:
                                             "llmopt": server.engine_facts}]}
 
     @app.post("/v1/completions")
-    async def completions(req: CompletionRequest):
-        if req.echo and req.stream:
-            raise RequestError("echo with stream is not supported: drop one of them", "echo")
-        if req.max_tokens == 0 and not req.echo:
-            raise RequestError("max_tokens 0 needs echo (scoring the prompt): raise max_tokens", "max_tokens")
-        prompts = server.completion_prompts(req)
-        prompt_logprobs = req.logprobs if req.echo and req.logprobs is not None else None
-        jobs = []
-        for prompt in prompts:
-            # max_tokens 0: score the prompt, generate one token and drop it
-            max_tokens = server.max_tokens_for(req.max_tokens or 1, prompt)
-            for j in range(req.n):
-                jobs.append((prompt, server.sampling_params(req, max_tokens, req.logprobs, j, prompt_logprobs)))
+    async def completions(request: Request):
+        body = await read_body(request, server.max_body_bytes)
+        req, jobs = await asyncio.to_thread(server.completion_jobs, body)  # off the event loop
         return await respond(server, req, jobs, "cmpl", completion_choice, completion_chunk)
 
     @app.post("/v1/chat/completions")
-    async def chat_completions(req: ChatCompletionRequest):
-        prompt = server.chat_prompt(req)
-        max_tokens = server.max_tokens_for(req.max_completion_tokens or req.max_tokens, prompt)
-        top = req.top_logprobs or 0
-        logprobs = max(top, 1) if req.logprobs else None
-        jobs = [(prompt, server.sampling_params(req, max_tokens, logprobs, j)) for j in range(req.n)]
+    async def chat_completions(request: Request):
+        body = await read_body(request, server.max_body_bytes)
+        req, jobs = await asyncio.to_thread(server.chat_jobs, body)
         return await respond(server, req, jobs, "chatcmpl", chat_choice, chat_chunk)
 
     return app
@@ -360,6 +448,8 @@ async def respond(server: Server, req, jobs, prefix: str, choice, chunk):
                             "usage": _usage(prompt_tokens, completion_tokens)})
         except RequestError as exc:
             yield _sse(error_body(str(exc), exc.param))
+        except EngineStopping as exc:  # the shutdown timeout ran out: a final error event, then [DONE]
+            yield _sse(error_body(str(exc), kind="server_shutting_down"))
         except Exception as exc:  # noqa: BLE001  (this request fails; the server goes on)
             yield _sse(error_body(f"the request failed: {exc}", kind="server_error"))
         finally:

@@ -1,6 +1,8 @@
 """The engine behind an HTTP server: one thread steps the (single-threaded) Engine while any request is live;
 requests and aborts reach it through a thread-safe queue, and each request gets its own asyncio stream of
-RequestOutputs. A failing step fails the requests it was running, never the server.
+RequestOutputs. A failing step fails the requests it was running, never the server; a loop that dies anyway (an
+error outside any request's handling) is restarted in place, its engine reset, by the watchdog in `_run`: the
+requests in flight end with an error naming the failure, and the server goes on.
 
 The engine is built in that thread too (for `llmopt serve`, the model load as well): every torch operation of the
 server then runs in one thread. With OpenMP (torch's CPU thread pool) each thread that runs a parallel region
@@ -29,13 +31,25 @@ class ServerOverloaded(LLMOptError):
     """More requests are waiting than the server accepts (--max-waiting): retry later."""
 
 
+class EngineStopping(LLMOptError):
+    """The server is shutting down: new requests are refused, and streams still running at the end of
+    --shutdown-timeout end with this error."""
+
+
+class EngineRestarted(LLMOptError):
+    """The engine loop failed while this request was in flight and was restarted (the request is lost)."""
+
+
 @dataclass
 class _Stream:
     loop: asyncio.AbstractEventLoop
     queue: asyncio.Queue
 
     def put(self, item) -> None:
-        self.loop.call_soon_threadsafe(self.queue.put_nowait, item)
+        try:
+            self.loop.call_soon_threadsafe(self.queue.put_nowait, item)
+        except RuntimeError:  # the caller's event loop is closed (the server is gone): nobody to tell
+            pass
 
 
 class AsyncEngine:
@@ -44,6 +58,8 @@ class AsyncEngine:
         self._build_engine = build_engine
         self.engine: Engine | None = None
         self.max_waiting = max_waiting
+        self.restarts = 0  # times the watchdog restarted a loop that died
+        self.failed: BaseException | None = None  # set when even a restart failed: the server must exit
         self._inbox: queue.SimpleQueue = queue.SimpleQueue()
         self._streams: dict[int, _Stream] = {}
         self._wake = threading.Event()
@@ -72,6 +88,31 @@ class AsyncEngine:
         return self._thread is not None and self._thread.is_alive() and not self._stopping.is_set()
 
     @property
+    def stopping(self) -> bool:
+        return self._stopping.is_set()
+
+    def drain(self, timeout: float) -> None:
+        """A graceful shutdown: refuse new requests from now on (EngineStopping), let those in flight run, and end
+        the ones still running after `timeout` seconds with EngineStopping (a final SSE error event, or a 503)."""
+        self._stopping.set()
+        self._wake.set()
+        reason = f"the server shut down: this request was still running after its {timeout:g} s shutdown timeout"
+        timer = threading.Timer(max(0.0, timeout), self.cut_streams, args=(reason,))
+        timer.daemon = True
+        timer.start()
+
+    def cut_streams(self, reason: str) -> None:
+        """End every request in flight now with EngineStopping(reason) (the end of a graceful shutdown)."""
+        self._inbox.put(("cut", reason))
+        self._wake.set()
+
+    def _refuse_if_stopped(self) -> None:
+        if self._stopping.is_set():
+            raise EngineStopping("the server is shutting down: retry on another replica or after its restart")
+        if not self.alive:
+            raise EngineRestarted(f"the engine stopped ({self.failed}): the server is exiting")
+
+    @property
     def num_waiting(self) -> int:
         return self.engine.num_waiting + self._pending
 
@@ -80,34 +121,38 @@ class AsyncEngine:
         return self.engine.num_running
 
     def admit(self, count: int) -> None:
-        """Refuse, before any is queued, `count` sequences of one request that --max-waiting cannot take: more than
-        it ever queues at once (a ValueError: the request itself is too large), or more than it has room for now
-        (ServerOverloaded: retry later)."""
-        if not self.alive:
-            raise ServerOverloaded("the engine is shutting down")
+        """Refuse, before any is queued, `count` sequences of one request the server cannot take: more than it
+        ever holds at once, running (--max-num-seqs) plus waiting (--max-waiting) (a ValueError: the request
+        itself is too large), or more than it has room for now (ServerOverloaded: retry later)."""
+        self._refuse_if_stopped()
         if self.max_waiting is None:
             return
-        if count > self.max_waiting:
-            raise ValueError(f"{count} sequences in one request, more than the server queues at once "
-                             f"(--max-waiting {self.max_waiting})")
-        if self.num_waiting + count > self.max_waiting:
-            raise ServerOverloaded(f"{self.num_waiting} requests are waiting and this one adds {count} "
-                                   f"(--max-waiting {self.max_waiting})")
+        max_num_seqs = self.engine.config.max_num_seqs
+        capacity = self.max_waiting + max_num_seqs
+        if count > capacity:
+            raise ValueError(f"{count} sequences in one request, more than the server holds at once "
+                             f"(--max-num-seqs {max_num_seqs} running + --max-waiting {self.max_waiting} waiting)")
+        held = self.num_waiting + self.num_running
+        if held + count > capacity:
+            raise ServerOverloaded(f"{self.num_running} requests are running and {self.num_waiting} waiting; this "
+                                   f"one adds {count} (--max-num-seqs {max_num_seqs}, --max-waiting "
+                                   f"{self.max_waiting})")
 
     # --- requests -------------------------------------------------------------------------------
     async def generate(self, prompt_ids: list[int], params: SamplingParams) -> AsyncIterator[RequestOutput]:
         """The request's outputs as the engine produces them; leaving the iteration early aborts the request."""
-        if not self.alive:
-            raise ServerOverloaded("the engine is shutting down")
-        if self.max_waiting is not None and self.num_waiting >= self.max_waiting:
-            raise ServerOverloaded(f"{self.num_waiting} requests are waiting (--max-waiting {self.max_waiting})")
+        self._refuse_if_stopped()
         stream = _Stream(asyncio.get_running_loop(), asyncio.Queue())
         admitted: concurrent.futures.Future = concurrent.futures.Future()
         with self._pending_lock:
             self._pending += 1
         self._inbox.put(("add", prompt_ids, params, stream, admitted))
         self._wake.set()
-        request_id = await asyncio.wrap_future(admitted)  # raises the engine's ConfigError for a bad request
+        try:
+            request_id = await asyncio.wrap_future(admitted)  # raises the engine's ConfigError for a bad request
+        except asyncio.CancelledError:  # the caller left while the engine was adding it: abort it once added
+            admitted.add_done_callback(self._abort_once_added)
+            raise
         finished = False
         try:
             while not finished:
@@ -120,6 +165,11 @@ class AsyncEngine:
             if not finished:  # the client went away, or the caller stopped reading
                 self._inbox.put(("abort", request_id))
                 self._wake.set()
+
+    def _abort_once_added(self, admitted: concurrent.futures.Future) -> None:
+        if not admitted.cancelled() and admitted.exception() is None:
+            self._inbox.put(("abort", admitted.result()))
+            self._wake.set()
 
     # --- the engine thread ----------------------------------------------------------------------
     def _drain_inbox(self) -> None:
@@ -134,8 +184,11 @@ class AsyncEngine:
                 log.exception("a request message failed in the engine thread")
 
     def _handle(self, message: tuple) -> None:
-        if message[0] != "add":
+        if message[0] == "abort":
             self.engine.abort(message[1])
+            return
+        if message[0] == "cut":
+            self._fail_all(EngineStopping(message[1]))
             return
         _, prompt_ids, params, stream, admitted = message
         with self._pending_lock:
@@ -143,6 +196,9 @@ class AsyncEngine:
         # a request whose caller went away before it was added (its future cancelled: a sibling of an n > 1
         # request was refused, the client hung up) is dropped; once running, the future can no longer be cancelled
         if not admitted.set_running_or_notify_cancel():
+            return
+        if self._stopping.is_set():
+            admitted.set_exception(EngineStopping("the server is shutting down: retry after its restart"))
             return
         try:
             request_id = self.engine.add_request(prompt_ids, params)
@@ -160,7 +216,29 @@ class AsyncEngine:
             return
         self.engine = engine
         built.set_result(engine)
-        self._serve()
+        while True:  # the watchdog: a loop that dies is restarted, never left a zombie behind a live server
+            try:
+                self._serve()
+                return
+            except BaseException as exc:  # noqa: BLE001
+                self.restarts += 1
+                log.critical("the engine loop died (%s: %s); restarting it (restart %d); the requests in flight "
+                             "fail", type(exc).__name__, exc, self.restarts, exc_info=True)
+                try:
+                    self._restart(exc)
+                except BaseException as again:  # noqa: BLE001  (no way to go on: /health 503, the CLI exits 1)
+                    self.failed = again
+                    log.critical("restarting the engine failed: %s", again, exc_info=True)
+                    return
+
+    def _restart(self, exc: BaseException) -> None:
+        """Fail every request in flight with EngineRestarted and reset the engine to no requests."""
+        failure = EngineRestarted(f"the engine failed while running this request ({type(exc).__name__}: {exc}) "
+                                  f"and was restarted: send it again")
+        for stream in self._streams.values():
+            stream.put(failure)
+        self._streams.clear()
+        self.engine.reset()
 
     def _serve(self) -> None:
         while True:
@@ -185,9 +263,11 @@ class AsyncEngine:
                     stream.put(output)
 
     def _fail_all(self, exc: Exception) -> None:
+        failure = exc if isinstance(exc, LLMOptError) else RuntimeError(
+            f"the engine failed while running this request: {exc}")
         for request_id, stream in list(self._streams.items()):
             self.engine.abort(request_id)
-            stream.put(RuntimeError(f"the engine failed while running this request: {exc}"))
+            stream.put(failure)
         self._streams.clear()
         while self.engine.has_unfinished():  # collect the aborted requests' final outputs
             try:

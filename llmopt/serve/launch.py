@@ -8,20 +8,25 @@ from typing import Iterator
 from llmopt.runtime.engine.config import EngineConfig
 from llmopt.runtime.engine.engine import Engine
 from llmopt.runtime.executor.loader import load_runtime_model
-from llmopt.serve.app import Server, build_app
+from llmopt.serve.app import DEFAULT_MAX_BODY_BYTES, Server, build_app
 from llmopt.serve.async_engine import AsyncEngine
+
+# the share of --shutdown-timeout kept to deliver the final events of the streams cut when it runs out
+FLUSH_SHARE, MAX_FLUSH_S = 0.1, 1.0
 
 
 def server_for(model, tokenizer, model_name: str, config: EngineConfig | None = None, api_key: str | None = None,
-               chat_template: str | None = None, max_waiting: int | None = None) -> Server:
+               chat_template: str | None = None, max_waiting: int | None = None,
+               max_body_bytes: int = DEFAULT_MAX_BODY_BYTES) -> Server:
     """A started server state over an already loaded model."""
     return _started(lambda: Engine(model, tokenizer, config, record_steps=False), model_name, api_key,
-                    chat_template, max_waiting)
+                    chat_template, max_waiting, max_body_bytes)
 
 
 def start_server(model_name: str, config: EngineConfig, dtype: str, device: str = "cpu",
                  served_model_name: str | None = None, api_key: str | None = None, chat_template: str | None = None,
-                 max_waiting: int | None = None, trust_remote_code: bool = False):
+                 max_waiting: int | None = None, trust_remote_code: bool = False,
+                 max_body_bytes: int = DEFAULT_MAX_BODY_BYTES):
     """(FastAPI app, Server) for MODEL; quantized artifacts run on the runtime's packed layers. The model is
     loaded in the engine's thread (async_engine's note: one thread for every torch operation)."""
     def build() -> Engine:
@@ -29,21 +34,33 @@ def start_server(model_name: str, config: EngineConfig, dtype: str, device: str 
                                                  trust_remote_code=trust_remote_code, activations=config.activations)
         return Engine(model, tokenizer, config, record_steps=False)
 
-    server = _started(build, served_model_name or model_name, api_key, chat_template, max_waiting)
+    server = _started(build, served_model_name or model_name, api_key, chat_template, max_waiting, max_body_bytes)
     return build_app(server), server
 
 
-def _started(build, model_name: str, api_key: str | None, chat_template: str | None, max_waiting: int | None
-             ) -> Server:
+def _started(build, model_name: str, api_key: str | None, chat_template: str | None, max_waiting: int | None,
+             max_body_bytes: int) -> Server:
     engine = AsyncEngine(build, max_waiting)
     engine.start()
-    return Server(engine, engine.engine.tokenizer, model_name, api_key, chat_template)
+    return Server(engine, engine.engine.tokenizer, model_name, api_key, chat_template, max_body_bytes)
+
+
+def begin_shutdown(http, server: Server, timeout: float) -> None:
+    """A graceful stop (SIGTERM, Ctrl-C): uvicorn stops accepting connections; requests in flight run on; those
+    still running near the end of `timeout` are ended by the engine with a final error (an SSE error event then
+    [DONE], or a 503), early enough for that to reach the client before uvicorn's own limit (the same timeout)
+    cancels what is left."""
+    flush = min(MAX_FLUSH_S, FLUSH_SHARE * timeout)
+    server.engine.drain(max(0.0, timeout - flush))
+    http.should_exit = True
 
 
 @contextmanager
-def in_thread(server: Server, start_timeout: float = 300.0) -> Iterator[str]:
+def in_thread(server: Server, start_timeout: float = 300.0, shutdown_timeout: float = 30.0,
+              on_http=None) -> Iterator[str]:
     """Run `server` on a free loopback port in a background thread for the duration of the block, then stop it
-    and its engine; yields the base URL (http://127.0.0.1:PORT/v1)."""
+    and its engine gracefully (begin_shutdown); yields the base URL (http://127.0.0.1:PORT/v1). on_http receives
+    the uvicorn server (a test that shuts it down itself)."""
     import socket
     import threading
     import time
@@ -53,7 +70,10 @@ def in_thread(server: Server, start_timeout: float = 300.0) -> Iterator[str]:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    http = uvicorn.Server(uvicorn.Config(build_app(server), host="127.0.0.1", port=port, log_level="warning"))
+    http = uvicorn.Server(uvicorn.Config(build_app(server), host="127.0.0.1", port=port, log_level="warning",
+                                         timeout_graceful_shutdown=shutdown_timeout))
+    if on_http is not None:
+        on_http(http)
     thread = threading.Thread(target=http.run, daemon=True)
     thread.start()
     try:
@@ -66,8 +86,8 @@ def in_thread(server: Server, start_timeout: float = 300.0) -> Iterator[str]:
             time.sleep(0.05)
         yield f"http://127.0.0.1:{port}/v1"
     finally:
-        http.should_exit = True
-        thread.join(30)
+        begin_shutdown(http, server, shutdown_timeout)
+        thread.join(shutdown_timeout + 30)
         server.engine.stop(30)
 
 

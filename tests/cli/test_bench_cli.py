@@ -2,6 +2,8 @@
 
 import json
 
+import pytest
+
 from tests.cli.test_cli import assert_one_line_error, run
 
 VLLM_KEYS = ["request_throughput", "output_throughput", "total_token_throughput", "request_goodput"] + [
@@ -62,3 +64,54 @@ def test_bench_bad_input(tiny_llama_dir, tmp_path):
                               tmp_path / "missing.json"), "does not exist")
     usage = run("bench", tiny_llama_dir, "--batching", "dynamic")  # a choice of the option: a usage error
     assert usage.exit_code == 2 and "'dynamic' is not one of 'continuous', 'static'" in usage.output
+
+
+def test_speculative_options_without_speculative_are_refused(tiny_llama_dir):
+    # they were ignored: a run without speculation that looked configured
+    assert_one_line_error(run("bench", tiny_llama_dir, "--num-speculative-tokens", 3), "needs --speculative")
+    assert_one_line_error(run("bench", tiny_llama_dir, "--ngram-max", 3), "--ngram-max needs --speculative")
+    assert_one_line_error(run("generate", tiny_llama_dir, "-p", "x", "--no-adaptive-speculation"),
+                          "--no-adaptive-speculation needs --speculative")
+    assert_one_line_error(run("bench", tiny_llama_dir, "--speculative", f"draft:{tiny_llama_dir}", "--ngram-min", 2),
+                          "applies to --speculative ngram only")
+
+
+class PlainWebsite:
+    """An HTTP server that is not an OpenAI API: an HTML page for every path (404 for POSTs under /v1 except one,
+    which answers 200 with HTML)."""
+
+    def __enter__(self):
+        import http.server
+        import threading
+
+        page = b"<html><body>" + b"<p>not an API</p>" * 400 + b"</body></html>"
+
+        class Handler(http.server.BaseHTTPRequestHandler):
+            def do_POST(self):
+                self.rfile.read(int(self.headers.get("content-length", 0)))
+                self.send_response(200 if self.path.startswith("/ok") else 404)
+                self.send_header("content-type", "text/html")
+                self.send_header("content-length", str(len(page)))
+                self.end_headers()
+                self.wfile.write(page)
+
+            def log_message(self, *args):
+                pass
+
+        self.httpd = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        threading.Thread(target=self.httpd.serve_forever, daemon=True).start()
+        return f"http://127.0.0.1:{self.httpd.server_address[1]}"
+
+    def __exit__(self, *exc):
+        self.httpd.shutdown()
+
+
+@pytest.mark.parametrize("path, status", [("/v1", "answered 404 with text/html"), ("/ok/v1", "answered 200 with text/html")])
+def test_bench_base_url_at_a_server_that_is_not_openai_is_one_line(tiny_llama_dir, path, status):
+    with PlainWebsite() as url:
+        result = run("bench", tiny_llama_dir, "--base-url", url + path, "--num-requests", 1, "--input-len", 4,
+                     "--output-len", 2)
+    assert result.exit_code == 1 and "Traceback" not in result.output, result.output
+    errors = [line for line in result.output.splitlines() if line.startswith("error:")]
+    assert len(errors) == 1 and status in errors[0] and "OpenAI-compatible" in errors[0], result.output
+    assert "<html>" not in result.output and "not an API" not in result.output

@@ -27,12 +27,12 @@ def free_port() -> int:
 class Running:
     """A server on a free loopback port in a background thread (serve.launch.in_thread)."""
 
-    def __init__(self, **options):
+    def __init__(self, shutdown_timeout: float = 30.0, on_http=None, **options):
         model, tokenizer = build_tiny_model("llama", seed=0)
         self.tokenizer = tokenizer
         self.server = server_for(model, tokenizer, MODEL, options.pop("config", EngineConfig(block_size=4)),
                                  **options)
-        self._running = in_thread(self.server)
+        self._running = in_thread(self.server, shutdown_timeout=shutdown_timeout, on_http=on_http)
         base = self._running.__enter__()
         self.url = base.removesuffix("/v1")
         self.client = openai.OpenAI(base_url=base, api_key=options.get("api_key") or "none", max_retries=0)
@@ -52,11 +52,15 @@ def srv():
     running.close()
 
 
-def offline_text(prompt_ids, max_tokens, **params):
+def offline_engine_output(prompt_ids, max_tokens, **params):
     model, tokenizer = build_tiny_model("llama", seed=0)
     [out] = Engine(model, tokenizer, EngineConfig(block_size=4)).generate(
         [prompt_ids], SamplingParams(max_tokens=max_tokens, **params))
-    return out.text
+    return out
+
+
+def offline_text(prompt_ids, max_tokens, **params):
+    return offline_engine_output(prompt_ids, max_tokens, **params).text
 
 
 def test_models_and_health(srv):
@@ -245,17 +249,19 @@ def test_api_key_and_overload():
         limited = next(r for r in asyncio.run(flood()) if r.status_code == 429)
         assert limited.headers["retry-after"] == "1"
         assert httpx.get(running.url + "/health").status_code == 200
-        # one request of more sequences than --max-waiting ever queues: a 400 naming n, and the engine lives on
-        # (its siblings' cancelled admissions killed the engine thread: /health 503 and 429s until a restart)
+        # one request of more sequences than the server ever holds (--max-num-seqs 1 running + --max-waiting 2
+        # waiting): a 400 naming n, and the engine lives on (its siblings' cancelled admissions killed the engine
+        # thread: /health 503 and 429s until a restart); n = 3 fits and is served
         auth = {"Authorization": "Bearer sesame"}
         too_many = httpx.post(running.url + "/v1/completions", headers=auth, timeout=60,
-                              json={"model": MODEL, "prompt": "x", "max_tokens": 4, "n": 3})
+                              json={"model": MODEL, "prompt": "x", "max_tokens": 4, "n": 4})
         assert too_many.status_code == 400 and too_many.json()["error"]["param"] == "n", too_many.text
+        assert "--max-num-seqs 1" in too_many.json()["error"]["message"]
         assert "--max-waiting 2" in too_many.json()["error"]["message"]
         assert httpx.get(running.url + "/health").status_code == 200
-        two = httpx.post(running.url + "/v1/completions", headers=auth, timeout=60,
-                         json={"model": MODEL, "prompt": "x", "max_tokens": 4, "n": 2, "ignore_eos": True})
-        assert two.status_code == 200 and len(two.json()["choices"]) == 2, two.text
+        three = httpx.post(running.url + "/v1/completions", headers=auth, timeout=60,
+                           json={"model": MODEL, "prompt": "x", "max_tokens": 4, "n": 3, "ignore_eos": True})
+        assert three.status_code == 200 and len(three.json()["choices"]) == 3, three.text
     finally:
         running.close()
 
@@ -299,7 +305,21 @@ def test_llmopt_serve_stops_gracefully_on_sigterm(tmp_path):
 
         wait_until(healthy, 300, "the server answering /health 200", proc, poll=0.2)
         assert httpx.get(f"http://127.0.0.1:{port}/metrics", timeout=limit(30)).status_code == 200
-        proc.send_signal(signal.SIGTERM)
+        # SIGTERM mid-stream: the stream runs to its end (within --shutdown-timeout), then the server exits 0
+        body = {"model": "tiny-random-llama", "prompt": [1, 2, 3], "max_tokens": 1000, "temperature": 0,
+                "ignore_eos": True, "stream": True, "stream_options": {"include_usage": True}}
+        events = []
+        with httpx.stream("POST", f"http://127.0.0.1:{port}/v1/completions", json=body,
+                          timeout=limit(300)) as response:
+            lines = response.iter_lines()
+            for line in lines:
+                if line.startswith("data: "):
+                    proc.send_signal(signal.SIGTERM)  # after the first chunk
+                    events.append(line[6:])
+                    break
+            events += [line[6:] for line in lines if line.startswith("data: ")]
+        assert events[-1] == "[DONE]", events[-3:]
+        assert json.loads(events[-2])["usage"]["completion_tokens"] == 1000, events[-3:]
         assert wait_exit(proc, 120, "the server after SIGTERM") == 0, output_of(proc)
     finally:
         proc.kill()

@@ -37,6 +37,7 @@ class Engine:
                                    eos_token_id=tokenizer.eos_token_id if tokenizer is not None else None)
         self.outputs = OutputProcessor(tokenizer)
         self.max_context = getattr(hf_model.config, "max_position_embeddings", None)
+        self.vocab_size = getattr(hf_model.config, "vocab_size", None)
         self._live: dict[int, Sequence] = {}  # requests not yet reported finished
         self._aborted: set[int] = set()  # aborted since the last step: reported by the next one
         self._stats = EngineStats()
@@ -57,6 +58,8 @@ class Engine:
             raise ConfigError("stop strings need the model's tokenizer; give stop_token_ids instead", param="stop")
         if not prompt_token_ids:
             raise ConfigError("empty prompt: give at least one token", param="prompt")
+        self.check_token_ids(prompt_token_ids, "prompt")
+        self.check_token_ids(params.stop_token_ids, "stop_token_ids")
         if self.max_context and len(prompt_token_ids) + params.max_tokens > self.max_context:
             raise ConfigError(f"prompt ({len(prompt_token_ids)} tokens) + max_tokens ({params.max_tokens}) exceeds "
                               f"the model's context of {self.max_context}: shorten the prompt or lower max_tokens",
@@ -66,6 +69,15 @@ class Engine:
         self._live[seq.seq_id] = seq
         self.outputs.add(seq)
         return seq.seq_id
+
+    def check_token_ids(self, token_ids, param: str) -> None:
+        """Refuse token ids outside the vocabulary (the embedding lookup would fail deep inside a step)."""
+        if not token_ids or self.vocab_size is None:
+            return
+        low, high = min(token_ids), max(token_ids)
+        if low < 0 or high >= self.vocab_size:
+            bad = low if low < 0 else high
+            raise ConfigError(f"token id {bad} is outside the vocabulary (0 to {self.vocab_size - 1})", param=param)
 
     def abort(self, request_id: int) -> bool:
         """Stop a request; its final output (finish_reason "abort") comes from the next step()."""
@@ -174,6 +186,22 @@ class Engine:
         if clear_prefix_cache:
             self.block_manager.reset_prefix_cache()
         self.block_manager.num_lookup_tokens = self.block_manager.num_hit_tokens = 0
+
+    def reset(self) -> None:
+        """Drop every request and all scheduling state, as after a restart: the model and the KV cache tensors
+        stay (their contents are garbage to the new block tables), the counters too. What a server runs after its
+        engine loop failed mid-step, when the scheduler's state can no longer be trusted."""
+        for seq_id in list(self._live):
+            self.runner.release(seq_id)
+            if self.speculator is not None:
+                self.speculator.release(seq_id)
+        self.block_manager = BlockManager(self.runner.num_blocks, self.config.block_size,
+                                          self.config.enable_prefix_cache)
+        self.scheduler = Scheduler(self.config, self.block_manager,
+                                   eos_token_id=self.tokenizer.eos_token_id if self.tokenizer is not None else None)
+        self.outputs = OutputProcessor(self.tokenizer)
+        self._live.clear()
+        self._aborted.clear()
 
     def kv_cache_info(self) -> dict:
         """The KV cache: bytes, token capacity, dtype and how its size was chosen."""

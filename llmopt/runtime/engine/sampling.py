@@ -8,6 +8,8 @@ from llmopt.core.errors import ConfigError
 
 
 MAX_LOGPROBS = 20
+# what torch.Generator.manual_seed takes: a signed or unsigned 64-bit integer
+MIN_SEED, MAX_SEED = -(2 ** 63), 2 ** 64 - 1
 
 
 @dataclass(frozen=True)
@@ -45,6 +47,8 @@ class SamplingParams:
         if self.prompt_logprobs is not None and not 0 <= self.prompt_logprobs <= MAX_LOGPROBS:
             raise ConfigError(f"prompt_logprobs must be in [0, {MAX_LOGPROBS}] (got {self.prompt_logprobs})",
                               param="prompt_logprobs")
+        if self.seed is not None and not MIN_SEED <= self.seed <= MAX_SEED:
+            raise ConfigError(f"seed must fit in 64 bits ({MIN_SEED} to {MAX_SEED}; got {self.seed})", param="seed")
         if self.top_k < 0:
             raise ConfigError(f"top_k must be >= 0 (got {self.top_k}); 0 turns it off", param="top_k")
 
