@@ -63,7 +63,8 @@ CHAT_ONLY_NEUTRAL: dict[str, tuple] = {
     "documents": (None,),
 }
 # metadata a client may send that has no effect on what is generated (any value accepted)
-METADATA_FIELDS = ("user", "metadata", "store", "service_tier", "request_id", "parallel_tool_calls", "web_search_options")
+METADATA_FIELDS = ("user", "metadata", "store", "service_tier", "request_id", "parallel_tool_calls",
+                   "web_search_options")
 
 
 class StreamOptions(BaseModel):

@@ -106,7 +106,8 @@ class PlainWebsite:
         self.httpd.shutdown()
 
 
-@pytest.mark.parametrize("path, status", [("/v1", "answered 404 with text/html"), ("/ok/v1", "answered 200 with text/html")])
+@pytest.mark.parametrize("path, status", [("/v1", "answered 404 with text/html"),
+                                          ("/ok/v1", "answered 200 with text/html")])
 def test_bench_base_url_at_a_server_that_is_not_openai_is_one_line(tiny_llama_dir, path, status):
     with PlainWebsite() as url:
         result = run("bench", tiny_llama_dir, "--base-url", url + path, "--num-requests", 1, "--input-len", 4,
