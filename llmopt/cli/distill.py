@@ -89,7 +89,12 @@ def distill(
         "--eval-every", help="Held-out perplexity every N steps (windows never trained on).")] = None,
     save_every: Annotated[Optional[int], typer.Option(
         "--save-every", help="Checkpoint every N steps (always at the end and on Ctrl-C).")] = None,
-    resume: Annotated[bool, typer.Option("--resume", help="Continue from OUTPUT.ckpt/'s checkpoint.")] = False,
+    resume: Annotated[bool, typer.Option(
+        "--resume", help="Continue from OUTPUT.ckpt/'s checkpoint (refused if a setting that changes the run "
+        "differs from the checkpoint's).")] = False,
+    allow_changes: Annotated[bool, typer.Option(
+        "--allow-changes", help="With --resume: continue even though settings differ from the checkpoint's.")
+    ] = False,
     max_train_tokens: Annotated[int, typer.Option("--max-train-tokens")] = DISTILL["max_train_tokens"],
     text_field: Annotated[str, typer.Option("--text-field", help="JSONL field holding the text.")] = "text",
     teacher_device: Annotated[Optional[str], typer.Option(
@@ -127,7 +132,7 @@ def distill(
     run = train_medusa_heads if config.medusa_heads else distill_to_artifact
     with training_progress() as update:
         try:
-            facts = run(config, output, resume, overwrite, trust_remote_code, update)
+            facts = run(config, output, resume, overwrite, trust_remote_code, update, allow_changes=allow_changes)
         except Interrupted as exc:
             stderr.print(str(exc), highlight=False, markup=False, soft_wrap=True)
             raise typer.Exit(130) from None

@@ -37,14 +37,27 @@ def load_optimizer(optimizer: torch.optim.Optimizer, tensors: dict[str, torch.Te
 
 
 def save_checkpoint(folder: Path, trainable: dict[str, torch.Tensor], optimizer: torch.optim.Optimizer,
-                    counters: dict) -> None:
-    """Replace `folder` with a checkpoint of this moment."""
+                    counters: dict, settings: dict) -> None:
+    """Replace `folder` with a checkpoint of this moment; `settings` (the run's configuration) are kept beside
+    the counters, for a resume to compare with its own."""
     opt_tensors, groups = optimizer_tensors(optimizer)
     with atomic_output_dir(folder, overwrite=True) as tmp:
         save_tensors({k: v.detach().contiguous() for k, v in trainable.items()}, tmp / MODEL_FILE)
         save_tensors({**opt_tensors, "rng.torch": torch.get_rng_state()}, tmp / OPTIMIZER_FILE)
-        write_json(tmp / STATE_FILE, {**counters, "param_groups": groups,
+        write_json(tmp / STATE_FILE, {**counters, "settings": settings, "param_groups": groups,
                                       "python_random": _jsonable(random.getstate())})
+
+
+def checkpoint_settings(folder: Path) -> dict | None:
+    """The settings the checkpoint in `folder` was trained with (None: none there, or written before checkpoints
+    recorded them), read without loading any tensor."""
+    if not (folder / STATE_FILE).is_file():
+        return None
+    return read_json(folder / STATE_FILE).get("settings")
+
+
+def has_checkpoint(folder: Path) -> bool:
+    return (folder / STATE_FILE).is_file()
 
 
 def load_checkpoint(folder: Path, optimizer: torch.optim.Optimizer) -> tuple[dict[str, torch.Tensor], dict]:
@@ -56,6 +69,7 @@ def load_checkpoint(folder: Path, optimizer: torch.optim.Optimizer) -> tuple[dic
     torch.set_rng_state(tensors.pop("rng.torch"))
     load_optimizer(optimizer, tensors, state.pop("param_groups"))
     random.setstate(_tupled(state.pop("python_random")))
+    state.pop("settings", None)
     return load_file(str(folder / MODEL_FILE)), state
 
 

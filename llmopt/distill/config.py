@@ -112,6 +112,17 @@ class DistillConfig(BaseModel):
                              "the teacher (raise --alpha)")
         return self
 
+    def resume_changes(self, saved: dict) -> dict[str, tuple]:
+        """{field: (checkpoint's value, this config's)} for every setting that changes the run's trajectory and
+        differs from `saved` (the settings a checkpoint was trained with). The end of the run (max_steps,
+        max_time) changes it only through the learning-rate schedule, so not under a constant one."""
+        free = set(RESUME_FREE_FIELDS)
+        if self.schedule == "constant" and saved.get("schedule") == "constant":
+            free |= {"max_steps", "max_time"}
+        current = self.model_dump(mode="json")
+        return {name: (saved.get(name), value) for name, value in current.items()
+                if name not in free and saved.get(name) != value}
+
     @property
     def needs_teacher(self) -> bool:
         return self.alpha > 0
@@ -119,6 +130,11 @@ class DistillConfig(BaseModel):
     @property
     def drop_layers(self) -> int | None:
         return int(self.init.split(":")[1]) if self.init else None
+
+
+# settings that only say when to log, evaluate and checkpoint, or where the teacher runs: a resumed run may change
+# them freely (every other one changes the weights it trains)
+RESUME_FREE_FIELDS = ("log_every", "eval_every", "save_every", "teacher_device")
 
 
 def make_distill_config(**settings) -> DistillConfig:

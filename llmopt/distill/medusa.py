@@ -129,7 +129,7 @@ class MedusaTrainer(TrainingLoop):
 
     def save(self) -> None:
         save_checkpoint(self.run_dir / CHECKPOINT_DIR, dict(self.heads.state_dict()), self.optimizer,
-                        {"step": self.step, "elapsed": self.elapsed})
+                        {"step": self.step, "elapsed": self.elapsed}, self.config.model_dump(mode="json"))
 
     def resume(self) -> None:
         tensors, counters = load_checkpoint(self.run_dir / CHECKPOINT_DIR, self.optimizer)

@@ -200,7 +200,8 @@ class Distiller(TrainingLoop):
     def save(self) -> None:
         if self.accelerator.is_main_process:
             save_checkpoint(self.run_dir / CHECKPOINT_DIR, self.trainable_state(), self.torch_optimizer,
-                            {"step": self.step, "samples_seen": self.samples_seen, "elapsed_s": self.elapsed})
+                            {"step": self.step, "samples_seen": self.samples_seen, "elapsed_s": self.elapsed},
+                            self.config.model_dump(mode="json"))
         self.accelerator.wait_for_everyone()
 
     # --- one step ---------------------------------------------------------------------------------------

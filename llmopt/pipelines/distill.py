@@ -13,6 +13,7 @@ import torch
 from llmopt.core.errors import ConfigError
 from llmopt.core.io import check_output_free
 from llmopt.core.models import resolve_model
+from llmopt.distill.checkpoint import checkpoint_settings, has_checkpoint
 from llmopt.distill.config import DistillConfig
 from llmopt.distill.data import training_windows
 from llmopt.distill.defaults import CHECKPOINT_SUFFIX
@@ -29,17 +30,46 @@ def run_dir_for(output: str | Path) -> Path:
     return output.parent / f"{output.name}{CHECKPOINT_SUFFIX}"
 
 
-def fresh_output(output: str | Path, resume: bool, overwrite: bool, config: DistillConfig) -> Path:
-    """The output path, checked before any work: free (or replaceable), not a model it reads, and no earlier
-    run's checkpoint beside it unless resuming or overwriting."""
-    output = check_output_free(output, overwrite or resume)
+def fresh_output(output: str | Path, resume: bool, overwrite: bool, config: DistillConfig,
+                 allow_changes: bool = False) -> tuple[Path, dict[str, tuple]]:
+    """(the output path, the setting changes a resume was allowed), checked before any work (and before anything is created): free (a finished output is
+    replaced only with --overwrite, resumed or not), not a model it reads, no earlier run's checkpoint beside it
+    unless resuming or overwriting, and with --resume a checkpoint trained with these settings."""
+    if allow_changes and not resume:
+        raise ConfigError("--allow-changes applies to --resume only (it lets a resumed run change its settings)")
+    output = check_output_free(output, overwrite)
     for model_name in filter(None, (config.teacher, config.student)):
         resolve_input(model_name, output)
     earlier = run_dir_for(output) / CHECKPOINT_DIR
-    if earlier.is_dir() and not resume and not overwrite:
+    if resume:
+        return output, check_resumable(earlier, config, allow_changes)
+    if earlier.is_dir() and not overwrite:
         raise ConfigError(f"{earlier} holds an earlier run's checkpoint: pass --resume to continue it, or "
                           "--overwrite to start over")
-    return output
+    return output, {}
+
+
+def check_resumable(checkpoint: Path, config: DistillConfig, allow_changes: bool = False) -> dict[str, tuple]:
+    """Refuse --resume without a checkpoint, or from one trained with other settings (each named, with both
+    values) unless allow_changes; returns the changes allowed."""
+    if not has_checkpoint(checkpoint):
+        raise ConfigError(f"--resume: no checkpoint in {checkpoint}; run without --resume to start the run")
+    saved = checkpoint_settings(checkpoint)
+    changes = config.resume_changes(saved) if saved is not None else {}
+    if changes and not allow_changes:
+        shown = ", ".join(f"{name} {old!r} -> {new!r}" for name, (old, new) in changes.items())
+        raise ConfigError(f"--resume: the checkpoint in {checkpoint} was trained with other settings ({shown}): "
+                          f"give the checkpoint's values, or add --allow-changes to continue with these",
+                          param=next(iter(changes)))
+    return changes
+
+
+def resumes_cleanly(output: str | Path, config: DistillConfig) -> bool:
+    """Whether OUTPUT's checkpoint can be resumed with `config` unchanged (a recipe re-run continues only such a
+    checkpoint, and starts over otherwise)."""
+    checkpoint = run_dir_for(output) / CHECKPOINT_DIR
+    saved = checkpoint_settings(checkpoint)
+    return has_checkpoint(checkpoint) and (saved is None or not config.resume_changes(saved))
 
 
 def check_student_vocabulary(config: DistillConfig, trust_remote_code: bool = False) -> None:
@@ -71,12 +101,12 @@ def generate_with_engine(model, tokenizer, prompts: list[list[int]], max_tokens:
 
 
 def distill_to_artifact(config: DistillConfig, output: str | Path, resume: bool = False, overwrite: bool = False,
-                        trust_remote_code: bool = False, progress: Callable[[Progress], None] | None = None
-                        ) -> dict | None:
+                        trust_remote_code: bool = False, progress: Callable[[Progress], None] | None = None,
+                        allow_changes: bool = False) -> dict | None:
     """Distill as `config` says and write the student to `output`; return the facts measured (None in the other
     processes of a multi-process run)."""
     start = time.perf_counter()
-    output = fresh_output(output, resume, overwrite, config)
+    output, changes = fresh_output(output, resume, overwrite, config, allow_changes)
     check_student_vocabulary(config, trust_remote_code)
     teacher, tokenizer, teacher_source = load_model(config.teacher, "float32", trust_remote_code=trust_remote_code)
     student = build_student(config, teacher, tokenizer, trust_remote_code)
@@ -95,10 +125,11 @@ def distill_to_artifact(config: DistillConfig, output: str | Path, resume: bool 
     manifest = {"source": source_entry(config.student or config.teacher, student_source),
                 "teacher": source_entry(config.teacher, teacher_source),
                 "stages": [*(prior_stages(student_source) if config.student else []),
-                           {"stage": "distill", "settings": config.model_dump(mode="json")}],
+                           {"stage": "distill", "settings": config.model_dump(mode="json"),
+                            **({"resumed_with_changes": changes} if changes else {})}],
                 "distill": {**facts, **student.facts, "student_kind": student.kind,
                             "train_windows": int(windows.train.shape[0]), "log": str(distiller.run_dir / LOG_FILE)}}
-    _write_student(output, student, model, tokenizer, manifest, overwrite or resume)
+    _write_student(output, student, model, tokenizer, manifest, overwrite)
     return {"output": str(output), "student_kind": student.kind, **facts, **student.facts,
             "num_parameters": sum(p.numel() for p in model.parameters()),
             "total_wall_s": round(time.perf_counter() - start, 2), "peak_rss_bytes": peak_rss_bytes(),
@@ -106,7 +137,8 @@ def distill_to_artifact(config: DistillConfig, output: str | Path, resume: bool 
 
 
 def train_medusa_heads(config: DistillConfig, output: str | Path, resume: bool = False, overwrite: bool = False,
-                       trust_remote_code: bool = False, progress: Callable[[Progress], None] | None = None) -> dict:
+                       trust_remote_code: bool = False, progress: Callable[[Progress], None] | None = None,
+                       allow_changes: bool = False) -> dict:
     """Train config.medusa_heads Medusa heads on the frozen teacher and write OUTPUT/medusa_heads.safetensors
     (with llmopt.json); `--speculative medusa:OUTPUT` serves with them."""
     from llmopt.core.io import atomic_output_dir, write_json
@@ -116,7 +148,7 @@ def train_medusa_heads(config: DistillConfig, output: str | Path, resume: bool =
     from llmopt.runtime.engine.sampling import SamplingParams
 
     start = time.perf_counter()
-    output = fresh_output(output, resume, overwrite, config)
+    output, changes = fresh_output(output, resume, overwrite, config, allow_changes)
     model, tokenizer, source = load_model(config.teacher, "float32", trust_remote_code=trust_remote_code)
     prompts = medusa_prompts(tokenizer, config.data, min(config.on_policy_prompt_len, config.seqlen - 1),
                              config.seed, config.text_field)
@@ -132,10 +164,11 @@ def train_medusa_heads(config: DistillConfig, output: str | Path, resume: bool =
     trainer = MedusaTrainer(config, model, prompts, generate, run_dir_for(output), progress)
     facts = trainer.train(resume=resume)
     manifest = {"source": source_entry(config.teacher, source),  # (Medusa heads train on the teacher: no student)
-                "stages": [{"stage": "distill", "settings": config.model_dump(mode="json")}],
+                "stages": [{"stage": "distill", "settings": config.model_dump(mode="json"),
+                            **({"resumed_with_changes": changes} if changes else {})}],
                 "medusa": {**facts, "num_heads": config.medusa_heads, "prompts": len(prompts),
                            "log": str(trainer.run_dir / LOG_FILE)}}
-    with atomic_output_dir(output, overwrite=overwrite or resume) as tmp:
+    with atomic_output_dir(output, overwrite=overwrite) as tmp:
         trainer.heads.save(tmp / MEDUSA_HEADS_FILE)
         write_json(tmp / "llmopt.json", manifest)
     return {"output": str(output), "heads": str(output / MEDUSA_HEADS_FILE), **facts,

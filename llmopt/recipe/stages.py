@@ -173,13 +173,12 @@ def _validate_distill(options: dict) -> None:
 
 
 def _run_distill(model: str, output: Path, options: dict) -> dict:
-    from llmopt.distill.trainer import CHECKPOINT_DIR
-    from llmopt.pipelines.distill import distill_to_artifact, run_dir_for
+    from llmopt.pipelines.distill import distill_to_artifact, resumes_cleanly
 
     config = _distill_config(options, model)
-    # an interrupted recipe run continues its distill stage from the last checkpoint
-    resume = (run_dir_for(output) / CHECKPOINT_DIR).is_dir()
-    return distill_to_artifact(config, output, resume=resume, overwrite=True)
+    # an interrupted recipe run continues its distill stage from the last checkpoint, if that was trained with
+    # these settings (else the stage starts over)
+    return distill_to_artifact(config, output, resume=resumes_cleanly(output, config), overwrite=True)
 
 
 STAGES.add("distill", Stage("distill", _validate_distill, _run_distill, defaulted=("teacher", "seed")))

@@ -180,8 +180,8 @@ def test_tied_embeddings_checkpoint_once_and_resume(tmp_path):
     save_tiny_model(tmp_path / "tied", "llama", seed=0, tie_word_embeddings=True)
     config = make_distill_config(teacher=str(tmp_path / "tied"), max_steps=2, student_layers="0", **FAST)
     distill_to_artifact(config, tmp_path / "out")
-    more = make_distill_config(**{**config.model_dump(), "max_steps": 3})
-    facts = distill_to_artifact(more, tmp_path / "out", resume=True)
+    more = make_distill_config(**{**config.model_dump(), "max_steps": 3, "schedule": "constant"})
+    facts = distill_to_artifact(more, tmp_path / "out", resume=True, overwrite=True, allow_changes=True)
     assert facts["steps"] == 3
     model, _, _ = load_model(str(tmp_path / "out"))
     assert model.lm_head.weight.data_ptr() == model.model.embed_tokens.weight.data_ptr()
@@ -202,9 +202,13 @@ def test_ctrl_c_checkpoints_and_exits_130_then_resumes(tmp_path):
     assert "--resume" in err
     state = json.loads((run_dir_for(out) / "checkpoint" / "state.json").read_text())
     assert state["step"] >= 1 and not out.exists()
-    config = make_distill_config(teacher=TEACHER, student_layers="0", max_steps=state["step"] + 1, **{
-        **FAST, "batch_size": 2})
-    assert distill_to_artifact(config, out, resume=True)["steps"] == state["step"] + 1
+    # the same settings but the end: under the cosine schedule a new end changes the learning rates
+    config = make_distill_config(teacher=TEACHER, student_layers="0", max_steps=state["step"] + 1, data="pystdlib",
+                                 seqlen=32, batch_size=2, max_train_tokens=20000)
+    with pytest.raises(ConfigError, match=r"max_steps 100000 -> \d+.*--allow-changes"):
+        distill_to_artifact(config, out, resume=True)
+    facts = distill_to_artifact(config, out, resume=True, allow_changes=True)
+    assert facts["steps"] == state["step"] + 1
 
 
 def test_bf16_autocast_trains(tmp_path):
@@ -221,6 +225,53 @@ def test_an_earlier_checkpoint_is_not_overwritten_silently(tmp_path):
     with pytest.raises(ConfigError, match="--resume"):
         distill_to_artifact(config, tmp_path / "out")
     distill_to_artifact(config, tmp_path / "out", overwrite=True)  # starting over is explicit
+
+
+RESUMABLE = ["--teacher", TEACHER, "--student-layers", "0", "--data", "pystdlib", "--seqlen", "32",
+             "--batch-size", "2", "--max-train-tokens", "20000", "--lr", "3e-3", "--schedule", "constant"]
+
+
+def ckpt_folders(tmp_path) -> list[str]:
+    return sorted(p.name for p in tmp_path.iterdir())
+
+
+def test_resume_compares_the_settings_with_the_checkpoint(tmp_path):
+    out = tmp_path / "out"
+    runner = CliRunner()
+    first = runner.invoke(app, ["distill", *RESUMABLE, "--max-steps", "2", "-o", str(out)])
+    assert first.exit_code == 0, first.output
+    # a finished output is not rewritten by --resume alone (it was)
+    again = runner.invoke(app, ["distill", *RESUMABLE, "--max-steps", "3", "-o", str(out), "--resume"])
+    assert again.exit_code == 1 and "already exists" in again.output and "--overwrite" in again.output
+    # a changed learning rate or batch size is named with both values (it resumed silently)
+    changed = runner.invoke(app, ["distill", *RESUMABLE, "--max-steps", "3", "--lr", "1e-3", "--batch-size", "4",
+                                  "-o", str(out), "--resume", "--overwrite"])
+    assert changed.exit_code == 1, changed.output
+    line = changed.output.strip()
+    assert "lr 0.003 -> 0.001" in line and "batch_size 2 -> 4" in line and "--allow-changes" in line
+    assert len(line.splitlines()) == 1 and "Traceback" not in line
+    # logging, evaluation and checkpoint cadence, and the end under a constant schedule, are free to change
+    free = runner.invoke(app, ["distill", *RESUMABLE, "--max-steps", "3", "--log-every", "2", "--save-every", "1",
+                               "-o", str(out), "--resume", "--overwrite"])
+    assert free.exit_code == 0, free.output
+    assert json.loads((run_dir_for(out) / "checkpoint" / "state.json").read_text())["step"] == 3
+    # on purpose: --allow-changes continues with the new settings
+    allowed = runner.invoke(app, ["distill", *RESUMABLE, "--max-steps", "4", "--lr", "1e-3", "-o", str(out),
+                                  "--resume", "--overwrite", "--allow-changes"])
+    assert allowed.exit_code == 0, allowed.output
+    stage = json.loads((out / "llmopt.json").read_text())["stages"][-1]
+    assert stage["settings"]["lr"] == 1e-3 and stage["resumed_with_changes"]["lr"] == [0.003, 0.001]
+
+
+def test_refused_resumes_leave_no_folders(tmp_path):
+    runner = CliRunner()
+    nothing = runner.invoke(app, ["distill", *RESUMABLE, "--max-steps", "2", "-o", str(tmp_path / "o"), "--resume"])
+    assert nothing.exit_code == 1 and "no checkpoint" in nothing.output, nothing.output
+    assert ckpt_folders(tmp_path) == []  # it left an empty o.ckpt/
+    alone = runner.invoke(app, ["distill", *RESUMABLE, "--max-steps", "2", "-o", str(tmp_path / "o"),
+                                "--allow-changes"])
+    assert alone.exit_code == 1 and "--allow-changes applies to --resume only" in alone.output
+    assert ckpt_folders(tmp_path) == []
 
 
 @pytest.mark.parametrize("args, message", [
