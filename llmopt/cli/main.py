@@ -26,7 +26,10 @@ from llmopt.core.errors import LLMOptError
 EXIT_ERROR, EXIT_USAGE, EXIT_INTERRUPTED, EXIT_TERMINATED = 1, 2, 130, 143
 # OS errors that bad input or a full / read-only disk cause: one line, not a traceback
 FULL_DISK_ERRORS = (errno.ENOSPC, errno.EDQUOT)
-USER_OS_ERRORS = (*FULL_DISK_ERRORS, errno.EROFS, errno.EACCES, errno.EPERM, errno.ENOTDIR, errno.EISDIR)
+USER_OS_ERRORS = (*FULL_DISK_ERRORS, errno.EROFS, errno.EACCES, errno.EPERM, errno.ENOTDIR, errno.EISDIR,
+                  errno.ELOOP, errno.ENAMETOOLONG)
+# pathlib's resolve() reports a symlink loop as a RuntimeError (Python < 3.13), not an OSError
+SYMLINK_LOOP = "Symlink loop from "
 
 
 def _say(message: str, error: bool = True) -> None:
@@ -41,6 +44,7 @@ def _say(message: str, error: bool = True) -> None:
 def _os_error_message(e: OSError) -> str:
     where = f" ({e.filename})" if e.filename else ""
     advice = ("free space or choose another location" if e.errno in FULL_DISK_ERRORS
+              else "a symbolic link points back at itself: fix or remove it" if e.errno == errno.ELOOP
               else "check the path and its permissions")
     return f"{e.strerror}{where}: {advice}; nothing was written"
 
@@ -80,6 +84,12 @@ class ErrorBoundaryGroup(TyperGroup):
             if os.environ.get("LLMOPT_DEBUG") or e.errno not in USER_OS_ERRORS:
                 raise
             _say(_os_error_message(e))
+            sys.exit(EXIT_ERROR)
+        except RuntimeError as e:
+            if os.environ.get("LLMOPT_DEBUG") or not str(e).startswith(SYMLINK_LOOP):
+                raise
+            _say(f"{str(e).removeprefix(SYMLINK_LOOP)} is a symbolic link loop: fix or remove the link; nothing "
+                 f"was written")
             sys.exit(EXIT_ERROR)
         except KeyboardInterrupt as e:
             terminated = isinstance(e, Terminated)

@@ -14,11 +14,12 @@ RecipeArg = Annotated[Path, typer.Argument(help="A recipe YAML file.", show_defa
 
 @app.command("validate")
 def validate(recipe_file: RecipeArg) -> None:
-    """Check a recipe (schema, stage options) without running anything."""
+    """Check a recipe without running anything: its schema, stage options, and every check `recipe run` makes
+    before work (the model exists, each stage's options fit the model it will get), reading configs only."""
     from llmopt.cli.output import stdout
     from llmopt.recipe.schema import load_recipe
 
-    recipe = load_recipe(recipe_file)
+    recipe = load_recipe(recipe_file, check_inputs=True)
     stdout.print(f"{recipe_file}: ok ({recipe.name}: {len(recipe.variants)} variants)")
 
 
@@ -37,7 +38,7 @@ def run(
     from llmopt.recipe.schema import load_recipe
     from llmopt.report.tables import markdown
 
-    recipe = load_recipe(recipe_file)
+    recipe = load_recipe(recipe_file, check_inputs=True)
     unknown = [v for v in (only or []) if v not in recipe.variants]
     if unknown:
         raise ConfigError(f"--only {unknown[0]!r} is not a variant; allowed: {', '.join(recipe.variants)}")
@@ -47,12 +48,25 @@ def run(
         import os
 
         os.environ.setdefault("LLMOPT_DATA_DIR", recipe.defaults.data_dir)
-    runner = RecipeRunner(recipe, run_dir, log=lambda m: stderr.print(m, style="dim", markup=False, highlight=False,
-                                                                      soft_wrap=True))
-    results = runner.run(only)
+    created = [p for p in (run_dir, run_dir / "cache") if not p.exists()]
+    try:
+        runner = RecipeRunner(recipe, run_dir, log=lambda m: stderr.print(m, style="dim", markup=False,
+                                                                          highlight=False, soft_wrap=True))
+        results = runner.run(only)
+    except BaseException:
+        _remove_if_empty(reversed(created))  # a run that failed before writing anything leaves no folders
+        raise
     results["run_dir"] = str(run_dir)
     stderr.print(f"wrote {run_dir / 'results.json'}")
     print(markdown([results]), end="")
+
+
+def _remove_if_empty(folders) -> None:
+    for folder in folders:
+        try:
+            folder.rmdir()  # only an empty folder
+        except OSError:
+            pass
 
 
 def _check_run_dir(run_dir: Path) -> None:

@@ -152,6 +152,8 @@ FILE_SUFFIXES = (".txt", ".jsonl", ".json", ".bz2")
 def check_dataset_name(name: str) -> None:
     """Fail now (not after the model has loaded) on a dataset that is neither a corpus nor an existing file."""
     path = Path(name).expanduser()
+    if path.is_symlink() and not path.exists():
+        raise DatasetError(f"dataset {path} is a symbolic link to nothing (or a loop): fix or remove the link")
     if path.suffix in FILE_SUFFIXES:
         if not path.is_file():
             raise DatasetError(f"dataset file {path} does not exist")

@@ -156,6 +156,8 @@ def resolve_model(name: str) -> ModelSource:
         if not (cache / "config.json").exists():
             convert_gguf(path, cache)
         return ModelSource(name, "gguf", cache)
+    if path.is_symlink():  # a link to nothing, or a loop: is_dir() and exists() are False for both
+        raise ModelNotFoundError(f"{name} is a symbolic link to nothing (or a loop): fix or remove the link")
     if _looks_like_path(name):
         raise ModelNotFoundError(f"no such folder or file {name!r} (from {Path.cwd()}): check the path")
     if _HUB_ID.match(name):
@@ -358,18 +360,22 @@ def check_within_context(tokens: int, config, what: str) -> None:
 
 def describe_model(source: ModelSource, trust_remote_code: bool = False) -> dict:
     """Facts about a model from its config and weight files, without loading the weights."""
+    from llmopt.core.config_checks import unsupported_reason
+
     config = load_config(source, trust_remote_code)
     try:
         family = adapter_for(config).family
     except Exception:
         family = None
+    reason = unsupported_reason(config)
     info = {
         "name": source.name,
         "kind": source.kind,
         "path": str(source.path) if source.path else source.hub_id,
         "model_type": config.model_type,
         "family": family,
-        "supported": family is not None,
+        "supported": reason is None,
+        "unsupported_reason": reason,
         "num_hidden_layers": getattr(config, "num_hidden_layers", None),
         "hidden_size": getattr(config, "hidden_size", None),
         "intermediate_size": getattr(config, "intermediate_size", None),

@@ -47,37 +47,111 @@ class Task:
 TASKS: Registry[Task] = Registry("task")
 
 
-def _jsonl(path: Path) -> list[dict]:
-    return [json.loads(line) for line in path.read_text(encoding="utf-8").splitlines() if line.strip()]
+# --- readers: each record checked, the first bad one reported as file:line ------------------------------
+def _bad(path: Path, line: int | None, what: str) -> DatasetError:
+    where = f"{path}:{line}" if line else str(path)
+    return DatasetError(f"{where}: {what}: the task file is damaged; restore it (see the data folder's README)")
+
+
+def _jsonl(path: Path) -> list[tuple[int, dict]]:
+    """(line number, record) of every non-blank line, each a JSON object."""
+    try:
+        text = path.read_text(encoding="utf-8")
+    except UnicodeDecodeError as e:
+        raise _bad(path, None, f"not UTF-8 text (byte {e.start})") from None
+    records = []
+    for number, line in enumerate(text.splitlines(), 1):
+        if not line.strip():
+            continue
+        try:
+            record = json.loads(line)
+        except ValueError as e:
+            raise _bad(path, number, f"not valid JSON ({getattr(e, 'msg', e)})") from None
+        if not isinstance(record, dict):
+            raise _bad(path, number, f"a JSON {type(record).__name__}, not an object")
+        records.append((number, record))
+    return records
+
+
+def _text(path: Path, number: int, record: dict, name: str) -> str:
+    value = record.get(name)
+    if not isinstance(value, str):
+        raise _bad(path, number, f"field {name!r} is {'missing' if name not in record else repr(value)[:40]}, "
+                                 f"not text")
+    return value
+
+
+def _texts(path: Path, number: int, record: dict, name: str, count: int | None = None) -> list[str]:
+    value = record.get(name)
+    if not isinstance(value, list) or not value or not all(isinstance(v, str) for v in value) or \
+            (count is not None and len(value) != count):
+        size = f"{count} " if count else "a non-empty list of "
+        raise _bad(path, number, f"field {name!r} must be {size}texts (got {repr(value)[:60]})")
+    return value
+
+
+def _gold(path: Path, number: int, value, choices: int) -> int:
+    """A label in 0..choices-1 (an int, or a string of one, as the label files hold)."""
+    try:
+        gold = int(value)
+    except (TypeError, ValueError):
+        gold = None
+    if gold is None or isinstance(value, bool) or str(gold) != str(value).strip() or not 0 <= gold < choices:
+        raise _bad(path, number, f"gold label {value!r} is not one of 0..{choices - 1}")
+    return gold
 
 
 def _arc(path: Path) -> list[Doc]:
-    return [Doc([r["query"] + "\nAnswer:"] * len(r["choices"]), [" " + c for c in r["choices"]], int(r["gold"]))
-            for r in _jsonl(path)]
+    docs = []
+    for number, r in _jsonl(path):
+        choices = _texts(path, number, r, "choices")
+        query = _text(path, number, r, "query")
+        docs.append(Doc([query + "\nAnswer:"] * len(choices), [" " + c for c in choices],
+                        _gold(path, number, r.get("gold"), len(choices))))
+    return docs
 
 
 def _piqa(path: Path) -> list[Doc]:
-    labels = path.with_name("valid-labels.lst").read_text().split()
-    return [Doc(["Question: " + r["goal"] + "\nAnswer:"] * 2, [" " + r["sol1"], " " + r["sol2"]], int(label))
-            for r, label in zip(_jsonl(path), labels)]
+    labels_file = path.with_name("valid-labels.lst")
+    if not labels_file.is_file():
+        raise _bad(labels_file, None, "the labels file is missing")
+    labels = labels_file.read_text().splitlines()
+    records = _jsonl(path)
+    if len(labels) != len(records):
+        raise _bad(labels_file, None, f"{len(labels)} labels for the {len(records)} records of {path.name}")
+    docs = []
+    for i, ((number, r), label) in enumerate(zip(records, labels)):
+        goal, sol1, sol2 = (_text(path, number, r, k) for k in ("goal", "sol1", "sol2"))
+        docs.append(Doc(["Question: " + goal + "\nAnswer:"] * 2, [" " + sol1, " " + sol2],
+                        _gold(labels_file, i + 1, label, 2)))
+    return docs
+
+
+HELLASWAG_LINES = 6  # context, gold label, 4 endings
 
 
 def _hellaswag(path: Path) -> list[Doc]:
-    lines = bz2.decompress(path.read_bytes()).decode("utf-8").splitlines()
+    try:
+        lines = bz2.decompress(path.read_bytes()).decode("utf-8").splitlines()
+    except (OSError, EOFError, ValueError) as e:  # a cut or corrupt archive; bad UTF-8 inside
+        raise _bad(path, None, f"not a complete bz2 archive of UTF-8 text ({e})") from None
+    if not lines or len(lines) % HELLASWAG_LINES:
+        raise _bad(path, None, f"{len(lines)} lines, not a multiple of {HELLASWAG_LINES} (cut short?)")
     docs = []
-    for i in range(0, len(lines) - 5, 6):  # context, gold label, 4 endings
-        context, gold, endings = lines[i], int(lines[i + 1]), lines[i + 2:i + 6]
-        docs.append(Doc([context] * 4, [" " + e for e in endings], gold))
+    for i in range(0, len(lines), HELLASWAG_LINES):
+        context, endings = lines[i], lines[i + 2:i + HELLASWAG_LINES]
+        docs.append(Doc([context] * 4, [" " + e for e in endings], _gold(path, i + 2, lines[i + 1], 4)))
     return docs
 
 
 def _lambada(path: Path) -> list[Doc]:
-    return [Doc([r["context"]], [" " + r["continuation"]], 0, "lambada") for r in _jsonl(path)]
+    return [Doc([_text(path, n, r, "context")], [" " + _text(path, n, r, "continuation")], 0, "lambada")
+            for n, r in _jsonl(path)]
 
 
 def _winogrande(path: Path) -> list[Doc]:
-    return [Doc(list(r["context_options"]), [" " + r["continuation"]] * 2, int(r["gold"]), "partial")
-            for r in _jsonl(path)]
+    return [Doc(_texts(path, n, r, "context_options", 2), [" " + _text(path, n, r, "continuation")] * 2,
+                _gold(path, n, r.get("gold"), 2), "partial") for n, r in _jsonl(path)]
 
 
 for _task in (Task("arc_easy", "arc/arc_easy_test.jsonl", _arc),

@@ -8,6 +8,7 @@ from typing import Callable
 import torch
 
 from llmopt.core.adapters import adapter_for
+from llmopt.core.config_checks import check_config
 from llmopt.core.contract import QuantizedWeight
 from llmopt.core.models import (
     DTYPES, ModelSource, load_config, load_dense_model, load_tokenizer, resolve_dtype_name, resolve_model,
@@ -36,6 +37,9 @@ def load_model(
     dtype = resolve_dtype_name(dtype, device)
     config = load_config(source, trust_remote_code)
     adapter_for(config)  # unsupported families fail here, naming the supported ones
+    # sizes, and the memory the weights take (dense, or dequantized without a packed linear_factory)
+    packed = source.kind == "artifact" and linear_factory is not None
+    check_config(config, None if packed else DTYPES[dtype].itemsize, source.name)
     if source.kind == "artifact":
         factory = None
         if linear_factory is not None:

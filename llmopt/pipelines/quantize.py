@@ -30,6 +30,18 @@ def default_format(method: str) -> str:
     return QUANT_METHODS.get(method).default_format
 
 
+def check_quantizable(model, configs: list, fmt_name: str) -> None:
+    """Every check quantizing `model` (real, or on the meta device: shapes only) with `configs` into format
+    `fmt_name` makes before any work: group sizes and N:M patterns dividing each linear, --ignore patterns that
+    match, and what the format can store."""
+    check_model_fits(model, configs)
+    config, fmt = configs[-1], FORMATS.get(fmt_name)
+    record = config.record()
+    trivial = not (record.act_order and not record.static_groups)
+    for name, linear in quantizable_linears(model).items():
+        fmt.check(name, (linear.out_features, linear.in_features), config.scheme, trivial)
+
+
 def quantize_to_artifact(
     model_name: str,
     output: str | Path,
@@ -47,15 +59,11 @@ def quantize_to_artifact(
     config = configs[-1]
     method = config.method
     fmt_name = fmt_name or default_format(method)
-    fmt = FORMATS.get(fmt_name)
+    FORMATS.get(fmt_name)  # an unknown format fails before the model loads
     source = resolve_input(model_name, output)
     refuse_quantized_input(source, "quantize", trust_remote_code)
     model, tokenizer, source = load_model(source, trust_remote_code=trust_remote_code)
-    check_model_fits(model, configs)
-    record = config.record()
-    trivial = not (record.act_order and not record.static_groups)
-    for name, linear in quantizable_linears(model).items():  # fail before the expensive part
-        fmt.check(name, (linear.out_features, linear.in_features), config.scheme, trivial)
+    check_quantizable(model, configs, fmt_name)  # fail before the expensive part
     result = compress_model(model, tokenizer, configs, progress)
     result.facts["quantize_wall_s"] = result.facts.pop("wall_s")
     result.facts["num_quantized_linears"] = len(result.qweights)
@@ -71,7 +79,7 @@ def quantize_to_artifact(
                         if config.needs_calibration else None),
         "facts": result.facts,
     }
-    write_model_artifact(output, model, tokenizer, result.qweights, fmt_name, record, manifest,
+    write_model_artifact(output, model, tokenizer, result.qweights, fmt_name, config.record(), manifest,
                          result.extra_tensors, overwrite=overwrite)
     return {
         "output": str(output), "method": method, "format": fmt_name, "bits": config.bits,

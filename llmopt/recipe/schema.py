@@ -22,7 +22,7 @@ from typing import Any, Literal, Optional
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
-from llmopt.core.errors import ConfigError
+from llmopt.core.errors import ConfigError, LLMOptError
 from llmopt.runtime.engine.config import EngineConfig, SpeculativeConfig, engine_field_types
 
 
@@ -231,7 +231,10 @@ def _check_unique_keys(node, path: Path) -> None:
             _check_unique_keys(item, path)
 
 
-def load_recipe(path: str | Path) -> Recipe:
+def load_recipe(path: str | Path, check_inputs: bool = False) -> Recipe:
+    """The recipe in `path`, validated (schema, stage options); check_inputs also makes every check its run makes
+    before work (recipe.preflight: the model exists, stage options fit it), reading configs only. Errors name
+    the file and line."""
     path = Path(path)
     if path.is_dir():
         raise ConfigError(f"recipe {path} is a folder: give a recipe .yaml file")
@@ -275,7 +278,34 @@ def load_recipe(path: str | Path) -> Recipe:
             except ConfigError as e:
                 line = _line_of(node, ("variants", variant, i, stage_name))
                 raise ConfigError(f"{path}:{line}: variants.{variant}[{i}].{stage_name}: {e}") from None
+    if check_inputs:
+        _check_inputs(recipe, node, path)
     return recipe
+
+
+def _check_inputs(recipe: Recipe, node, path: Path) -> None:
+    from llmopt.core.datasets import check_dataset_name
+    from llmopt.recipe.preflight import StageError, check_variant, skeleton_of
+
+    try:
+        model = skeleton_of(recipe.model)
+    except LLMOptError as e:
+        raise ConfigError(f"{path}:{_line_of(node, ('model',))}: model: {e}") from None
+    for variant, stages in recipe.variants.items():
+        named = [next(iter(stage.items())) for stage in stages]
+        try:
+            check_variant([(name, recipe.stage_options(name, options or {})) for name, options in named], model)
+        except StageError as e:
+            name = named[e.index][0]
+            line = _line_of(node, ("variants", variant, e.index, name))
+            raise ConfigError(f"{path}:{line}: variants.{variant}[{e.index}].{name}: {e}") from None
+    if recipe.evaluate.ppl is not None:
+        for i, name in enumerate(recipe.evaluate.ppl.datasets):
+            try:
+                check_dataset_name(name)
+            except LLMOptError as e:
+                line = _line_of(node, ("evaluate", "ppl", "datasets", i))
+                raise ConfigError(f"{path}:{line}: evaluate.ppl.datasets[{i}]: {e}") from None
 
 
 def _model_at(model, loc: tuple):

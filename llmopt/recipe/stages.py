@@ -18,12 +18,32 @@ from llmopt.core.registry import Registry
 DEFAULTED_KEYS = ("calib", "num_samples", "seqlen", "seed")
 
 
+def _unchanged(options: dict, model):
+    return model
+
+
 @dataclass(frozen=True)
 class Stage:
     name: str
     validate: Callable[[dict], None]  # raises ConfigError naming the bad option
     run: Callable[[str, Path, dict], dict]  # (input MODEL, output folder, options) -> facts
     defaulted: tuple[str, ...] = DEFAULTED_KEYS  # keys the recipe fills in ("teacher": the recipe's model)
+    # (options, the input's recipe.preflight.Skeleton) -> the output's: every check `run` makes before work,
+    # on configs and meta-device modules only; raises ConfigError naming the option
+    preflight: Callable[[dict, object], object] = _unchanged
+
+
+def _refuse_quantized(model, stage: str) -> None:
+    if model.quantized:
+        raise ConfigError(f"{stage} needs a dense input; {model.name} is quantized by then")
+
+
+def _check_calibration(options: dict) -> None:
+    from llmopt.core.datasets import check_dataset_name
+
+    calib = options.get("calib")
+    for name in ([calib] if isinstance(calib, str) else calib or []):
+        check_dataset_name(name)
 
 
 STAGES: Registry[Stage] = Registry("stage")
@@ -67,8 +87,42 @@ def _run_prune(model: str, output: Path, options: dict) -> dict:
     return prune_to_artifact(model, output, prune_config(dict(options)), overwrite=True)
 
 
-STAGES.add("quantize", Stage("quantize", _validate_quantize, _run_quantize))
-STAGES.add("prune", Stage("prune", _validate_prune, _run_prune))
+def _preflight_quantize(options: dict, model):
+    from llmopt.compress.api import quantize_configs
+    from llmopt.pipelines.quantize import check_quantizable, default_format
+
+    _refuse_quantized(model, "quantize")
+    _check_calibration(options)
+    method, settings, fmt = _split_quantize(options)
+    configs = quantize_configs(method, settings)
+    check_quantizable(model.model, configs, fmt or default_format(method))
+    return model.updated({}, quantized=True)
+
+
+def _preflight_prune(options: dict, model):
+    import torch
+
+    from llmopt.compress.api import check_model_fits
+    from llmopt.compress.config import StructuredConfig
+    from llmopt.compress.structured import attention_geometry, plan_pruning
+    from llmopt.pipelines.prune import prune_config
+
+    _refuse_quantized(model, "prune")
+    _check_calibration(options)
+    config = prune_config(dict(options))
+    if not isinstance(config, StructuredConfig):
+        check_model_fits(model.model, [config])
+        return model
+    layers = model.config.num_hidden_layers
+    width = {"mlp": model.config.intermediate_size, "heads": attention_geometry(model.config).num_heads,
+             "layers": 1}[config.structured]
+    # the plan's counts (and its refusals) do not depend on the importance scores: any scores give them
+    plan = plan_pruning(model.config, config.structured, config.ratio, torch.zeros(layers, width))
+    return model.updated(plan.config_updates)
+
+
+STAGES.add("quantize", Stage("quantize", _validate_quantize, _run_quantize, preflight=_preflight_quantize))
+STAGES.add("prune", Stage("prune", _validate_prune, _run_prune, preflight=_preflight_prune))
 
 
 # --- bitsandbytes: a baseline from outside llmopt (transformers' own quantizer) ---------------------
@@ -154,7 +208,12 @@ def _run_cast(model: str, output: Path, options: dict) -> dict:
     return {"dtype": options["dtype"], "wall_s": round(time.perf_counter() - start, 2)}
 
 
-STAGES.add("cast", Stage("cast", _validate_cast, _run_cast))
+def _preflight_cast(options: dict, model):
+    _refuse_quantized(model, "cast")
+    return model
+
+
+STAGES.add("cast", Stage("cast", _validate_cast, _run_cast, preflight=_preflight_cast))
 
 
 # --- distill: the input MODEL is the student; the teacher defaults to the recipe's model ---------------------
@@ -181,4 +240,31 @@ def _run_distill(model: str, output: Path, options: dict) -> dict:
     return distill_to_artifact(config, output, resume=resumes_cleanly(output, config), overwrite=True)
 
 
-STAGES.add("distill", Stage("distill", _validate_distill, _run_distill, defaulted=("teacher", "seed")))
+def _preflight_distill(options: dict, model):
+    from llmopt.compress.structured import layers_plan
+    from llmopt.core.datasets import check_dataset_name
+    from llmopt.recipe.preflight import skeleton_of
+
+    config = _distill_config(options, model.name)
+    teacher = skeleton_of(config.teacher)
+    if teacher.config.vocab_size != model.config.vocab_size:
+        raise ConfigError(f"the student ({model.name}) has a vocabulary of {model.config.vocab_size} tokens, the "
+                          f"teacher {config.teacher} {teacher.config.vocab_size}: the student must share the "
+                          f"teacher's tokenizer")
+    check_dataset_name(config.data)
+    layers = model.config.num_hidden_layers
+    if config.student_layers is not None:
+        try:
+            return model.updated(layers_plan(model.config, config.student_layers).config_updates)
+        except ConfigError as e:
+            raise ConfigError(f"student_layers: {e} (the student has {layers} layers)") from None
+    if config.drop_layers is not None:
+        if not 0 < config.drop_layers < layers:
+            raise ConfigError(f"init drop-layers:{config.drop_layers}: the student has {layers} layers; drop "
+                              f"1..{layers - 1}")
+        return model.updated({"num_hidden_layers": layers - config.drop_layers})
+    return model
+
+
+STAGES.add("distill", Stage("distill", _validate_distill, _run_distill, defaulted=("teacher", "seed"),
+                            preflight=_preflight_distill))

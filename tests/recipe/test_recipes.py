@@ -52,6 +52,51 @@ def test_recipe_errors_name_file_line_and_allowed_values(tmp_path, text, pattern
     assert_one_line_error(run("recipe", "validate", path), pattern)
 
 
+@pytest.mark.parametrize("text, pattern", [
+    (GOOD.replace("model: tiny-random-llama", "model: ./no-such-model"), r":2: model: no such folder"),
+    (GOOD + "  d:\n    - distill: {max_steps: 2, student_layers: [0, 5]}\n",
+     r":8: variants.d\[0\].distill: student_layers: .*0..1 \(the student has 2 layers\)"),
+    (GOOD + "  d:\n    - distill: {max_steps: 2, init: 'drop-layers:2'}\n", r":8: .*drop-layers:2: the student has 2"),
+    (GOOD + "  d:\n    - distill: {max_steps: 2, teacher: ./no-teacher}\n", r":8: variants.d\[0\].distill: no such"),
+    (GOOD + "  d:\n    - distill: {max_steps: 2, data: ./missing.jsonl}\n", r":8: .*missing.jsonl does not exist"),
+    (GOOD.replace("group_size: 32", "group_size: 48"), r":6: variants.q\[0\].quantize: --group-size 48 does not"),
+    # the shapes follow the stages: after a 25% MLP prune the down projections take 96 inputs
+    (GOOD + "  pq:\n    - prune: {structured: mlp, ratio: 0.25}\n    - quantize: {method: rtn, group_size: 64}\n",
+     r":9: variants.pq\[1\].quantize: --group-size 64 does not divide .*down_proj.*\(96\)"),
+    (GOOD + "  h:\n    - prune: {structured: heads, ratio: 0.9}\n", r":8: .*would remove every attention head"),
+    (GOOD + "evaluate: {ppl: {datasets: [./gone.txt]}}\n", r":7: evaluate.ppl.datasets\[0\]: .*gone.txt"),
+])
+def test_validate_makes_every_check_run_makes_before_work(tmp_path, monkeypatch, text, pattern):
+    """`recipe validate` passed these and `recipe run` refused them; now both refuse, naming file:line, and the
+    run leaves no folder behind (it left an empty cache folder)."""
+    path = tmp_path / "r.yaml"
+    path.write_text(text)
+    monkeypatch.chdir(tmp_path)
+    load_recipe(path)  # the schema alone accepts it: only the model's config shows the problem
+    assert_one_line_error(run("recipe", "validate", path), pattern)
+    assert_one_line_error(run("recipe", "run", path, "-o", tmp_path / "run"), pattern)
+    assert not (tmp_path / "run").exists()
+
+
+def test_a_run_that_fails_at_once_leaves_no_empty_folders(tmp_path, monkeypatch):
+    from llmopt.recipe import stages
+
+    path = tmp_path / "r.yaml"
+    path.write_text(GOOD)
+
+    def fails(model, output, options):
+        raise ConfigError("the stage broke")
+
+    import dataclasses
+
+    broken = dataclasses.replace(stages.STAGES.get("quantize"), run=fails)
+    monkeypatch.setitem(stages.STAGES._items, "quantize", broken)
+    monkeypatch.setattr("llmopt.recipe.runner.RecipeRunner.evaluate", lambda *a, **k: {})
+    result = run("recipe", "run", path, "-o", tmp_path / "run", "--only", "q")
+    assert result.exit_code == 1 and "the stage broke" in result.output, result.output
+    assert not (tmp_path / "run").exists()
+
+
 class _Images(HTMLParser):
     def __init__(self):
         super().__init__()
