@@ -243,7 +243,7 @@ def _run_distill(model: str, output: Path, options: dict) -> dict:
 def _preflight_distill(options: dict, model):
     from llmopt.compress.structured import layers_plan
     from llmopt.core.datasets import check_dataset_name
-    from llmopt.recipe.preflight import skeleton_of
+    from llmopt.recipe.skeleton import skeleton_of
 
     config = _distill_config(options, model.name)
     teacher = skeleton_of(config.teacher)

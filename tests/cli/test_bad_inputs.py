@@ -33,6 +33,7 @@ CASES = [
     (["models", "info", "{truncated}"], 1, r"truncated: it holds \d+ of \d+ bytes", None),
     (["models", "info", "{no_config}"], 1, r"has no config\.json", None),
     (["models", "info", "{missing}.gguf"], 1, r"does not exist", None),
+    (["models", "info", "{loop}"], 1, r"loop is a symbolic link to nothing \(or a loop\)", None),
     (["models", "info", "{tiny}", "--bogus"], 2, r"No such option: --bogus.*llmopt models info --help", None),
     (["models"], 2, "Usage", None),
     # --- generate -------------------------------------------------------------------------------------------------
@@ -84,6 +85,10 @@ CASES = [
      r"a_file is a file, not a folder", None),
     (["quantize", "{tiny}", "-o", "/proc/llmopt-out", "--method", "rtn", "--group-size", "32"], 1,
      r"/proc is not writable", None),
+    (["quantize", "{tiny}", "-o", "{loop}", "--method", "rtn", "--group-size", "32"], 1,
+     r"loop' is a symbolic link loop: fix or remove the link", None),
+    (["quantize", "{tiny}", "-o", "{loop}/out", "--method", "rtn", "--group-size", "32"], 1,
+     r"is a symbolic link loop", None),
     ([*GPTQ, "--seqlen", "5000"], 1, r"--seqlen is 5000 tokens, beyond the model's context", OUT),
     ([*GPTQ, "--calib", "{no_text_field}"], 1, r"has no field 'text'.*pass --text-field", OUT),
     ([*GPTQ, "--calib", "{null_text}"], 1, r"field 'text' is null", OUT),
@@ -157,7 +162,11 @@ CASES = [
     (["recipe", "run", "{duplicate_variant}", "-o", OUT], 1, r"duplicate key", OUT),
     (["recipe", "validate", "{requantize}"], 1, r"variant 'qq' stage 1: quantize after quantize", None),
     (["recipe", "run", "{bad_stage}", "-o", OUT], 1,
-     r"variant 'q', stage 0 \(quantize\): --group-size 128 does not divide", None),
+     r"variant 'q', stage 0 \(quantize\): .*no_text_field.*text", None),
+    # what the run would refuse before work, refused before anything runs (validate says the same)
+    (["recipe", "run", "{misfit_stage}", "-o", OUT], 1,
+     r"misfit_stage\.yaml:5: variants\.q\[0\]\.quantize: --group-size 128 does not divide", OUT),
+    (["recipe", "validate", "{misfit_stage}"], 1, r"misfit_stage\.yaml:5: .*--group-size 128 does not divide", None),
     (["recipe", "run", "{zero_variant_ok}", "-o", "{a_file}"], 1, r"run folder .*a_file is a file", None),
     (["recipe", "run", "{zero_variant_ok}", "-o", "{a_file}/run"], 1, r"a_file is a file, not a folder", None),
     # --- report ---------------------------------------------------------------------------------------------------
@@ -221,8 +230,13 @@ def bad(tmp_path_factory, tiny_llama_dir):
     text("zero_variant_ok.yaml", "name: x\nmodel: tiny-random-llama\nvariants:\n  a: []\n")
     text("requantize.yaml", "name: x\nmodel: tiny-random-llama\nvariants:\n  qq:\n"
                             "    - quantize: {method: rtn, group_size: 32}\n    - quantize: {method: rtn, bits: 8}\n")
+    text("misfit_stage.yaml", "name: x\nmodel: tiny-random-llama\nvariants:\n  q:\n"
+                              "    - quantize: {method: rtn, group_size: 128}\n")
     text("bad_stage.yaml", "name: x\nmodel: tiny-random-llama\nvariants:\n  q:\n"
-                           "    - quantize: {method: rtn, group_size: 128}\n")
+                           f"    - quantize: {{method: gptq, group_size: 32, calib: {root / 'no_text_field.jsonl'}}}\n")
+    loop = root / "loop"
+    loop.symlink_to(loop)
+    paths["loop"] = loop
     text("zero_requests.yaml", "name: x\nmodel: tiny-random-llama\nvariants:\n  a: []\nbench: {num_requests: 0}\n")
     text("bad_yaml.yaml", "name: x\nvariants: [a\n")
     text("binary.yaml", bytes(range(256)) * 4)

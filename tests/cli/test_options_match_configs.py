@@ -138,7 +138,7 @@ def test_distill_options_are_the_config():
     from llmopt.distill.losses import DIVERGENCES
 
     params = inspect.signature(distill.distill, eval_str=True).parameters
-    cli_only = {"output", "resume", "overwrite", "as_json", "trust_remote_code"}
+    cli_only = {"output", "resume", "allow_changes", "overwrite", "as_json", "trust_remote_code"}
     # every config field is an option and every option (but the run's own) a field
     assert set(params) - cli_only == set(DistillConfig.model_fields) - {"qat"}  # qat has one choice yet
     for name, field in DistillConfig.model_fields.items():
