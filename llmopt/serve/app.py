@@ -56,6 +56,9 @@ class Server:
         self.engine, self.tokenizer, self.model_name = engine, tokenizer, model_name
         self.api_key, self.chat_template, self.max_body_bytes = api_key, chat_template, max_body_bytes
         self.max_context = engine.engine.max_context
+        # the most characters one token covers: a text longer than max_context x this cannot fit the context,
+        # and is refused without tokenizing it (seconds of a worker thread for a multi-megabyte prompt)
+        self.max_token_chars = max((len(t) for t in tokenizer.get_vocab()), default=1) or 1
         # what the numbers served depend on, fixed at start (plain values: read from any thread)
         kv = engine.engine.kv_cache_info()
         self.engine_facts = {"numerics": engine.engine.numerics(),
@@ -132,6 +135,12 @@ class Server:
         except ConfigError as exc:
             raise RequestError(str(exc), exc.param) from None
 
+    def check_text_fits(self, text: str, param: str) -> None:
+        if self.max_context and len(text) > self.max_context * self.max_token_chars:
+            at_least = len(text) // self.max_token_chars
+            raise RequestError(f"the {param} has {len(text)} characters, at least {at_least} tokens; the model's "
+                               f"context is {self.max_context}", param)
+
     def max_tokens_for(self, requested: int | None, prompt: list[int]) -> int:
         if not prompt:
             raise RequestError("the prompt is empty: give at least one token", "prompt")
@@ -157,6 +166,7 @@ class Server:
         encoded = []
         for i, p in enumerate(prompt):
             if isinstance(p, str):
+                self.check_text_fits(p, "prompt")
                 encoded.append(self.tokenizer(p, add_special_tokens=req.add_special_tokens)["input_ids"])
             else:
                 self.check_token_ids(p, "prompt" if len(prompt) == 1 else f"prompt[{i}]")
@@ -175,6 +185,7 @@ class Server:
                                                       chat_template=self.chat_template)
         except Exception as exc:  # noqa: BLE001  (a template that rejects these messages)
             raise RequestError(f"the chat template cannot render these messages: {exc}", "messages") from None
+        self.check_text_fits(text, "messages")
         # the template places the special tokens itself (as transformers tokenizes a rendered chat)
         return self.tokenizer(text, add_special_tokens=req.add_special_tokens)["input_ids"]
 

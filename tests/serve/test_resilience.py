@@ -169,7 +169,8 @@ def test_a_body_being_parsed_never_stalls_the_event_loop():
 
 @pytest.mark.parametrize("endpoint", ["completions", "chat"])
 def test_a_large_body_within_the_limit_is_refused_for_its_length_not_stalled(endpoint):
-    """A multi-megabyte prompt: a 400 naming the prompt (beyond the context), /health answering meanwhile."""
+    """A multi-megabyte prompt: a 400 naming the prompt (beyond the context, known from its length without
+    tokenizing it), /health answering meanwhile."""
     running = Running()
     try:
         text = "word " * 600_000  # 3 MB
@@ -183,6 +184,8 @@ def test_a_large_body_within_the_limit_is_refused_for_its_length_not_stalled(end
         health = [httpx.get(running.url + "/health", timeout=30).status_code for _ in range(3)]
         thread.join(300)
         assert health == [200, 200, 200]
-        assert result["r"].status_code == 400 and result["r"].json()["error"]["param"] == "prompt", result["r"].text
+        param = "prompt" if endpoint == "completions" else "messages"
+        assert result["r"].status_code == 400 and result["r"].json()["error"]["param"] == param, result["r"].text
+        assert "characters" in result["r"].json()["error"]["message"]  # refused by length, not tokenized
     finally:
         running.close()
