@@ -11,6 +11,7 @@ import inspect
 import typer
 
 from llmopt.compress.defaults import CALIBRATION
+from llmopt.core.contract.scheme import QUANTIZE_PRESETS
 from llmopt.core.errors import ConfigError
 from llmopt.core.registry import declared_names
 from llmopt.runtime.engine.config import EngineConfig, SpeculativeConfig, engine_field_types, engine_flag
@@ -59,6 +60,7 @@ QuantMethod = choices("QuantMethod", declared_names("llmopt.compress", "QUANT_ME
 FormatName = choices("FormatName", declared_names("llmopt.export", "FORMATS"))
 PruneMethod = choices("PruneMethod", declared_names("llmopt.compress", "PRUNE_METHODS"))
 StructuredKind = choices("StructuredKind", ["mlp", "heads", "layers"])
+SchemeName = choices("SchemeName", list(QUANTIZE_PRESETS))
 
 
 class CalibDtype(str, Enum):

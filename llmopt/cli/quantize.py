@@ -6,7 +6,7 @@ from typing import Annotated, Optional
 
 import typer
 
-from llmopt.cli.options import FormatName, IgnoreOpt, JsonOpt, ModelArg, OutputOpt, OverwriteOpt
+from llmopt.cli.options import FormatName, IgnoreOpt, JsonOpt, ModelArg, OutputOpt, OverwriteOpt, SchemeName
 from llmopt.cli.options import QuantMethod as Method
 from llmopt.cli.options import TrustRemoteCodeOpt, calib_dtype_label, with_calibration_options
 from llmopt.cli.output import print_json, print_table, progress_bar
@@ -24,11 +24,17 @@ def quantize(
     model: ModelArg,
     output: OutputOpt,
     method: Annotated[Method, typer.Option("--method", help="Quantization algorithm.")] = Method.gptq,
-    bits: Annotated[int, typer.Option("--bits", help="2, 3, 4 or 8.")] = QUANTIZE["bits"],
-    group_size: Annotated[int, typer.Option(
-        "--group-size", help="Input columns per scale; -1 = per channel.")] = QUANTIZE["group_size"],
-    sym: Annotated[bool, typer.Option(
-        "--sym/--asym", help="Symmetric (zero point fixed) or asymmetric.")] = QUANTIZE["sym"],
+    scheme: Annotated[Optional[SchemeName], typer.Option(
+        "--scheme", help="A named scheme: sets bits, group size and symmetry, and for w8a8-int8 8-bit per-token "
+        "dynamic input activations (written as compressed-tensors int-quantized).")] = None,
+    # None: not given (the config's default, or the scheme's)
+    bits: Annotated[Optional[int], typer.Option(
+        "--bits", show_default=False, help=f"2, 3, 4 or 8 (default {QUANTIZE['bits']}).")] = None,
+    group_size: Annotated[Optional[int], typer.Option(
+        "--group-size", show_default=False,
+        help=f"Input columns per scale; -1 = per channel (default {QUANTIZE['group_size']}).")] = None,
+    sym: Annotated[Optional[bool], typer.Option(
+        "--sym/--asym", show_default=False, help="Symmetric (zero point fixed; the default) or asymmetric.")] = None,
     act_order: Annotated[Optional[bool], typer.Option(
         "--act-order/--no-act-order",
         help="GPTQ: quantize columns by decreasing Hessian diagonal (desc_act; default on).")] = None,
@@ -69,8 +75,9 @@ def quantize(
         if value is not None and method.value not in METHOD_ONLY[option]:
             flag = "--" + option.replace("_", "-")
             raise ConfigError(f"{flag} applies to {', '.join(METHOD_ONLY[option])} only, not {method.value}")
-    settings = dict(bits=bits, group_size=group_size, sym=sym, ignore=ignore or [], num_samples=num_samples,
-                    **calibration)
+    settings = dict(ignore=ignore or [], num_samples=num_samples, **calibration)
+    given_scheme = {"scheme": scheme.value if scheme else None, "bits": bits, "group_size": group_size, "sym": sym}
+    settings.update({k: v for k, v in given_scheme.items() if v is not None})
     if mse is not None:
         settings["mse"] = mse
     if method is Method.gptq:

@@ -88,7 +88,7 @@ def check_model_fits(model, configs: list[BaseModel]) -> None:
                 check_nm_fits(linears, config.nm)
         else:
             for name, linear in linears.items():
-                config.scheme.check(linear.in_features, name)
+                config.weight_scheme.check(linear.in_features, name)
 
 
 def compress_model(model, tokenizer, configs: list[BaseModel],

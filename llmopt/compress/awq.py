@@ -148,7 +148,7 @@ class AWQQuantizer(Quantizer):
 
     def process(self, layer_index, layer, names):
         cfg: AWQConfig = self.config
-        scheme = cfg.scheme
+        scheme = cfg.weight_scheme
         transforms: dict[str, torch.Tensor] = {}  # linear -> scales its inputs were divided by
         for prev_name, linear_names in self.adapter.smooth_groups:
             prev = get_module(layer, prev_name)

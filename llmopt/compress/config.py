@@ -4,14 +4,14 @@ and the artifacts share them."""
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Literal
+from typing import Literal, Optional
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 from llmopt.compress.defaults import (
     CALIBRATION, QUANTIZE, SCORES_FILE, SEARCH_FILE, SPARSEGPT_DAMP, STRUCTURED_NUM_SAMPLES,
 )
-from llmopt.core.contract import SUPPORTED_BITS, QuantRecord, QuantScheme, parse_nm
+from llmopt.core.contract import PRESETS, QUANTIZE_PRESETS, SUPPORTED_BITS, QuantRecord, QuantScheme, parse_nm
 
 
 def calibration_dtype(name: str, device: str) -> str:
@@ -84,17 +84,36 @@ class CalibrationConfig(BaseModel):
 
 
 class QuantizeConfig(BaseModel):
-    """Settings common to every weight-only integer quantization method."""
+    """Settings common to every integer quantization method. `scheme` names a preset (core.contract.PRESETS:
+    w4a16, w8a16, w8a8-int8) that sets bits, group size and symmetry, and for W8A8 the input activations the
+    checkpoint asks the runtime for; a bits / group_size / sym given beside it must agree with it."""
 
     model_config = ConfigDict(extra="forbid")
 
     method: str
+    scheme: Optional[str] = None
     bits: int = QUANTIZE["bits"]
     group_size: int = QUANTIZE["group_size"]
     sym: bool = QUANTIZE["sym"]
     mse: bool = Field(False, description="choose each group's clip ratio by minimising the weight error")
     ignore: list[str] = Field(default_factory=list, description="glob patterns of linears to leave dense")
     calibration: CalibrationConfig = Field(default_factory=CalibrationConfig)
+
+    @model_validator(mode="before")
+    @classmethod
+    def _apply_preset(cls, data):
+        """The preset's bits, group size and symmetry, for those not given; a given one that differs is refused."""
+        if not isinstance(data, dict) or data.get("scheme") is None:
+            return data
+        name = data["scheme"]
+        if name not in QUANTIZE_PRESETS:
+            raise ValueError(f"unknown scheme {name!r}: choose one of {', '.join(QUANTIZE_PRESETS)}")
+        weights = PRESETS[name].weights
+        implied = {"bits": weights.bits, "group_size": weights.group_size, "sym": weights.sym}
+        for key, value in implied.items():
+            if data.get(key) is not None and data[key] != value:
+                raise ValueError(f"{key} {data[key]} contradicts scheme {name} ({key} {value}): drop one")
+        return {**data, **implied}
 
     @model_validator(mode="after")
     def _check_bits(self):
@@ -105,12 +124,17 @@ class QuantizeConfig(BaseModel):
         return self
 
     @property
-    def scheme(self) -> QuantScheme:
+    def weight_scheme(self) -> QuantScheme:
         return QuantScheme(self.bits, self.group_size, self.sym, observer="mse" if self.mse else "minmax")
+
+    @property
+    def input_activations(self) -> QuantScheme | None:
+        """The input activations' scheme the preset names (W8A8), else None (weight-only)."""
+        return PRESETS[self.scheme].input_activations if self.scheme else None
 
     def record(self) -> QuantRecord:
         """What a checkpoint records of this config (formats read nothing else of it)."""
-        return QuantRecord.from_config(self.scheme, self.model_dump())
+        return QuantRecord.from_config(self.weight_scheme, self.model_dump(), self.input_activations)
 
     @property
     def needs_calibration(self) -> bool:

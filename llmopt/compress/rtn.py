@@ -16,7 +16,7 @@ class RTNQuantizer(Quantizer):
             module = get_module(layer, name)
             if self.is_ignored(self.full_name(layer_index, name)):
                 continue
-            qweight = quantize_rtn(module.weight.data, self.config.scheme, self.config.mse, module.bias)
+            qweight = quantize_rtn(module.weight.data, self.config.weight_scheme, self.config.mse, module.bias)
             self.store(layer_index, name, module, qweight)
 
 

@@ -18,9 +18,12 @@ WEIGHTS_FILE = "model.safetensors"
 MANIFEST_FILE = "llmopt.json"
 
 
-def check_format(fmt_name: str, qweights: dict[str, QuantizedWeight]) -> None:
-    """Raise ArtifactError if the format cannot hold every quantized linear (before any work is written)."""
+def check_format(fmt_name: str, qweights: dict[str, QuantizedWeight], record: QuantRecord | None = None) -> None:
+    """Raise ArtifactError if the format cannot hold every quantized linear, or what the record states beyond
+    the weights (before any work is written)."""
     fmt = FORMATS.get(fmt_name)
+    if record is not None:
+        fmt.check_record(record)
     for name, qweight in qweights.items():
         fmt.check(name, qweight.shape, qweight.scheme, qweight.has_trivial_g_idx)
 
@@ -61,7 +64,7 @@ def write_artifact(
     """
     start = time.perf_counter()
     if fmt_name is not None:
-        check_format(fmt_name, qweights)
+        check_format(fmt_name, qweights, record)
     with atomic_output_dir(out, overwrite) as tmp:
         tensors = dict(dense)
         config = {k: v for k, v in config.items() if k != "quantization_config"}

@@ -14,10 +14,11 @@ from llmopt.export.read import read_artifact
 def record_from_artifact(contents) -> QuantRecord:
     """How the artifact's weights were quantized: from llmopt.json's quantize stage, or else from the source's
     quantization_config."""
-    scheme = next(iter(contents.qweights.values())).scheme
+    first = next(iter(contents.qweights.values()))
+    scheme, acts = first.scheme, first.input_activations
     for stage in reversed(contents.manifest.get("stages", [])):
         if stage.get("stage") == "quantize":
-            return QuantRecord.from_config(scheme, stage["settings"])
+            return QuantRecord.from_config(scheme, stage["settings"], acts)
     qcfg = contents.config.get("quantization_config", {})
     groups = qcfg.get("config_groups") or {}
     weights = next(iter(groups.values()), {}).get("weights", {}) if groups else {}
@@ -25,7 +26,7 @@ def record_from_artifact(contents) -> QuantRecord:
     act_order = bool(qcfg.get("desc_act")) or actorder in ("weight", "static", "group", "dynamic")
     static_groups = bool(qcfg.get("static_groups")) or actorder in ("weight", "static") or not act_order
     return QuantRecord(scheme, qcfg.get("quant_method", "unknown"), act_order, static_groups,
-                       qcfg.get("damp_percent"), qcfg.get("true_sequential", True))
+                       qcfg.get("damp_percent"), qcfg.get("true_sequential", True), acts)
 
 
 def export_artifact(source: str | Path, output: str | Path, fmt_name: str, overwrite: bool = False,

@@ -31,12 +31,27 @@ class Format:
     def unpack(self, tensors: dict[str, torch.Tensor], scheme: QuantScheme) -> QuantizedWeight:
         raise NotImplementedError
 
+    def check_record(self, record: QuantRecord) -> None:
+        """Raise ArtifactError if this format cannot record what `record` asks for beyond the weights (quantized
+        input activations: only compressed-tensors states them)."""
+        if record.input_activations is not None:
+            raise ArtifactError(f"format {self.name} cannot record quantized input activations (W8A8): use "
+                                f"--format compressed-tensors")
+
     def quantization_config(self, record: QuantRecord) -> dict:
         """The config.json `quantization_config` entry for weights quantized as `record` says."""
         raise NotImplementedError
 
     def scheme_from_config(self, qcfg: dict) -> QuantScheme:
         raise NotImplementedError
+
+    def input_activations_from_config(self, qcfg: dict) -> QuantScheme | None:
+        """The scheme the checkpoint quantizes its linears' inputs with at run time (None: weight-only)."""
+        return None
+
+    def marker_for(self, qcfg: dict) -> str:
+        """The tensor suffix that marks a quantized linear in a checkpoint with this quantization_config."""
+        return self.marker
 
 
 FORMATS: Registry[Format] = Registry("format")
@@ -145,12 +160,32 @@ class AWQFormat(Format):
 
 
 class CompressedTensorsFormat(Format):
-    """compressed-tensors pack-quantized: weight_packed [N, ceil(K*b/32)] of q + 2^(b-1) (signed q), packed
-    along K; weight_scale [N, G]; weight_zero_point [ceil(N*b/32), G] packed along N (asymmetric only)."""
+    """compressed-tensors, two of its formats:
+    - pack-quantized (weight-only): weight_packed [N, ceil(K*b/32)] of q + 2^(b-1) (signed q), packed along K;
+      weight_scale [N, G]; weight_zero_point [ceil(N*b/32), G] packed along N (asymmetric only);
+    - int-quantized (W8A8: 8-bit weights with quantized input activations): weight [N, K] int8 (signed q),
+      weight_scale [N, G], weight_zero_point [N, G] int8 (asymmetric only); the config group's
+      input_activations says how the inputs are quantized at run time (dynamic per token)."""
 
     name, marker = "compressed-tensors", "weight_packed"
+    INT_MARKER = "weight_scale"  # int-quantized: `weight` is the int8 codes, so the scale marks the linear
+
+    def check(self, name, shape, scheme, trivial_g_idx=True):
+        pass
+
+    def check_record(self, record):
+        acts = record.input_activations
+        if acts is not None and (record.scheme.bits != 8 or acts.bits != 8 or acts.type != "int"):
+            raise ArtifactError(f"compressed-tensors int-quantized holds 8-bit weights with 8-bit integer inputs, "
+                                f"not {record.scheme.bits}-bit weights with {acts.bits}-bit {acts.type} inputs")
+
+    @staticmethod
+    def _is_int_quantized(qcfg: dict) -> bool:
+        return qcfg.get("format") == "int-quantized"
 
     def pack(self, qweight):
+        if qweight.input_activations is not None:
+            return self._pack_int(qweight)
         n, k = qweight.shape
         b = qweight.scheme.bits
         # Our unsigned codes already equal signed q + 2^(b-1), the stored value; zp_signed + 2^(b-1) = z.
@@ -167,7 +202,21 @@ class CompressedTensorsFormat(Format):
             out["bias"] = qweight.bias.to(SCALE_DTYPE)
         return out
 
+    def _pack_int(self, qweight):
+        offset = 2 ** (qweight.scheme.bits - 1)
+        out = {"weight": (qweight.q.to(torch.int16) - offset).to(torch.int8).contiguous(),
+               "weight_scale": qweight.scales.to(SCALE_DTYPE).contiguous()}
+        if not qweight.scheme.sym:
+            out["weight_zero_point"] = (qweight.zeros - offset).to(torch.int8).contiguous()
+        if not qweight.has_trivial_g_idx:
+            out["weight_g_idx"] = qweight.g_idx.to(torch.int32)
+        if qweight.bias is not None:
+            out["bias"] = qweight.bias.to(SCALE_DTYPE)
+        return out
+
     def unpack(self, tensors, scheme):
+        if "weight_packed" not in tensors:
+            return self._unpack_int(tensors, scheme)
         n, k = (int(v) for v in tensors["weight_shape"])
         b = scheme.bits
         q = unpack_int32(tensors["weight_packed"], b, k, dim=-1)
@@ -180,24 +229,52 @@ class CompressedTensorsFormat(Format):
         g_idx = default_g_idx(k, scheme) if g_idx is None else g_idx.to(torch.int32)
         return QuantizedWeight(q.to(torch.uint8), scales, zeros.to(torch.int32), g_idx, scheme, _bias(tensors))
 
+    def _unpack_int(self, tensors, scheme):
+        offset = 2 ** (scheme.bits - 1)
+        weight = tensors["weight"]
+        if weight.dtype != torch.int8:
+            raise ArtifactError(f"int-quantized weight of dtype {weight.dtype}: expected int8 codes")
+        q = (weight.to(torch.int16) + offset).to(torch.uint8)
+        scales = tensors["weight_scale"].float().reshape(q.shape[0], -1)
+        zp = tensors.get("weight_zero_point")
+        zeros = (torch.full(scales.shape, offset, dtype=torch.int32) if zp is None
+                 else (zp.to(torch.int32).reshape(scales.shape) + offset))
+        g_idx = tensors.get("weight_g_idx")
+        g_idx = default_g_idx(q.shape[1], scheme) if g_idx is None else g_idx.to(torch.int32)
+        return QuantizedWeight(q, scales, zeros, g_idx, scheme, _bias(tensors))
+
     def quantization_config(self, record):
         actorder = ("weight" if record.static_groups else "group") if record.act_order else None
         weights = {**record.scheme.to_args(), "actorder": actorder}
+        acts = record.input_activations
+        fmt = "pack-quantized" if acts is None else "int-quantized"
         return {
-            "quant_method": "compressed-tensors", "format": "pack-quantized",
-            "config_groups": {"group_0": {"targets": ["Linear"], "weights": weights, "input_activations": None,
-                                          "output_activations": None, "format": "pack-quantized"}},
+            "quant_method": "compressed-tensors", "format": fmt,
+            "config_groups": {"group_0": {"targets": ["Linear"], "weights": weights,
+                                          "input_activations": None if acts is None else acts.to_args(),
+                                          "output_activations": None, "format": fmt}},
             "ignore": ["lm_head"], "quantization_status": "compressed", "kv_cache_scheme": None,
             "global_compression_ratio": None,
         }
 
-    def scheme_from_config(self, qcfg):
-        if qcfg.get("format") != "pack-quantized":
-            raise ArtifactError(f"compressed-tensors format {qcfg.get('format')!r} is not supported (pack-quantized)")
+    def _group(self, qcfg):
+        if qcfg.get("format") not in ("pack-quantized", "int-quantized"):
+            raise ArtifactError(f"compressed-tensors format {qcfg.get('format')!r} is not supported "
+                                f"(pack-quantized, int-quantized)")
         groups = list(qcfg["config_groups"].values())
         if len(groups) != 1:
             raise ArtifactError("compressed-tensors checkpoints with several config groups are not supported yet")
-        return QuantScheme.from_args(groups[0]["weights"])
+        return groups[0]
+
+    def scheme_from_config(self, qcfg):
+        return QuantScheme.from_args(self._group(qcfg)["weights"])
+
+    def input_activations_from_config(self, qcfg):
+        args = self._group(qcfg).get("input_activations")
+        return None if not args else QuantScheme.from_args(args)
+
+    def marker_for(self, qcfg):
+        return self.INT_MARKER if self._is_int_quantized(qcfg) else self.marker
 
 
 def _bias(tensors):

@@ -10,6 +10,7 @@ import torch
 from safetensors import safe_open
 
 from llmopt.core.contract import QuantizedWeight, QuantScheme
+from llmopt.core.contract.activations import InputQuantizedLinear
 from llmopt.core.errors import ArtifactError, ModelLoadError
 from llmopt.core.io import read_json
 from llmopt.core.models import rebuild_meta_buffers
@@ -51,7 +52,8 @@ def read_artifact(path: str | Path) -> ArtifactContents:
         return ArtifactContents(config, tensors, {}, None, None, manifest)
     fmt = format_for_config(qcfg)
     scheme = fmt.scheme_from_config(qcfg)
-    marker = "." + fmt.marker
+    input_activations = fmt.input_activations_from_config(qcfg)
+    marker = "." + fmt.marker_for(qcfg)
     prefixes = sorted(k[: -len(marker)] for k in tensors if k.endswith(marker))
     qweights = {}
     for prefix in prefixes:
@@ -60,6 +62,7 @@ def read_artifact(path: str | Path) -> ArtifactContents:
             qweights[prefix] = fmt.unpack(own, scheme)
         except KeyError as e:
             raise ArtifactError(f"{path}: {prefix} lacks tensor {e}: the checkpoint is incomplete") from None
+        qweights[prefix].input_activations = input_activations
     return ArtifactContents(config, tensors, qweights, fmt, scheme, manifest)
 
 
@@ -78,6 +81,10 @@ def model_from_contents(contents: ArtifactContents, dtype: torch.dtype = torch.f
     expected = set(model.state_dict())
     state = {k: (v.to(dtype) if v.is_floating_point() else v) for k, v in contents.dense.items()}
     for name, qweight in contents.qweights.items():
+        if linear_factory is None and qweight.input_activations is not None:
+            set_module(model, name, InputQuantizedLinear.of(qweight, dtype))  # W8A8: inputs fake-quantized
+            expected -= {f"{name}.weight", f"{name}.bias"}
+            continue
         if linear_factory is not None:
             set_module(model, name, linear_factory(qweight))
             expected -= {f"{name}.weight", f"{name}.bias"}

@@ -22,10 +22,17 @@ from llmopt.pipelines.common import (
 )
 
 
-def default_format(method: str) -> str:
-    """The checkpoint format a quantization method writes unless told otherwise (its registry entry)."""
+# the one format that records quantized input activations (compressed-tensors' int-quantized)
+INPUT_ACTIVATIONS_FORMAT = "compressed-tensors"
+
+
+def default_format(method: str, config=None) -> str:
+    """The checkpoint format a quantization method writes unless told otherwise (its registry entry), or for a
+    scheme with quantized input activations (W8A8) the format that can record them."""
     from llmopt.compress.api import load_methods
 
+    if config is not None and getattr(config, "input_activations", None) is not None:
+        return INPUT_ACTIVATIONS_FORMAT
     load_methods()
     return QUANT_METHODS.get(method).default_format
 
@@ -37,9 +44,10 @@ def check_quantizable(model, configs: list, fmt_name: str) -> None:
     check_model_fits(model, configs)
     config, fmt = configs[-1], FORMATS.get(fmt_name)
     record = config.record()
+    fmt.check_record(record)
     trivial = not (record.act_order and not record.static_groups)
     for name, linear in quantizable_linears(model).items():
-        fmt.check(name, (linear.out_features, linear.in_features), config.scheme, trivial)
+        fmt.check(name, (linear.out_features, linear.in_features), config.weight_scheme, trivial)
 
 
 def quantize_to_artifact(
@@ -58,13 +66,15 @@ def quantize_to_artifact(
     output = check_output_free(output, overwrite)
     config = configs[-1]
     method = config.method
-    fmt_name = fmt_name or default_format(method)
+    fmt_name = fmt_name or default_format(method, config)
     FORMATS.get(fmt_name)  # an unknown format fails before the model loads
     source = resolve_input(model_name, output)
     refuse_quantized_input(source, "quantize", trust_remote_code)
     model, tokenizer, source = load_model(source, trust_remote_code=trust_remote_code)
     check_quantizable(model, configs, fmt_name)  # fail before the expensive part
     result = compress_model(model, tokenizer, configs, progress)
+    for qweight in result.qweights.values():  # what the checkpoint asks the runtime to do with the inputs
+        qweight.input_activations = config.input_activations
     result.facts["quantize_wall_s"] = result.facts.pop("wall_s")
     result.facts["num_quantized_linears"] = len(result.qweights)
     _drop_quantized_weights(model, result.qweights)

@@ -95,7 +95,7 @@ def _preflight_quantize(options: dict, model):
     _check_calibration(options)
     method, settings, fmt = _split_quantize(options)
     configs = quantize_configs(method, settings)
-    check_quantizable(model.model, configs, fmt or default_format(method))
+    check_quantizable(model.model, configs, fmt or default_format(method, configs[-1]))
     return model.updated({}, quantized=True)
 
 

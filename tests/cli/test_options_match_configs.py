@@ -60,11 +60,9 @@ def test_calibration_defaults_are_the_configs(command):
 
 
 def test_method_defaults_are_the_configs():
-    for name in ("bits", "group_size", "sym"):
-        assert option("quantize", name).default == GPTQConfig.model_fields[name].default, name
     assert option("prune", "damp").default == SparsityConfig.model_fields["damp"].default
-    # GPTQ-only options default to None: the config's own default applies
-    for name in ("damp", "act_order", "static_groups", "gptaq", "mse"):
+    # options default to None where the config's own default (or --scheme's) applies
+    for name in ("bits", "group_size", "sym", "scheme", "damp", "act_order", "static_groups", "gptaq", "mse"):
         assert option("quantize", name).default is None, name
 
 

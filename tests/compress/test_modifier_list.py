@@ -67,7 +67,7 @@ def test_one_pass_equals_the_two_methods_sharing_one_hessian(tiny):
     result = compress_model(model, tok, configs)
     pruned, mask = sparsegpt_prune_weight(q_weight, acc.hessian, nm=(2, 4))
     gptq = configs[1]
-    expected = gptq_quantize_weight(pruned, acc.hessian, gptq.scheme, damp=gptq.damp, act_order=gptq.act_order,
+    expected = gptq_quantize_weight(pruned, acc.hessian, gptq.weight_scheme, damp=gptq.damp, act_order=gptq.act_order,
                                     mse=gptq.mse, mask=mask)
     got = result.qweights["model.layers.0.self_attn.q_proj"]
     torch.testing.assert_close(got.dequantize(), expected.dequantize(), rtol=1e-5, atol=1e-6)

@@ -4,16 +4,17 @@
 The weight's names load on first use: the scheme is imported by configs that must not import torch."""
 
 from llmopt.core.contract.scheme import (  # noqa: F401
-    INT8_GROUP_ACTIVATIONS, PRESETS, SUPPORTED_BITS, LinearScheme, QuantRecord, QuantScheme, preset,
+    INT8_GROUP_ACTIVATIONS, INT8_TOKEN_ACTIVATIONS, PRESETS, QUANTIZE_PRESETS, SUPPORTED_BITS, LinearScheme,
+    QuantRecord, QuantScheme, preset,
 )
 from llmopt.core.contract.sparsity import parse_nm, sparsity_entry  # noqa: F401
 
-_WEIGHT_NAMES = ("QuantizedWeight", "default_g_idx")
+_WEIGHT_NAMES = ("QuantizedWeight", "default_g_idx", "quantize_activations", "fake_quantize_activations")
 
 
 def __getattr__(name: str):
     if name in _WEIGHT_NAMES:
-        from llmopt.core.contract import weight
+        from llmopt.core.contract import activations, weight
 
-        return getattr(weight, name)
+        return getattr(weight if hasattr(weight, name) else activations, name)
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -81,6 +81,9 @@ class QuantScheme:
 # Dynamic 8-bit activations, one symmetric scale per group of 64 input columns (the int4 kernels' block): the
 # scheme of llama.cpp's Q8 activations.
 INT8_GROUP_ACTIVATIONS = QuantScheme(8, 64, True, strategy="group", dynamic=True)
+# Dynamic 8-bit activations, one symmetric scale per token (row): W8A8's inputs, as llm-compressor's W8A8 preset
+# and vLLM's int8 kernels take them.
+INT8_TOKEN_ACTIVATIONS = QuantScheme(8, -1, True, strategy="token", dynamic=True)
 
 
 @dataclass(frozen=True)
@@ -96,7 +99,11 @@ PRESETS: dict[str, LinearScheme] = {
     "w4a16": LinearScheme(QuantScheme(4, 128)),
     "w8a16": LinearScheme(QuantScheme(8, -1)),
     "w4a8": LinearScheme(QuantScheme(4, 128), INT8_GROUP_ACTIVATIONS),
+    # per-channel symmetric int8 weights, per-token dynamic symmetric int8 inputs: integer dot products
+    "w8a8-int8": LinearScheme(QuantScheme(8, -1, True), INT8_TOKEN_ACTIVATIONS),
 }
+# the presets `llmopt quantize --scheme` takes (w4a8 is a runtime choice: --int4-activations int8)
+QUANTIZE_PRESETS = ("w4a16", "w8a16", "w8a8-int8")
 
 
 def preset(name: str) -> LinearScheme:
@@ -117,11 +124,13 @@ class QuantRecord:
     static_groups: bool = True  # with act_order: groups stay k // group_size (g_idx trivial)
     damp: float | None = None  # GPTQ's dampening, when the method has one
     true_sequential: bool = True
+    input_activations: QuantScheme | None = None  # quantized inputs the checkpoint asks for (W8A8), else None
 
     @classmethod
-    def from_config(cls, scheme: QuantScheme, settings: dict) -> QuantRecord:
+    def from_config(cls, scheme: QuantScheme, settings: dict,
+                    input_activations: QuantScheme | None = None) -> QuantRecord:
         """From a method config's fields (its model_dump, as llmopt.json keeps it); fields a method lacks keep
         the values that describe it (no act-order, trivial groups)."""
         return cls(scheme, settings.get("method", "rtn"), bool(settings.get("act_order", False)),
                    bool(settings.get("static_groups", True)), settings.get("damp"),
-                   bool(settings.get("true_sequential", True)))
+                   bool(settings.get("true_sequential", True)), input_activations)

@@ -24,6 +24,7 @@ class QuantizedWeight:
     scales: [N, G] float32
     zeros:  [N, G] int32, unsigned zero points (2^(bits-1) when symmetric)
     g_idx:  [K] int32, group of each input column (k // group_size unless act-order permuted groups)
+    input_activations: the scheme its inputs are quantized with at run time (W8A8), None for weight-only
     """
 
     q: torch.Tensor
@@ -32,6 +33,7 @@ class QuantizedWeight:
     g_idx: torch.Tensor
     scheme: QuantScheme
     bias: torch.Tensor | None = None
+    input_activations: QuantScheme | None = None
 
     @property
     def shape(self) -> tuple[int, int]:
@@ -51,7 +53,8 @@ class QuantizedWeight:
                 raise ConfigError(f"{n} output features do not split into {world} equal shards")
             rows = slice(rank * n // world, (rank + 1) * n // world)
             bias = None if self.bias is None else self.bias[rows]
-            return QuantizedWeight(self.q[rows], self.scales[rows], self.zeros[rows], self.g_idx, self.scheme, bias)
+            return QuantizedWeight(self.q[rows], self.scales[rows], self.zeros[rows], self.g_idx, self.scheme, bias,
+                                   self.input_activations)
         if dim != "in":
             raise ValueError(f"dim must be 'in' or 'out', not {dim!r}")
         groups = self.scales.shape[1]
@@ -64,7 +67,7 @@ class QuantizedWeight:
         g_idx = self.g_idx[cols] - rank * per
         bias = self.bias if rank == 0 else None
         return QuantizedWeight(self.q[:, cols], self.scales[:, group_cols], self.zeros[:, group_cols], g_idx,
-                               self.scheme, bias)
+                               self.scheme, bias, self.input_activations)
 
     def dequantize(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
         """[N, K] weight s * (q - z), with each column's group taken from g_idx."""

@@ -89,11 +89,14 @@ def select_linear_method(qweight: QuantizedWeight, scheme: LinearScheme, device:
 def make_linear(qweight: QuantizedWeight, dtype: torch.dtype, device: torch.device | str = "cpu",
                 input_activations=None) -> nn.Module:
     """The runtime's module for one quantized linear of an artifact: the chosen method, built (packed) once.
-    input_activations: the scheme of its inputs (None: the compute dtype; core.contract.INT8_GROUP_ACTIVATIONS:
-    8-bit dynamic per group)."""
+    input_activations: the scheme of its inputs the engine asks for (None: the compute dtype;
+    core.contract.INT8_GROUP_ACTIVATIONS: 8-bit dynamic per group); a checkpoint that states its own (W8A8:
+    qweight.input_activations) is computed as it says."""
+    if qweight.input_activations is not None:
+        input_activations = qweight.input_activations
     scheme = LinearScheme(qweight.scheme, input_activations)
     method = select_linear_method(qweight, scheme, device)
-    if input_activations is not None and method.priority == FALLBACK_PRIORITY:
+    if input_activations is not None and method.priority == FALLBACK_PRIORITY and qweight.input_activations is None:
         # quantized inputs are a request: a weight no kernel runs with them keeps inputs in the compute dtype
         method = select_linear_method(qweight, LinearScheme(qweight.scheme), device)
     return method.create(qweight, dtype, device)

@@ -8,6 +8,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from llmopt.core.contract.activations import InputQuantizedLinear
 from llmopt.runtime.executor.kernels.cpu_ops import GEMV_BATCHED_ROWS, cpu_ops
 from llmopt.runtime.executor.linear.base import (
     FALLBACK_PRIORITY, LinearMethod, register_linear_method,
@@ -26,6 +27,8 @@ class DequantizedLinear(LinearMethod):
 
     @classmethod
     def create(cls, qweight, dtype, device) -> nn.Linear:
+        if qweight.input_activations is not None:  # W8A8 without an integer kernel: the reference's numerics
+            return InputQuantizedLinear.of(qweight, dtype, device)
         n, k = qweight.shape
         dense = nn.Linear(k, n, bias=qweight.bias is not None, dtype=dtype, device=device)
         with torch.no_grad():

@@ -1,0 +1,54 @@
+"""W8A8 int8 on CPU: per-channel symmetric int8 weights, inputs quantized per token at run time (symmetric int8,
+core.contract.activations' formula) and multiplied in integers by `torch._int_mm` (oneDNN's s8s8s32 GEMM: VNNI or
+AMX-INT8 where the CPU has them), the int32 sums scaled back by the token's and the channel's scales.
+
+y[m, n] = (sum_k xq[m, k] * wq[n, k]) * sx[m] * sw[n]   (+ bias)"""
+
+from __future__ import annotations
+
+import torch
+
+from llmopt.core.contract import INT8_TOKEN_ACTIVATIONS, quantize_activations
+from llmopt.runtime.executor.linear.base import LinearMethod, new_stacked, register_linear_method
+
+
+@register_linear_method
+class Int8W8A8Linear(LinearMethod):
+    name, priority = "w8a8-int8-cpu", 20
+
+    def __init__(self, qweight, dtype, device="cpu"):
+        super().__init__(qweight, dtype, device)
+        offset = 2 ** (qweight.scheme.bits - 1)
+        codes = (qweight.q.to(torch.int16) - offset).to(torch.int8)  # [N, K] signed
+        self.register_buffer("weight_t", codes.t().contiguous().to(device))  # [K, N]: _int_mm's right operand
+        self.register_buffer("weight_scale", qweight.scales.reshape(-1).float().to(device))  # [N]
+        self.input_scheme = qweight.input_activations
+
+    @classmethod
+    def accepts(cls, qweight, scheme, device):
+        w, acts = qweight.scheme, scheme.input_activations
+        return (device.type == "cpu" and acts == INT8_TOKEN_ACTIVATIONS and w.type == "int" and w.bits == 8
+                and w.sym and w.strategy == "channel" and qweight.has_trivial_g_idx)
+
+    @staticmethod
+    def can_stack(parts) -> bool:
+        first = parts[0]
+        return all(type(p) is Int8W8A8Linear and p.in_features == first.in_features and p.dtype == first.dtype
+                   for p in parts)
+
+    @classmethod
+    def stack(cls, parts: list[Int8W8A8Linear]) -> Int8W8A8Linear:
+        """q/k/v or gate/up as one integer GEMM (exact: each output column is computed on its own, and the inputs'
+        per-token scales do not depend on the weights)."""
+        fused = new_stacked(cls, parts[0], sum(p.out_features for p in parts), parts)
+        fused.register_buffer("weight_t", torch.cat([p.weight_t for p in parts], dim=1))
+        fused.register_buffer("weight_scale", torch.cat([p.weight_scale for p in parts]))
+        fused.input_scheme = parts[0].input_scheme
+        return fused
+
+    def _matmul(self, x2d):
+        codes, scale = quantize_activations(x2d, self.input_scheme)  # [M, 1, K] int8, [M, 1, 1]
+        acc = torch._int_mm(codes.reshape(x2d.shape), self.weight_t)  # [M, N] int32
+        # int32 x float -> float in one pass, then the tokens' scales in place
+        y = torch.mul(acc, self.weight_scale).mul_(scale.reshape(-1, 1))
+        return y if y.dtype == self.dtype else y.to(self.dtype)
