@@ -50,6 +50,10 @@ def quantize(
     prune_pattern: Annotated[Optional[str], typer.Option(
         "--prune-pattern", help="GPTQ: SparseGPT-prune each linear to N:M (e.g. 2:4) first, in the same pass.")
     ] = None,
+    smoothquant_alpha: Annotated[Optional[str], typer.Option(
+        "--smoothquant-alpha", help="SmoothQuant before quantizing (schemes with quantized inputs): migration "
+        "strength in [0, 1] (0.5 is the paper's), or 'search' to pick it per group on the calibration data.")
+    ] = None,
     mse: Annotated[Optional[bool], typer.Option(
         "--mse/--no-mse", help="Choose group ranges by minimising weight error (default: on for GPTQ).")] = None,
     num_samples: Annotated[int, typer.Option(
@@ -80,6 +84,8 @@ def quantize(
     settings.update({k: v for k, v in given_scheme.items() if v is not None})
     if mse is not None:
         settings["mse"] = mse
+    if smoothquant_alpha is not None:
+        settings["smoothquant_alpha"] = smoothquant_alpha
     if method is Method.gptq:
         settings.update({k: v for k, v in given.items() if k != "awq_search" and v is not None})
     if awq_search is not None:

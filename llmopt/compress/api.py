@@ -13,7 +13,7 @@ from pydantic import BaseModel
 from llmopt.compress.base import (
     PRUNE_METHODS, QUANT_METHODS, MethodSpec, Pruner, Quantizer, ignore_matches, quantizable_linears,
 )
-from llmopt.compress.config import SparsityConfig, StructuredConfig, build_config
+from llmopt.compress.config import SmoothQuantConfig, SparsityConfig, StructuredConfig, build_config
 from llmopt.compress.defaults import SPARSEGPT_DAMP
 from llmopt.compress.masks import check_nm_fits
 from llmopt.compress.modifier_list import ModifierList
@@ -49,12 +49,15 @@ def make_structured_config(**settings) -> StructuredConfig:
 
 def quantize_configs(method: str, settings: dict) -> list[BaseModel]:
     """The modifiers' configs a quantize command asks for. `prune_pattern` (with `prune_damp`) puts a SparseGPT
-    N:M pruner before the quantizer, in the same calibration pass."""
+    N:M pruner before the quantizer, in the same calibration pass; `smoothquant_alpha` (a number in [0, 1] or
+    "search") puts SmoothQuant first, in a pass of its own."""
     settings = dict(settings)
     pattern, prune_damp = settings.pop("prune_pattern", None), settings.pop("prune_damp", SPARSEGPT_DAMP)
+    alpha = settings.pop("smoothquant_alpha", None)
     quantizer = make_config(method, **settings)
+    smoother = [] if alpha is None else [smoothquant_config(alpha, quantizer)]
     if pattern is None:
-        return [quantizer]
+        return [*smoother, quantizer]
     if method != "gptq":
         raise ConfigError(f"--prune-pattern applies to gptq only, not {method}")
     calibration = quantizer.calibration.model_dump()
@@ -62,7 +65,21 @@ def quantize_configs(method: str, settings: dict) -> list[BaseModel]:
                                   **calibration)
     if not quantizer.sym:
         raise ConfigError("--prune-pattern needs sym quantization (zero must be representable)")
-    return [pruner, quantizer]
+    return [*smoother, pruner, quantizer]
+
+
+def smoothquant_config(alpha, quantizer) -> SmoothQuantConfig:
+    """SmoothQuant for `quantizer`'s scheme, ignore patterns and calibration; alpha a number or "search"."""
+    if quantizer.input_activations is None:
+        raise ConfigError("--smoothquant-alpha smooths activations for their quantization: it needs a scheme with "
+                          "quantized inputs (--scheme w8a8-int8)")
+    if isinstance(alpha, str) and alpha != "search":
+        try:
+            alpha = float(alpha)
+        except ValueError:
+            raise ConfigError(f"--smoothquant-alpha {alpha!r}: give a number in [0, 1] or 'search'") from None
+    return build_config(SmoothQuantConfig, "smoothquant", alpha=alpha, scheme=quantizer.scheme,
+                        ignore=quantizer.ignore, **quantizer.calibration.model_dump())
 
 
 @dataclass
@@ -83,6 +100,8 @@ def check_model_fits(model, configs: list[BaseModel]) -> None:
                 example = next(iter(linears), "")
                 raise ConfigError(f"--ignore {pattern!r} matches no linear (names look like {example!r} or "
                                   f"{example.split('.', 3)[-1]!r}): fix the pattern")
+        if isinstance(config, SmoothQuantConfig):
+            continue
         if isinstance(config, SparsityConfig):
             if config.nm is not None:
                 check_nm_fits(linears, config.nm)
@@ -101,6 +120,9 @@ def compress_model(model, tokenizer, configs: list[BaseModel],
     from llmopt.core.calibration import apply_algorithm
 
     check_model_fits(model, configs)
+    smoothing = [c for c in configs if isinstance(c, SmoothQuantConfig)]
+    configs = [c for c in configs if not isinstance(c, SmoothQuantConfig)]
+    smoothed = smooth_model(model, tokenizer, smoothing[0], progress) if smoothing else None
     modifiers = [method_spec(c.method).modifier_cls(c, model) for c in configs]
     algorithm = modifiers[0] if len(modifiers) == 1 else ModifierList(modifiers)
     calibration = next((c.calibration for c in configs if c.needs_calibration), None)
@@ -120,7 +142,22 @@ def compress_model(model, tokenizer, configs: list[BaseModel],
         model.config.sparsity_config = sparsity_entry(pruner.structure, algorithm.name, pruner.target_sparsity,
                                                       pruner.ignore, measured, suffixes)
         facts["measured_sparsity"] = measured
-    return CompressResult(qweights, masks, algorithm.extra_tensors(), facts)
+    extra = algorithm.extra_tensors()
+    if smoothed is not None:
+        facts.update(smoothed.facts())
+        extra.update(smoothed.extra_tensors())
+    return CompressResult(qweights, masks, extra, facts)
+
+
+def smooth_model(model, tokenizer, config: SmoothQuantConfig, progress=None):
+    """SmoothQuant in place, in a calibration pass of its own (the outputs stay those of the original model);
+    returns the smoother (its scales and facts)."""
+    from llmopt.compress.smoothquant import SmoothQuantSmoother
+    from llmopt.core.calibration import apply_algorithm
+
+    smoother = SmoothQuantSmoother(config, model)
+    apply_algorithm(model, tokenizer, smoother, config.calibration, progress)
+    return smoother
 
 
 def quantize_model(model, tokenizer, config: BaseModel,

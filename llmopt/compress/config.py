@@ -187,6 +187,41 @@ class AWQConfig(QuantizeConfig):
         return self.search_file is None
 
 
+class SmoothQuantConfig(BaseModel):
+    """SmoothQuant (Xiao et al. 2023): before quantizing, divide each smoothing group's input channels by
+    s = max|X|^alpha / max|W|^(1-alpha) and multiply the weights by s (exact in full precision), moving activation
+    outliers into the weights, where per-channel scales absorb them. alpha "search": per group, the grid value
+    whose W8A8 fake-quantized output is closest to full precision on the calibration inputs."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    method: Literal["smoothquant"] = "smoothquant"
+    alpha: float | Literal["search"] = 0.5
+    scheme: str = Field("w8a8-int8", description="the preset whose quantization error the search minimises")
+    grid: int = Field(20, ge=2, description="alphas tried by the search: 0, 1/grid, ..., 1")
+    search_tokens: int = Field(1024, ge=16, description="calibration tokens kept per group for the search")
+    ignore: list[str] = Field(default_factory=list, description="linears whose groups are left unsmoothed")
+    calibration: CalibrationConfig = Field(default_factory=CalibrationConfig)
+
+    @field_validator("alpha")
+    @classmethod
+    def _alpha(cls, value):
+        if value != "search" and not 0 <= value <= 1:
+            raise ValueError("smoothquant alpha must be in [0, 1] or 'search'")
+        return value
+
+    @field_validator("scheme")
+    @classmethod
+    def _scheme(cls, value):
+        if value not in PRESETS or PRESETS[value].input_activations is None:
+            raise ValueError(f"SmoothQuant needs a scheme with quantized input activations, not {value!r}")
+        return value
+
+    @property
+    def needs_calibration(self) -> bool:
+        return True
+
+
 class SparsityConfig(BaseModel):
     """Weights set to zero in place: a fraction (`sparsity`) or an N:M pattern along the input dim."""
 

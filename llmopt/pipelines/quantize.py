@@ -10,7 +10,7 @@ import torch
 
 from llmopt.compress.api import check_model_fits, compress_model
 from llmopt.compress.base import QUANT_METHODS, quantizable_linears
-from llmopt.compress.config import SparsityConfig
+from llmopt.compress.config import SmoothQuantConfig, SparsityConfig
 from llmopt.core.adapters import get_module
 from llmopt.core.contract import QuantizedWeight
 from llmopt.core.io import check_output_free
@@ -35,6 +35,13 @@ def default_format(method: str, config=None) -> str:
         return INPUT_ACTIVATIONS_FORMAT
     load_methods()
     return QUANT_METHODS.get(method).default_format
+
+
+def stage_of(config) -> str:
+    """The llmopt.json stage a config is recorded as."""
+    if isinstance(config, SparsityConfig):
+        return "prune"
+    return "smooth" if isinstance(config, SmoothQuantConfig) else "quantize"
 
 
 def check_quantizable(model, configs: list, fmt_name: str) -> None:
@@ -82,7 +89,7 @@ def quantize_to_artifact(
     manifest = {
         "source": source_entry(model_name, source),
         "stages": prior_stages(source) + [
-            {"stage": "prune" if isinstance(c, SparsityConfig) else "quantize", "method": c.method,
+            {"stage": stage_of(c), "method": c.method,
              "settings": c.model_dump(mode="json")} for c in configs],
         "calibration": ({"datasets": config.calibration.calib, "num_samples": config.calibration.num_samples,
                          "seqlen": config.calibration.seqlen, "seed": config.calibration.seed}

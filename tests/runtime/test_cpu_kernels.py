@@ -317,3 +317,25 @@ def test_few_tokens_after_a_cached_prefix_attend_as_decode_rows(monkeypatch, dty
     expected = paged_attention(q, k_cache, v_cache, reference_meta, head_dim ** -0.5, compiled=False)
     tol = {"atol": 1e-5, "rtol": 1e-5} if dtype == torch.float32 else {"atol": 2e-2, "rtol": 2e-2}
     torch.testing.assert_close(out, expected, **tol)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("rows,k", [(1, 576), (3, 100), (70, 64)])  # 70 rows: several threads
+def test_w8a8_halves_equal_the_torch_reference_bit_for_bit(ops, dtype, rows, k):
+    """W8A8's per-token quantization and int32 epilogue (csrc/int8_cpu.cpp): the same codes, scales and products
+    as core.contract.activations and the torch path of the w8a8 linear method."""
+    from llmopt.core.contract import INT8_TOKEN_ACTIVATIONS, quantize_activations
+
+    g = torch.Generator().manual_seed(rows + k)
+    x = (torch.randn(rows, k, generator=g) * torch.linspace(0.1, 30, k)).to(dtype)
+    x[0, 1] = -x[0].abs().max() * 2  # the row's largest magnitude negative (the -128 end of the codes)
+    if rows > 2:
+        x[2] = 0  # an all-zero row: scale 1, codes 0
+    codes, scales = ops.quantize_rows_int8(x)
+    expected_codes, expected_scales = quantize_activations(x, INT8_TOKEN_ACTIVATIONS)
+    assert torch.equal(codes, expected_codes.reshape(rows, k))
+    assert torch.equal(scales, expected_scales.reshape(-1))
+    acc = torch.randint(-2 ** 20, 2 ** 20, (rows, 48), generator=g, dtype=torch.int32)
+    column = torch.rand(48, generator=g)
+    expected = torch.mul(acc, column).mul_(scales.reshape(-1, 1)).to(dtype)
+    assert torch.equal(ops.scale_int32_rows(acc, scales, column, dtype), expected)

@@ -9,6 +9,7 @@ from __future__ import annotations
 import torch
 
 from llmopt.core.contract import INT8_TOKEN_ACTIVATIONS, quantize_activations
+from llmopt.runtime.executor.kernels.cpu_ops import cpu_ops
 from llmopt.runtime.executor.linear.base import LinearMethod, new_stacked, register_linear_method
 
 
@@ -47,6 +48,10 @@ class Int8W8A8Linear(LinearMethod):
         return fused
 
     def _matmul(self, x2d):
+        ops = cpu_ops()
+        if ops is not None:  # the compiled halves (kernels/csrc/int8_cpu.cpp): one pass each, same numbers
+            codes, scale = ops.quantize_rows_int8(x2d)  # [M, K] int8, [M] float32
+            return ops.scale_int32_rows(torch._int_mm(codes, self.weight_t), scale, self.weight_scale, self.dtype)
         codes, scale = quantize_activations(x2d, self.input_scheme)  # [M, 1, K] int8, [M, 1, 1]
         acc = torch._int_mm(codes.reshape(x2d.shape), self.weight_t)  # [M, N] int32
         # int32 x float -> float in one pass, then the tokens' scales in place

@@ -4,6 +4,7 @@
 #include <ATen/ATen.h>
 
 #include <string>
+#include <tuple>
 
 namespace llmopt_cpu::attention {
 at::Tensor paged_decode_attention(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
@@ -29,3 +30,9 @@ void int4_dequantize_out(const at::Tensor& nibbles, const at::Tensor& scales_and
 at::Tensor int4_matmul_rows(const at::Tensor& x, const at::Tensor& nibbles, const at::Tensor& so, int64_t group);
 at::Tensor int4_matmul_rows_q8(const at::Tensor& x, const at::Tensor& nibbles, const at::Tensor& so, int64_t group);
 }  // namespace llmopt_cpu::int4
+
+namespace llmopt_cpu::int8 {
+std::tuple<at::Tensor, at::Tensor> quantize_rows_int8(const at::Tensor& x);
+at::Tensor scale_int32_rows(const at::Tensor& acc, const at::Tensor& row_scale, const at::Tensor& col_scale,
+                            at::ScalarType dtype);
+}  // namespace llmopt_cpu::int8

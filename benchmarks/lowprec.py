@@ -1,0 +1,130 @@
+"""Lower precision on SmolLM2-135M: W8A8 int8 (RTN / GPTQ, with and without SmoothQuant) against fp32 — WikiText-2
+perplexity, and the runtime's speed (engine throughput and batch-1 TPOT) in one run against the dense model.
+
+Each row runs `llmopt quantize`, `llmopt eval ppl` and `llmopt bench` in subprocesses and is appended to the JSON
+as soon as it finishes; `--resume` skips rows already there.
+
+    python benchmarks/lowprec.py --json docs/results/data/lowprec.json --markdown docs/results/lowprec-table.md
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import tempfile
+import time
+from pathlib import Path
+
+from llmopt.core.hardware import cpu_line
+from quantization import run_json
+from rows import emit, load_rows, row_parser, save_rows
+
+MODEL = "smollm2-135m"
+W8A8 = ["--scheme", "w8a8-int8"]
+GPTQ = ["--method", "gptq"]  # llmopt's default GPTQ (act-order, GPTAQ)
+ROWS = {  # name -> quantize options (None: the dense model)
+    "fp32": None,
+    "W8A8 RTN": [*W8A8, "--method", "rtn"],
+    "W8A8 GPTQ": [*W8A8, *GPTQ],
+    "W8A8 SmoothQuant 0.5 + GPTQ": [*W8A8, *GPTQ, "--smoothquant-alpha", "0.5"],
+    "W8A8 SmoothQuant search + GPTQ": [*W8A8, *GPTQ, "--smoothquant-alpha", "search"],
+    "W8A8 SmoothQuant 0.5 + RTN": [*W8A8, "--method", "rtn", "--smoothquant-alpha", "0.5"],
+}
+SPEED_DTYPES = ("float32", "bfloat16")
+
+
+def perplexity(model: str, max_tokens: int) -> float:
+    facts, _ = run_json(["eval", "ppl", model, "--dataset", "wikitext2", "--seqlen", "512", "--max-tokens",
+                         str(max_tokens), "--batch-size", "4", "--dtype", "float32", "--json"])
+    return facts["ppl"]
+
+
+def speed(model: str, dtype: str, workdir: Path) -> dict:
+    """Engine throughput (64 x 128/128) and batch-1 TPOT (1 x 32/64) of MODEL computing in `dtype`."""
+    out = {}
+    for label, shape in (("batch64", ["--num-requests", "64", "--input-len", "128", "--output-len", "128"]),
+                         ("batch1", ["--num-requests", "4", "--input-len", "32", "--output-len", "64",
+                                     "--max-num-seqs", "1"])):
+        path = workdir / f"bench-{label}.json"
+        _run_bench(["bench", model, "--dtype", dtype, *shape, "--json", str(path)])
+        metrics = json.loads(path.read_text())["runs"][0]["metrics"]
+        out[label] = {k: metrics[k] for k in ("output_throughput", "mean_tpot_ms", "mean_ttft_ms")}
+    return out
+
+
+def _run_bench(args: list[str]) -> None:
+    import subprocess
+    import sys
+
+    proc = subprocess.run([sys.executable, "-m", "llmopt", *args], capture_output=True, text=True)
+    if proc.returncode != 0:
+        raise RuntimeError(f"llmopt {' '.join(args)} failed:\n{proc.stderr[-2000:]}")
+
+
+def run_row(name: str, options: list[str] | None, args, workdir: Path) -> dict:
+    row: dict = {"name": name}
+    model = MODEL
+    if options is not None:
+        out = workdir / name.replace(" ", "_").replace("+", "plus")
+        cmd = ["quantize", MODEL, *options, "-o", str(out), "--overwrite", "--json", "--num-samples",
+               str(args.num_samples), "--seqlen", "512", "--calib", "c4"]
+        facts, wall = run_json(cmd)
+        row.update(command="llmopt " + " ".join(cmd), quantize_wall_s=facts["quantize_wall_s"],
+                   total_wall_s=round(wall, 1), artifact_bytes=facts["artifact_weights_bytes"],
+                   smoothquant_mean_alpha=facts.get("smoothquant_mean_alpha"))
+        model = str(out)
+    row["ppl_wikitext2"] = perplexity(model, args.eval_tokens)
+    if not args.no_speed and name in ("fp32", "W8A8 RTN"):
+        row["speed"] = {dtype: speed(model, dtype, workdir) for dtype in SPEED_DTYPES}
+    return row
+
+
+def markdown(results: list[dict]) -> str:
+    fp = next((r for r in results if r["name"] == "fp32"), None)
+    lines = ["| variant | ppl wikitext2 | vs fp32 | mean alpha | quantize s | artifact MB |",
+             "|---|---:|---:|---:|---:|---:|"]
+    for r in results:
+        delta = f"{(r['ppl_wikitext2'] / fp['ppl_wikitext2'] - 1) * 100:+.2f}%" if fp and r is not fp else "-"
+        alpha = r.get("smoothquant_mean_alpha")
+        cost = (f"{r['quantize_wall_s']:.0f} | {r['artifact_bytes'] / 2**20:.1f}" if "artifact_bytes" in r
+                else "- | -")
+        lines.append(f"| {r['name']} | {r['ppl_wikitext2']:.3f} | {delta} | "
+                     f"{alpha if alpha is not None else '-'} | {cost} |")
+    speeds = [r for r in results if "speed" in r]
+    if speeds:
+        lines += ["", "| variant | compute dtype | 64 x 128/128 output tok/s | vs fp32 dense fp32 | batch-1 TPOT ms | "
+                  "vs fp32 dense fp32 |", "|---|---|---:|---:|---:|---:|"]
+        base = next((r["speed"]["float32"] for r in speeds if r["name"] == "fp32"), None)
+        for r in speeds:
+            for dtype, s in r["speed"].items():
+                tput, tpot = s["batch64"]["output_throughput"], s["batch1"]["mean_tpot_ms"]
+                ratio = f"{tput / base['batch64']['output_throughput']:.2f}x" if base else "-"
+                tpot_ratio = f"{tpot / base['batch1']['mean_tpot_ms']:.2f}x" if base else "-"
+                lines.append(f"| {r['name']} | {dtype} | {tput:.1f} | {ratio} | {tpot:.2f} | {tpot_ratio} |")
+    return "\n".join(lines)
+
+
+def main() -> None:
+    parser = row_parser(__doc__.splitlines()[0], "docs/results/data/lowprec.json")
+    parser.add_argument("--no-speed", action="store_true", help="perplexity only")
+    args = parser.parse_args()
+    results = load_rows(args.json, args.resume)
+    done = {r["name"] for r in results}
+    with tempfile.TemporaryDirectory(prefix="llmopt-lowprec-") as tmp:
+        for name, options in ROWS.items():
+            if name in done or (args.only and not any(s in name for s in args.only.split(";"))):
+                continue
+            start = time.perf_counter()
+            row = run_row(name, options, args, Path(tmp))
+            row["cpu"] = cpu_line()
+            results.append(row)
+            save_rows(args.json, results)
+            print(f"{name:<36} ppl {row['ppl_wikitext2']:.3f}  ({time.perf_counter() - start:.0f} s)", flush=True)
+    order = list(ROWS)
+    results.sort(key=lambda r: order.index(r["name"]) if r["name"] in order else 999)
+    emit(markdown(results), args.markdown)
+
+
+if __name__ == "__main__":
+    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+    main()
