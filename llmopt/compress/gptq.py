@@ -161,7 +161,8 @@ class GPTQQuantizer(HessianModifierMixin, Quantizer):
         for statistics, members in groups.values():
             weight = torch.cat([module.weight.data for _, module in members])  # [sum N, K]
             stacked = gptq_quantize_weight(
-                weight, statistics.hessian, self.config.weight_scheme, mask=self.kept_zeros(layer_index, members, weight),
+                weight, statistics.hessian, self.config.weight_scheme,
+                mask=self.kept_zeros(layer_index, members, weight),
                 damp=self.config.damp, block_size=self.config.block_size, act_order=self.config.act_order,
                 static_groups=self.config.static_groups, mse=self.config.mse, cross=statistics.cross,
                 cross_alpha=self.config.gptaq_alpha)

@@ -9,7 +9,7 @@ import typer
 from llmopt.cli.main import app
 from llmopt.compress.api import load_methods
 from llmopt.compress.base import PRUNE_METHODS, QUANT_METHODS
-from llmopt.compress.config import CalibrationConfig, GPTQConfig, SparsityConfig, StructuredConfig
+from llmopt.compress.config import CalibrationConfig, SparsityConfig, StructuredConfig
 from llmopt.core.models import DTYPES
 from llmopt.export.formats import FORMATS
 from llmopt.cli.options import SPECULATIVE_OPTIONS
