@@ -3,6 +3,7 @@ and the artifacts share them."""
 
 from __future__ import annotations
 
+import dataclasses
 from pathlib import Path
 from typing import Literal, Optional
 
@@ -116,6 +117,16 @@ class QuantizeConfig(BaseModel):
         return {**data, **implied}
 
     @model_validator(mode="after")
+    def _float_needs_rtn(self):
+        if self.scheme and PRESETS[self.scheme].weights.type == "float":
+            if self.method != "rtn":
+                raise ValueError(f"scheme {self.scheme} (FP8 weights) needs method rtn: GPTQ and AWQ search integer "
+                                 f"grids")
+            if self.mse:
+                raise ValueError(f"scheme {self.scheme}: mse ranges are for integer grids; drop mse")
+        return self
+
+    @model_validator(mode="after")
     def _check_bits(self):
         if self.bits not in SUPPORTED_BITS:
             raise ValueError(f"bits must be one of {SUPPORTED_BITS}")
@@ -125,7 +136,10 @@ class QuantizeConfig(BaseModel):
 
     @property
     def weight_scheme(self) -> QuantScheme:
-        return QuantScheme(self.bits, self.group_size, self.sym, observer="mse" if self.mse else "minmax")
+        observer = "mse" if self.mse else "minmax"
+        if self.scheme:  # the preset's (its type: int or float)
+            return dataclasses.replace(PRESETS[self.scheme].weights, observer=observer)
+        return QuantScheme(self.bits, self.group_size, self.sym, observer=observer)
 
     @property
     def input_activations(self) -> QuantScheme | None:

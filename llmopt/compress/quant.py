@@ -87,10 +87,25 @@ def group_qparams(w: torch.Tensor, scheme: QuantScheme, mse: bool = False) -> tu
     return scale.view(n, -1), zero.view(n, -1)
 
 
+def quantize_float_rtn(w: torch.Tensor, scheme: QuantScheme, bias: torch.Tensor | None = None) -> QuantizedWeight:
+    """FP8 (E4M3) weights of `w` [N, K]: per (row, group) scale = amax / 448, values w / scale rounded to the
+    nearest E4M3 (compressed-tensors' float-quantized). q holds the values' bytes; zeros are unused (0)."""
+    n, k = w.shape
+    width = scheme.group_width(k)
+    groups = w.float().reshape(n, k // width, width)
+    scales = groups.abs().amax(dim=-1) / scheme.float_max  # [N, G]
+    scales = torch.where(scales > 0, scales, torch.ones_like(scales))
+    values = (groups / scales[..., None]).clamp_(-scheme.float_max, scheme.float_max).to(torch.float8_e4m3fn)
+    return QuantizedWeight(values.reshape(n, k).view(torch.uint8), scales, torch.zeros_like(scales, dtype=torch.int32),
+                           default_g_idx(k, scheme), scheme, bias)
+
+
 def quantize_rtn(w: torch.Tensor, scheme: QuantScheme, mse: bool = False, bias: torch.Tensor | None = None) -> QuantizedWeight:
     """Round-to-nearest quantization of `w` [N, K]."""
     n, k = w.shape
     scheme.check(k)
+    if scheme.type == "float":
+        return quantize_float_rtn(w, scheme, bias)
     scales, zeros = group_qparams(w, scheme, mse)
     g_idx = default_g_idx(k, scheme)
     codes = quantize_codes(w.float(), scales[:, g_idx.long()], zeros[:, g_idx.long()], scheme.maxq)

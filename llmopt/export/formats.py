@@ -69,6 +69,8 @@ class GPTQFormat(Format):
     def check(self, name, shape, scheme, trivial_g_idx=True):
         n, k = shape
         b = scheme.bits
+        if scheme.type != "int":
+            raise _fail(self.name, name, f"{scheme.type} weights (GPTQ stores integer codes)", "use compressed-tensors")
         if (k * b) % 32 or (n * b) % 32:
             raise _fail(self.name, name, f"{b}-bit rows of {k} x {n} do not fill whole int32 words",
                         "use compressed-tensors")
@@ -119,7 +121,7 @@ class AWQFormat(Format):
 
     def check(self, name, shape, scheme, trivial_g_idx=True):
         n, k = shape
-        if scheme.bits != 4:
+        if scheme.type != "int" or scheme.bits != 4:
             raise _fail(self.name, name, f"{scheme.bits}-bit weights (AWQ GEMM is 4-bit only)",
                         "use gptq or compressed-tensors")
         if not trivial_g_idx:
@@ -165,7 +167,9 @@ class CompressedTensorsFormat(Format):
       weight_scale [N, G]; weight_zero_point [ceil(N*b/32), G] packed along N (asymmetric only);
     - int-quantized (W8A8: 8-bit weights with quantized input activations): weight [N, K] int8 (signed q),
       weight_scale [N, G], weight_zero_point [N, G] int8 (asymmetric only); the config group's
-      input_activations says how the inputs are quantized at run time (dynamic per token)."""
+      input_activations says how the inputs are quantized at run time (dynamic per token);
+    - float-quantized (FP8): weight [N, K] float8_e4m3fn, weight_scale [N, G]; input_activations as above (FP8
+      per token for W8A8-FP8, none for W8A16-FP8)."""
 
     name, marker = "compressed-tensors", "weight_packed"
     INT_MARKER = "weight_scale"  # int-quantized: `weight` is the int8 codes, so the scale marks the linear
@@ -174,16 +178,22 @@ class CompressedTensorsFormat(Format):
         pass
 
     def check_record(self, record):
-        acts = record.input_activations
-        if acts is not None and (record.scheme.bits != 8 or acts.bits != 8 or acts.type != "int"):
-            raise ArtifactError(f"compressed-tensors int-quantized holds 8-bit weights with 8-bit integer inputs, "
-                                f"not {record.scheme.bits}-bit weights with {acts.bits}-bit {acts.type} inputs")
+        acts, weights = record.input_activations, record.scheme
+        if acts is not None and (weights.bits != 8 or acts.bits != 8 or acts.type != weights.type):
+            raise ArtifactError(f"compressed-tensors holds quantized inputs with 8-bit weights of the same type, "
+                                f"not {weights.bits}-bit {weights.type} weights with {acts.bits}-bit {acts.type} "
+                                f"inputs")
 
     @staticmethod
-    def _is_int_quantized(qcfg: dict) -> bool:
-        return qcfg.get("format") == "int-quantized"
+    def format_of(weights: QuantScheme, acts: QuantScheme | None) -> str:
+        """The compressed-tensors format for these weights and inputs."""
+        if weights.type == "float":
+            return "float-quantized"
+        return "pack-quantized" if acts is None else "int-quantized"
 
     def pack(self, qweight):
+        if qweight.scheme.type == "float":
+            return self._pack_float(qweight)
         if qweight.input_activations is not None:
             return self._pack_int(qweight)
         n, k = qweight.shape
@@ -214,7 +224,25 @@ class CompressedTensorsFormat(Format):
             out["bias"] = qweight.bias.to(SCALE_DTYPE)
         return out
 
+    def _pack_float(self, qweight):
+        out = {"weight": qweight.q.view(torch.float8_e4m3fn).contiguous(),
+               "weight_scale": qweight.scales.to(SCALE_DTYPE).contiguous()}
+        if qweight.bias is not None:
+            out["bias"] = qweight.bias.to(SCALE_DTYPE)
+        return out
+
+    def _unpack_float(self, tensors, scheme):
+        weight = tensors["weight"]
+        if weight.dtype != torch.float8_e4m3fn:
+            raise ArtifactError(f"float-quantized weight of dtype {weight.dtype}: expected float8_e4m3fn")
+        q = weight.contiguous().view(torch.uint8)
+        scales = tensors["weight_scale"].float().reshape(q.shape[0], -1)
+        return QuantizedWeight(q, scales, torch.zeros(scales.shape, dtype=torch.int32),
+                               default_g_idx(q.shape[1], scheme), scheme, _bias(tensors))
+
     def unpack(self, tensors, scheme):
+        if scheme.type == "float":
+            return self._unpack_float(tensors, scheme)
         if "weight_packed" not in tensors:
             return self._unpack_int(tensors, scheme)
         n, k = (int(v) for v in tensors["weight_shape"])
@@ -247,7 +275,7 @@ class CompressedTensorsFormat(Format):
         actorder = ("weight" if record.static_groups else "group") if record.act_order else None
         weights = {**record.scheme.to_args(), "actorder": actorder}
         acts = record.input_activations
-        fmt = "pack-quantized" if acts is None else "int-quantized"
+        fmt = self.format_of(record.scheme, acts)
         return {
             "quant_method": "compressed-tensors", "format": fmt,
             "config_groups": {"group_0": {"targets": ["Linear"], "weights": weights,
@@ -258,9 +286,9 @@ class CompressedTensorsFormat(Format):
         }
 
     def _group(self, qcfg):
-        if qcfg.get("format") not in ("pack-quantized", "int-quantized"):
+        if qcfg.get("format") not in ("pack-quantized", "int-quantized", "float-quantized"):
             raise ArtifactError(f"compressed-tensors format {qcfg.get('format')!r} is not supported "
-                                f"(pack-quantized, int-quantized)")
+                                f"(pack-quantized, int-quantized, float-quantized)")
         groups = list(qcfg["config_groups"].values())
         if len(groups) != 1:
             raise ArtifactError("compressed-tensors checkpoints with several config groups are not supported yet")
@@ -274,7 +302,7 @@ class CompressedTensorsFormat(Format):
         return None if not args else QuantScheme.from_args(args)
 
     def marker_for(self, qcfg):
-        return self.INT_MARKER if self._is_int_quantized(qcfg) else self.marker
+        return self.marker if qcfg.get("format") == "pack-quantized" else self.INT_MARKER
 
 
 def _bias(tensors):

@@ -4,8 +4,8 @@
 The weight's names load on first use: the scheme is imported by configs that must not import torch."""
 
 from llmopt.core.contract.scheme import (  # noqa: F401
-    INT8_GROUP_ACTIVATIONS, INT8_TOKEN_ACTIVATIONS, PRESETS, QUANTIZE_PRESETS, SUPPORTED_BITS, LinearScheme,
-    QuantRecord, QuantScheme, preset,
+    FP8_CHANNEL_WEIGHTS, FP8_TOKEN_ACTIVATIONS, INT8_GROUP_ACTIVATIONS, INT8_TOKEN_ACTIVATIONS, PRESETS,
+    QUANTIZE_PRESETS, SUPPORTED_BITS, LinearScheme, QuantRecord, QuantScheme, preset,
 )
 from llmopt.core.contract.sparsity import parse_nm, sparsity_entry  # noqa: F401
 

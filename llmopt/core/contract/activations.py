@@ -1,4 +1,4 @@
-"""Dynamic quantization of a linear's input activations, as the checkpoint's `input_activations` scheme says: the
+"""Dynamic quantization of a linear's input activations (int8, or FP8 E4M3), as the checkpoint's `input_activations` scheme says: the
 reference every kernel is tested against, and what a dequantized (reference) model applies to stay equal to
 compressed-tensors' fake quantization. Symmetric int8: scale = amax / 127.5 over the scale's span (a token's row
 for strategy token, a group of columns for strategy group), codes round-half-even(x / scale) clamped to
@@ -26,7 +26,7 @@ def _spans(x: torch.Tensor, scheme: QuantScheme) -> torch.Tensor:
 def quantize_activations(x: torch.Tensor, scheme: QuantScheme) -> tuple[torch.Tensor, torch.Tensor]:
     """(codes int8 [..., S, W], scales float32 [..., S, 1]) of x [..., K] under a symmetric dynamic int scheme."""
     if scheme.type != "int" or scheme.bits != 8 or not scheme.sym or not scheme.dynamic:
-        raise ConfigError(f"input activations {scheme}: only dynamic symmetric int8 is supported")
+        raise ConfigError(f"input activations {scheme}: only dynamic symmetric int8 is supported here")
     spans = _spans(x.float(), scheme)
     scale = spans.abs().amax(dim=-1, keepdim=True) / 127.5
     scale = torch.where(scale > 0, scale, torch.ones_like(scale))
@@ -34,9 +34,22 @@ def quantize_activations(x: torch.Tensor, scheme: QuantScheme) -> tuple[torch.Te
     return codes, scale
 
 
+def quantize_activations_fp8(x: torch.Tensor, scheme: QuantScheme) -> tuple[torch.Tensor, torch.Tensor]:
+    """(E4M3 values [..., S, W], scales float32 [..., S, 1]) of x [..., K]: scale = amax / 448 (compressed-tensors'
+    float range, 896, halved), values x / scale clamped to +-448 and rounded to the nearest E4M3 (even on ties)."""
+    if scheme.type != "float" or scheme.bits != 8 or not scheme.dynamic:
+        raise ConfigError(f"input activations {scheme}: only dynamic FP8 (E4M3) is supported here")
+    spans = _spans(x.float(), scheme)
+    scale = spans.abs().amax(dim=-1, keepdim=True) / scheme.float_max
+    scale = torch.where(scale > 0, scale, torch.ones_like(scale))
+    values = (spans / scale).clamp_(-scheme.float_max, scheme.float_max).to(torch.float8_e4m3fn)
+    return values, scale
+
+
 def fake_quantize_activations(x: torch.Tensor, scheme: QuantScheme) -> torch.Tensor:
-    """x [..., K] quantized and dequantized in place of the real integer product, in x's dtype."""
-    codes, scale = quantize_activations(x, scheme)
+    """x [..., K] quantized and dequantized in place of the real low-precision product, in x's dtype."""
+    quantize = quantize_activations_fp8 if scheme.type == "float" else quantize_activations
+    codes, scale = quantize(x, scheme)
     return (codes.float() * scale).reshape(x.shape).to(x.dtype)
 
 

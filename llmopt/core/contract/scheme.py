@@ -15,6 +15,8 @@ from typing import Literal
 from llmopt.core.errors import ConfigError
 
 SUPPORTED_BITS = (2, 3, 4, 8)
+FLOAT_BITS = (8,)  # float schemes: FP8 E4M3 (values up to +-448)
+FLOAT8_MAX = 448.0
 STRATEGIES = ("tensor", "channel", "group", "block", "token")
 TYPES = ("int", "float")
 OBSERVERS = ("minmax", "mse")
@@ -53,9 +55,16 @@ class QuantScheme:
     def group_width(self, in_features: int) -> int:
         return in_features if self.group_size == -1 else self.group_size
 
+    @property
+    def float_max(self) -> float:
+        """The largest magnitude a float scheme's values take (FP8 E4M3: 448)."""
+        return FLOAT8_MAX
+
     def check(self, in_features: int, name: str = "layer") -> None:
         if self.type == "int" and self.bits not in SUPPORTED_BITS:
             raise ConfigError(f"--bits {self.bits} is not supported: choose one of {SUPPORTED_BITS}")
+        if self.type == "float" and self.bits not in FLOAT_BITS:
+            raise ConfigError(f"{self.bits}-bit float schemes are not supported: FP8 (E4M3) only")
         if self.group_size != -1 and (self.group_size < 1 or in_features % self.group_size):
             raise ConfigError(
                 f"--group-size {self.group_size} does not divide {name}'s in_features ({in_features}): "
@@ -84,6 +93,9 @@ INT8_GROUP_ACTIVATIONS = QuantScheme(8, 64, True, strategy="group", dynamic=True
 # Dynamic 8-bit activations, one symmetric scale per token (row): W8A8's inputs, as llm-compressor's W8A8 preset
 # and vLLM's int8 kernels take them.
 INT8_TOKEN_ACTIVATIONS = QuantScheme(8, -1, True, strategy="token", dynamic=True)
+# FP8 (E4M3) weights per output channel, and dynamic FP8 activations per token: llm-compressor's FP8_DYNAMIC
+FP8_CHANNEL_WEIGHTS = QuantScheme(8, -1, True, type="float")
+FP8_TOKEN_ACTIVATIONS = QuantScheme(8, -1, True, type="float", strategy="token", dynamic=True)
 
 
 @dataclass(frozen=True)
@@ -101,9 +113,11 @@ PRESETS: dict[str, LinearScheme] = {
     "w4a8": LinearScheme(QuantScheme(4, 128), INT8_GROUP_ACTIVATIONS),
     # per-channel symmetric int8 weights, per-token dynamic symmetric int8 inputs: integer dot products
     "w8a8-int8": LinearScheme(QuantScheme(8, -1, True), INT8_TOKEN_ACTIVATIONS),
+    "w8a16-fp8": LinearScheme(FP8_CHANNEL_WEIGHTS),
+    "w8a8-fp8": LinearScheme(FP8_CHANNEL_WEIGHTS, FP8_TOKEN_ACTIVATIONS),
 }
 # the presets `llmopt quantize --scheme` takes (w4a8 is a runtime choice: --int4-activations int8)
-QUANTIZE_PRESETS = ("w4a16", "w8a16", "w8a8-int8")
+QUANTIZE_PRESETS = ("w4a16", "w8a16", "w8a8-int8", "w8a16-fp8", "w8a8-fp8")
 
 
 def preset(name: str) -> LinearScheme:

@@ -20,7 +20,7 @@ from llmopt.core.errors import ConfigError
 class QuantizedWeight:
     """The result every quantizer produces and every format packs.
 
-    q:      [N, K] uint8, unsigned codes in [0, 2^bits - 1]
+    q:      [N, K] uint8, unsigned codes in [0, 2^bits - 1]; for a float scheme (FP8) the E4M3 values' bytes
     scales: [N, G] float32
     zeros:  [N, G] int32, unsigned zero points (2^(bits-1) when symmetric)
     g_idx:  [K] int32, group of each input column (k // group_size unless act-order permuted groups)
@@ -70,9 +70,11 @@ class QuantizedWeight:
                                self.scheme, bias, self.input_activations)
 
     def dequantize(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
-        """[N, K] weight s * (q - z), with each column's group taken from g_idx."""
+        """[N, K] weight s * (q - z), with each column's group taken from g_idx (float schemes: s * value)."""
         g = self.g_idx.long()
         scales = self.scales[:, g]  # [N, K]
+        if self.scheme.type == "float":
+            return (scales * self.q.view(torch.float8_e4m3fn).float()).to(dtype)
         zeros = self.zeros[:, g].float()
         return (scales * (self.q.float() - zeros)).to(dtype)
 
