@@ -339,3 +339,18 @@ def test_w8a8_halves_equal_the_torch_reference_bit_for_bit(ops, dtype, rows, k):
     column = torch.rand(48, generator=g)
     expected = torch.mul(acc, column).mul_(scales.reshape(-1, 1)).to(dtype)
     assert torch.equal(ops.scale_int32_rows(acc, scales, column, dtype), expected)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("rows,k,n", [(1, 576, 96), (3, 100, 40), (8, 1536, 64), (5, 64, 7)])  # K tails: 100, 64
+def test_int8_gemv_equals_the_int_mm_path(ops, dtype, rows, k, n):
+    """The decode W8A8 product (csrc/int8_cpu.cpp int8_gemv_rows: VNNI / int16 pairs / scalar per build) equals
+    quantize -> torch._int_mm -> epilogue exactly (integer sums are exact)."""
+    g = torch.Generator().manual_seed(rows * k + n)
+    x = (torch.randn(rows, k, generator=g) * 4).to(dtype)
+    w = torch.randint(-128, 128, (n, k), generator=g, dtype=torch.int8)
+    w_scale = torch.rand(n, generator=g)
+    codes, scales = ops.quantize_rows_int8(x)
+    expected = ops.scale_int32_rows(torch._int_mm(codes, w.t()), scales, w_scale, dtype)
+    got = ops.int8_gemv_rows(x, w, w_scale, w.sum(dim=1, dtype=torch.int32), dtype)
+    assert got.dtype == dtype and torch.equal(got, expected)

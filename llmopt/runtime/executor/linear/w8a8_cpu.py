@@ -1,6 +1,8 @@
 """W8A8 int8 on CPU: per-channel symmetric int8 weights, inputs quantized per token at run time (symmetric int8,
-core.contract.activations' formula) and multiplied in integers by `torch._int_mm` (oneDNN's s8s8s32 GEMM: VNNI or
-AMX-INT8 where the CPU has them), the int32 sums scaled back by the token's and the channel's scales.
+core.contract.activations' formula) and multiplied in integers, the int32 sums scaled back by the token's and the
+channel's scales: up to GEMV_MAX_ROWS rows (decode) by the compiled int8 GEMV (kernels/csrc/int8_cpu.cpp: the
+weight read once for every row, VNNI dot products where the CPU has them), more rows by `torch._int_mm` (oneDNN's
+s8s8s32 GEMM: VNNI or AMX-INT8 where present) between the compiled quantization and epilogue.
 
 y[m, n] = (sum_k xq[m, k] * wq[n, k]) * sx[m] * sw[n]   (+ bias)"""
 
@@ -9,7 +11,7 @@ from __future__ import annotations
 import torch
 
 from llmopt.core.contract import INT8_TOKEN_ACTIVATIONS, quantize_activations
-from llmopt.runtime.executor.kernels.cpu_ops import cpu_ops
+from llmopt.runtime.executor.kernels.cpu_ops import GEMV_MAX_ROWS, cpu_ops
 from llmopt.runtime.executor.linear.base import LinearMethod, new_stacked, register_linear_method
 
 
@@ -21,7 +23,8 @@ class Int8W8A8Linear(LinearMethod):
         super().__init__(qweight, dtype, device)
         offset = 2 ** (qweight.scheme.bits - 1)
         codes = (qweight.q.to(torch.int16) - offset).to(torch.int8)  # [N, K] signed
-        self.register_buffer("weight_t", codes.t().contiguous().to(device))  # [K, N]: _int_mm's right operand
+        self.register_buffer("weight", codes.contiguous().to(device))  # [N, K]; its .t() is _int_mm's operand
+        self.register_buffer("weight_sum", codes.sum(dim=1, dtype=torch.int32).to(device))  # [N]: the GEMV's
         self.register_buffer("weight_scale", qweight.scales.reshape(-1).float().to(device))  # [N]
         self.input_scheme = qweight.input_activations
 
@@ -42,18 +45,21 @@ class Int8W8A8Linear(LinearMethod):
         """q/k/v or gate/up as one integer GEMM (exact: each output column is computed on its own, and the inputs'
         per-token scales do not depend on the weights)."""
         fused = new_stacked(cls, parts[0], sum(p.out_features for p in parts), parts)
-        fused.register_buffer("weight_t", torch.cat([p.weight_t for p in parts], dim=1))
+        fused.register_buffer("weight", torch.cat([p.weight for p in parts]))
+        fused.register_buffer("weight_sum", torch.cat([p.weight_sum for p in parts]))
         fused.register_buffer("weight_scale", torch.cat([p.weight_scale for p in parts]))
         fused.input_scheme = parts[0].input_scheme
         return fused
 
     def _matmul(self, x2d):
         ops = cpu_ops()
+        if ops is not None and x2d.shape[0] <= GEMV_MAX_ROWS:  # decode: one pass over the weight
+            return ops.int8_gemv_rows(x2d, self.weight, self.weight_scale, self.weight_sum, self.dtype)
         if ops is not None:  # the compiled halves (kernels/csrc/int8_cpu.cpp): one pass each, same numbers
             codes, scale = ops.quantize_rows_int8(x2d)  # [M, K] int8, [M] float32
-            return ops.scale_int32_rows(torch._int_mm(codes, self.weight_t), scale, self.weight_scale, self.dtype)
+            return ops.scale_int32_rows(torch._int_mm(codes, self.weight.t()), scale, self.weight_scale, self.dtype)
         codes, scale = quantize_activations(x2d, self.input_scheme)  # [M, 1, K] int8, [M, 1, 1]
-        acc = torch._int_mm(codes.reshape(x2d.shape), self.weight_t)  # [M, N] int32
+        acc = torch._int_mm(codes.reshape(x2d.shape), self.weight.t())  # [M, N] int32
         # int32 x float -> float in one pass, then the tokens' scales in place
         y = torch.mul(acc, self.weight_scale).mul_(scale.reshape(-1, 1))
         return y if y.dtype == self.dtype else y.to(self.dtype)

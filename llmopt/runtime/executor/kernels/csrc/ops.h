@@ -35,4 +35,6 @@ namespace llmopt_cpu::int8 {
 std::tuple<at::Tensor, at::Tensor> quantize_rows_int8(const at::Tensor& x);
 at::Tensor scale_int32_rows(const at::Tensor& acc, const at::Tensor& row_scale, const at::Tensor& col_scale,
                             at::ScalarType dtype);
+at::Tensor int8_gemv_rows(const at::Tensor& x, const at::Tensor& weight, const at::Tensor& weight_scale,
+                          const at::Tensor& weight_sum, at::ScalarType dtype);
 }  // namespace llmopt_cpu::int8

@@ -27,6 +27,7 @@ LLMOPT_LIBRARY(LLMOPT_NS, m) {
   m.def("int4_matmul_rows_q8(Tensor x, Tensor nibbles, Tensor scales_and_offsets, int group) -> Tensor");
   m.def("quantize_rows_int8(Tensor x) -> (Tensor, Tensor)");
   m.def("scale_int32_rows(Tensor acc, Tensor row_scale, Tensor col_scale, ScalarType dtype) -> Tensor");
+  m.def("int8_gemv_rows(Tensor x, Tensor weight, Tensor weight_scale, Tensor weight_sum, ScalarType dtype) -> Tensor");
 }
 
 LLMOPT_LIBRARY_IMPL(LLMOPT_NS, CPU, m) {
@@ -44,4 +45,5 @@ LLMOPT_LIBRARY_IMPL(LLMOPT_NS, CPU, m) {
   m.impl("int4_matmul_rows_q8", int4::int4_matmul_rows_q8);
   m.impl("quantize_rows_int8", int8::quantize_rows_int8);
   m.impl("scale_int32_rows", int8::scale_int32_rows);
+  m.impl("int8_gemv_rows", int8::int8_gemv_rows);
 }
