@@ -120,13 +120,13 @@ def compress_model(model, tokenizer, configs: list[BaseModel],
     from llmopt.core.calibration import apply_algorithm
 
     check_model_fits(model, configs)
+    start = time.perf_counter()
     smoothing = [c for c in configs if isinstance(c, SmoothQuantConfig)]
     configs = [c for c in configs if not isinstance(c, SmoothQuantConfig)]
     smoothed = smooth_model(model, tokenizer, smoothing[0], progress) if smoothing else None
     modifiers = [method_spec(c.method).modifier_cls(c, model) for c in configs]
     algorithm = modifiers[0] if len(modifiers) == 1 else ModifierList(modifiers)
     calibration = next((c.calibration for c in configs if c.needs_calibration), None)
-    start = time.perf_counter()
     facts = apply_algorithm(model, tokenizer, algorithm, calibration, progress)
     facts["wall_s"] = time.perf_counter() - start
     quantizers = [m for m in modifiers if isinstance(m, Quantizer)]

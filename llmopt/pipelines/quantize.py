@@ -103,6 +103,7 @@ def quantize_to_artifact(
         "group_size": config.group_size, "sym": config.sym,
         "num_quantized_linears": len(result.qweights),
         "quantize_wall_s": round(result.facts["quantize_wall_s"], 2),
+        **{k: v for k, v in result.facts.items() if k.startswith("smoothquant_")},
         "total_wall_s": round(time.perf_counter() - start, 2),
         "peak_rss_bytes": peak_rss_bytes(),
         "artifact_weights_bytes": weights_bytes(output),
