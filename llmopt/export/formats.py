@@ -206,6 +206,12 @@ class CompressedTensorsFormat(Format):
         }
         if not qweight.scheme.sym:
             out["weight_zero_point"] = pack_int32(qweight.zeros, b, dim=0)
+        return {**out, **self._g_idx_and_bias(qweight)}
+
+    @staticmethod
+    def _g_idx_and_bias(qweight) -> dict[str, torch.Tensor]:
+        """The tensors every layout adds when present: permuted groups' g_idx, the bias."""
+        out = {}
         if not qweight.has_trivial_g_idx:
             out["weight_g_idx"] = qweight.g_idx.to(torch.int32)
         if qweight.bias is not None:
@@ -218,18 +224,12 @@ class CompressedTensorsFormat(Format):
                "weight_scale": qweight.scales.to(SCALE_DTYPE).contiguous()}
         if not qweight.scheme.sym:
             out["weight_zero_point"] = (qweight.zeros - offset).to(torch.int8).contiguous()
-        if not qweight.has_trivial_g_idx:
-            out["weight_g_idx"] = qweight.g_idx.to(torch.int32)
-        if qweight.bias is not None:
-            out["bias"] = qweight.bias.to(SCALE_DTYPE)
-        return out
+        return {**out, **self._g_idx_and_bias(qweight)}
 
     def _pack_float(self, qweight):
         out = {"weight": qweight.q.view(torch.float8_e4m3fn).contiguous(),
                "weight_scale": qweight.scales.to(SCALE_DTYPE).contiguous()}
-        if qweight.bias is not None:
-            out["bias"] = qweight.bias.to(SCALE_DTYPE)
-        return out
+        return {**out, **self._g_idx_and_bias(qweight)}
 
     def _unpack_float(self, tensors, scheme):
         weight = tensors["weight"]
