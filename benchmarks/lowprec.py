@@ -1,4 +1,4 @@
-"""Lower precision on SmolLM2-135M: W8A8 int8 (RTN / GPTQ, with and without SmoothQuant) against fp32 — WikiText-2
+"""Lower precision on SmolLM2-135M: W8A8 int8 (RTN / GPTQ, with and without SmoothQuant) and FP8 against fp32 — WikiText-2
 perplexity, and the runtime's speed (engine throughput and batch-1 TPOT) in one run against the dense model.
 
 Each row runs `llmopt quantize`, `llmopt eval ppl` and `llmopt bench` in subprocesses and is appended to the JSON
@@ -29,6 +29,9 @@ ROWS = {  # name -> quantize options (None: the dense model)
     "W8A8 SmoothQuant 0.5 + GPTQ": [*W8A8, *GPTQ, "--smoothquant-alpha", "0.5"],
     "W8A8 SmoothQuant search + GPTQ": [*W8A8, *GPTQ, "--smoothquant-alpha", "search"],
     "W8A8 SmoothQuant 0.5 + RTN": [*W8A8, "--method", "rtn", "--smoothquant-alpha", "0.5"],
+    "W8A8 FP8 RTN": ["--scheme", "w8a8-fp8", "--method", "rtn"],
+    "W8A16 FP8 RTN": ["--scheme", "w8a16-fp8", "--method", "rtn"],
+    "W8A8 FP8 SmoothQuant search + RTN": ["--scheme", "w8a8-fp8", "--method", "rtn", "--smoothquant-alpha", "search"],
 }
 SPEED_DTYPES = ("float32", "bfloat16")
 SPEED_ROWS = ("fp32", "W8A8 RTN")

@@ -11,7 +11,8 @@ from __future__ import annotations
 
 import torch
 
-from llmopt.compress.awq import _can_smooth, apply_scales, fake_quantize_groups
+from llmopt.compress.awq import _can_smooth, apply_scales
+from llmopt.compress.quant import quantize_rtn
 from llmopt.compress.base import Modifier
 from llmopt.compress.config import SmoothQuantConfig
 from llmopt.core.adapters import get_module
@@ -27,10 +28,11 @@ def smoothing_scales(act_max: torch.Tensor, weight_max: torch.Tensor, alpha: flo
 
 
 def smoothed_error(x: torch.Tensor, weights: torch.Tensor, s: torch.Tensor, scheme) -> float:
-    """Mean squared error of the smoothed, W8A8 fake-quantized product against x @ W^T (x [T, K], W [N, K])."""
+    """Mean squared error of the smoothed, fake-quantized (W8A8 int8 or FP8) product against x @ W^T (x [T, K],
+    W [N, K])."""
     reference = x @ weights.t()
     xq = fake_quantize_activations(x / s, scheme.input_activations)
-    wq = fake_quantize_groups(weights * s, scheme.weights)
+    wq = quantize_rtn(weights * s, scheme.weights).dequantize()  # int or float (FP8) weights alike
     return (xq @ wq.t() - reference).pow(2).mean().item()
 
 

@@ -8,7 +8,7 @@ from typing import Callable
 import torch
 
 from llmopt.core.adapters import adapter_for
-from llmopt.core.config_checks import check_config
+from llmopt.core.config_checks import check_config, check_tensor_shapes
 from llmopt.core.contract import QuantizedWeight
 from llmopt.core.models import (
     DTYPES, ModelSource, load_config, load_dense_model, load_tokenizer, resolve_dtype_name, resolve_model,
@@ -40,6 +40,8 @@ def load_model(
     # sizes, and the memory the weights take (dense, or dequantized without a packed linear_factory)
     packed = source.kind == "artifact" and linear_factory is not None
     check_config(config, None if packed else DTYPES[dtype].itemsize, source.name)
+    if source.path is not None:
+        check_tensor_shapes(config, source.path, source.name)
     if source.kind == "artifact":
         factory = None
         if linear_factory is not None:

@@ -25,14 +25,14 @@ def test_scales_are_the_papers_formula():
     assert torch.allclose(smoothing_scales(act, weight, 0.0), 1 / weight)
 
 
-@pytest.mark.parametrize("alpha", [0.5, "search"])
-def test_the_smoothed_model_computes_what_the_original_does(alpha):
+@pytest.mark.parametrize("alpha, scheme", [(0.5, "w8a8-int8"), ("search", "w8a8-int8"), ("search", "w8a8-fp8")])
+def test_the_smoothed_model_computes_what_the_original_does(alpha, scheme):
     model, tokenizer = build_tiny_model("llama", seed=0)
     ids = torch.tensor([[1, 5, 9, 100, 42, 7, 3, 11, 60, 2]])
     with torch.no_grad():
         before = model(input_ids=ids).logits
     weights_before = model.model.layers[0].self_attn.q_proj.weight.clone()
-    [smoother, _] = quantize_configs("rtn", {"scheme": "w8a8-int8", "smoothquant_alpha": alpha, "num_samples": 4,
+    [smoother, _] = quantize_configs("rtn", {"scheme": scheme, "smoothquant_alpha": alpha, "num_samples": 4,
                                              "seqlen": 32, "calib": "pystdlib", "compute_dtype": "float32"})
     done = smooth_model(model, tokenizer, smoother)
     with torch.no_grad():

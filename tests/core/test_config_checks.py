@@ -63,3 +63,13 @@ def test_absurd_configs_are_one_line_before_loading(tiny_llama_dir, tmp_path, ch
     assert facts["supported"] is False and facts["unsupported_reason"]
     healthy = json.loads(run("models", "info", tiny_llama_dir, "--json").output)
     assert healthy["supported"] is True and healthy["unsupported_reason"] is None
+
+
+def test_a_config_that_does_not_match_its_weights_is_one_line(tiny_llama_dir, tmp_path):
+    """intermediate_size edited to 256 over 128-wide weights: the runtime generated garbage from it and
+    transformers failed with "look at the above report" (never shown); both now name the tensor and the shapes."""
+    folder = absurd_model(tiny_llama_dir, tmp_path, intermediate_size=256)
+    pattern = r"down_proj.weight is \[64, 128\] but the config of .* makes it \[64, 256\]"
+    assert_one_line_error(run("generate", folder, "-p", "x", "--max-tokens", "2", "--dtype", "float32"), pattern)
+    assert_one_line_error(run("eval", "ppl", folder, "--dataset", "pystdlib", "--seqlen", "32", "--max-tokens", "64",
+                              "--dtype", "float32"), pattern)

@@ -5,7 +5,7 @@ chooses for its scheme, the engine's input-activation setting and the device (ru
 from __future__ import annotations
 
 from llmopt.core.adapters import adapter_for
-from llmopt.core.config_checks import check_config
+from llmopt.core.config_checks import check_config, check_tensor_shapes
 from llmopt.core.models import (
     DTYPES, check_safetensors, load_config, load_tokenizer, resolve_dtype_name, resolve_model,
 )
@@ -31,6 +31,8 @@ def load_runtime_model(name: str, dtype: str = "float32", device: str = "cpu", t
     torch_dtype, torch_device = DTYPES[dtype], torch.device(device)
     # sizes, and for dense weights the memory they take, before any tensor is read
     check_config(config, None if source.kind == "artifact" else torch_dtype.itemsize, source.name)
+    if source.path is not None:
+        check_tensor_shapes(config, source.path, source.name)
 
     def linear_for(qweight):
         return make_linear(qweight, torch_dtype, torch_device, input_activations)
