@@ -1,5 +1,5 @@
-"""Lower precision on SmolLM2-135M: W8A8 int8 (RTN / GPTQ, with and without SmoothQuant) and FP8 against fp32 — WikiText-2
-perplexity, and the runtime's speed (engine throughput and batch-1 TPOT) in one run against the dense model.
+"""Lower precision on SmolLM2-135M: W8A8 int8 (RTN / GPTQ, with and without SmoothQuant) and FP8 against fp32 —
+WikiText-2 perplexity, and the runtime's speed (engine throughput and batch-1 TPOT) in one run against the dense model.
 
 Each row runs `llmopt quantize`, `llmopt eval ppl` and `llmopt bench` in subprocesses and is appended to the JSON
 as soon as it finishes; `--resume` skips rows already there.

@@ -96,8 +96,8 @@ def quantize_float_rtn(w: torch.Tensor, scheme: QuantScheme, bias: torch.Tensor 
     scales = groups.abs().amax(dim=-1) / scheme.float_max  # [N, G]
     scales = torch.where(scales > 0, scales, torch.ones_like(scales))
     values = (groups / scales[..., None]).clamp_(-scheme.float_max, scheme.float_max).to(torch.float8_e4m3fn)
-    return QuantizedWeight(values.reshape(n, k).view(torch.uint8), scales, torch.zeros_like(scales, dtype=torch.int32),
-                           default_g_idx(k, scheme), scheme, bias)
+    return QuantizedWeight(values.reshape(n, k).view(torch.uint8), scales,
+                           torch.zeros_like(scales, dtype=torch.int32), default_g_idx(k, scheme), scheme, bias)
 
 
 def quantize_rtn(w: torch.Tensor, scheme: QuantScheme, mse: bool = False, bias: torch.Tensor | None = None) -> QuantizedWeight:
