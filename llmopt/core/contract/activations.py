@@ -1,7 +1,7 @@
-"""Dynamic quantization of a linear's input activations (int8, or FP8 E4M3), as the checkpoint's
-`input_activations` scheme says: the reference every kernel is tested against, and what a dequantized
-(reference) model applies to stay equal to compressed-tensors' fake quantization. Symmetric int8: scale = amax / 127.5 over the scale's span (a token's row
-for strategy token, a group of columns for strategy group), codes round-half-even(x / scale) clamped to
+"""Dynamic quantization of a linear's input activations (int8, or FP8 E4M3), as the checkpoint's `input_activations`
+scheme says: the reference every kernel is tested against, and what a dequantized (reference) model applies to stay
+equal to compressed-tensors' fake quantization. Symmetric int8: scale = amax / 127.5 over the scale's span (a
+token's row for strategy token, a group of columns for strategy group), codes round-half-even(x / scale) clamped to
 [-128, 127] — compressed-tensors' formula (bit range 255, halved)."""
 
 from __future__ import annotations
