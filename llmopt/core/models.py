@@ -404,3 +404,26 @@ def count_safetensors_parameters(path: Path) -> int:
                     numel *= dim
                 total += numel
     return total
+
+
+FLOAT_DTYPES = ("F16", "BF16", "F32", "F64")  # safetensors header dtypes of unquantized tensors
+
+
+def check_tensor_shapes(config, path, what: str = "the model") -> None:
+    """Refuse a checkpoint folder whose tensors do not have the shapes its config gives them (a config edited
+    after the weights were written): the first mismatch named with both shapes, read from the safetensors headers
+    and modules built on the meta device (no weight loaded). Tensors the config's model has no parameter for
+    (packed quantized ones) are not compared."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    with torch.device("meta"):
+        expected = {name: tuple(t.shape) for name, t in AutoModelForCausalLM.from_config(config).state_dict().items()}
+    for file, header in check_safetensors(path).items():
+        for name, meta in header.items():
+            if meta.get("dtype") not in FLOAT_DTYPES or name not in expected:
+                continue
+            if tuple(meta.get("shape", ())) != expected[name]:
+                raise ModelLoadError(f"{file.name}: {name} is {list(meta['shape'])} but the config of {what} makes it "
+                                  f"{list(expected[name])}: the config does not match the weights (was config.json "
+                                  f"edited?)")

@@ -8,10 +8,11 @@ from typing import Callable
 import torch
 
 from llmopt.core.adapters import adapter_for
-from llmopt.core.config_checks import check_config, check_tensor_shapes
+from llmopt.core.config_checks import check_config
 from llmopt.core.contract import QuantizedWeight
 from llmopt.core.models import (
-    DTYPES, ModelSource, load_config, load_dense_model, load_tokenizer, resolve_dtype_name, resolve_model,
+    DTYPES, ModelSource, check_tensor_shapes, load_config, load_dense_model, load_tokenizer, resolve_dtype_name,
+    resolve_model,
 )
 from llmopt.export.read import load_artifact_model
 

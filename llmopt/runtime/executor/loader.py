@@ -5,9 +5,9 @@ chooses for its scheme, the engine's input-activation setting and the device (ru
 from __future__ import annotations
 
 from llmopt.core.adapters import adapter_for
-from llmopt.core.config_checks import check_config, check_tensor_shapes
+from llmopt.core.config_checks import check_config
 from llmopt.core.models import (
-    DTYPES, check_safetensors, load_config, load_tokenizer, resolve_dtype_name, resolve_model,
+    DTYPES, check_tensor_shapes, check_safetensors, load_config, load_tokenizer, resolve_dtype_name, resolve_model,
 )
 from llmopt.runtime.engine.config import ACTIVATION_SCHEMES
 from llmopt.runtime.executor.linear import make_linear
