@@ -7,7 +7,7 @@ from __future__ import annotations
 from llmopt.core.adapters import adapter_for
 from llmopt.core.config_checks import check_config
 from llmopt.core.models import (
-    DTYPES, check_tensor_shapes, check_safetensors, load_config, load_tokenizer, resolve_dtype_name, resolve_model,
+    DTYPES, check_tensor_shapes, load_config, load_tokenizer, resolve_dtype_name, resolve_model,
 )
 from llmopt.runtime.engine.config import ACTIVATION_SCHEMES
 from llmopt.runtime.executor.linear import make_linear
@@ -32,7 +32,7 @@ def load_runtime_model(name: str, dtype: str = "float32", device: str = "cpu", t
     # sizes, and for dense weights the memory they take, before any tensor is read
     check_config(config, None if source.kind == "artifact" else torch_dtype.itemsize, source.name)
     if source.path is not None:
-        check_tensor_shapes(config, source.path, source.name)
+        check_tensor_shapes(config, source.path, source.name)  # also refuses pickle-only / corrupt safetensors
 
     def linear_for(qweight):
         return make_linear(qweight, torch_dtype, torch_device, input_activations)
@@ -44,7 +44,6 @@ def load_runtime_model(name: str, dtype: str = "float32", device: str = "cpu", t
                                               linear_factory=lambda qw, _dtype, _device: linear_for(qw))
         model.llmopt_activations = activations
         return model, tokenizer, source
-    check_safetensors(source.path)
     weights = checkpoint_weights(source.path, torch_dtype, torch_device, linear_for)
     checkpoint = RuntimeCheckpoint(config, weights, activations)
     return checkpoint, load_tokenizer(source, trust_remote_code), source
