@@ -1,4 +1,4 @@
-"""Lower precision on SmolLM2-135M: W8A8 int8 (RTN / GPTQ, with and without SmoothQuant) and FP8 against fp32 —
+"""Lower precision on SmolLM2-135M: W8A8 int8 (RTN / GPTQ, with and without SmoothQuant), FP8 and FP4 against fp32 —
 WikiText-2 perplexity, and the runtime's speed (engine throughput and batch-1 TPOT) in one run against the dense model.
 
 Each row runs `llmopt quantize`, `llmopt eval ppl` and `llmopt bench` in subprocesses and is appended to the JSON
@@ -32,9 +32,15 @@ ROWS = {  # name -> quantize options (None: the dense model)
     "W8A8 FP8 RTN": ["--scheme", "w8a8-fp8", "--method", "rtn"],
     "W8A16 FP8 RTN": ["--scheme", "w8a16-fp8", "--method", "rtn"],
     "W8A8 FP8 SmoothQuant search + RTN": ["--scheme", "w8a8-fp8", "--method", "rtn", "--smoothquant-alpha", "search"],
+    # FP4 weights, beside the int4 baseline they are judged against (GPTQ w4 g64's loss, same run)
+    "GPTQ w4 g64": [*GPTQ, "--bits", "4", "--group-size", "64"],
+    "NVFP4 RTN": ["--scheme", "nvfp4", "--method", "rtn"],
+    "MXFP4 RTN": ["--scheme", "mxfp4", "--method", "rtn"],
+    "NVFP4 GPTQ": ["--scheme", "nvfp4", *GPTQ],
+    "MXFP4 GPTQ": ["--scheme", "mxfp4", *GPTQ],
 }
 SPEED_DTYPES = ("float32", "bfloat16")
-SPEED_ROWS = ("fp32", "W8A8 RTN")
+SPEED_ROWS = ("fp32", "W8A8 RTN", "NVFP4 RTN")
 
 
 def perplexity(model: str, max_tokens: int) -> float:

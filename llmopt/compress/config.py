@@ -114,13 +114,15 @@ class QuantizeConfig(BaseModel):
         for key, value in implied.items():
             if data.get(key) is not None and data[key] != value:
                 raise ValueError(f"{key} {data[key]} contradicts scheme {name} ({key} {value}): drop one")
+        if weights.type == "float" and data.get("mse") is None:
+            implied["mse"] = False  # float grids fix their ranges (GPTQ's default mse search is for int grids)
         return {**data, **implied}
 
     @model_validator(mode="after")
-    def _float_needs_rtn(self):
+    def _float_grid_methods(self):
         if self.scheme and PRESETS[self.scheme].weights.type == "float":
-            if self.method != "rtn":
-                raise ValueError(f"scheme {self.scheme} (FP8 weights) needs method rtn: GPTQ and AWQ search integer "
+            if self.method not in ("rtn", "gptq"):
+                raise ValueError(f"scheme {self.scheme} (float weights) needs method rtn or gptq: AWQ searches integer "
                                  f"grids")
             if self.mse:
                 raise ValueError(f"scheme {self.scheme}: mse ranges are for integer grids; drop mse")

@@ -11,7 +11,7 @@ import torch
 from llmopt.compress.quant import mse_qparams
 from llmopt.compress.base import QUANT_METHODS, MethodSpec, Quantizer
 from llmopt.compress.config import GPTQConfig
-from llmopt.compress.quant import compute_qparams
+from llmopt.compress.quant import compute_qparams, float_block_scales, quantize_float_column
 from llmopt.core.contract import QuantizedWeight, QuantScheme
 from llmopt.compress.hessian import HessianModifierMixin, inverse_hessian_cholesky
 from llmopt.core.adapters import get_module
@@ -61,7 +61,12 @@ def gptq_quantize_weight(
     qparams = mse_qparams if mse else compute_qparams
 
     static = None
-    if static_groups or scheme.group_size == -1:
+    float_grid = scheme.type == "float"  # FP8 / FP4: scales fixed from the weight, values rounded on the grid
+    stored_scales, global_scale = float_block_scales(w, scheme) if float_grid else (None, None)
+    if float_grid:
+        effective = stored_scales if global_scale is None else stored_scales / global_scale
+        static = (effective, torch.zeros_like(effective))
+    elif static_groups or scheme.group_size == -1:
         flat = w.reshape(n * (k // width), width)
         s, z = qparams(flat, scheme)
         static = (s.view(n, -1), z.view(n, -1))
@@ -101,10 +106,15 @@ def gptq_quantize_weight(
                 s, z = qparams(upcoming.t(), scheme)
                 scales_t[g], zeros_t[g] = s, z
             wcol = w1[i]
-            qcol = torch.clamp(torch.round(wcol / scales_t[g]) + zeros_t[g], 0, scheme.maxq)
-            if mask_t is not None:  # pruned weights stay exactly zero: code = zero point
-                qcol = torch.where(mask_t[col], zeros_t[g], qcol)
-            dq = scales_t[g] * (qcol - zeros_t[g])
+            if float_grid:
+                qcol, dq = quantize_float_column(wcol, scales_t[g], scheme)
+                if mask_t is not None:  # pruned weights stay exactly zero: code 0 (+0.0 in E4M3 and E2M1)
+                    qcol, dq = torch.where(mask_t[col], 0, qcol), torch.where(mask_t[col], 0.0, dq)
+            else:
+                qcol = torch.clamp(torch.round(wcol / scales_t[g]) + zeros_t[g], 0, scheme.maxq)
+                if mask_t is not None:  # pruned weights stay exactly zero: code = zero point
+                    qcol = torch.where(mask_t[col], zeros_t[g], qcol)
+                dq = scales_t[g] * (qcol - zeros_t[g])
             codes[col] = qcol
             err = (wcol - dq) / hinv1[i, i]
             if before1 is not None:
@@ -117,14 +127,14 @@ def gptq_quantize_weight(
             w[:, i2:] += before1.t() @ correction[i1:i2, i2:]
 
     codes = codes.t()
-    scales, zeros = scales_t.t(), zeros_t.t()
+    scales, zeros = (stored_scales, torch.zeros_like(stored_scales)) if float_grid else (scales_t.t(), zeros_t.t())
     g_idx = torch.tensor(group_at, dtype=torch.int32)
     if perm is not None:
         inv = torch.argsort(perm)
         codes, g_idx = codes[:, inv], g_idx[inv]
     return QuantizedWeight(codes.to(torch.uint8).contiguous(), scales.float().contiguous(),
                            zeros.to(torch.int32).contiguous(), g_idx, scheme,
-                           None if bias is None else bias.detach().float().clone())
+                           None if bias is None else bias.detach().float().clone(), global_scale=global_scale)
 
 
 class GPTQQuantizer(HessianModifierMixin, Quantizer):
@@ -185,7 +195,7 @@ def rows_of(stacked: QuantizedWeight, rows: slice, bias: torch.Tensor | None) ->
     """The QuantizedWeight of some output rows of a stacked one (g_idx is shared by all rows)."""
     return QuantizedWeight(stacked.q[rows].contiguous(), stacked.scales[rows].contiguous(),
                            stacked.zeros[rows].contiguous(), stacked.g_idx.clone(), stacked.scheme,
-                           None if bias is None else bias.detach().float().clone())
+                           None if bias is None else bias.detach().float().clone(), global_scale=stacked.global_scale)
 
 
 QUANT_METHODS.add("gptq", MethodSpec("gptq", GPTQConfig, GPTQQuantizer, "gptq"))

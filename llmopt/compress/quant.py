@@ -6,6 +6,8 @@ from __future__ import annotations
 import torch
 
 from llmopt.core.contract import QuantScheme, QuantizedWeight, default_g_idx
+from llmopt.core.contract.fp4 import E8M0_BIAS, FP8_SCALE_EPS, e2m1_codes, e2m1_values, e8m0_decode
+from llmopt.core.contract.scheme import FLOAT4_MAX, FLOAT8_MAX
 
 
 def compute_qparams(
@@ -100,13 +102,90 @@ def quantize_float_rtn(w: torch.Tensor, scheme: QuantScheme, bias: torch.Tensor 
                            torch.zeros_like(scales, dtype=torch.int32), default_g_idx(k, scheme), scheme, bias)
 
 
-def quantize_rtn(w: torch.Tensor, scheme: QuantScheme, mse: bool = False, bias: torch.Tensor | None = None) -> QuantizedWeight:
-    """Round-to-nearest quantization of `w` [N, K]."""
+def fp4_global_scale(w: torch.Tensor) -> torch.Tensor:
+    """NVFP4's per-tensor scale [1] float32 for weights `w` (any shape): 448 * 6 / amax, so the largest block's
+    E4M3 scale lands on E4M3's largest value (compressed-tensors' generate_gparam). Linears that a runtime fuses
+    (q/k/v, gate/up) share one: pass their weights concatenated."""
+    amax = w.float().abs().amax().clamp(min=torch.finfo(torch.float32).tiny)
+    scale = torch.nan_to_num(FLOAT8_MAX * FLOAT4_MAX / amax, nan=1.0, posinf=1.0, neginf=1.0)
+    return scale.reshape(1)
+
+
+def _round_to_power_of_2(x: torch.Tensor) -> torch.Tensor:
+    """x float32 >= 0 -> the power of two below it, or above it when its mantissa is 1.75 or more (the bits of
+    a float32 plus a quarter of the mantissa's range, masked to sign and exponent: the MX spec's reference)."""
+    bits = x.float().view(torch.int32)
+    return ((bits + (1 << 21)) & (0x1FF << 23)).view(torch.float32)
+
+
+def fp4_block_scales(w: torch.Tensor, scheme: QuantScheme, global_scale: torch.Tensor | None) -> torch.Tensor:
+    """Block scales [N, G] float32 of `w` [N, K] for an FP4 scheme, as compressed-tensors' observers compute
+    them: NVFP4 amax / 6 * global, rounded to E4M3 (0 -> 0.125); MXFP4 2^(exponent of amax rounded to a power
+    of two - 2), so the block's largest value lands within E2M1's +-6 (saturating when its mantissa is 1.5-1.75)."""
+    n, k = w.shape
+    amax = w.float().reshape(n, k // scheme.group_size, scheme.group_size).abs().amax(dim=-1)  # [N, G]
+    if scheme.scale_format == "e4m3":
+        scales = (global_scale * (amax / scheme.float_max)).clamp(-FLOAT8_MAX, FLOAT8_MAX)
+        scales = scales.to(torch.float8_e4m3fn).float()
+        return torch.where(scales == 0, torch.full_like(scales, FP8_SCALE_EPS), scales)
+    exponent = torch.floor(torch.log2(_round_to_power_of_2(amax))) - 2 + E8M0_BIAS  # -inf for all-zero blocks
+    return e8m0_decode(exponent.clamp(0, 255).to(torch.uint8))
+
+
+def fp4_codes(w: torch.Tensor, scales: torch.Tensor, global_scale: torch.Tensor | None) -> torch.Tensor:
+    """E2M1 codes [N, K] of `w` [N, K] under block scales [N, K] (already expanded per column): w / (s / g)
+    clamped to +-6 and rounded to the nearest value (compressed-tensors' _quantize)."""
+    effective = scales if global_scale is None else scales / global_scale
+    return e2m1_codes((w.float() / effective).clamp_(-FLOAT4_MAX, FLOAT4_MAX))
+
+
+def quantize_fp4_rtn(w: torch.Tensor, scheme: QuantScheme, bias: torch.Tensor | None = None,
+                     global_scale: torch.Tensor | None = None) -> QuantizedWeight:
+    """NVFP4 or MXFP4 weights of `w` [N, K] (global_scale: NVFP4's, shared with the linears fused with this one;
+    default: this weight's own)."""
+    n, k = w.shape
+    if scheme.scale_format == "e4m3" and global_scale is None:
+        global_scale = fp4_global_scale(w)
+    if scheme.scale_format != "e4m3":
+        global_scale = None
+    scales = fp4_block_scales(w, scheme, global_scale)
+    g_idx = default_g_idx(k, scheme)
+    codes = fp4_codes(w, scales[:, g_idx.long()], global_scale)
+    return QuantizedWeight(codes, scales, torch.zeros_like(scales, dtype=torch.int32), g_idx, scheme, bias,
+                           global_scale=global_scale)
+
+
+def quantize_rtn(w: torch.Tensor, scheme: QuantScheme, mse: bool = False, bias: torch.Tensor | None = None,
+                 global_scale: torch.Tensor | None = None) -> QuantizedWeight:
+    """Round-to-nearest quantization of `w` [N, K] (global_scale: NVFP4's shared one, see quantize_fp4_rtn)."""
     n, k = w.shape
     scheme.check(k)
+    if scheme.scale_format is not None:
+        return quantize_fp4_rtn(w, scheme, bias, global_scale)
     if scheme.type == "float":
         return quantize_float_rtn(w, scheme, bias)
     scales, zeros = group_qparams(w, scheme, mse)
     g_idx = default_g_idx(k, scheme)
     codes = quantize_codes(w.float(), scales[:, g_idx.long()], zeros[:, g_idx.long()], scheme.maxq)
     return QuantizedWeight(codes.to(torch.uint8), scales.float(), zeros.to(torch.int32), g_idx, scheme, bias)
+
+
+def float_block_scales(w: torch.Tensor, scheme: QuantScheme) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """(stored scales [N, G] float32, NVFP4's global scale or None) of `w` [N, K] for a float scheme: the
+    ranges GPTQ keeps fixed while it rounds column by column (FP8: amax / 448 per group)."""
+    if scheme.scale_format is not None:
+        global_scale = fp4_global_scale(w) if scheme.scale_format == "e4m3" else None
+        return fp4_block_scales(w, scheme, global_scale), global_scale
+    return quantize_float_rtn(w, scheme).scales, None
+
+
+def quantize_float_column(w: torch.Tensor, scale: torch.Tensor, scheme: QuantScheme
+                          ) -> tuple[torch.Tensor, torch.Tensor]:
+    """(codes uint8, dequantized float32) of values `w` [R] under effective scales [R] on a float grid: E4M3
+    (codes: the values' bytes) or E2M1 (codes: core.contract.fp4)."""
+    scaled = (w.float() / scale).clamp_(-scheme.float_max, scheme.float_max)
+    if scheme.bits == 4:
+        codes = e2m1_codes(scaled)
+        return codes, e2m1_values(codes) * scale
+    values = scaled.to(torch.float8_e4m3fn)
+    return values.view(torch.uint8), values.float() * scale

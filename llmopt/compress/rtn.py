@@ -2,9 +2,10 @@
 
 from __future__ import annotations
 
+import torch
 from torch import nn
 
-from llmopt.compress.quant import quantize_rtn
+from llmopt.compress.quant import fp4_global_scale, quantize_rtn
 from llmopt.compress.base import QUANT_METHODS, MethodSpec, Quantizer
 from llmopt.compress.config import RTNConfig
 from llmopt.core.adapters import get_module
@@ -12,12 +13,20 @@ from llmopt.core.adapters import get_module
 
 class RTNQuantizer(Quantizer):
     def process(self, layer_index: int, layer: nn.Module, names: tuple[str, ...]) -> None:
-        for name in names:
+        kept = [name for name in names if not self.is_ignored(self.full_name(layer_index, name))]
+        for name in kept:
             module = get_module(layer, name)
-            if self.is_ignored(self.full_name(layer_index, name)):
-                continue
-            qweight = quantize_rtn(module.weight.data, self.config.weight_scheme, self.config.mse, module.bias)
+            qweight = quantize_rtn(module.weight.data, self.config.weight_scheme, self.config.mse, module.bias,
+                                   self.shared_global_scale(layer, name, kept))
             self.store(layer_index, name, module, qweight)
+
+    def shared_global_scale(self, layer: nn.Module, name: str, kept: list[str]) -> torch.Tensor | None:
+        """NVFP4: one global scale for the linears fed the same input (q/k/v, gate/up), as llm-compressor fuses
+        them: runtimes (vLLM, ours) run them as one stacked weight with one global scale."""
+        if self.config.weight_scheme.scale_format != "e4m3":
+            return None
+        group = [other for other in self.adapter.fed_same_input.get(name, (name,)) if other in kept] or [name]
+        return fp4_global_scale(torch.cat([get_module(layer, other).weight.data.reshape(-1) for other in group]))
 
 
 QUANT_METHODS.add("rtn", MethodSpec("rtn", RTNConfig, RTNQuantizer, "compressed-tensors"))

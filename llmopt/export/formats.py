@@ -10,6 +10,7 @@ from __future__ import annotations
 import torch
 
 from llmopt.core.contract import QuantizedWeight, QuantRecord, QuantScheme, default_g_idx
+from llmopt.core.contract.fp4 import e8m0_decode, pack_fp4, scale_bytes, unpack_fp4
 from llmopt.core.errors import ArtifactError
 from llmopt.core.registry import Registry
 from llmopt.export.packing import deinterleave_awq, interleave_awq, pack_int32, unpack_int32
@@ -169,13 +170,19 @@ class CompressedTensorsFormat(Format):
       weight_scale [N, G], weight_zero_point [N, G] int8 (asymmetric only); the config group's
       input_activations says how the inputs are quantized at run time (dynamic per token);
     - float-quantized (FP8): weight [N, K] float8_e4m3fn, weight_scale [N, G]; input_activations as above (FP8
-      per token for W8A8-FP8, none for W8A16-FP8)."""
+      per token for W8A8-FP8, none for W8A16-FP8);
+    - nvfp4-pack-quantized (NVFP4): weight_packed [N, K/2] uint8 of E2M1 codes (core.contract.fp4), weight_scale
+      [N, K/16] float8_e4m3fn, weight_global_scale [1] float32 (w = v * scale / global);
+    - mxfp4-pack-quantized (MXFP4): weight_packed as NVFP4's, weight_scale [N, K/32] uint8 E8M0 exponents."""
 
     name, marker = "compressed-tensors", "weight_packed"
     INT_MARKER = "weight_scale"  # int-quantized: `weight` is the int8 codes, so the scale marks the linear
+    READABLE = ("pack-quantized", "int-quantized", "float-quantized", "nvfp4-pack-quantized", "mxfp4-pack-quantized")
 
     def check(self, name, shape, scheme, trivial_g_idx=True):
-        pass
+        if scheme.scale_format is not None and not trivial_g_idx:
+            raise _fail(self.name, name, f"act-order permuted groups in {scheme.fp4_name} (its format has no g_idx)",
+                        "quantize with static groups (the default)")
 
     def check_record(self, record):
         acts, weights = record.input_activations, record.scheme
@@ -187,11 +194,15 @@ class CompressedTensorsFormat(Format):
     @staticmethod
     def format_of(weights: QuantScheme, acts: QuantScheme | None) -> str:
         """The compressed-tensors format for these weights and inputs."""
+        if weights.scale_format is not None:
+            return f"{weights.fp4_name}-pack-quantized"
         if weights.type == "float":
             return "float-quantized"
         return "pack-quantized" if acts is None else "int-quantized"
 
     def pack(self, qweight):
+        if qweight.scheme.scale_format is not None:
+            return self._pack_fp4(qweight)
         if qweight.scheme.type == "float":
             return self._pack_float(qweight)
         if qweight.input_activations is not None:
@@ -231,6 +242,27 @@ class CompressedTensorsFormat(Format):
                "weight_scale": qweight.scales.to(SCALE_DTYPE).contiguous()}
         return {**out, **self._g_idx_and_bias(qweight)}
 
+    def _pack_fp4(self, qweight):
+        scale_format = qweight.scheme.scale_format
+        out = {"weight_packed": pack_fp4(qweight.q), "weight_scale": scale_bytes(qweight.scales, scale_format)}
+        if scale_format == "e4m3":
+            out["weight_scale"] = out["weight_scale"].view(torch.float8_e4m3fn)
+            out["weight_global_scale"] = qweight.global_scale.float().reshape(1).clone()  # (shared by q/k/v)
+        return {**out, **self._g_idx_and_bias(qweight)}
+
+    def _unpack_fp4(self, tensors, scheme):
+        packed, stored = tensors["weight_packed"], tensors["weight_scale"]
+        if packed.dtype != torch.uint8:
+            raise ArtifactError(f"{scheme.fp4_name} weight_packed of dtype {packed.dtype}: expected uint8")
+        q = unpack_fp4(packed)
+        if scheme.scale_format == "e4m3":
+            scales, global_scale = stored.float(), tensors["weight_global_scale"].float().reshape(1)
+        else:
+            scales, global_scale = e8m0_decode(stored.view(torch.uint8)), None
+        return QuantizedWeight(q, scales.reshape(q.shape[0], -1).contiguous(), torch.zeros(
+            scales.shape, dtype=torch.int32).reshape(q.shape[0], -1), default_g_idx(q.shape[1], scheme), scheme,
+            _bias(tensors), global_scale=global_scale)
+
     def _unpack_float(self, tensors, scheme):
         weight = tensors["weight"]
         if weight.dtype != torch.float8_e4m3fn:
@@ -241,6 +273,8 @@ class CompressedTensorsFormat(Format):
                                default_g_idx(q.shape[1], scheme), scheme, _bias(tensors))
 
     def unpack(self, tensors, scheme):
+        if scheme.scale_format is not None:
+            return self._unpack_fp4(tensors, scheme)
         if scheme.type == "float":
             return self._unpack_float(tensors, scheme)
         if "weight_packed" not in tensors:
@@ -286,9 +320,9 @@ class CompressedTensorsFormat(Format):
         }
 
     def _group(self, qcfg):
-        if qcfg.get("format") not in ("pack-quantized", "int-quantized", "float-quantized"):
+        if qcfg.get("format") not in self.READABLE:
             raise ArtifactError(f"compressed-tensors format {qcfg.get('format')!r} is not supported "
-                                f"(pack-quantized, int-quantized, float-quantized)")
+                                f"({', '.join(self.READABLE)})")
         groups = list(qcfg["config_groups"].values())
         if len(groups) != 1:
             raise ArtifactError("compressed-tensors checkpoints with several config groups are not supported yet")
@@ -302,7 +336,7 @@ class CompressedTensorsFormat(Format):
         return None if not args else QuantScheme.from_args(args)
 
     def marker_for(self, qcfg):
-        return self.marker if qcfg.get("format") == "pack-quantized" else self.INT_MARKER
+        return self.marker if qcfg.get("format", "").endswith("pack-quantized") else self.INT_MARKER
 
 
 def _bias(tensors):

@@ -22,16 +22,18 @@ from llmopt.pipelines.common import (
 )
 
 
-# the one format that records quantized input activations (compressed-tensors' int-quantized)
+# the one format that records quantized input activations (compressed-tensors' int-quantized) and float weights
 INPUT_ACTIVATIONS_FORMAT = "compressed-tensors"
 
 
 def default_format(method: str, config=None) -> str:
     """The checkpoint format a quantization method writes unless told otherwise (its registry entry), or for a
-    scheme with quantized input activations (W8A8) the format that can record them."""
+    scheme with quantized input activations (W8A8) or float weights (FP8, FP4) the format that can record them."""
     from llmopt.compress.api import load_methods
 
     if config is not None and getattr(config, "input_activations", None) is not None:
+        return INPUT_ACTIVATIONS_FORMAT
+    if config is not None and getattr(config, "scheme", None) and config.weight_scheme.type == "float":
         return INPUT_ACTIVATIONS_FORMAT
     load_methods()
     return QUANT_METHODS.get(method).default_format

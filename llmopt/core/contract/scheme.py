@@ -15,9 +15,14 @@ from typing import Literal
 from llmopt.core.errors import ConfigError
 
 SUPPORTED_BITS = (2, 3, 4, 8)
-FLOAT_BITS = (8,)  # float schemes: FP8 E4M3 (values up to +-448)
+FLOAT_BITS = (4, 8)  # float schemes: FP8 E4M3 (values up to +-448), FP4 E2M1 (up to +-6)
 FLOAT8_MAX = 448.0
-STRATEGIES = ("tensor", "channel", "group", "block", "token")
+FLOAT4_MAX = 6.0
+# FP4's two block formats, as compressed-tensors tells them apart (by group size and scale dtype): NVFP4 = blocks
+# of 16 with E4M3 scales under one FP32 global scale per tensor (strategy tensor_group); MXFP4 = blocks of 32 with
+# power-of-two E8M0 scales (strategy group)
+FP4_BLOCKS = {"tensor_group": 16, "group": 32}
+STRATEGIES = ("tensor", "channel", "group", "block", "token", "tensor_group")
 TYPES = ("int", "float")
 OBSERVERS = ("minmax", "mse")
 
@@ -57,14 +62,34 @@ class QuantScheme:
 
     @property
     def float_max(self) -> float:
-        """The largest magnitude a float scheme's values take (FP8 E4M3: 448)."""
-        return FLOAT8_MAX
+        """The largest magnitude a float scheme's values take (FP8 E4M3: 448, FP4 E2M1: 6)."""
+        return FLOAT4_MAX if self.bits == 4 else FLOAT8_MAX
+
+    @property
+    def scale_format(self) -> str | None:
+        """How an FP4 scheme stores its block scales: "e4m3" (NVFP4, under a global scale) or "e8m0" (MXFP4,
+        powers of two); None for other schemes (float32 scales, stored as fp16)."""
+        if self.type != "float" or self.bits != 4:
+            return None
+        return "e4m3" if self.strategy == "tensor_group" else "e8m0"
+
+    @property
+    def fp4_name(self) -> str:
+        return "nvfp4" if self.strategy == "tensor_group" else "mxfp4"
 
     def check(self, in_features: int, name: str = "layer") -> None:
         if self.type == "int" and self.bits not in SUPPORTED_BITS:
             raise ConfigError(f"--bits {self.bits} is not supported: choose one of {SUPPORTED_BITS}")
         if self.type == "float" and self.bits not in FLOAT_BITS:
-            raise ConfigError(f"{self.bits}-bit float schemes are not supported: FP8 (E4M3) only")
+            raise ConfigError(f"{self.bits}-bit float schemes are not supported: FP8 (E4M3) and FP4 (E2M1) only")
+        if self.scale_format is not None:
+            block = FP4_BLOCKS.get(self.strategy)
+            if block != self.group_size:
+                raise ConfigError(f"FP4 with strategy {self.strategy} and blocks of {self.group_size} is not a format: "
+                                  "NVFP4 is tensor_group with blocks of 16, MXFP4 group with blocks of 32")
+            if in_features % block:
+                raise ConfigError(f"{self.fp4_name}'s blocks of {block} do not divide {name}'s in_features "
+                                  f"({in_features}): leave it dense (--ignore) or use an int scheme")
         if self.group_size != -1 and (self.group_size < 1 or in_features % self.group_size):
             raise ConfigError(
                 f"--group-size {self.group_size} does not divide {name}'s in_features ({in_features}): "
@@ -73,15 +98,18 @@ class QuantScheme:
 
     def to_args(self) -> dict:
         """compressed-tensors' QuantizationArgs fields for this scheme."""
-        return {"num_bits": self.bits, "type": self.type, "symmetric": self.sym, "strategy": self.strategy,
-                "group_size": self.group_size if self.strategy == "group" else None, "dynamic": self.dynamic,
-                "observer": None if self.dynamic else self.observer}
+        args = {"num_bits": self.bits, "type": self.type, "symmetric": self.sym, "strategy": self.strategy,
+                "group_size": self.group_size if self.strategy in ("group", "tensor_group") else None,
+                "dynamic": self.dynamic, "observer": None if self.dynamic else self.observer}
+        if self.scale_format is not None:  # the block scales' storage dtype, as llm-compressor's presets state it
+            args["scale_dtype"] = "torch.float8_e4m3fn" if self.scale_format == "e4m3" else "torch.uint8"
+        return args
 
     @classmethod
     def from_args(cls, args: dict) -> QuantScheme:
         """From compressed-tensors' QuantizationArgs (a config.json's `weights` / `input_activations`)."""
         strategy = args.get("strategy") or ("group" if args.get("group_size") else "channel")
-        group = args.get("group_size") if strategy == "group" else -1
+        group = args.get("group_size") if strategy in ("group", "tensor_group") else -1
         observer = args.get("observer") if args.get("observer") in OBSERVERS else "minmax"
         return cls(args.get("num_bits", 8), group or -1, args.get("symmetric", True), args.get("type", "int"),
                    strategy, bool(args.get("dynamic", False)), observer)
@@ -96,6 +124,9 @@ INT8_TOKEN_ACTIVATIONS = QuantScheme(8, -1, True, strategy="token", dynamic=True
 # FP8 (E4M3) weights per output channel, and dynamic FP8 activations per token: llm-compressor's FP8_DYNAMIC
 FP8_CHANNEL_WEIGHTS = QuantScheme(8, -1, True, type="float")
 FP8_TOKEN_ACTIVATIONS = QuantScheme(8, -1, True, type="float", strategy="token", dynamic=True)
+# FP4 (E2M1) weights in blocks: NVFP4 (16, E4M3 scales, a global FP32 scale) and MXFP4 (32, E8M0 scales)
+NVFP4_WEIGHTS = QuantScheme(4, 16, True, type="float", strategy="tensor_group")
+MXFP4_WEIGHTS = QuantScheme(4, 32, True, type="float", strategy="group")
 
 
 @dataclass(frozen=True)
@@ -115,9 +146,11 @@ PRESETS: dict[str, LinearScheme] = {
     "w8a8-int8": LinearScheme(QuantScheme(8, -1, True), INT8_TOKEN_ACTIVATIONS),
     "w8a16-fp8": LinearScheme(FP8_CHANNEL_WEIGHTS),
     "w8a8-fp8": LinearScheme(FP8_CHANNEL_WEIGHTS, FP8_TOKEN_ACTIVATIONS),
+    "nvfp4": LinearScheme(NVFP4_WEIGHTS),  # weights only (llm-compressor's NVFP4A16)
+    "mxfp4": LinearScheme(MXFP4_WEIGHTS),  # weights only (MXFP4A16)
 }
 # the presets `llmopt quantize --scheme` takes (w4a8 is a runtime choice: --int4-activations int8)
-QUANTIZE_PRESETS = ("w4a16", "w8a16", "w8a8-int8", "w8a16-fp8", "w8a8-fp8")
+QUANTIZE_PRESETS = ("w4a16", "w8a16", "w8a8-int8", "w8a16-fp8", "w8a8-fp8", "nvfp4", "mxfp4")
 
 
 def preset(name: str) -> LinearScheme:

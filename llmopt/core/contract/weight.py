@@ -12,6 +12,7 @@ from dataclasses import dataclass
 
 import torch
 
+from llmopt.core.contract.fp4 import e2m1_values
 from llmopt.core.contract.scheme import QuantScheme
 from llmopt.core.errors import ConfigError
 
@@ -20,11 +21,13 @@ from llmopt.core.errors import ConfigError
 class QuantizedWeight:
     """The result every quantizer produces and every format packs.
 
-    q:      [N, K] uint8, unsigned codes in [0, 2^bits - 1]; for a float scheme (FP8) the E4M3 values' bytes
-    scales: [N, G] float32
+    q:      [N, K] uint8, unsigned codes in [0, 2^bits - 1]; for a float scheme the E4M3 values' bytes (FP8) or
+            the E2M1 codes (FP4: core.contract.fp4)
+    scales: [N, G] float32 (FP4: the block scales as stored, E4M3 values or powers of two)
     zeros:  [N, G] int32, unsigned zero points (2^(bits-1) when symmetric)
     g_idx:  [K] int32, group of each input column (k // group_size unless act-order permuted groups)
     input_activations: the scheme its inputs are quantized with at run time (W8A8), None for weight-only
+    global_scale: [1] float32, NVFP4's per-tensor divisor of every block scale (w = v * s / global), else None
     """
 
     q: torch.Tensor
@@ -34,6 +37,7 @@ class QuantizedWeight:
     scheme: QuantScheme
     bias: torch.Tensor | None = None
     input_activations: QuantScheme | None = None
+    global_scale: torch.Tensor | None = None
 
     @property
     def shape(self) -> tuple[int, int]:
@@ -54,7 +58,7 @@ class QuantizedWeight:
             rows = slice(rank * n // world, (rank + 1) * n // world)
             bias = None if self.bias is None else self.bias[rows]
             return QuantizedWeight(self.q[rows], self.scales[rows], self.zeros[rows], self.g_idx, self.scheme, bias,
-                                   self.input_activations)
+                                   self.input_activations, self.global_scale)
         if dim != "in":
             raise ValueError(f"dim must be 'in' or 'out', not {dim!r}")
         groups = self.scales.shape[1]
@@ -67,12 +71,19 @@ class QuantizedWeight:
         g_idx = self.g_idx[cols] - rank * per
         bias = self.bias if rank == 0 else None
         return QuantizedWeight(self.q[:, cols], self.scales[:, group_cols], self.zeros[:, group_cols], g_idx,
-                               self.scheme, bias, self.input_activations)
+                               self.scheme, bias, self.input_activations, self.global_scale)
+
+    @property
+    def effective_scales(self) -> torch.Tensor:
+        """[N, G] float32 the multiplier of each group's values (NVFP4: block scale / global scale)."""
+        return self.scales if self.global_scale is None else self.scales / self.global_scale.float()
 
     def dequantize(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
         """[N, K] weight s * (q - z), with each column's group taken from g_idx (float schemes: s * value)."""
         g = self.g_idx.long()
-        scales = self.scales[:, g]  # [N, K]
+        scales = self.effective_scales[:, g]  # [N, K]
+        if self.scheme.type == "float" and self.scheme.bits == 4:
+            return (e2m1_values(self.q) * scales).to(dtype)
         if self.scheme.type == "float":
             return (scales * self.q.view(torch.float8_e4m3fn).float()).to(dtype)
         zeros = self.zeros[:, g].float()

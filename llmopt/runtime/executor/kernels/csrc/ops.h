@@ -31,6 +31,13 @@ at::Tensor int4_matmul_rows(const at::Tensor& x, const at::Tensor& nibbles, cons
 at::Tensor int4_matmul_rows_q8(const at::Tensor& x, const at::Tensor& nibbles, const at::Tensor& so, int64_t group);
 }  // namespace llmopt_cpu::int4
 
+namespace llmopt_cpu::fp4 {
+at::Tensor fp4_matmul_rows(const at::Tensor& x, const at::Tensor& nibbles, const at::Tensor& scale_bytes,
+                           const at::Tensor& table, int64_t group);
+void fp4_dequantize_out(const at::Tensor& nibbles, const at::Tensor& scale_bytes, const at::Tensor& table,
+                        int64_t group, at::Tensor& out);
+}  // namespace llmopt_cpu::fp4
+
 namespace llmopt_cpu::int8 {
 std::tuple<at::Tensor, at::Tensor> quantize_rows_int8(const at::Tensor& x);
 at::Tensor scale_int32_rows(const at::Tensor& acc, const at::Tensor& row_scale, const at::Tensor& col_scale,

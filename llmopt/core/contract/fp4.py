@@ -1,0 +1,79 @@
+"""FP4 (E2M1) values and the block scales of NVFP4 and MXFP4, as compressed-tensors and the OCP MX spec define
+them: pure tensor functions shared by the quantizers, the formats and the runtime's reference path.
+
+An E2M1 code is 4 bits: bit 3 the sign, bits 0-2 the magnitude's index into (0, 0.5, 1, 1.5, 2, 3, 4, 6). Two
+codes share a byte, the even column in the low nibble (compressed-tensors' `weight_packed`, [N, K/2] uint8).
+Block scales: NVFP4 keeps one E4M3 scale per 16 values and one FP32 global scale per tensor (w = v * s / g);
+MXFP4 one E8M0 scale (a power of two, stored as its biased exponent e: 2^(e - 127)) per 32 values (w = v * s).
+"""
+
+from __future__ import annotations
+
+import torch
+
+E2M1_MAGNITUDES = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0)
+# Rounding |x| to the nearest magnitude, ties to the even mantissa: the thresholds between neighbours and
+# whether a value exactly on one rounds up (0.75 -> 1.0, 1.75 -> 2.0, 3.5 -> 4.0) or down (0.25 -> 0, 1.25 -> 1.0,
+# 2.5 -> 2.0, 5.0 -> 4.0): compressed-tensors' cast_to_fp4.
+_THRESHOLDS = ((0.25, False), (0.75, True), (1.25, False), (1.75, True), (2.5, False), (3.5, True), (5.0, False))
+E8M0_BIAS = 127
+FP8_SCALE_EPS = 0.125  # what an all-zero NVFP4 block's scale becomes (compressed-tensors' eps for E4M3)
+
+
+def e2m1_table(dtype: torch.dtype = torch.float32, device: torch.device | str = "cpu") -> torch.Tensor:
+    """[16] the value of each code (codes 8-15: the negatives, code 8 = -0)."""
+    magnitudes = torch.tensor(E2M1_MAGNITUDES, dtype=torch.float32)
+    return torch.cat([magnitudes, -magnitudes]).to(dtype=dtype, device=device)
+
+
+def e2m1_codes(x: torch.Tensor) -> torch.Tensor:
+    """uint8 codes of x rounded to the nearest E2M1 value (saturating at +-6, ties to even); a negative x that
+    rounds to zero keeps its sign bit, as compressed-tensors packs it."""
+    a = x.abs().float()
+    index = torch.zeros(x.shape, dtype=torch.uint8, device=x.device)
+    for threshold, tie_up in _THRESHOLDS:
+        index += (a >= threshold) if tie_up else (a > threshold)
+    return index | (torch.signbit(x).to(torch.uint8) << 3)
+
+
+def e2m1_values(codes: torch.Tensor, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    return e2m1_table(dtype, codes.device)[codes.long()]
+
+
+def pack_fp4(codes: torch.Tensor) -> torch.Tensor:
+    """codes [N, K] -> [N, K/2] uint8, column 2j in the low nibble of byte j."""
+    codes = codes.to(torch.uint8)
+    return (codes[:, 0::2] | (codes[:, 1::2] << 4)).contiguous()
+
+
+def unpack_fp4(packed: torch.Tensor) -> torch.Tensor:
+    """[N, K/2] uint8 -> codes [N, K] uint8."""
+    return torch.stack([packed & 15, packed >> 4], dim=-1).reshape(packed.shape[0], -1)
+
+
+def e8m0_encode(scale: torch.Tensor) -> torch.Tensor:
+    """Powers of two -> their biased exponents, uint8."""
+    return (torch.floor(torch.log2(scale.float())) + E8M0_BIAS).clamp(0, 255).to(torch.uint8)
+
+
+def e8m0_decode(exponents: torch.Tensor) -> torch.Tensor:
+    """uint8 biased exponents -> float32 2^(e - 127)."""
+    return torch.exp2(exponents.to(torch.float32) - E8M0_BIAS)
+
+
+def block_scale_table(scheme_scale_format: str, global_scale: torch.Tensor | None) -> torch.Tensor:
+    """[256] float32: the effective scale (block scale / global scale) of each stored scale byte, for kernels
+    that read the one-byte scales: E4M3 bit patterns (NVFP4) or E8M0 exponents (MXFP4)."""
+    codes = torch.arange(256, dtype=torch.uint8)
+    if scheme_scale_format == "e4m3":
+        values = codes.view(torch.float8_e4m3fn).float()
+        values = torch.where(torch.isfinite(values), values, torch.zeros_like(values))  # 0x7f / 0xff are NaN
+        return values / global_scale.float().reshape(()) if global_scale is not None else values
+    return e8m0_decode(codes)
+
+
+def scale_bytes(scales: torch.Tensor, scale_format: str) -> torch.Tensor:
+    """Block scales [N, G] float32 (E4M3-representable or powers of two) -> their stored bytes, uint8."""
+    if scale_format == "e4m3":
+        return scales.to(torch.float8_e4m3fn).view(torch.uint8)
+    return e8m0_encode(scales)

@@ -1,0 +1,69 @@
+"""FP4 (E2M1) weights on CPU, NVFP4 or MXFP4: the codes stay packed two per byte and the block scales one byte
+each (0.5625 bytes per weight, under a third of bf16's), decoded in registers by the compiled kernels
+(kernels/csrc/fp4_cpu.cpp): straight from the codes for few rows (decode), into a reused buffer before the dense
+GEMM for more (prefill). Without the compiled kernels each product decodes the weight with torch. There is no FP4
+arithmetic on CPUs: this method saves memory and bandwidth, the products run in the compute dtype."""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from llmopt.core.contract.fp4 import block_scale_table, e2m1_table, pack_fp4, scale_bytes, unpack_fp4
+from llmopt.runtime.executor.kernels.cpu_ops import cpu_ops
+from llmopt.runtime.executor.linear.base import LinearMethod, new_stacked, register_linear_method
+from llmopt.runtime.executor.linear.int4_cpu import _dequantize_buffer
+
+
+@register_linear_method
+class Fp4WeightLinear(LinearMethod):
+    name, priority = "fp4-cpu", 10
+    dequantize_min_rows = 16  # from here the weight is decoded whole and the dense GEMM runs (as int4-cpu)
+
+    def __init__(self, qweight, dtype, device="cpu"):
+        super().__init__(qweight, dtype, device)
+        scheme = qweight.scheme
+        self.group = scheme.group_size
+        self.register_buffer("nibbles", pack_fp4(qweight.q))  # [N, K/2]
+        self.register_buffer("scale_bytes", scale_bytes(qweight.scales, scheme.scale_format).contiguous())  # [N, G]
+        self.register_buffer("scale_table", block_scale_table(scheme.scale_format, qweight.global_scale))  # [256]
+
+    @classmethod
+    def accepts(cls, qweight, scheme, device):
+        w = qweight.scheme
+        return (device.type == "cpu" and scheme.input_activations is None and w.scale_format is not None
+                and qweight.has_trivial_g_idx)
+
+    @staticmethod
+    def can_stack(parts) -> bool:
+        """q/k/v or gate/up stack when they read their scale bytes through one table: MXFP4 always, NVFP4 when
+        they share a global scale (as llmopt and llm-compressor write them)."""
+        first = parts[0]
+        return all(type(p) is Fp4WeightLinear and p.in_features == first.in_features and p.dtype == first.dtype
+                   and p.group == first.group and torch.equal(p.scale_table, first.scale_table) for p in parts)
+
+    @classmethod
+    def stack(cls, parts: list[Fp4WeightLinear]) -> Fp4WeightLinear:
+        fused = new_stacked(cls, parts[0], sum(p.out_features for p in parts), parts)
+        fused.group = parts[0].group
+        fused.register_buffer("nibbles", torch.cat([p.nibbles for p in parts]))
+        fused.register_buffer("scale_bytes", torch.cat([p.scale_bytes for p in parts]))
+        fused.register_buffer("scale_table", parts[0].scale_table)
+        return fused
+
+    def dequantize(self) -> torch.Tensor:
+        """[N, K] the weight in the compute dtype, torch only (the reference the kernels are tested against)."""
+        values = e2m1_table()[unpack_fp4(self.nibbles).long()]  # [N, K] fp32
+        scales = self.scale_table[self.scale_bytes.long()].repeat_interleave(self.group, dim=1)
+        return (values * scales).to(self.dtype)
+
+    def _matmul(self, x2d):
+        ops = cpu_ops()
+        if ops is None:
+            return F.linear(x2d, self.dequantize())
+        if x2d.shape[0] < self.dequantize_min_rows:
+            return ops.fp4_matmul_rows(x2d, self.nibbles, self.scale_bytes, self.scale_table, self.group)
+        weight = _dequantize_buffer(self.out_features * self.in_features, self.dtype)
+        weight = weight.view(self.out_features, self.in_features)
+        ops.fp4_dequantize_out(self.nibbles, self.scale_bytes, self.scale_table, self.group, weight)
+        return F.linear(x2d, weight)
