@@ -122,7 +122,9 @@ class AWQFormat(Format):
 
     def check(self, name, shape, scheme, trivial_g_idx=True):
         n, k = shape
-        if scheme.type != "int" or scheme.bits != 4:
+        if scheme.type != "int":
+            raise _fail(self.name, name, f"{scheme.type} weights (AWQ stores integer codes)", "use compressed-tensors")
+        if scheme.bits != 4:
             raise _fail(self.name, name, f"{scheme.bits}-bit weights (AWQ GEMM is 4-bit only)",
                         "use gptq or compressed-tensors")
         if not trivial_g_idx:

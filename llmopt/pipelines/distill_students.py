@@ -26,6 +26,9 @@ def _load_source(name: str, dtype: str, trust_remote_code: bool) -> Student:
         structured = contents.manifest.get("structured") or {}
         teacher_layers = structured.get("keep_layers") or None
         if contents.qweights:
+            if contents.scheme.type != "int" or any(q.input_activations for q in contents.qweights.values()):
+                raise ConfigError(f"{name} holds {contents.scheme.type} weights or quantized inputs: distillation "
+                                  "trains integer weight-only students; distill the unquantized model, then quantize")
             model = model_from_contents(contents, torch.float32, "cpu",
                                         linear_factory=lambda qweight: FakeQuantLinear(qweight))
             return Student(model, "quantized", name, teacher_layers,

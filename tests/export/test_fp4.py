@@ -162,6 +162,12 @@ def test_artifacts_load_in_transformers_and_run_in_the_runtime(tiny_llama_dir, t
     assert result.exit_code == 0, result.output
     qcfg = json.loads((out / "config.json").read_text())["quantization_config"]
     assert qcfg["format"] == f"{scheme}-pack-quantized"
+    for target in ("gptq", "awq"):  # formats of integer codes say why they cannot hold it
+        refused = CliRunner().invoke(app, ["export", str(out), "--format", target, "-o", str(tmp_path / target)])
+        assert refused.exit_code == 1 and "float weights" in refused.output and not (tmp_path / target).exists()
+    refused = CliRunner().invoke(app, ["distill", "--teacher", str(tiny_llama_dir), "--student", str(out),
+                                       "--max-steps", "1", "-o", str(tmp_path / "distilled")])
+    assert refused.exit_code == 1 and "distill the unquantized model" in refused.output, refused.output
     ids = [1, 5, 9, 100, 42, 7, 3, 11]
     # compressed-tensors decompresses FP4 into bf16 whatever dtype is asked: compare in bf16, where both are exact
     ours = load_artifact_model(out, dtype=torch.bfloat16)
