@@ -49,17 +49,32 @@ def perplexity(model: str, max_tokens: int) -> float:
     return facts["ppl"]
 
 
+SPEED_SHAPES = {  # label -> bench options: throughput, batch-1 TPOT, and the TTFT of one 1,024-token prompt
+    "batch64": ["--num-requests", "64", "--input-len", "128", "--output-len", "128"],
+    "batch1": ["--num-requests", "4", "--input-len", "32", "--output-len", "64", "--max-num-seqs", "1"],
+    "prefill1024": ["--num-requests", "3", "--input-len", "1024", "--output-len", "1", "--max-num-seqs", "1"],
+}
+
+
 def speed(model: str, dtype: str, workdir: Path) -> dict:
-    """Engine throughput (64 x 128/128) and batch-1 TPOT (1 x 32/64) of MODEL computing in `dtype`."""
+    """Engine throughput (64 x 128/128), batch-1 TPOT (1 x 32/64) and 1,024-token prefill of MODEL computing in
+    `dtype`."""
     out = {}
-    for label, shape in (("batch64", ["--num-requests", "64", "--input-len", "128", "--output-len", "128"]),
-                         ("batch1", ["--num-requests", "4", "--input-len", "32", "--output-len", "64",
-                                     "--max-num-seqs", "1"])):
+    for label, shape in SPEED_SHAPES.items():
         path = workdir / f"bench-{label}.json"
         _run_bench(["bench", model, "--dtype", dtype, *shape, "--json", str(path)])
         metrics = json.loads(path.read_text())["runs"][0]["metrics"]
         out[label] = {k: metrics[k] for k in ("output_throughput", "mean_tpot_ms", "mean_ttft_ms")}
     return out
+
+
+def transformers_speed(workdir: Path) -> dict:
+    """transformers' generate on the dense model in fp32 (static batches), at the throughput shape."""
+    path = workdir / "bench-hf.json"
+    _run_bench(["bench", MODEL, "--dtype", "float32", *SPEED_SHAPES["batch64"], "--baseline", "hf", "--json",
+                str(path)])
+    metrics = json.loads(path.read_text())["runs"][1]["metrics"]
+    return {"batch64": {k: metrics[k] for k in ("output_throughput", "mean_tpot_ms", "mean_ttft_ms")}}
 
 
 def _run_bench(args: list[str]) -> None:
@@ -86,6 +101,8 @@ def run_row(name: str, options: list[str] | None, args, workdir: Path) -> dict:
     row["ppl_wikitext2"] = perplexity(model, args.eval_tokens)
     if not args.no_speed and name in SPEED_ROWS:
         row["speed"] = {dtype: speed(model, dtype, workdir) for dtype in SPEED_DTYPES}
+        if name == "fp32":
+            row["transformers_fp32"] = transformers_speed(workdir)
     return row
 
 
@@ -97,6 +114,8 @@ def add_speed(row: dict, workdir: Path) -> None:
         model = str(workdir / "speed-artifact")
         run_json(["quantize", MODEL, *ROWS[row["name"]], "-o", model, "--overwrite", "--json"])
     row["speed"] = {dtype: speed(model, dtype, workdir) for dtype in SPEED_DTYPES}
+    if row["name"] == "fp32":
+        row["transformers_fp32"] = transformers_speed(workdir)
 
 
 def markdown(results: list[dict]) -> str:
@@ -113,14 +132,25 @@ def markdown(results: list[dict]) -> str:
     speeds = [r for r in results if "speed" in r]
     if speeds:
         lines += ["", "| variant | compute dtype | 64 x 128/128 output tok/s | vs fp32 dense fp32 | batch-1 TPOT ms | "
-                  "vs fp32 dense fp32 |", "|---|---|---:|---:|---:|---:|"]
+                  "vs fp32 dense fp32 | 1,024-token TTFT ms | vs fp32 dense fp32 |",
+                  "|---|---|---:|---:|---:|---:|---:|---:|"]
         base = next((r["speed"]["float32"] for r in speeds if r["name"] == "fp32"), None)
+        hf = next((r["transformers_fp32"] for r in speeds if "transformers_fp32" in r), None)
+        if hf:
+            tput = hf["batch64"]["output_throughput"]
+            ratio = f"{tput / base['batch64']['output_throughput']:.2f}x" if base else "-"
+            lines.append(f"| transformers fp32 dense | float32 | {tput:.1f} | {ratio} | - | - | - | - |")
         for r in speeds:
             for dtype, s in r["speed"].items():
-                tput, tpot = s["batch64"]["output_throughput"], s["batch1"]["mean_tpot_ms"]
-                ratio = f"{tput / base['batch64']['output_throughput']:.2f}x" if base else "-"
-                tpot_ratio = f"{tpot / base['batch1']['mean_tpot_ms']:.2f}x" if base else "-"
-                lines.append(f"| {r['name']} | {dtype} | {tput:.1f} | {ratio} | {tpot:.2f} | {tpot_ratio} |")
+                cells = []
+                for label, key in (("batch64", "output_throughput"), ("batch1", "mean_tpot_ms"),
+                                   ("prefill1024", "mean_ttft_ms")):
+                    value = s.get(label, {}).get(key)
+                    ref = base.get(label, {}).get(key) if base else None
+                    cells += ["-", "-"] if value is None else [
+                        f"{value:.1f}" if key == "output_throughput" else f"{value:.2f}",
+                        f"{value / ref:.2f}x" if ref else "-"]
+                lines.append(f"| {r['name']} | {dtype} | " + " | ".join(cells) + " |")
     return "\n".join(lines)
 
 

@@ -1,7 +1,9 @@
 #!/usr/bin/env bash
-# GPU check (under 5 minutes): the Triton kernel tests on CUDA, then a short batch-1 decode bench of fp16
+# GPU check (under 5 minutes): the Triton kernel tests on CUDA, a short batch-1 decode bench of fp16
 # vs int4 (W4A16 Triton) on a random model with SmolLM2-135M's shape (the weights' values do not change
-# speed, and the GPU machine has no model files). Prints everything; paste the output into docs/results/gpu.md.
+# speed, and the GPU machine has no model files), then the low-precision GEMM rates at 4096^3 (llmopt's Triton
+# W8A8 int8 / FP8 and FP8 / NVFP4-weight kernels vs torch._int_mm / _scaled_mm). Prints everything; paste the
+# output into docs/results/gpu.md.
 #   bash scripts/gpu_check.sh            (needs python with torch+CUDA and triton; installs llmopt --no-deps)
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -29,3 +31,5 @@ fi
 timeout 150 $PY -m llmopt bench "$MODEL" --dtype float16 --baseline "$MODEL-w4" --num-requests 4 \
   --max-concurrency 1 --input-len 128 --output-len 128 --peak-bandwidth 4800 --peak-flops 989 \
   --json /tmp/llmopt-gpu/bench.json
+echo "== low-precision GEMMs at 4096^3: llmopt's Triton kernels vs torch's _int_mm / _scaled_mm"
+timeout 120 $PY benchmarks/lowprec_gpu.py --json /tmp/llmopt-gpu/lowprec_gpu.json

@@ -16,6 +16,7 @@ from llmopt.core.contract import PRESETS, QuantRecord
 from llmopt.core.contract.fp4 import e2m1_codes, e2m1_values, e8m0_decode, e8m0_encode, pack_fp4, unpack_fp4
 from llmopt.core.errors import ConfigError
 from llmopt.core.hardware import supported_kernel_isas
+from tests.export.runtime_check import assert_runtime_matches_reader
 
 NVFP4, MXFP4 = PRESETS["nvfp4"].weights, PRESETS["mxfp4"].weights
 
@@ -151,10 +152,6 @@ def test_artifacts_load_in_transformers_and_run_in_the_runtime(tiny_llama_dir, t
     from transformers import AutoModelForCausalLM
 
     from llmopt.export.read import load_artifact_model
-    from llmopt.runtime.engine.config import EngineConfig
-    from llmopt.runtime.engine.engine import Engine
-    from llmopt.runtime.engine.sampling import SamplingParams
-    from llmopt.runtime.executor.loader import load_runtime_model
 
     out = tmp_path / scheme
     result = CliRunner().invoke(app, ["quantize", str(tiny_llama_dir), "--scheme", scheme, "--method", method,
@@ -175,12 +172,4 @@ def test_artifacts_load_in_transformers_and_run_in_the_runtime(tiny_llama_dir, t
     with torch.no_grad():
         a, b = ours(input_ids=torch.tensor([ids])).logits, theirs(input_ids=torch.tensor([ids])).logits
     assert torch.equal(a, b), (a.float() - b.float()).abs().max()
-    model, tokenizer, _ = load_runtime_model(str(out), dtype="float32")
-    engine = Engine(model, tokenizer, EngineConfig(block_size=4))
-    assert set(engine.numerics()["linear_methods"]) == {"fp4-cpu"}
-    [output] = engine.generate([ids], SamplingParams(max_tokens=6, ignore_eos=True, logprobs=0))
-    reference = load_artifact_model(out, dtype=torch.float32)
-    with torch.no_grad():
-        logprobs = torch.log_softmax(reference(input_ids=torch.tensor([ids + output.token_ids])).logits[0], -1)
-    expected = [float(logprobs[len(ids) - 1 + i, t]) for i, t in enumerate(output.token_ids)]
-    assert [e[t] for e, t in zip(output.logprobs, output.token_ids)] == pytest.approx(expected, abs=1e-4)
+    assert_runtime_matches_reader(out, {"fp4-cpu"}, ids, max_tokens=6)

@@ -13,6 +13,7 @@ from llmopt.compress.api import quantize_configs
 from llmopt.compress.quant import quantize_rtn
 from llmopt.core.contract import FP8_CHANNEL_WEIGHTS, FP8_TOKEN_ACTIVATIONS, QuantRecord, fake_quantize_activations
 from llmopt.core.errors import ConfigError
+from tests.export.runtime_check import assert_runtime_matches_reader
 
 
 def compressed_tensors_fake_quant(x, scheme, reduce_dim):
@@ -69,10 +70,6 @@ def test_artifacts_load_in_transformers_and_run_in_the_runtime(tiny_llama_dir, t
     from transformers import AutoModelForCausalLM
 
     from llmopt.export.read import load_artifact_model
-    from llmopt.runtime.engine.config import EngineConfig
-    from llmopt.runtime.engine.engine import Engine
-    from llmopt.runtime.engine.sampling import SamplingParams
-    from llmopt.runtime.executor.loader import load_runtime_model
 
     out = tmp_path / scheme
     result = CliRunner().invoke(app, ["quantize", str(tiny_llama_dir), "--scheme", scheme, "--method", "rtn",
@@ -85,11 +82,4 @@ def test_artifacts_load_in_transformers_and_run_in_the_runtime(tiny_llama_dir, t
     with torch.no_grad():
         a, b = ours(input_ids=torch.tensor([ids])).logits, theirs(input_ids=torch.tensor([ids])).logits
     assert torch.allclose(a, b, atol=1e-5, rtol=1e-5), (a - b).abs().max()
-    model, tokenizer, _ = load_runtime_model(str(out), dtype="float32")
-    engine = Engine(model, tokenizer, EngineConfig(block_size=4))
-    assert set(engine.numerics()["linear_methods"]) == {"fp8-weight"}
-    [output] = engine.generate([ids], SamplingParams(max_tokens=6, ignore_eos=True, logprobs=0))
-    with torch.no_grad():
-        logprobs = torch.log_softmax(ours(input_ids=torch.tensor([ids + output.token_ids])).logits[0], -1)
-    expected = [float(logprobs[len(ids) - 1 + i, t]) for i, t in enumerate(output.token_ids)]
-    assert [e[t] for e, t in zip(output.logprobs, output.token_ids)] == pytest.approx(expected, abs=1e-4)
+    assert_runtime_matches_reader(out, {"fp8-weight"}, ids, max_tokens=6)

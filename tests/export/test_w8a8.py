@@ -14,6 +14,7 @@ from llmopt.core.contract import (
     quantize_activations,
 )
 from llmopt.core.errors import ArtifactError, ConfigError
+from tests.export.runtime_check import assert_runtime_matches_reader
 
 W8 = QuantScheme(8, -1, True)
 
@@ -98,6 +99,28 @@ def test_runtime_integer_linear_matches_the_reference(rows, dtype):
     assert torch.equal(stacked(x.to(dtype)), torch.cat([p(x.to(dtype)) for p in parts], dim=-1))
 
 
+@pytest.mark.parametrize("rows", [9, 64, 1024])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_prepacked_onednn_gemm_equals_the_int_mm_path(monkeypatch, rows, dtype):
+    # the AMX-INT8 path (oneDNN on a weight prepacked at load) gives the _int_mm path's numbers bit for bit: the
+    # integer sums are exact and the epilogue multiplies in the same order; forced on where torch has the op
+    from llmopt.runtime.executor.linear import w8a8_cpu
+
+    if not hasattr(torch.ops.onednn, "qlinear_pointwise"):
+        pytest.skip("this torch build has no oneDNN quantized linear")
+    qweight = random_qweight()
+    monkeypatch.setattr(w8a8_cpu, "onednn_int8_gemm", lambda: True)
+    packed = w8a8_cpu.Int8W8A8Linear(qweight, dtype)
+    monkeypatch.setattr(w8a8_cpu, "onednn_int8_gemm", lambda: False)
+    plain = w8a8_cpu.Int8W8A8Linear(qweight, dtype)
+    assert packed.packed is not None and plain.packed is None
+    x = (torch.randn(rows, 64) * 3).to(dtype)
+    assert torch.equal(packed(x), plain(x))
+    monkeypatch.setattr(w8a8_cpu, "onednn_int8_gemm", lambda: True)
+    stacked = w8a8_cpu.Int8W8A8Linear.stack([packed, plain])  # q/k/v: prepacked again as one weight
+    assert stacked.packed is not None and torch.equal(stacked(x), torch.cat([packed(x), plain(x)], dim=-1))
+
+
 @pytest.fixture(scope="module")
 def w8a8_artifact(tmp_path_factory, tiny_llama_dir):
     out = tmp_path_factory.mktemp("w8a8") / "w8a8"
@@ -140,22 +163,7 @@ def test_transformers_loads_it_to_our_readers_logits(w8a8_artifact):
 
 
 def test_the_runtime_runs_it_on_integer_kernels(w8a8_artifact):
-    from llmopt.export.read import load_artifact_model
-    from llmopt.runtime.engine.config import EngineConfig
-    from llmopt.runtime.engine.engine import Engine
-    from llmopt.runtime.engine.sampling import SamplingParams
-    from llmopt.runtime.executor.loader import load_runtime_model
-
-    model, tokenizer, _ = load_runtime_model(str(w8a8_artifact), dtype="float32")
-    engine = Engine(model, tokenizer, EngineConfig(block_size=4))
-    assert set(engine.numerics()["linear_methods"]) == {"w8a8-int8-cpu"}
-    prompt = [1, 5, 9, 100, 42, 7, 3]
-    [out] = engine.generate([prompt], SamplingParams(max_tokens=10, ignore_eos=True, logprobs=0))
-    reference = load_artifact_model(w8a8_artifact, dtype=torch.float32)
-    with torch.no_grad():
-        logprobs = torch.log_softmax(reference(input_ids=torch.tensor([prompt + out.token_ids])).logits[0], -1)
-    expected = [float(logprobs[len(prompt) - 1 + i, t]) for i, t in enumerate(out.token_ids)]
-    assert [entry[t] for entry, t in zip(out.logprobs, out.token_ids)] == pytest.approx(expected, abs=1e-4)
+    assert_runtime_matches_reader(w8a8_artifact, {"w8a8-int8-cpu"}, [1, 5, 9, 100, 42, 7, 3], max_tokens=10)
 
 
 def test_eval_and_generate_load_it(w8a8_artifact):

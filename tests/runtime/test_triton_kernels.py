@@ -112,3 +112,43 @@ def test_w4a16_matmul(m, n, k, group_size, sym, dtype):
     y = w4a16_matmul(x.to(DEVICE), qweight, scales, zeros, group_size)
     tol = 1e-4 if dtype == torch.float32 else 1e-2
     torch.testing.assert_close(y.float().cpu(), expected, rtol=tol, atol=tol * expected.abs().max().item())
+
+
+def _linear(method_cls, qweight, dtype):
+    """A CUDA linear method built on this test's device (its kernels run in the interpreter without a GPU)."""
+    return method_cls(qweight, dtype, DEVICE)
+
+
+@pytest.mark.parametrize("rows", [1, 3, 8, 512])
+@pytest.mark.parametrize("scheme", ["w8a8-int8", "w8a8-fp8"])
+def test_w8a8_triton_matches_the_reference(rows, scheme):
+    # int8: the int32 sums are exact, so only the epilogue's fp32 rounding differs from the reference
+    from llmopt.core.contract import preset
+    from llmopt.core.contract.activations import InputQuantizedLinear
+    from llmopt.runtime.executor.linear.triton_lowprec import TritonW8A8Linear
+
+    g = torch.Generator().manual_seed(rows)
+    linear = preset(scheme)
+    qweight = quantize_rtn(torch.randn(80, 96, generator=g), linear.weights, bias=torch.randn(80, generator=g))
+    qweight.input_activations = linear.input_activations
+    x = torch.randn(rows, 96, generator=g) * 3
+    with torch.no_grad():
+        expected = InputQuantizedLinear.of(qweight, torch.float32)(x)
+        y = _linear(TritonW8A8Linear, qweight, torch.float32)(x.to(DEVICE)).cpu()
+    torch.testing.assert_close(y, expected, rtol=1e-5, atol=1e-4)
+
+
+@pytest.mark.parametrize("rows", [1, 3, 8, 512])
+@pytest.mark.parametrize("scheme", ["w8a16-fp8", "nvfp4", "mxfp4"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+def test_float_weight_triton_matches_the_dequantized_weight(rows, scheme, dtype):
+    from llmopt.core.contract import preset
+    from llmopt.runtime.executor.linear.triton_lowprec import TritonFloatWeightLinear
+
+    g = torch.Generator().manual_seed(rows + 7)
+    qweight = quantize_rtn(torch.randn(72, 128, generator=g) * 0.1, preset(scheme).weights)
+    x = torch.randn(rows, 128, generator=g).to(dtype)
+    expected = x.float() @ qweight.dequantize().t()
+    y = _linear(TritonFloatWeightLinear, qweight, dtype)(x.to(DEVICE)).float().cpu()
+    tol = 1e-4 if dtype == torch.float32 else 1e-2
+    torch.testing.assert_close(y, expected, rtol=tol, atol=tol * expected.abs().max().item())

@@ -1,8 +1,10 @@
 """W8A8 int8 on CPU: per-channel symmetric int8 weights, inputs quantized per token at run time (symmetric int8,
 core.contract.activations' formula) and multiplied in integers, the int32 sums scaled back by the token's and the
 channel's scales: up to GEMV_MAX_ROWS rows (decode) by the compiled int8 GEMV (kernels/csrc/int8_cpu.cpp: the
-weight read once for every row, VNNI dot products where the CPU has them), more rows by `torch._int_mm` (oneDNN's
-s8s8s32 GEMM: VNNI or AMX-INT8 where present) between the compiled quantization and epilogue.
+weight read once for every row, VNNI dot products where the CPU has them), more rows by an integer GEMM between the
+compiled quantization and epilogue: on CPUs with AMX-INT8 oneDNN's on a weight prepacked once at load
+(`onednn.qlinear_pointwise`, its output float(sum) * channel scale, then the token's scale), elsewhere
+`torch._int_mm` (oneDNN's s8s8s32 GEMM packing the weight per call).
 
 y[m, n] = (sum_k xq[m, k] * wq[n, k]) * sx[m] * sw[n]   (+ bias)"""
 
@@ -10,9 +12,20 @@ from __future__ import annotations
 
 import torch
 
+from functools import lru_cache
+
 from llmopt.core.contract import INT8_TOKEN_ACTIVATIONS, quantize_activations
+from llmopt.core.hardware import usable_features
 from llmopt.runtime.executor.kernels.cpu_ops import GEMV_MAX_ROWS, cpu_ops
 from llmopt.runtime.executor.linear.base import LinearMethod, new_stacked, register_linear_method
+
+
+@lru_cache(maxsize=None)
+def onednn_int8_gemm() -> bool:
+    """Whether more than GEMV_MAX_ROWS rows go to oneDNN's prepacked int8 GEMM: where the CPU has AMX-INT8 tiles
+    (measured ~1.4x `torch._int_mm` at 1,024 rows on SmolLM2's shapes, docs/results/lowprec.md) and torch has
+    the op."""
+    return "amx_int8" in usable_features() and hasattr(torch.ops.onednn, "qlinear_pointwise")
 
 
 @register_linear_method
@@ -27,6 +40,13 @@ class Int8W8A8Linear(LinearMethod):
         self.register_buffer("weight_sum", codes.sum(dim=1, dtype=torch.int32).to(device))  # [N]: the GEMV's
         self.register_buffer("weight_scale", qweight.scales.reshape(-1).float().to(device))  # [N]
         self.input_scheme = qweight.input_activations
+        self._prepack()
+
+    def _prepack(self) -> None:
+        """The weight in oneDNN's blocked layout for its AMX-INT8 GEMM (None where it is not used)."""
+        use = self.weight.device.type == "cpu" and onednn_int8_gemm()
+        self.packed = torch.ops.onednn.qlinear_prepack(self.weight, None) if use else None
+        self.zero_points = torch.zeros(self.out_features, dtype=torch.long) if use else None
 
     @classmethod
     def accepts(cls, qweight, scheme, device):
@@ -49,12 +69,19 @@ class Int8W8A8Linear(LinearMethod):
         fused.register_buffer("weight_sum", torch.cat([p.weight_sum for p in parts]))
         fused.register_buffer("weight_scale", torch.cat([p.weight_scale for p in parts]))
         fused.input_scheme = parts[0].input_scheme
+        fused._prepack()
         return fused
 
     def _matmul(self, x2d):
         ops = cpu_ops()
         if ops is not None and x2d.shape[0] <= GEMV_MAX_ROWS:  # decode: one pass over the weight
             return ops.int8_gemv_rows(x2d, self.weight, self.weight_scale, self.weight_sum, self.dtype)
+        if ops is not None and self.packed is not None:  # AMX-INT8 on the prepacked weight, the same numbers
+            codes, scale = ops.quantize_rows_int8(x2d)  # [M, K] int8, [M] float32
+            y = torch.ops.onednn.qlinear_pointwise(codes, 1.0, 0, self.packed, self.weight_scale, self.zero_points,
+                                                   None, 1.0, 0, torch.float32, "none", [], "")  # [M, N] sum * sw
+            y = y.mul_(scale.unsqueeze(1))
+            return y if y.dtype == self.dtype else y.to(self.dtype)
         if ops is not None:  # the compiled halves (kernels/csrc/int8_cpu.cpp): one pass each, same numbers
             codes, scale = ops.quantize_rows_int8(x2d)  # [M, K] int8, [M] float32
             return ops.scale_int32_rows(torch._int_mm(codes, self.weight.t()), scale, self.weight_scale, self.dtype)

@@ -1,0 +1,78 @@
+"""CUDA: low-precision checkpoints on the Triton kernels of kernels/triton_lowprec.py.
+- `w8a8-triton`: W8A8 int8 or FP8 — each token's inputs quantized (core.contract.activations' formulas, per token),
+  the 8-bit product on the tensor cores (int32 or fp32 sums), scaled back by the token's and the channel's scales;
+- `float-weight-triton`: FP8 / NVFP4 / MXFP4 weights with inputs in the compute dtype, decoded in registers (the
+  weight stays 1 or 0.5625 bytes per value in memory)."""
+
+from __future__ import annotations
+
+import torch
+
+from llmopt.core.contract import FP8_TOKEN_ACTIVATIONS, INT8_TOKEN_ACTIVATIONS, quantize_activations
+from llmopt.core.contract.activations import quantize_activations_fp8
+from llmopt.core.contract.fp4 import block_scale_table, pack_fp4, scale_bytes
+from llmopt.runtime.executor.linear.base import LinearMethod, register_linear_method
+
+
+def _triton_on(device: torch.device) -> bool:
+    from llmopt.runtime.executor.kernels.attention import triton_available
+
+    return device.type == "cuda" and triton_available()
+
+
+@register_linear_method
+class TritonW8A8Linear(LinearMethod):
+    name, priority = "w8a8-triton", 20
+
+    def __init__(self, qweight, dtype, device):
+        super().__init__(qweight, dtype, device)
+        self.input_scheme = qweight.input_activations
+        if qweight.scheme.type == "float":
+            weight = qweight.q.view(torch.float8_e4m3fn)  # [N, K] E4M3
+        else:
+            weight = (qweight.q.to(torch.int16) - 2 ** (qweight.scheme.bits - 1)).to(torch.int8)  # [N, K] signed
+        self.register_buffer("weight", weight.contiguous().to(device))
+        self.register_buffer("weight_scale", qweight.scales.reshape(-1).float().to(device))  # [N]
+
+    @classmethod
+    def accepts(cls, qweight, scheme, device):
+        w, acts = qweight.scheme, scheme.input_activations
+        int8 = acts == INT8_TOKEN_ACTIVATIONS and w.type == "int" and w.bits == 8 and w.sym
+        fp8 = acts == FP8_TOKEN_ACTIVATIONS and w.type == "float" and w.bits == 8
+        return ((int8 or fp8) and w.strategy == "channel" and qweight.has_trivial_g_idx and _triton_on(device))
+
+    def _matmul(self, x2d):
+        from llmopt.runtime.executor.kernels.triton_lowprec import scaled_matmul
+
+        quantize = quantize_activations_fp8 if self.weight.dtype == torch.float8_e4m3fn else quantize_activations
+        codes, scale = quantize(x2d, self.input_scheme)  # [M, 1, K], [M, 1, 1]
+        return scaled_matmul(codes.reshape(x2d.shape), self.weight, scale.reshape(-1), self.weight_scale, self.dtype)
+
+
+@register_linear_method
+class TritonFloatWeightLinear(LinearMethod):
+    name, priority = "float-weight-triton", 10
+
+    def __init__(self, qweight, dtype, device):
+        super().__init__(qweight, dtype, device)
+        scheme = qweight.scheme
+        self.group = scheme.group_width(self.in_features)
+        if scheme.scale_format is not None:  # FP4: codes two a byte, scale bytes through their table
+            self.register_buffer("weight", pack_fp4(qweight.q).to(device))
+            self.register_buffer("scales", scale_bytes(qweight.scales, scheme.scale_format).contiguous().to(device))
+            self.register_buffer("scale_table", block_scale_table(scheme.scale_format, qweight.global_scale).to(device))
+        else:
+            self.register_buffer("weight", qweight.q.view(torch.float8_e4m3fn).contiguous().to(device))
+            self.register_buffer("scales", qweight.scales.float().contiguous().to(device))
+            self.scale_table = None
+
+    @classmethod
+    def accepts(cls, qweight, scheme, device):
+        w = qweight.scheme
+        return (scheme.input_activations is None and w.type == "float" and qweight.has_trivial_g_idx
+                and qweight.shape[1] % 16 == 0 and _triton_on(device))
+
+    def _matmul(self, x2d):
+        from llmopt.runtime.executor.kernels.triton_lowprec import float_weight_matmul
+
+        return float_weight_matmul(x2d, self.weight, self.scales, self.group, self.scale_table)
