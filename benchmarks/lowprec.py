@@ -38,6 +38,10 @@ ROWS = {  # name -> quantize options (None: the dense model)
     "MXFP4 RTN": ["--scheme", "mxfp4", "--method", "rtn"],
     "NVFP4 GPTQ": ["--scheme", "nvfp4", *GPTQ],
     "MXFP4 GPTQ": ["--scheme", "mxfp4", *GPTQ],
+    "NVFP4 RTN mse": ["--scheme", "nvfp4", "--method", "rtn", "--mse"],
+    "MXFP4 RTN mse": ["--scheme", "mxfp4", "--method", "rtn", "--mse"],
+    "NVFP4 GPTQ mse": ["--scheme", "nvfp4", *GPTQ, "--mse"],
+    "W8A8 FP8 SmoothQuant search + GPTQ": ["--scheme", "w8a8-fp8", *GPTQ, "--smoothquant-alpha", "search"],
 }
 SPEED_DTYPES = ("float32", "bfloat16")
 SPEED_ROWS = ("fp32", "W8A8 RTN", "NVFP4 RTN")

@@ -14,7 +14,8 @@ from torch import nn
 
 from llmopt.core.adapters import ArchAdapter, adapter_for, decoder_layers, get_module
 from llmopt.core.contract import QuantizedWeight
-from llmopt.core.errors import UnsupportedArchitectureError
+from llmopt.core.contract.fp4 import nvfp4_global_scale
+from llmopt.core.errors import LLMOptError, UnsupportedArchitectureError
 from llmopt.core.registry import Registry
 
 
@@ -62,12 +63,32 @@ class Quantizer(Modifier):
     def __init__(self, config, model: nn.Module):
         super().__init__(config, model)
         self.results: dict[str, QuantizedWeight] = {}
+        self.input_amax: dict[str, torch.Tensor] = {}  # full linear name -> its inputs' largest magnitude
         # Masks of weights that must stay exactly zero, by full linear name: set by a pruner that ran before
         # this quantizer in the same pass (ModifierList).
         self.prior_masks: dict[str, torch.Tensor] = {}
 
+    @property
+    def calibrates_input_scale(self) -> bool:
+        acts = getattr(self.config, "input_activations", None)
+        return acts is not None and acts.scale_format == "e4m3"
+
+    def observe_inputs(self, layer_index: int, name: str, inputs: torch.Tensor) -> None:
+        """NVFP4 inputs (nvfp4-a4): the running max |x| over the calibration data, from which the checkpoint's
+        static input global scale is made (llm-compressor's static_minmax observer)."""
+        if not self.calibrates_input_scale:
+            return
+        key = self.full_name(layer_index, name)
+        amax = inputs.detach().abs().amax().float().cpu()
+        self.input_amax[key] = amax if key not in self.input_amax else torch.maximum(self.input_amax[key], amax)
+
     def store(self, layer_index: int, name: str, module: nn.Linear, qweight: QuantizedWeight) -> None:
-        self.results[self.full_name(layer_index, name)] = qweight
+        key = self.full_name(layer_index, name)
+        if self.calibrates_input_scale:
+            if key not in self.input_amax:
+                raise LLMOptError(f"{key} saw no calibration inputs: NVFP4 inputs need them for their global scale")
+            qweight.input_global_scale = nvfp4_global_scale(self.input_amax[key])
+        self.results[key] = qweight
         # In place: a model loaded from safetensors is backed by the file's memory map; writing into it keeps
         # one copy of each weight resident, where a new tensor would leave the mapped pages resident beside it
         # (peak RSS +540 MB on SmolLM2).

@@ -115,7 +115,7 @@ class QuantizeConfig(BaseModel):
             if data.get(key) is not None and data[key] != value:
                 raise ValueError(f"{key} {data[key]} contradicts scheme {name} ({key} {value}): drop one")
         if weights.type == "float" and data.get("mse") is None:
-            implied["mse"] = False  # float grids fix their ranges (GPTQ's default mse search is for int grids)
+            implied["mse"] = False  # float grids take their ranges from amax unless --mse asks for the search
         return {**data, **implied}
 
     @model_validator(mode="after")
@@ -124,8 +124,6 @@ class QuantizeConfig(BaseModel):
             if self.method not in ("rtn", "gptq"):
                 raise ValueError(f"scheme {self.scheme} (float weights) needs method rtn or gptq: AWQ searches integer "
                                  f"grids")
-            if self.mse:
-                raise ValueError(f"scheme {self.scheme}: mse ranges are for integer grids; drop mse")
         return self
 
     @model_validator(mode="after")
@@ -162,7 +160,9 @@ class RTNConfig(QuantizeConfig):
 
     @property
     def needs_calibration(self) -> bool:
-        return False
+        """Only for a checkpoint that stores statistics of its inputs (NVFP4 inputs' global scale)."""
+        acts = self.input_activations
+        return acts is not None and acts.scale_format == "e4m3"
 
 
 class GPTQConfig(QuantizeConfig):

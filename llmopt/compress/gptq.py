@@ -62,7 +62,7 @@ def gptq_quantize_weight(
 
     static = None
     float_grid = scheme.type == "float"  # FP8 / FP4: scales fixed from the weight, values rounded on the grid
-    stored_scales, global_scale = float_block_scales(w, scheme) if float_grid else (None, None)
+    stored_scales, global_scale = float_block_scales(w, scheme, mse) if float_grid else (None, None)
     if float_grid:
         effective = stored_scales if global_scale is None else stored_scales / global_scale
         static = (effective, torch.zeros_like(effective))

@@ -57,6 +57,11 @@ class ModifierList:
         # The finest split wins: a single-stage method gets the same linears over several passes.
         return max((m.stages(adapter) for m in self.modifiers), key=len)
 
+    def observe_inputs(self, layer_index, name, inputs) -> None:
+        for m in self.modifiers:
+            if hasattr(m, "observe_inputs"):
+                m.observe_inputs(layer_index, name, inputs)
+
     def add_batch(self, layer_index, name, module, inputs, reference=None) -> None:
         if self.hessian_modifiers:
             self.hessians.add(name, module.in_features, inputs, reference)

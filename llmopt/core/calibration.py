@@ -44,6 +44,8 @@ class LayerwiseAlgorithm(Protocol):
 
     # Optional: `uses_reference_inputs = True` makes add_batch receive `reference=`, the same linear's input
     # [..., in_features] for the same tokens in the uncompressed model.
+    # Optional: `observe_inputs(layer_index, name, inputs)`, called before add_batch with the same inputs, for
+    # statistics a checkpoint stores about them (the calibrated global scale of NVFP4 inputs).
     # Optional: `changes_only_stage_linears = True` promises that process() changes nothing but the weights of
     # the stage's linears, which lets later passes replay the attention from cached inputs (_ReplayedAttention).
 
@@ -260,6 +262,7 @@ def _run_stage(quantized: _Stream, original: _Stream | None, index, names, algor
     # Linears of this stage fed the same tensor get it when the first of them is reached: running that one
     # and the next just to reach their hooks would waste a matmul each (q and k for q/k/v, gate for gate/up).
     siblings = {name: [n for n in adapter.fed_same_input.get(name, (name,)) if n in names] for name in names}
+    observe = getattr(algorithm, "observe_inputs", None)
 
     def make_hook(stream, name, collect):
         modules = {n: get_module(stream.layer, n) for n in siblings[name]}
@@ -268,6 +271,8 @@ def _run_stage(quantized: _Stream, original: _Stream | None, index, names, algor
             for sibling in siblings[name]:
                 if sibling not in pending:
                     continue
+                if not collect and observe is not None:
+                    observe(index, sibling, args[0])
                 if collect:
                     reference_inputs[sibling] = args[0]
                 elif original is None:

@@ -36,8 +36,8 @@ class Format:
         """Raise ArtifactError if this format cannot record what `record` asks for beyond the weights (quantized
         input activations: only compressed-tensors states them)."""
         if record.input_activations is not None:
-            raise ArtifactError(f"format {self.name} cannot record quantized input activations (W8A8): use "
-                                f"--format compressed-tensors")
+            raise ArtifactError(f"format {self.name} cannot record quantized input activations (W8A8, FP8 or NVFP4 "
+                                f"inputs): use --format compressed-tensors")
 
     def quantization_config(self, record: QuantRecord) -> dict:
         """The config.json `quantization_config` entry for weights quantized as `record` says."""
@@ -174,7 +174,8 @@ class CompressedTensorsFormat(Format):
     - float-quantized (FP8): weight [N, K] float8_e4m3fn, weight_scale [N, G]; input_activations as above (FP8
       per token for W8A8-FP8, none for W8A16-FP8);
     - nvfp4-pack-quantized (NVFP4): weight_packed [N, K/2] uint8 of E2M1 codes (core.contract.fp4), weight_scale
-      [N, K/16] float8_e4m3fn, weight_global_scale [1] float32 (w = v * scale / global);
+      [N, K/16] float8_e4m3fn, weight_global_scale [1] float32 (w = v * scale / global); with NVFP4 inputs
+      (nvfp4-a4) also input_global_scale [1] float32, calibrated;
     - mxfp4-pack-quantized (MXFP4): weight_packed as NVFP4's, weight_scale [N, K/32] uint8 E8M0 exponents."""
 
     name, marker = "compressed-tensors", "weight_packed"
@@ -188,10 +189,12 @@ class CompressedTensorsFormat(Format):
 
     def check_record(self, record):
         acts, weights = record.input_activations, record.scheme
-        if acts is not None and (weights.bits != 8 or acts.bits != 8 or acts.type != weights.type):
-            raise ArtifactError(f"compressed-tensors holds quantized inputs with 8-bit weights of the same type, "
-                                f"not {weights.bits}-bit {weights.type} weights with {acts.bits}-bit {acts.type} "
-                                f"inputs")
+        same_8bit = acts is not None and weights.bits == acts.bits == 8 and acts.type == weights.type
+        nvfp4 = acts is not None and weights.scale_format == acts.scale_format == "e4m3"
+        if acts is not None and not (same_8bit or nvfp4):
+            raise ArtifactError(f"compressed-tensors holds quantized inputs with 8-bit weights of the same type or "
+                                f"NVFP4 with NVFP4, not {weights.bits}-bit {weights.type} weights with "
+                                f"{acts.bits}-bit {acts.type} inputs")
 
     @staticmethod
     def format_of(weights: QuantScheme, acts: QuantScheme | None) -> str:
@@ -250,6 +253,8 @@ class CompressedTensorsFormat(Format):
         if scale_format == "e4m3":
             out["weight_scale"] = out["weight_scale"].view(torch.float8_e4m3fn)
             out["weight_global_scale"] = qweight.global_scale.float().reshape(1).clone()  # (shared by q/k/v)
+        if qweight.input_global_scale is not None:  # NVFP4 inputs' calibrated global scale
+            out["input_global_scale"] = qweight.input_global_scale.float().reshape(1).clone()
         return {**out, **self._g_idx_and_bias(qweight)}
 
     def _unpack_fp4(self, tensors, scheme):
@@ -261,9 +266,11 @@ class CompressedTensorsFormat(Format):
             scales, global_scale = stored.float(), tensors["weight_global_scale"].float().reshape(1)
         else:
             scales, global_scale = e8m0_decode(stored.view(torch.uint8)), None
+        input_global_scale = tensors.get("input_global_scale")
         return QuantizedWeight(q, scales.reshape(q.shape[0], -1).contiguous(), torch.zeros(
             scales.shape, dtype=torch.int32).reshape(q.shape[0], -1), default_g_idx(q.shape[1], scheme), scheme,
-            _bias(tensors), global_scale=global_scale)
+            _bias(tensors), global_scale=global_scale,
+            input_global_scale=None if input_global_scale is None else input_global_scale.float().reshape(1))
 
     def _unpack_float(self, tensors, scheme):
         weight = tensors["weight"]

@@ -80,6 +80,21 @@ def test_presets_checks_and_methods():
         NVFP4.check(72)
 
 
+@pytest.mark.parametrize("name", ["nvfp4", "mxfp4", "w8a16-fp8"])
+def test_mse_ranges_lower_the_weight_error_and_stay_storable(name):
+    scheme = PRESETS[name].weights
+    torch.manual_seed(0)
+    w = torch.randn(64, 256) * torch.logspace(-2, 0, 256)
+    w[:, ::37] *= 8  # outliers that a shrunk range trades off
+    minmax, mse = quantize_rtn(w, scheme), quantize_rtn(w, scheme, mse=True)
+    errors = [((q.dequantize() - w).abs() ** 2.4).sum() for q in (minmax, mse)]
+    assert errors[1] < errors[0] and not torch.equal(mse.scales, minmax.scales)
+    if scheme.scale_format == "e4m3":
+        assert torch.equal(mse.scales.to(torch.float8_e4m3fn).float(), mse.scales)
+    elif scheme.scale_format == "e8m0":
+        assert torch.equal(e8m0_decode(e8m0_encode(mse.scales)), mse.scales)
+
+
 def test_gptq_on_the_fp4_grid_beats_rtn_on_the_layer_output():
     from llmopt.compress.gptq import gptq_quantize_weight
 
@@ -147,7 +162,27 @@ def test_fp4_linear_matches_the_dequantized_reference(monkeypatch, isa, scheme, 
                                    rtol=1e-2, atol=1e-2)
 
 
-@pytest.mark.parametrize("scheme,method", [("nvfp4", "rtn"), ("mxfp4", "gptq")])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_nvfp4_inputs_are_compressed_tensors_fake_quantization(dtype):
+    from compressed_tensors.quantization import preset_name_to_scheme
+    from compressed_tensors.quantization.lifecycle.forward import fake_quantize
+    from compressed_tensors.quantization.utils.helpers import compute_dynamic_scales_and_zp
+
+    from llmopt.core.contract import fake_quantize_activations
+
+    args = preset_name_to_scheme("NVFP4", ["Linear"]).input_activations
+    assert PRESETS["nvfp4-a4"].input_activations.to_args()["dynamic"] == "local"
+    torch.manual_seed(0)
+    x = (torch.randn(3, 7, 256) * torch.logspace(-1, 1, 256)).to(dtype)
+    g = fp4_global_scale(x.float() * 1.2)
+    scale, zero = compute_dynamic_scales_and_zp(x, args, None, global_scale=g)
+    expected = fake_quantize(x, scale, zero, args, global_scale=g)
+    assert torch.equal(fake_quantize_activations(x, PRESETS["nvfp4-a4"].input_activations, g), expected)
+    with pytest.raises(ConfigError, match="calibrated global scale"):
+        fake_quantize_activations(x, PRESETS["nvfp4-a4"].input_activations)
+
+
+@pytest.mark.parametrize("scheme,method", [("nvfp4", "rtn"), ("mxfp4", "gptq"), ("nvfp4-a4", "rtn")])
 def test_artifacts_load_in_transformers_and_run_in_the_runtime(tiny_llama_dir, tmp_path, scheme, method):
     from transformers import AutoModelForCausalLM
 
@@ -158,10 +193,17 @@ def test_artifacts_load_in_transformers_and_run_in_the_runtime(tiny_llama_dir, t
                                       "--num-samples", "4", "--seqlen", "32", "-o", str(out)])
     assert result.exit_code == 0, result.output
     qcfg = json.loads((out / "config.json").read_text())["quantization_config"]
-    assert qcfg["format"] == f"{scheme}-pack-quantized"
+    assert qcfg["format"] == f"{scheme.split('-')[0]}-pack-quantized"
+    if scheme == "nvfp4-a4":  # the inputs' global scale, calibrated per linear and stored beside the weight
+        from safetensors import safe_open
+
+        with safe_open(str(out / "model.safetensors"), "pt") as f:
+            scales = [f.get_tensor(k) for k in f.keys() if k.endswith(".input_global_scale")]
+        assert len(scales) == 14 and all(float(s) > 0 for s in scales)
     for target in ("gptq", "awq"):  # formats of integer codes say why they cannot hold it
         refused = CliRunner().invoke(app, ["export", str(out), "--format", target, "-o", str(tmp_path / target)])
-        assert refused.exit_code == 1 and "float weights" in refused.output and not (tmp_path / target).exists()
+        why = "input activations" if scheme == "nvfp4-a4" else "float weights"
+        assert refused.exit_code == 1 and why in refused.output and not (tmp_path / target).exists()
     refused = CliRunner().invoke(app, ["distill", "--teacher", str(tiny_llama_dir), "--student", str(out),
                                        "--max-steps", "1", "-o", str(tmp_path / "distilled")])
     assert refused.exit_code == 1 and "distill the unquantized model" in refused.output, refused.output

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import torch
 
+from llmopt.core.contract.fp4 import fake_quantize_nvfp4
 from llmopt.core.contract.scheme import QuantScheme
 from llmopt.core.errors import ConfigError
 
@@ -46,8 +47,14 @@ def quantize_activations_fp8(x: torch.Tensor, scheme: QuantScheme) -> tuple[torc
     return values, scale
 
 
-def fake_quantize_activations(x: torch.Tensor, scheme: QuantScheme) -> torch.Tensor:
-    """x [..., K] quantized and dequantized in place of the real low-precision product, in x's dtype."""
+def fake_quantize_activations(x: torch.Tensor, scheme: QuantScheme,
+                              global_scale: torch.Tensor | None = None) -> torch.Tensor:
+    """x [..., K] quantized and dequantized in place of the real low-precision product, in x's dtype
+    (global_scale: the calibrated one of NVFP4 inputs)."""
+    if scheme.scale_format == "e4m3":
+        if global_scale is None:
+            raise ConfigError("NVFP4 inputs need their calibrated global scale (input_global_scale)")
+        return fake_quantize_nvfp4(x, global_scale, scheme.group_size).to(x.dtype)
     quantize = quantize_activations_fp8 if scheme.type == "float" else quantize_activations
     codes, scale = quantize(x, scheme)
     return (codes.float() * scale).reshape(x.shape).to(x.dtype)
@@ -67,7 +74,8 @@ class InputQuantizedLinear(torch.nn.Linear):
         if qweight.bias is not None:
             module.bias = torch.nn.Parameter(qweight.bias.to(dtype).to(device), requires_grad=False)
         module.input_scheme = qweight.input_activations
+        module.input_global_scale = qweight.input_global_scale
         return module
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return super().forward(fake_quantize_activations(x, self.input_scheme))
+        return super().forward(fake_quantize_activations(x, self.input_scheme, self.input_global_scale))

@@ -51,6 +51,31 @@ def unpack_fp4(packed: torch.Tensor) -> torch.Tensor:
     return torch.stack([packed & 15, packed >> 4], dim=-1).reshape(packed.shape[0], -1)
 
 
+def nvfp4_scales(amax: torch.Tensor, global_scale: torch.Tensor) -> torch.Tensor:
+    """NVFP4's stored block scales (float32, E4M3-representable) for blocks whose range is +-amax: amax / 6 (in
+    amax's dtype) x global, rounded to E4M3 (saturating at 448); an all-zero block gets 0.125 (compressed-tensors'
+    formula)."""
+    scales = (global_scale * (amax / 6.0)).clamp(-448.0, 448.0).to(torch.float8_e4m3fn).float()
+    return torch.where(scales == 0, torch.full_like(scales, FP8_SCALE_EPS), scales)
+
+
+def nvfp4_global_scale(amax: torch.Tensor) -> torch.Tensor:
+    """NVFP4's per-tensor scale [1] float32 for a tensor whose largest magnitude is amax: 448 x 6 / amax, so the
+    largest block's scale lands on E4M3's largest value (compressed-tensors' generate_gparam)."""
+    amax = amax.float().clamp(min=torch.finfo(torch.float32).tiny)
+    return torch.nan_to_num(448.0 * 6.0 / amax, nan=1.0, posinf=1.0, neginf=1.0).reshape(1)
+
+
+def fake_quantize_nvfp4(x: torch.Tensor, global_scale: torch.Tensor, block: int = 16) -> torch.Tensor:
+    """x [..., K] through NVFP4 and back (float32): blocks of `block` along the last dimension, scales from
+    each block's amax (dynamic) under a given global scale (NVFP4 inputs; compressed-tensors' fake quantization,
+    which takes amax / 6 in x's own dtype: a bf16 input's scales round through bf16 first)."""
+    spans = x.reshape(*x.shape[:-1], x.shape[-1] // block, block)
+    effective = nvfp4_scales(spans.abs().amax(dim=-1, keepdim=True), global_scale) / global_scale
+    codes = e2m1_codes((spans.float() / effective).clamp_(-6.0, 6.0))
+    return (e2m1_values(codes) * effective).reshape(x.shape)
+
+
 def e8m0_encode(scale: torch.Tensor) -> torch.Tensor:
     """Powers of two -> their biased exponents, uint8."""
     return (torch.floor(torch.log2(scale.float())) + E8M0_BIAS).clamp(0, 255).to(torch.uint8)

@@ -101,6 +101,9 @@ class QuantScheme:
         args = {"num_bits": self.bits, "type": self.type, "symmetric": self.sym, "strategy": self.strategy,
                 "group_size": self.group_size if self.strategy in ("group", "tensor_group") else None,
                 "dynamic": self.dynamic, "observer": None if self.dynamic else self.observer}
+        if self.dynamic and self.strategy == "tensor_group":
+            # NVFP4 inputs: block scales computed at run time ("local"), the global scale calibrated (static)
+            args.update(dynamic="local", observer="static_minmax")
         if self.scale_format is not None:  # the block scales' storage dtype, as llm-compressor's presets state it
             args["scale_dtype"] = "torch.float8_e4m3fn" if self.scale_format == "e4m3" else "torch.uint8"
         return args
@@ -112,7 +115,7 @@ class QuantScheme:
         group = args.get("group_size") if strategy in ("group", "tensor_group") else -1
         observer = args.get("observer") if args.get("observer") in OBSERVERS else "minmax"
         return cls(args.get("num_bits", 8), group or -1, args.get("symmetric", True), args.get("type", "int"),
-                   strategy, bool(args.get("dynamic", False)), observer)
+                   strategy, args.get("dynamic") in (True, "local"), observer)
 
 
 # Dynamic 8-bit activations, one symmetric scale per group of 64 input columns (the int4 kernels' block): the
@@ -127,6 +130,9 @@ FP8_TOKEN_ACTIVATIONS = QuantScheme(8, -1, True, type="float", strategy="token",
 # FP4 (E2M1) weights in blocks: NVFP4 (16, E4M3 scales, a global FP32 scale) and MXFP4 (32, E8M0 scales)
 NVFP4_WEIGHTS = QuantScheme(4, 16, True, type="float", strategy="tensor_group")
 MXFP4_WEIGHTS = QuantScheme(4, 32, True, type="float", strategy="group")
+# NVFP4 inputs: E2M1 in blocks of 16 along each token's columns, E4M3 block scales computed at run time under a
+# global scale calibrated per linear (compressed-tensors' dynamic "local", llm-compressor's NVFP4 preset)
+NVFP4_ACTIVATIONS = QuantScheme(4, 16, True, type="float", strategy="tensor_group", dynamic=True)
 
 
 @dataclass(frozen=True)
@@ -148,9 +154,10 @@ PRESETS: dict[str, LinearScheme] = {
     "w8a8-fp8": LinearScheme(FP8_CHANNEL_WEIGHTS, FP8_TOKEN_ACTIVATIONS),
     "nvfp4": LinearScheme(NVFP4_WEIGHTS),  # weights only (llm-compressor's NVFP4A16)
     "mxfp4": LinearScheme(MXFP4_WEIGHTS),  # weights only (MXFP4A16)
+    "nvfp4-a4": LinearScheme(NVFP4_WEIGHTS, NVFP4_ACTIVATIONS),  # and FP4 inputs (llm-compressor's NVFP4)
 }
 # the presets `llmopt quantize --scheme` takes (w4a8 is a runtime choice: --int4-activations int8)
-QUANTIZE_PRESETS = ("w4a16", "w8a16", "w8a8-int8", "w8a16-fp8", "w8a8-fp8", "nvfp4", "mxfp4")
+QUANTIZE_PRESETS = ("w4a16", "w8a16", "w8a8-int8", "w8a16-fp8", "w8a8-fp8", "nvfp4", "mxfp4", "nvfp4-a4")
 
 
 def preset(name: str) -> LinearScheme:

@@ -28,6 +28,7 @@ class QuantizedWeight:
     g_idx:  [K] int32, group of each input column (k // group_size unless act-order permuted groups)
     input_activations: the scheme its inputs are quantized with at run time (W8A8), None for weight-only
     global_scale: [1] float32, NVFP4's per-tensor divisor of every block scale (w = v * s / global), else None
+    input_global_scale: [1] float32, the calibrated global scale of NVFP4 inputs (nvfp4-a4), else None
     """
 
     q: torch.Tensor
@@ -38,6 +39,7 @@ class QuantizedWeight:
     bias: torch.Tensor | None = None
     input_activations: QuantScheme | None = None
     global_scale: torch.Tensor | None = None
+    input_global_scale: torch.Tensor | None = None
 
     @property
     def shape(self) -> tuple[int, int]:
@@ -58,7 +60,7 @@ class QuantizedWeight:
             rows = slice(rank * n // world, (rank + 1) * n // world)
             bias = None if self.bias is None else self.bias[rows]
             return QuantizedWeight(self.q[rows], self.scales[rows], self.zeros[rows], self.g_idx, self.scheme, bias,
-                                   self.input_activations, self.global_scale)
+                                   self.input_activations, self.global_scale, self.input_global_scale)
         if dim != "in":
             raise ValueError(f"dim must be 'in' or 'out', not {dim!r}")
         groups = self.scales.shape[1]
@@ -71,7 +73,7 @@ class QuantizedWeight:
         g_idx = self.g_idx[cols] - rank * per
         bias = self.bias if rank == 0 else None
         return QuantizedWeight(self.q[:, cols], self.scales[:, group_cols], self.zeros[:, group_cols], g_idx,
-                               self.scheme, bias, self.input_activations, self.global_scale)
+                               self.scheme, bias, self.input_activations, self.global_scale, self.input_global_scale)
 
     @property
     def effective_scales(self) -> torch.Tensor:

@@ -9,6 +9,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from llmopt.core.contract.activations import fake_quantize_activations
 from llmopt.core.contract.fp4 import block_scale_table, e2m1_table, pack_fp4, scale_bytes, unpack_fp4
 from llmopt.runtime.executor.kernels.cpu_ops import cpu_ops
 from llmopt.runtime.executor.linear.base import LinearMethod, new_stacked, register_linear_method
@@ -27,11 +28,14 @@ class Fp4WeightLinear(LinearMethod):
         self.register_buffer("nibbles", pack_fp4(qweight.q))  # [N, K/2]
         self.register_buffer("scale_bytes", scale_bytes(qweight.scales, scheme.scale_format).contiguous())  # [N, G]
         self.register_buffer("scale_table", block_scale_table(scheme.scale_format, qweight.global_scale))  # [256]
+        # NVFP4 inputs (nvfp4-a4): fake-quantized with their calibrated global scale (no FP4 arithmetic on CPUs)
+        self.input_scheme, self.input_global_scale = qweight.input_activations, qweight.input_global_scale
 
     @classmethod
     def accepts(cls, qweight, scheme, device):
-        w = qweight.scheme
-        return (device.type == "cpu" and scheme.input_activations is None and w.scale_format is not None
+        w, acts = qweight.scheme, scheme.input_activations
+        nvfp4_inputs = acts is not None and acts.scale_format == "e4m3" and qweight.input_global_scale is not None
+        return (device.type == "cpu" and (acts is None or nvfp4_inputs) and w.scale_format is not None
                 and qweight.has_trivial_g_idx)
 
     @staticmethod
@@ -40,7 +44,9 @@ class Fp4WeightLinear(LinearMethod):
         they share a global scale (as llmopt and llm-compressor write them)."""
         first = parts[0]
         return all(type(p) is Fp4WeightLinear and p.in_features == first.in_features and p.dtype == first.dtype
-                   and p.group == first.group and torch.equal(p.scale_table, first.scale_table) for p in parts)
+                   and p.group == first.group and torch.equal(p.scale_table, first.scale_table)
+                   and p.input_scheme == first.input_scheme and _same(p.input_global_scale, first.input_global_scale)
+                   for p in parts)
 
     @classmethod
     def stack(cls, parts: list[Fp4WeightLinear]) -> Fp4WeightLinear:
@@ -49,6 +55,7 @@ class Fp4WeightLinear(LinearMethod):
         fused.register_buffer("nibbles", torch.cat([p.nibbles for p in parts]))
         fused.register_buffer("scale_bytes", torch.cat([p.scale_bytes for p in parts]))
         fused.register_buffer("scale_table", parts[0].scale_table)
+        fused.input_scheme, fused.input_global_scale = parts[0].input_scheme, parts[0].input_global_scale
         return fused
 
     def dequantize(self) -> torch.Tensor:
@@ -58,6 +65,8 @@ class Fp4WeightLinear(LinearMethod):
         return (values * scales).to(self.dtype)
 
     def _matmul(self, x2d):
+        if self.input_scheme is not None:
+            x2d = fake_quantize_activations(x2d, self.input_scheme, self.input_global_scale)
         ops = cpu_ops()
         if ops is None:
             return F.linear(x2d, self.dequantize())
@@ -67,3 +76,7 @@ class Fp4WeightLinear(LinearMethod):
         weight = weight.view(self.out_features, self.in_features)
         ops.fp4_dequantize_out(self.nibbles, self.scale_bytes, self.scale_table, self.group, weight)
         return F.linear(x2d, weight)
+
+
+def _same(a: torch.Tensor | None, b: torch.Tensor | None) -> bool:
+    return (a is None and b is None) or (a is not None and b is not None and torch.equal(a, b))
