@@ -41,6 +41,7 @@ ROWS = {  # name -> quantize options (None: the dense model)
     "NVFP4 RTN mse": ["--scheme", "nvfp4", "--method", "rtn", "--mse"],
     "MXFP4 RTN mse": ["--scheme", "mxfp4", "--method", "rtn", "--mse"],
     "NVFP4 GPTQ mse": ["--scheme", "nvfp4", *GPTQ, "--mse"],
+    "NVFP4-A4 GPTQ": ["--scheme", "nvfp4-a4", *GPTQ],
     "W8A8 FP8 SmoothQuant search + GPTQ": ["--scheme", "w8a8-fp8", *GPTQ, "--smoothquant-alpha", "search"],
 }
 SPEED_DTYPES = ("float32", "bfloat16")
@@ -56,7 +57,8 @@ def perplexity(model: str, max_tokens: int) -> float:
 SPEED_SHAPES = {  # label -> bench options: throughput, batch-1 TPOT, and the TTFT of one 1,024-token prompt
     "batch64": ["--num-requests", "64", "--input-len", "128", "--output-len", "128"],
     "batch1": ["--num-requests", "4", "--input-len", "32", "--output-len", "64", "--max-num-seqs", "1"],
-    "prefill1024": ["--num-requests", "3", "--input-len", "1024", "--output-len", "1", "--max-num-seqs", "1"],
+    # one request at a time (the client waits for each): the TTFT is one prompt's prefill, no queueing
+    "prefill1024": ["--num-requests", "3", "--input-len", "1024", "--output-len", "1", "--max-concurrency", "1"],
 }
 
 

@@ -15,7 +15,7 @@ import torch
 
 from llmopt.compress.quant import quantize_rtn
 from llmopt.core.contract import preset
-from llmopt.core.contract.fp4 import block_scale_table, pack_fp4, scale_bytes
+from llmopt.core.contract.fp4 import block_scale_table, pack_nibbles, scale_bytes
 from llmopt.runtime.executor.kernels.triton_lowprec import float_weight_matmul, scaled_matmul
 
 
@@ -51,7 +51,7 @@ def main() -> None:
     fp8 = quantize_rtn(w.cpu(), preset("w8a16-fp8").weights)
     fp8_weight, fp8_scales = fp8.q.view(torch.float8_e4m3fn).to(dev), fp8.scales.to(dev)
     nv = quantize_rtn(w.cpu(), preset("nvfp4").weights)
-    nv_codes, nv_scales = pack_fp4(nv.q).to(dev), scale_bytes(nv.scales, "e4m3").to(dev)
+    nv_codes, nv_scales = pack_nibbles(nv.q).to(dev), scale_bytes(nv.scales, "e4m3").to(dev)
     nv_table = block_scale_table("e4m3", nv.global_scale).to(dev)
     wb = w.to(torch.bfloat16)
     cases = {

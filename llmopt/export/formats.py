@@ -10,7 +10,7 @@ from __future__ import annotations
 import torch
 
 from llmopt.core.contract import QuantizedWeight, QuantRecord, QuantScheme, default_g_idx
-from llmopt.core.contract.fp4 import e8m0_decode, pack_fp4, scale_bytes, unpack_fp4
+from llmopt.core.contract.fp4 import e8m0_decode, pack_nibbles, scale_bytes, unpack_nibbles
 from llmopt.core.errors import ArtifactError
 from llmopt.core.registry import Registry
 from llmopt.export.packing import deinterleave_awq, interleave_awq, pack_int32, unpack_int32
@@ -249,7 +249,7 @@ class CompressedTensorsFormat(Format):
 
     def _pack_fp4(self, qweight):
         scale_format = qweight.scheme.scale_format
-        out = {"weight_packed": pack_fp4(qweight.q), "weight_scale": scale_bytes(qweight.scales, scale_format)}
+        out = {"weight_packed": pack_nibbles(qweight.q), "weight_scale": scale_bytes(qweight.scales, scale_format)}
         if scale_format == "e4m3":
             out["weight_scale"] = out["weight_scale"].view(torch.float8_e4m3fn)
             out["weight_global_scale"] = qweight.global_scale.float().reshape(1).clone()  # (shared by q/k/v)
@@ -261,7 +261,7 @@ class CompressedTensorsFormat(Format):
         packed, stored = tensors["weight_packed"], tensors["weight_scale"]
         if packed.dtype != torch.uint8:
             raise ArtifactError(f"{scheme.fp4_name} weight_packed of dtype {packed.dtype}: expected uint8")
-        q = unpack_fp4(packed)
+        q = unpack_nibbles(packed)
         if scheme.scale_format == "e4m3":
             scales, global_scale = stored.float(), tensors["weight_global_scale"].float().reshape(1)
         else:

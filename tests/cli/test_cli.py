@@ -45,8 +45,11 @@ def test_env_json():
     assert {"torch", "transformers", "llmopt_home", "data_dir", "torch_threads"} <= set(facts)
     # the runtime's plug-ins, and the backend an engine starts with here
     assert {"cpu", "torch", "triton", "latent-torch"} <= set(facts["attention_backends"])
-    assert {"dense", "int4-cpu", "int4-q8-cpu", "int8-cpu"} <= set(facts["linear_methods"])
+    assert {"dense", "int4-cpu", "int4-q8-cpu", "int8-cpu", "w8a8-int8-cpu", "fp4-cpu", "w8a8-triton",
+            "float-weight-triton"} <= set(facts["linear_methods"])
     assert facts["attention_backend_cpu"].endswith("torch (--no-fast-path)")
+    amx = "amx_int8" in facts["usable_features"]  # the W8A8 GEMM the CPU gets
+    assert facts["w8a8_int8_gemm_cpu"].endswith("oneDNN, prepacked (AMX-INT8)" if amx else "torch._int_mm")
 
 
 def test_eval_ppl_json_is_one_object(tiny_llama_dir, tmp_path):

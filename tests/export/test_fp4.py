@@ -13,7 +13,7 @@ from llmopt.cli.main import app
 from llmopt.compress.api import quantize_configs
 from llmopt.compress.quant import fp4_global_scale, quantize_rtn
 from llmopt.core.contract import PRESETS, QuantRecord
-from llmopt.core.contract.fp4 import e2m1_codes, e2m1_values, e8m0_decode, e8m0_encode, pack_fp4, unpack_fp4
+from llmopt.core.contract.fp4 import e2m1_codes, e2m1_values, e8m0_decode, e8m0_encode, pack_nibbles, unpack_nibbles
 from llmopt.core.errors import ConfigError
 from llmopt.core.hardware import supported_kernel_isas
 from tests.export.runtime_check import assert_runtime_matches_reader
@@ -36,9 +36,9 @@ def test_packing_round_trips_and_matches_compressed_tensors():
     from compressed_tensors.compressors.nvfp4.helpers import pack_fp4_to_uint8
 
     codes = torch.randint(0, 16, (6, 32), dtype=torch.uint8)
-    assert torch.equal(unpack_fp4(pack_fp4(codes)), codes)
+    assert torch.equal(unpack_nibbles(pack_nibbles(codes)), codes)
     values = e2m1_values(codes)
-    assert torch.equal(pack_fp4(e2m1_codes(values)), pack_fp4_to_uint8(values))
+    assert torch.equal(pack_nibbles(e2m1_codes(values)), pack_fp4_to_uint8(values))
     exps = torch.arange(0, 255, dtype=torch.uint8)
     assert torch.equal(e8m0_encode(e8m0_decode(exps)), exps)
 

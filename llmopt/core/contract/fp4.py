@@ -40,14 +40,15 @@ def e2m1_values(codes: torch.Tensor, dtype: torch.dtype = torch.float32) -> torc
     return e2m1_table(dtype, codes.device)[codes.long()]
 
 
-def pack_fp4(codes: torch.Tensor) -> torch.Tensor:
-    """codes [N, K] -> [N, K/2] uint8, column 2j in the low nibble of byte j."""
+def pack_nibbles(codes: torch.Tensor) -> torch.Tensor:
+    """4-bit codes [N, K] (K even) -> [N, K/2] uint8, column 2j in the low nibble of byte j (E2M1 codes as
+    compressed-tensors stores them; the runtime's int4 layout for dequantizing whole weights)."""
     codes = codes.to(torch.uint8)
     return (codes[:, 0::2] | (codes[:, 1::2] << 4)).contiguous()
 
 
-def unpack_fp4(packed: torch.Tensor) -> torch.Tensor:
-    """[N, K/2] uint8 -> codes [N, K] uint8."""
+def unpack_nibbles(packed: torch.Tensor) -> torch.Tensor:
+    """The inverse of pack_nibbles: [N, K/2] uint8 -> codes [N, K] uint8."""
     return torch.stack([packed & 15, packed >> 4], dim=-1).reshape(packed.shape[0], -1)
 
 

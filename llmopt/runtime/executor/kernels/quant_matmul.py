@@ -13,6 +13,8 @@ from __future__ import annotations
 
 import torch
 
+from llmopt.core.contract.fp4 import pack_nibbles, unpack_nibbles  # noqa: F401  (the int4 layouts' nibble copy)
+
 INT4_GROUP_SIZES = (32, 64, 128, 256)  # what the aten int4 kernel accepts
 
 
@@ -62,18 +64,6 @@ def int4_matmul(x: torch.Tensor, packed: torch.Tensor, scales_and_offsets: torch
                 kernel_group: int) -> torch.Tensor:
     """x [M, K] (dtype of scales_and_offsets) -> [M, N]."""
     return torch.ops.aten._weight_int4pack_mm_for_cpu(x, packed, kernel_group, scales_and_offsets)
-
-
-def pack_nibbles(q: torch.Tensor) -> torch.Tensor:
-    """Codes [N, K] (< 16, K even) -> [N, K/2] uint8, column 2j in the low nibble and 2j+1 in the high one:
-    a plain layout beside aten's tiled one, for dequantizing the weight whole."""
-    q = q.to(torch.uint8)
-    return (q[:, 0::2] | (q[:, 1::2] << 4)).contiguous()
-
-
-def unpack_nibbles(nibbles: torch.Tensor) -> torch.Tensor:
-    """The inverse of pack_nibbles: [N, K/2] uint8 -> codes [N, K] uint8."""
-    return torch.stack([nibbles & 15, nibbles >> 4], dim=-1).reshape(nibbles.shape[0], -1)
 
 
 def int4_dequantize(nibbles: torch.Tensor, scales_and_offsets: torch.Tensor, kernel_group: int) -> torch.Tensor:

@@ -16,6 +16,7 @@ lowest) accepts everything, so a weight no kernel can hold still runs, dequantiz
 
 from __future__ import annotations
 
+import threading
 from typing import ClassVar
 
 import torch
@@ -117,3 +118,15 @@ def new_stacked(cls: type, first: LinearMethod, out_features: int, parts: list[n
     fused.in_features, fused.out_features, fused.dtype = first.in_features, out_features, first.dtype
     fused.bias = stacked_bias(parts, first.dtype)
     return fused
+
+
+_buffers = threading.local()
+
+
+def dequantize_buffer(numel: int, dtype: torch.dtype) -> torch.Tensor:
+    """A per-thread scratch buffer for one dequantized weight at a time (the GEMM reading it finishes before
+    the next layer dequantizes): no allocation, and no page faults on fresh memory, per call."""
+    buf = getattr(_buffers, "dequantized", None)
+    if buf is None or buf.numel() < numel or buf.dtype != dtype:
+        buf = _buffers.dequantized = torch.empty(numel, dtype=dtype)
+    return buf[:numel]

@@ -10,10 +10,9 @@ import torch
 import torch.nn.functional as F
 
 from llmopt.core.contract.activations import fake_quantize_activations
-from llmopt.core.contract.fp4 import block_scale_table, e2m1_table, pack_fp4, scale_bytes, unpack_fp4
+from llmopt.core.contract.fp4 import block_scale_table, e2m1_table, pack_nibbles, scale_bytes, unpack_nibbles
 from llmopt.runtime.executor.kernels.cpu_ops import cpu_ops
-from llmopt.runtime.executor.linear.base import LinearMethod, new_stacked, register_linear_method
-from llmopt.runtime.executor.linear.int4_cpu import _dequantize_buffer
+from llmopt.runtime.executor.linear.base import LinearMethod, dequantize_buffer, new_stacked, register_linear_method
 
 
 @register_linear_method
@@ -25,7 +24,7 @@ class Fp4WeightLinear(LinearMethod):
         super().__init__(qweight, dtype, device)
         scheme = qweight.scheme
         self.group = scheme.group_size
-        self.register_buffer("nibbles", pack_fp4(qweight.q))  # [N, K/2]
+        self.register_buffer("nibbles", pack_nibbles(qweight.q))  # [N, K/2]
         self.register_buffer("scale_bytes", scale_bytes(qweight.scales, scheme.scale_format).contiguous())  # [N, G]
         self.register_buffer("scale_table", block_scale_table(scheme.scale_format, qweight.global_scale))  # [256]
         # NVFP4 inputs (nvfp4-a4): fake-quantized with their calibrated global scale (no FP4 arithmetic on CPUs)
@@ -60,7 +59,7 @@ class Fp4WeightLinear(LinearMethod):
 
     def dequantize(self) -> torch.Tensor:
         """[N, K] the weight in the compute dtype, torch only (the reference the kernels are tested against)."""
-        values = e2m1_table()[unpack_fp4(self.nibbles).long()]  # [N, K] fp32
+        values = e2m1_table()[unpack_nibbles(self.nibbles).long()]  # [N, K] fp32
         scales = self.scale_table[self.scale_bytes.long()].repeat_interleave(self.group, dim=1)
         return (values * scales).to(self.dtype)
 
@@ -72,7 +71,7 @@ class Fp4WeightLinear(LinearMethod):
             return F.linear(x2d, self.dequantize())
         if x2d.shape[0] < self.dequantize_min_rows:
             return ops.fp4_matmul_rows(x2d, self.nibbles, self.scale_bytes, self.scale_table, self.group)
-        weight = _dequantize_buffer(self.out_features * self.in_features, self.dtype)
+        weight = dequantize_buffer(self.out_features * self.in_features, self.dtype)
         weight = weight.view(self.out_features, self.in_features)
         ops.fp4_dequantize_out(self.nibbles, self.scale_bytes, self.scale_table, self.group, weight)
         return F.linear(x2d, weight)

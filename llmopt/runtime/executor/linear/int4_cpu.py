@@ -3,8 +3,6 @@ for fp32 / fp16 rows and for dequantizing whole weights before a dense GEMM at p
 
 from __future__ import annotations
 
-import threading
-
 import torch
 import torch.nn.functional as F
 
@@ -13,7 +11,7 @@ from llmopt.runtime.executor.kernels.quant_matmul import (
     can_pack_int4, int4_dequantize, int4_group_size, int4_matmul, pack_int4, pack_int4_codes, pack_nibbles,
     unpack_nibbles,
 )
-from llmopt.runtime.executor.linear.base import LinearMethod, new_stacked, register_linear_method
+from llmopt.runtime.executor.linear.base import LinearMethod, dequantize_buffer, new_stacked, register_linear_method
 
 
 @register_linear_method
@@ -76,7 +74,7 @@ class Int4PackedLinear(LinearMethod):
             return self._few_rows(ops, x2d)
         if ops is not None and rows >= self.compiled_dequantize_min_rows:
             # one compiled pass into a reused buffer, then the dense GEMM
-            weight = _dequantize_buffer(self.out_features * self.in_features, self.scales_and_offsets.dtype)
+            weight = dequantize_buffer(self.out_features * self.in_features, self.scales_and_offsets.dtype)
             weight = weight.view(self.out_features, self.in_features)
             ops.int4_dequantize_out(self.nibbles, self.scales_and_offsets, self.kernel_group, weight)
             return F.linear(x2d, weight)
@@ -107,15 +105,3 @@ class Int4Q8Linear(Int4PackedLinear):
 
     def _few_rows(self, ops, x2d):
         return ops.int4_matmul_rows_q8(x2d, self.nibbles, self.scales_and_offsets, self.kernel_group)
-
-
-_buffers = threading.local()
-
-
-def _dequantize_buffer(numel: int, dtype: torch.dtype) -> torch.Tensor:
-    """A per-thread scratch buffer for one dequantized weight at a time (the GEMM reading it finishes before
-    the next layer dequantizes): no allocation, and no page faults on fresh memory, per call."""
-    buf = getattr(_buffers, "dequantized", None)
-    if buf is None or buf.numel() < numel or buf.dtype != dtype:
-        buf = _buffers.dequantized = torch.empty(numel, dtype=dtype)
-    return buf[:numel]

@@ -10,7 +10,7 @@ import torch
 
 from llmopt.core.contract import FP8_TOKEN_ACTIVATIONS, INT8_TOKEN_ACTIVATIONS, quantize_activations
 from llmopt.core.contract.activations import quantize_activations_fp8
-from llmopt.core.contract.fp4 import block_scale_table, pack_fp4, scale_bytes
+from llmopt.core.contract.fp4 import block_scale_table, pack_nibbles, scale_bytes
 from llmopt.runtime.executor.linear.base import LinearMethod, register_linear_method
 
 
@@ -58,7 +58,7 @@ class TritonFloatWeightLinear(LinearMethod):
         scheme = qweight.scheme
         self.group = scheme.group_width(self.in_features)
         if scheme.scale_format is not None:  # FP4: codes two a byte, scale bytes through their table
-            self.register_buffer("weight", pack_fp4(qweight.q).to(device))
+            self.register_buffer("weight", pack_nibbles(qweight.q).to(device))
             self.register_buffer("scales", scale_bytes(qweight.scales, scheme.scale_format).contiguous().to(device))
             self.register_buffer("scale_table", block_scale_table(scheme.scale_format, qweight.global_scale).to(device))
         else:

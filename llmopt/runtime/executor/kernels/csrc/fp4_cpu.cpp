@@ -2,7 +2,7 @@
 // E8M0 exponents), multiplied without a full-precision copy of the weight: the codes are decoded to fp32 in
 // registers through a 16-entry table (one permute per 16 codes), scaled once per block.
 //
-// nibbles [N, K/2] uint8 (column 2j in the low nibble of byte j: core.contract.fp4.pack_fp4), scale_bytes [N, K/group]
+// nibbles [N, K/2] uint8 (column 2j in the low nibble of byte j: core.contract.fp4.pack_nibbles), scale_bytes [N, K/group]
 // uint8, scale_table [256] float32 (the effective scale of each scale byte, the global scale folded in:
 // core.contract.fp4.block_scale_table). W[n, k] = E2M1[code] * scale_table[scale_bytes[n, k / group]].
 #include <ATen/ATen.h>

@@ -99,6 +99,11 @@ inline void store16(at::Half* p, Vec a) {
   _mm256_storeu_si256(reinterpret_cast<__m256i*>(p), _mm512_cvtps_ph(a.v, _MM_FROUND_TO_NEAREST_INT));
 }
 inline Vec round_half_even(Vec a) { return {_mm512_roundscale_ps(a.v, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC)}; }
+inline Vec vabs(Vec a) { return {_mm512_abs_ps(a.v)}; }
+// 16 integral values in [-128, 127] -> 16 int8
+inline void store16_i8(int8_t* p, Vec a) {
+  _mm_storeu_si128(reinterpret_cast<__m128i*>(p), _mm512_cvtepi32_epi8(_mm512_cvtps_epi32(a.v)));
+}
 inline Vec scale_by_pow2(Vec p, Vec n) { return {_mm512_scalef_ps(p.v, n.v)}; }  // p * 2^n, n integral
 
 #elif defined(LLMOPT_VEC)
@@ -173,6 +178,17 @@ inline void store16(at::Half* p, Vec a) {
 inline Vec round_half_even(Vec a) {
   return {_mm256_round_ps(a.lo, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC),
           _mm256_round_ps(a.hi, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC)};
+}
+inline Vec vabs(Vec a) {
+  const __m256 mask = _mm256_castsi256_ps(_mm256_set1_epi32(0x7fffffff));
+  return {_mm256_and_ps(a.lo, mask), _mm256_and_ps(a.hi, mask)};
+}
+inline void store16_i8(int8_t* p, Vec a) {
+  // int32 -> int16 (packs interleaves the 128-bit halves; the permute restores the order) -> int8
+  const __m256i words = _mm256_permute4x64_epi64(
+      _mm256_packs_epi32(_mm256_cvtps_epi32(a.lo), _mm256_cvtps_epi32(a.hi)), 0xD8);
+  _mm_storeu_si128(reinterpret_cast<__m128i*>(p),
+                   _mm_packs_epi16(_mm256_castsi256_si128(words), _mm256_extracti128_si256(words, 1)));
 }
 // p * 2^n for integral n in [-126, 127] (exact, as scalef): 2^n built in the exponent field
 inline __m256 pow2_8(__m256 n) {
