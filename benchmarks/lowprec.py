@@ -106,20 +106,20 @@ def run_row(name: str, options: list[str] | None, args, workdir: Path) -> dict:
         model = str(out)
     row["ppl_wikitext2"] = perplexity(model, args.eval_tokens)
     if not args.no_speed and name in SPEED_ROWS:
-        row["speed"] = {dtype: speed(model, dtype, workdir) for dtype in SPEED_DTYPES}
+        row["speed"] = {dtype: speed(model, dtype, workdir) for dtype in args.speed_dtypes.split(",")}
         if name == "fp32":
             row["transformers_fp32"] = transformers_speed(workdir)
     return row
 
 
-def add_speed(row: dict, workdir: Path) -> None:
+def add_speed(row: dict, workdir: Path, dtypes: tuple[str, ...] = SPEED_DTYPES) -> None:
     """The speed of a row measured earlier without it (every W8A8 artifact runs the same kernels: RTN's stands
     for them)."""
     model = MODEL
     if ROWS[row["name"]] is not None:
         model = str(workdir / "speed-artifact")
         run_json(["quantize", MODEL, *ROWS[row["name"]], "-o", model, "--overwrite", "--json"])
-    row["speed"] = {dtype: speed(model, dtype, workdir) for dtype in SPEED_DTYPES}
+    row["speed"] = {dtype: speed(model, dtype, workdir) for dtype in dtypes}
     if row["name"] == "fp32":
         row["transformers_fp32"] = transformers_speed(workdir)
 
@@ -163,6 +163,8 @@ def markdown(results: list[dict]) -> str:
 def main() -> None:
     parser = row_parser(__doc__.splitlines()[0], "docs/results/data/lowprec.json")
     parser.add_argument("--no-speed", action="store_true", help="perplexity only")
+    parser.add_argument("--speed-dtypes", default=",".join(SPEED_DTYPES),
+                        help="compute dtypes of the speed rows (float32 alone on a CPU without bf16 units)")
     args = parser.parse_args()
     results = load_rows(args.json, args.resume)
     done = {r["name"] for r in results}
@@ -179,7 +181,7 @@ def main() -> None:
         if not args.no_speed:
             for row in results:
                 if row["name"] in SPEED_ROWS and "speed" not in row:
-                    add_speed(row, Path(tmp))
+                    add_speed(row, Path(tmp), tuple(args.speed_dtypes.split(",")))
                     save_rows(args.json, results)
                     print(f"{row['name']:<36} speed {row['speed']}", flush=True)
     order = list(ROWS)

@@ -3,6 +3,7 @@ decoded in registers) against torch's own (`torch._int_mm`, `torch._scaled_mm`, 
 (default 4096^3). Each is warmed up, then timed with CUDA events (median of --repeats).
 
     python benchmarks/lowprec_gpu.py --json /tmp/lowprec_gpu.json
+    TRITON_INTERPRET=1 python benchmarks/lowprec_gpu.py --device cpu --size 64 64 64   (a dry run, no GPU)
 """
 
 from __future__ import annotations
@@ -10,6 +11,7 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
+import time
 
 import torch
 
@@ -19,18 +21,23 @@ from llmopt.core.contract.fp4 import block_scale_table, pack_nibbles, scale_byte
 from llmopt.runtime.executor.kernels.triton_lowprec import float_weight_matmul, scaled_matmul
 
 
-def timed(fn, repeats: int) -> float:
-    """Median seconds of fn() after 3 warm-up calls."""
+def timed(fn, repeats: int, device: str) -> float:
+    """Median seconds of fn() after 3 warm-up calls (CUDA events on a GPU)."""
     for _ in range(3):
         fn()
     times = []
     for _ in range(repeats):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        fn()
-        end.record()
-        torch.cuda.synchronize()
-        times.append(start.elapsed_time(end) / 1e3)
+        if device == "cuda":
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            fn()
+            end.record()
+            torch.cuda.synchronize()
+            times.append(start.elapsed_time(end) / 1e3)
+        else:
+            start = time.perf_counter()
+            fn()
+            times.append(time.perf_counter() - start)
     return statistics.median(times)
 
 
@@ -39,9 +46,10 @@ def main() -> None:
     parser.add_argument("--size", type=int, nargs=3, default=[4096, 4096, 4096], metavar=("M", "N", "K"))
     parser.add_argument("--repeats", type=int, default=10)
     parser.add_argument("--json", default=None)
+    parser.add_argument("--device", default="cuda")
     args = parser.parse_args()
     m, n, k = args.size
-    dev = "cuda"
+    dev = args.device
     x = torch.randn(m, k, device=dev, dtype=torch.bfloat16)
     w = torch.randn(n, k, device=dev) * 0.05
     a8 = torch.randint(-127, 127, (m, k), device=dev, dtype=torch.int8)
@@ -68,7 +76,7 @@ def main() -> None:
     print(f"{'kernel':<38} {'ms':>9} {'TFLOP/s':>9}")
     for name, fn in cases.items():
         try:
-            seconds = timed(fn, args.repeats)
+            seconds = timed(fn, args.repeats, dev)
         except Exception as exc:  # noqa: BLE001  (an op this GPU or torch build lacks: say so, keep going)
             print(f"{name:<38} unavailable: {str(exc).splitlines()[0][:80]}")
             rows.append({"kernel": name, "error": str(exc).splitlines()[0]})
@@ -78,7 +86,8 @@ def main() -> None:
         rows.append({"kernel": name, "ms": seconds * 1e3, "tflops": tflops})
     if args.json:
         with open(args.json, "w") as f:
-            json.dump({"size": [m, n, k], "gpu": torch.cuda.get_device_name(), "rows": rows}, f, indent=1)
+            gpu = torch.cuda.get_device_name() if dev == "cuda" else None
+            json.dump({"size": [m, n, k], "gpu": gpu, "rows": rows}, f, indent=1)
 
 
 if __name__ == "__main__":
