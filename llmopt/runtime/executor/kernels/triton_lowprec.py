@@ -17,17 +17,13 @@ import torch
 import triton
 import triton.language as tl
 
+from llmopt.runtime.executor.kernels.triton_w4a16 import tile_offsets
+
 
 @triton.jit
 def _scaled_mm_kernel(a_ptr, b_ptr, a_scale_ptr, b_scale_ptr, y_ptr, M, N, K, stride_am, stride_bn, stride_ym,
                       INT8: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
-    pid_m = tl.program_id(0)
-    pid_n = tl.program_id(1)
-    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
-    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-    offs_k = tl.arange(0, BLOCK_K)
-    m_mask = offs_m < M
-    n_mask = offs_n < N
+    offs_m, offs_n, offs_k, m_mask, n_mask = tile_offsets(M, N, BLOCK_M, BLOCK_N, BLOCK_K)
     acc = tl.zeros([BLOCK_M, BLOCK_N], tl.int32 if INT8 else tl.float32)
     for k0 in range(0, K, BLOCK_K):
         k = k0 + offs_k
@@ -80,13 +76,7 @@ def _e2m1_value(code):
 def _float_weight_kernel(x_ptr, w_ptr, s_ptr, table_ptr, y_ptr, M, N, K, stride_xm, stride_wn, stride_sn, stride_ym,
                          GROUP: tl.constexpr, FP4: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                          BLOCK_K: tl.constexpr):
-    pid_m = tl.program_id(0)
-    pid_n = tl.program_id(1)
-    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
-    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-    offs_k = tl.arange(0, BLOCK_K)
-    m_mask = offs_m < M
-    n_mask = offs_n < N
+    offs_m, offs_n, offs_k, m_mask, n_mask = tile_offsets(M, N, BLOCK_M, BLOCK_N, BLOCK_K)
     acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
     for k0 in range(0, K, BLOCK_K):
         k = k0 + offs_k

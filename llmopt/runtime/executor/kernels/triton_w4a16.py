@@ -14,16 +14,19 @@ import triton.language as tl
 
 
 @triton.jit
+def tile_offsets(M, N, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+    """This program's output tile of a matmul on a (M / BLOCK_M, N / BLOCK_N) grid: its row and column offsets,
+    the K offsets of one step, and the masks of rows and columns inside the output."""
+    offs_m = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
+    offs_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    return offs_m, offs_n, tl.arange(0, BLOCK_K), offs_m < M, offs_n < N
+
+
+@triton.jit
 def _w4a16_kernel(x_ptr, qw_ptr, scales_ptr, zeros_ptr, y_ptr, M, N, K,
                   stride_xm, stride_qk, stride_sg, stride_ym,
                   GROUP: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
-    pid_m = tl.program_id(0)
-    pid_n = tl.program_id(1)
-    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
-    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-    offs_k = tl.arange(0, BLOCK_K)
-    m_mask = offs_m < M
-    n_mask = offs_n < N
+    offs_m, offs_n, offs_k, m_mask, n_mask = tile_offsets(M, N, BLOCK_M, BLOCK_N, BLOCK_K)
     acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
     for k0 in range(0, K, BLOCK_K):
         k = k0 + offs_k
