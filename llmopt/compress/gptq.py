@@ -11,7 +11,8 @@ import torch
 from llmopt.compress.quant import mse_qparams
 from llmopt.compress.base import QUANT_METHODS, MethodSpec, Quantizer
 from llmopt.compress.config import GPTQConfig
-from llmopt.compress.quant import compute_qparams, float_block_scales, quantize_float_column
+from llmopt.compress.float_quant import float_block_scales, quantize_float_column
+from llmopt.compress.quant import compute_qparams
 from llmopt.core.contract import QuantizedWeight, QuantScheme
 from llmopt.compress.hessian import HessianModifierMixin, inverse_hessian_cholesky
 from llmopt.core.adapters import get_module
