@@ -216,3 +216,20 @@ def test_artifacts_load_in_transformers_and_run_in_the_runtime(tiny_llama_dir, t
         a, b = ours(input_ids=torch.tensor([ids])).logits, theirs(input_ids=torch.tensor([ids])).logits
     assert torch.equal(a, b), (a.float() - b.float()).abs().max()
     assert_runtime_matches_reader(out, {"fp4-cpu"}, ids, max_tokens=6)
+
+
+def test_joint_2_4_pruning_keeps_its_zeros_on_the_fp4_grid_and_calibrates_input_scales(tiny_llama_dir, tmp_path):
+    # one pass of SparseGPT 2:4 and GPTQ (a ModifierList sharing Hessians): the pruned weights stay exactly zero as
+    # E2M1 code 0, and NVFP4 inputs still get their calibrated global scale through the list
+    from llmopt.export.read import read_artifact
+
+    out = tmp_path / "nvfp4-a4-24"
+    result = CliRunner().invoke(app, ["quantize", str(tiny_llama_dir), "--scheme", "nvfp4-a4", "--method", "gptq",
+                                      "--prune-pattern", "2:4", "--num-samples", "4", "--seqlen", "32", "-o", str(out)])
+    assert result.exit_code == 0, result.output
+    contents = read_artifact(out)
+    assert contents.config["sparsity_config"]["sparsity_structure"] == "2:4"
+    for qweight in contents.qweights.values():
+        groups = (qweight.dequantize() == 0).reshape(qweight.shape[0], -1, 4)
+        assert bool((groups.sum(-1) >= 2).all())  # at least two zeros in every group of four
+        assert qweight.input_global_scale is not None and float(qweight.input_global_scale) > 0
