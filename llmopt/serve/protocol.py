@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from typing import Any, Literal, Optional, Union
 
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 from llmopt.runtime.engine.sampling import MAX_LOGPROBS, MAX_SEED, MIN_SEED
 
@@ -71,7 +71,14 @@ class StreamOptions(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
     include_usage: bool = False
-    continuous_usage_stats: bool = False  # vLLM's; usage is reported once, at the end
+    continuous_usage_stats: bool = False  # vLLM's: usage in every chunk, not implemented (reported once, at the end)
+
+    @field_validator("continuous_usage_stats")
+    @classmethod
+    def _usage_once(cls, value: bool) -> bool:
+        if value:
+            raise UnsupportedValue("stream_options.continuous_usage_stats", (False,))
+        return value
 
 
 class SamplingFields(BaseModel):

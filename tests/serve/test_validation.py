@@ -30,6 +30,9 @@ COMPLETION = {"model": MODEL, "prompt": "hi", "max_tokens": 3}
     ("chat", {"max_token": 5}, "max_token"),
     ("chat", {"messages": [{"role": "user", "content": "hi", "contnet": "x"}]}, "messages.0.contnet"),
     ("completions", {"stream": True, "stream_options": {"include_usage": True, "usage": 1}}, "stream_options.usage"),
+    # usage in every chunk (vLLM's) is not implemented: it was accepted and reported once, at the end
+    ("completions", {"stream": True, "stream_options": {"continuous_usage_stats": True}},
+     "stream_options.continuous_usage_stats"),
     # token ids outside the vocabulary (they were a 500: "index out of range in self")
     ("completions", {"prompt": [1, 2, 10 ** 6]}, "prompt"),
     ("completions", {"prompt": [-1, 2]}, "prompt"),
