@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import torch
 
-from llmopt.compress.float_quant import quantize_float_rtn, quantize_fp4_rtn
+from llmopt.compress.float_quant import quantize_float_rtn
 from llmopt.core.contract import QuantScheme, QuantizedWeight, default_g_idx
 
 
@@ -91,13 +91,12 @@ def group_qparams(w: torch.Tensor, scheme: QuantScheme, mse: bool = False) -> tu
 
 def quantize_rtn(w: torch.Tensor, scheme: QuantScheme, mse: bool = False, bias: torch.Tensor | None = None,
                  global_scale: torch.Tensor | None = None) -> QuantizedWeight:
-    """Round-to-nearest quantization of `w` [N, K] (global_scale: NVFP4's shared one, see quantize_fp4_rtn)."""
+    """Round-to-nearest quantization of `w` [N, K] (global_scale: NVFP4's shared one, see
+    float_quant.float_block_scales)."""
     n, k = w.shape
     scheme.check(k)
-    if scheme.scale_format is not None:
-        return quantize_fp4_rtn(w, scheme, bias, global_scale, mse)
     if scheme.type == "float":
-        return quantize_float_rtn(w, scheme, bias, mse)
+        return quantize_float_rtn(w, scheme, bias, mse, global_scale)
     scales, zeros = group_qparams(w, scheme, mse)
     g_idx = default_g_idx(k, scheme)
     codes = quantize_codes(w.float(), scales[:, g_idx.long()], zeros[:, g_idx.long()], scheme.maxq)

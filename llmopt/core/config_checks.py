@@ -95,4 +95,3 @@ def unsupported_reason(config, bytes_per_weight: int = 2) -> str | None:
     except LLMOptError as e:
         return str(e)
     return adapter.unsupported(config) or config_problem(config, bytes_per_weight)
-

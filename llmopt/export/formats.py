@@ -236,7 +236,7 @@ class CompressedTensorsFormat(Format):
 
     def _pack_int(self, qweight):
         offset = 2 ** (qweight.scheme.bits - 1)
-        out = {"weight": (qweight.q.to(torch.int16) - offset).to(torch.int8).contiguous(),
+        out = {"weight": qweight.signed_codes().contiguous(),
                "weight_scale": qweight.scales.to(SCALE_DTYPE).contiguous()}
         if not qweight.scheme.sym:
             out["weight_zero_point"] = (qweight.zeros - offset).to(torch.int8).contiguous()
@@ -266,11 +266,11 @@ class CompressedTensorsFormat(Format):
             scales, global_scale = stored.float(), tensors["weight_global_scale"].float().reshape(1)
         else:
             scales, global_scale = e8m0_decode(stored.view(torch.uint8)), None
-        input_global_scale = tensors.get("input_global_scale")
-        return QuantizedWeight(q, scales.reshape(q.shape[0], -1).contiguous(), torch.zeros(
-            scales.shape, dtype=torch.int32).reshape(q.shape[0], -1), default_g_idx(q.shape[1], scheme), scheme,
-            _bias(tensors), global_scale=global_scale,
-            input_global_scale=None if input_global_scale is None else input_global_scale.float().reshape(1))
+        scales = scales.reshape(q.shape[0], -1).contiguous()
+        inputs = tensors.get("input_global_scale")
+        return QuantizedWeight(q, scales, torch.zeros_like(scales, dtype=torch.int32),
+                               default_g_idx(q.shape[1], scheme), scheme, _bias(tensors), global_scale=global_scale,
+                               input_global_scale=None if inputs is None else inputs.float().reshape(1))
 
     def _unpack_float(self, tensors, scheme):
         weight = tensors["weight"]

@@ -31,9 +31,8 @@ def default_format(method: str, config=None) -> str:
     scheme with quantized input activations (W8A8) or float weights (FP8, FP4) the format that can record them."""
     from llmopt.compress.api import load_methods
 
-    if config is not None and getattr(config, "input_activations", None) is not None:
-        return INPUT_ACTIVATIONS_FORMAT
-    if config is not None and getattr(config, "scheme", None) and config.weight_scheme.type == "float":
+    weights = getattr(config, "weight_scheme", None)
+    if getattr(config, "input_activations", None) is not None or (weights is not None and weights.type == "float"):
         return INPUT_ACTIVATIONS_FORMAT
     load_methods()
     return QUANT_METHODS.get(method).default_format

@@ -103,3 +103,11 @@ def scale_bytes(scales: torch.Tensor, scale_format: str) -> torch.Tensor:
     if scale_format == "e4m3":
         return scales.to(torch.float8_e4m3fn).view(torch.uint8)
     return e8m0_encode(scales)
+
+
+def fp4_kernel_operands(qweight) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """What the FP4 kernels read of an NVFP4 / MXFP4 QuantizedWeight: (codes two a byte [N, K/2] uint8, the
+    block scales' stored bytes [N, G] uint8, block_scale_table [256] float32)."""
+    scale_format = qweight.scheme.scale_format
+    return (pack_nibbles(qweight.q), scale_bytes(qweight.scales, scale_format).contiguous(),
+            block_scale_table(scale_format, qweight.global_scale))

@@ -75,6 +75,11 @@ class QuantizedWeight:
         return QuantizedWeight(self.q[:, cols], self.scales[:, group_cols], self.zeros[:, group_cols], g_idx,
                                self.scheme, bias, self.input_activations, self.global_scale, self.input_global_scale)
 
+    def signed_codes(self) -> torch.Tensor:
+        """[N, K] int8: the integer codes less 2^(bits-1), the symmetric zero point (compressed-tensors' stored
+        int8 weight; the operand of the W8A8 kernels)."""
+        return (self.q.to(torch.int16) - 2 ** (self.scheme.bits - 1)).to(torch.int8)
+
     @property
     def effective_scales(self) -> torch.Tensor:
         """[N, G] float32 the multiplier of each group's values (NVFP4: block scale / global scale)."""

@@ -10,7 +10,7 @@ import torch
 import torch.nn.functional as F
 
 from llmopt.core.contract.activations import fake_quantize_activations
-from llmopt.core.contract.fp4 import block_scale_table, e2m1_table, pack_nibbles, scale_bytes, unpack_nibbles
+from llmopt.core.contract.fp4 import e2m1_table, fp4_kernel_operands, unpack_nibbles
 from llmopt.runtime.executor.kernels.cpu_ops import cpu_ops
 from llmopt.runtime.executor.linear.base import LinearMethod, dequantize_buffer, new_stacked, register_linear_method
 
@@ -22,11 +22,11 @@ class Fp4WeightLinear(LinearMethod):
 
     def __init__(self, qweight, dtype, device="cpu"):
         super().__init__(qweight, dtype, device)
-        scheme = qweight.scheme
-        self.group = scheme.group_size
-        self.register_buffer("nibbles", pack_nibbles(qweight.q))  # [N, K/2]
-        self.register_buffer("scale_bytes", scale_bytes(qweight.scales, scheme.scale_format).contiguous())  # [N, G]
-        self.register_buffer("scale_table", block_scale_table(scheme.scale_format, qweight.global_scale))  # [256]
+        self.group = qweight.scheme.group_size
+        nibbles, scale_bytes, scale_table = fp4_kernel_operands(qweight)
+        self.register_buffer("nibbles", nibbles)  # [N, K/2]
+        self.register_buffer("scale_bytes", scale_bytes)  # [N, G]
+        self.register_buffer("scale_table", scale_table)  # [256]
         # NVFP4 inputs (nvfp4-a4): fake-quantized with their calibrated global scale (no FP4 arithmetic on CPUs)
         self.input_scheme, self.input_global_scale = qweight.input_activations, qweight.input_global_scale
 

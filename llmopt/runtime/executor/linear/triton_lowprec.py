@@ -10,7 +10,7 @@ import torch
 
 from llmopt.core.contract import FP8_TOKEN_ACTIVATIONS, INT8_TOKEN_ACTIVATIONS, quantize_activations
 from llmopt.core.contract.activations import quantize_activations_fp8
-from llmopt.core.contract.fp4 import block_scale_table, pack_nibbles, scale_bytes
+from llmopt.core.contract.fp4 import fp4_kernel_operands
 from llmopt.runtime.executor.linear.base import LinearMethod, register_linear_method
 
 
@@ -30,7 +30,7 @@ class TritonW8A8Linear(LinearMethod):
         if qweight.scheme.type == "float":
             weight = qweight.q.view(torch.float8_e4m3fn)  # [N, K] E4M3
         else:
-            weight = (qweight.q.to(torch.int16) - 2 ** (qweight.scheme.bits - 1)).to(torch.int8)  # [N, K] signed
+            weight = qweight.signed_codes()  # [N, K]
         self.register_buffer("weight", weight.contiguous().to(device))
         self.register_buffer("weight_scale", qweight.scales.reshape(-1).float().to(device))  # [N]
 
@@ -58,9 +58,8 @@ class TritonFloatWeightLinear(LinearMethod):
         scheme = qweight.scheme
         self.group = scheme.group_width(self.in_features)
         if scheme.scale_format is not None:  # FP4: codes two a byte, scale bytes through their table
-            self.register_buffer("weight", pack_nibbles(qweight.q).to(device))
-            self.register_buffer("scales", scale_bytes(qweight.scales, scheme.scale_format).contiguous().to(device))
-            self.register_buffer("scale_table", block_scale_table(scheme.scale_format, qweight.global_scale).to(device))
+            for name, tensor in zip(("weight", "scales", "scale_table"), fp4_kernel_operands(qweight)):
+                self.register_buffer(name, tensor.to(device))
         else:
             self.register_buffer("weight", qweight.q.view(torch.float8_e4m3fn).contiguous().to(device))
             self.register_buffer("scales", qweight.scales.float().contiguous().to(device))

@@ -34,8 +34,7 @@ class Int8W8A8Linear(LinearMethod):
 
     def __init__(self, qweight, dtype, device="cpu"):
         super().__init__(qweight, dtype, device)
-        offset = 2 ** (qweight.scheme.bits - 1)
-        codes = (qweight.q.to(torch.int16) - offset).to(torch.int8)  # [N, K] signed
+        codes = qweight.signed_codes()  # [N, K]
         self.register_buffer("weight", codes.contiguous().to(device))  # [N, K]; its .t() is _int_mm's operand
         self.register_buffer("weight_sum", codes.sum(dim=1, dtype=torch.int32).to(device))  # [N]: the GEMV's
         self.register_buffer("weight_scale", qweight.scales.reshape(-1).float().to(device))  # [N]
