@@ -44,8 +44,8 @@ def bench(
                                                 "at once.")] = float("inf"),
     max_concurrency: Annotated[Optional[int], typer.Option("--max-concurrency")] = None,
     baseline: Annotated[Optional[str], typer.Option(
-        "--baseline", help="'hf' (transformers generate, static batches), another MODEL on the runtime, or with "
-        "--base-url another server's URL.")] = None,
+        "--baseline", help="'hf' (transformers generate, static batches), another MODEL on the runtime (without "
+        "--speculative, with the KV cache in the model's dtype), or with --base-url another server's URL.")] = None,
     hf_batch_size: Annotated[int, typer.Option("--hf-batch-size", help="Static batch size of --baseline hf.")] = 32,
     slo: Annotated[Optional[str], typer.Option("--slo", help="Goodput SLOs in ms, e.g. ttft=200,tpot=50.")] = None,
     peak_bandwidth: Annotated[Optional[float], typer.Option("--peak-bandwidth", help="GB/s (else measured).")] = None,

@@ -7,26 +7,63 @@ from typing import Annotated, Optional
 import typer
 
 from llmopt.cli.options import (
-    DatasetOpt, DeviceOpt, Dtype, DtypeOpt, JsonOpt, MaxTokensOpt, ModelArg, SeqlenOpt, TextFieldOpt,
-    TrustRemoteCodeOpt, resolve_dtype_option,
+    Backend, DatasetOpt, DeviceOpt, Dtype, DtypeOpt, JsonOpt, MaxTokensOpt, ModelArg, SeqlenOpt, TextFieldOpt,
+    TrustRemoteCodeOpt, resolve_dtype_option, with_engine_options,
 )
 from llmopt.cli.output import print_json, print_table, progress_bar
 
 app = typer.Typer(no_args_is_help=True, help="Evaluate models: perplexity and zero-shot task accuracy.")
 
 
+EvalBackendOpt = Annotated[Backend, typer.Option(
+    "--backend", help="hf: transformers' forward over the weights; runtime: llmopt's engine (its kernels and paged "
+    "KV cache, --kv-cache-dtype included: what `llmopt serve` computes), each text prefilled in chunks.")]
+
+
+def runtime_engine(model: str, resolved_dtype: str, device: str, trust_remote_code: bool, engine):
+    """(Engine, its tokenizer, its model's config) for --backend runtime."""
+    from llmopt.runtime.engine.engine import Engine
+    from llmopt.runtime.executor.loader import load_runtime_model
+
+    lm, tokenizer, _ = load_runtime_model(model, dtype=resolved_dtype, device=device,
+                                          trust_remote_code=trust_remote_code, activations=engine.activations)
+    return Engine(lm, tokenizer, engine, record_steps=False), tokenizer, lm.config
+
+
+def check_engine_options(backend: Backend, engine) -> None:
+    """Engine options change only the runtime's numbers: with --backend hf they would be ignored."""
+    from dataclasses import fields
+
+    from llmopt.core.errors import ConfigError
+    from llmopt.runtime.engine.config import ENGINE_DEFAULTS, engine_flag
+
+    if backend is Backend.runtime:
+        if engine.speculative is not None:
+            raise ConfigError("--speculative changes no score: drop it from eval", param="speculative")
+        return
+    changed = [f.name for f in fields(engine) if f.name != "speculative"
+               and getattr(engine, f.name) != getattr(ENGINE_DEFAULTS, f.name)]
+    if changed or engine.speculative is not None:
+        flag = engine_flag(changed[0]) if changed else "speculative"
+        raise ConfigError(f"--{flag} configures the runtime: add --backend runtime or drop it", param=flag)
+
+
 @app.command("ppl")
+@with_engine_options
 def ppl(
     model: ModelArg,
     dataset: DatasetOpt = "wikitext2",
     seqlen: SeqlenOpt = 512,
     max_tokens: MaxTokensOpt = None,
-    batch_size: Annotated[int, typer.Option("--batch-size", help="Windows per forward pass.")] = 4,
+    batch_size: Annotated[int, typer.Option("--batch-size", help="Windows per forward pass (--backend hf; the runtime batches by --max-num-seqs / "
+                                                "--max-num-batched-tokens).")] = 4,
     text_field: TextFieldOpt = "text",
     dtype: DtypeOpt = Dtype.float32,
     device: DeviceOpt = "cpu",
     as_json: JsonOpt = False,
     trust_remote_code: TrustRemoteCodeOpt = False,
+    backend: EvalBackendOpt = Backend.hf,
+    engine=None,
 ) -> None:
     """Perplexity over non-overlapping windows of --seqlen tokens."""
     from llmopt.core.datasets import tokenize_corpus
@@ -39,13 +76,27 @@ def ppl(
         raise ConfigError(f"--seqlen must be at least 2 (got {seqlen})")
     if max_tokens is not None and max_tokens < seqlen:
         raise ConfigError(f"--max-tokens ({max_tokens}) must be at least --seqlen ({seqlen})")
+    check_engine_options(backend, engine)
     resolved = resolve_dtype_option(dtype, device)
-    lm, tokenizer, source = load_model(model, dtype=resolved, device=device, trust_remote_code=trust_remote_code)
-    check_within_context(seqlen, lm.config, "--seqlen")
-    token_ids = tokenize_corpus(tokenizer, dataset, max_tokens, "eval", text_field)
-    with progress_bar(f"ppl {dataset}") as update:
-        result = perplexity(lm, token_ids, seqlen=seqlen, batch_size=batch_size, progress=update)
-    facts = {**result.to_dict(), "model": model, "dataset": dataset, "dtype": resolved}
+    facts = {}
+    if backend is Backend.runtime:
+        from llmopt.eval.runtime_scoring import runtime_perplexity
+
+        runner, tokenizer, config = runtime_engine(model, resolved, device, trust_remote_code, engine)
+        check_within_context(seqlen, config, "--seqlen")
+        token_ids = tokenize_corpus(tokenizer, dataset, max_tokens, "eval", text_field)
+        with progress_bar(f"ppl {dataset} (runtime)") as update:
+            result = runtime_perplexity(runner, token_ids, seqlen=seqlen, progress=update)
+        facts = {"backend": "runtime", "kv_cache_dtype": runner.runner.kv_dtype_label,
+                 "attention_backend": runner.runner.decoder.attention.name}
+    else:
+        lm, tokenizer, source = load_model(model, dtype=resolved, device=device, trust_remote_code=trust_remote_code)
+        check_within_context(seqlen, lm.config, "--seqlen")
+        token_ids = tokenize_corpus(tokenizer, dataset, max_tokens, "eval", text_field)
+        with progress_bar(f"ppl {dataset}") as update:
+            result = perplexity(lm, token_ids, seqlen=seqlen, batch_size=batch_size, progress=update)
+        facts = {"backend": "hf"}
+    facts = {**result.to_dict(), "model": model, "dataset": dataset, "dtype": resolved, **facts}
     if as_json:
         print_json(facts)
     else:
@@ -53,17 +104,21 @@ def ppl(
 
 
 @app.command("tasks")
+@with_engine_options
 def tasks(
     model: ModelArg,
     task_names: Annotated[str, typer.Option(
         "--tasks", help="Comma-separated: arc_easy, arc_challenge, piqa, hellaswag, lambada, winogrande.")
     ] = "arc_easy,arc_challenge,piqa,hellaswag,lambada,winogrande",
     limit: Annotated[Optional[int], typer.Option("--limit", help="First N documents of each task.")] = None,
-    batch_size: Annotated[int, typer.Option("--batch-size", help="Sequences per forward pass.")] = 16,
+    batch_size: Annotated[int, typer.Option("--batch-size", help="Sequences per forward pass (--backend hf; the runtime batches by --max-num-seqs / "
+                                                "--max-num-batched-tokens).")] = 16,
     dtype: DtypeOpt = Dtype.auto,
     device: DeviceOpt = "cpu",
     as_json: JsonOpt = False,
     trust_remote_code: TrustRemoteCodeOpt = False,
+    backend: EvalBackendOpt = Backend.hf,
+    engine=None,
 ) -> None:
     """Zero-shot accuracy, scored by log-likelihood as lm-evaluation-harness does."""
     from llmopt.core.errors import ConfigError
@@ -78,14 +133,23 @@ def tasks(
         raise ConfigError(f"--limit must be at least 1 (got {limit})")
     if batch_size < 1:
         raise ConfigError(f"--batch-size must be at least 1 (got {batch_size})")
+    check_engine_options(backend, engine)
     resolved = resolve_dtype_option(dtype, device)
-    lm, tokenizer, _ = load_model(model, dtype=resolved, device=device, trust_remote_code=trust_remote_code)
+    if backend is Backend.runtime:
+        lm, tokenizer, _ = runtime_engine(model, resolved, device, trust_remote_code, engine)
+    else:
+        lm, tokenizer, _ = load_model(model, dtype=resolved, device=device, trust_remote_code=trust_remote_code)
     results = {}
     for name in names:
         with progress_bar(name) as update:
-            results[name] = evaluate_task(lm, tokenizer, name, limit, batch_size, update)
+            if backend is Backend.runtime:
+                from llmopt.eval.runtime_scoring import evaluate_task_runtime
+
+                results[name] = evaluate_task_runtime(lm, tokenizer, name, limit, update)
+            else:
+                results[name] = evaluate_task(lm, tokenizer, name, limit, batch_size, update)
     if as_json:
-        print_json({"model": model, "limit": limit, "dtype": resolved, "tasks": results})
+        print_json({"model": model, "limit": limit, "dtype": resolved, "backend": backend.value, "tasks": results})
     else:
         print_table(f"task accuracy of {model}", [{"task": k, **{m: v.get(m) for m in ("acc", "acc_norm", "ppl",
                                                    "num_docs")}} for k, v in results.items()])

@@ -2,21 +2,16 @@
 
 from __future__ import annotations
 
-from enum import Enum
 from typing import Annotated
 
 import typer
 
 from llmopt.cli.options import (
+    Backend,
     DeviceOpt, Dtype, DtypeOpt, JsonOpt, ModelArg, SeedOpt, TrustRemoteCodeOpt, resolve_dtype_option,
     with_engine_options,
 )
 from llmopt.cli.output import print_json, stdout
-
-
-class Backend(str, Enum):
-    runtime = "runtime"
-    hf = "hf"
 
 
 @with_engine_options

@@ -19,6 +19,13 @@ from llmopt.runtime.engine.config import EngineConfig, SpeculativeConfig, engine
 SPECULATIVE_DEFAULTS = SpeculativeConfig()
 
 
+class Backend(str, Enum):
+    """What computes a command's numbers: llmopt's runtime (paged KV cache, its kernels) or transformers."""
+
+    runtime = "runtime"
+    hf = "hf"
+
+
 class Dtype(str, Enum):
     auto = "auto"
     float32 = "float32"

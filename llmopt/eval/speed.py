@@ -309,8 +309,10 @@ def bench_http(name: str, model_name: str, spec: WorkloadSpec, config: BenchConf
 def bench(model_name: str, spec: WorkloadSpec, config: BenchConfig, baseline: str | None = None,
           progress: ProgressFn | None = None, target: HttpTarget | None = None) -> list[RunResult]:
     """The model's run, then the baseline's (named 'baseline'): 'hf' or another MODEL through the runtime, both
-    in the same resolved dtype (each run resolves 'auto' alike). With `target`, the first run goes over HTTP to
-    that server, and a baseline that is a URL is another server, benched the same way."""
+    in the same resolved dtype (each run resolves 'auto' alike); a runtime baseline runs what the options under
+    test would change without them (no speculative decoding, the KV cache in the model's dtype). With `target`,
+    the first run goes over HTTP to that server, and a baseline that is a URL is another server, benched the same
+    way."""
     if config.num_threads:
         torch.set_num_threads(config.num_threads)
     if target is not None:
@@ -324,8 +326,8 @@ def bench(model_name: str, spec: WorkloadSpec, config: BenchConfig, baseline: st
     runs = [bench_runtime(model_name, model_name, spec, config, progress)]
     if baseline == "hf":
         runs.append(bench_hf("baseline", model_name, spec, config, progress))
-    elif baseline:  # another model on the runtime, without speculative decoding
-        plain = replace(config, engine=replace(config.engine, speculative=None))
+    elif baseline:  # another model on the runtime, without speculative decoding, with the model's own KV dtype
+        plain = replace(config, engine=replace(config.engine, speculative=None, kv_cache_dtype="auto"))
         runs.append(bench_runtime("baseline", baseline, spec, plain, progress))
         if config.engine.speculative is not None:
             runs[0].metrics["decode_speedup"] = decode_speedup(runs[0].metrics, runs[1].metrics)

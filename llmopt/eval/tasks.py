@@ -264,8 +264,13 @@ def score(docs: list[Doc], results: list[tuple[float, bool]]) -> dict:
     return metrics
 
 
+def task_pairs(name: str, limit: int | None = None) -> tuple[list[Doc], list[tuple[str, str]]]:
+    """The task's documents and the (context, continuation) pairs to score, in the order `score` reads them."""
+    docs = load_docs(name, limit)
+    return docs, [(ctx, cont) for doc in docs for ctx, cont in zip(doc.contexts, doc.continuations)]
+
+
 def evaluate_task(model, tokenizer, name: str, limit: int | None = None, batch_size: int = 16,
                   progress: Callable[[int, int], None] | None = None) -> dict:
-    docs = load_docs(name, limit)
-    pairs = [(ctx, cont) for doc in docs for ctx, cont in zip(doc.contexts, doc.continuations)]
+    docs, pairs = task_pairs(name, limit)
     return score(docs, loglikelihoods(model, tokenizer, pairs, batch_size, progress=progress))

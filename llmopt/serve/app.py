@@ -62,7 +62,8 @@ class Server:
         # what the numbers served depend on, fixed at start (plain values: read from any thread)
         kv = engine.engine.kv_cache_info()
         self.engine_facts = {"numerics": engine.engine.numerics(),
-                             "kv_cache": {k: kv[k] for k in ("bytes", "tokens", "dtype", "bytes_per_token", "layout")}}
+                             "kv_cache": {k: kv[k] for k in ("bytes", "tokens", "dtype", "bytes_per_token", "layout",
+                                                              "tokens_per_dtype")}}
         self.metrics = ServerMetrics(engine)
 
     # --- body -> request (in a worker thread) -----------------------------------------------------

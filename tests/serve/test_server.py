@@ -323,3 +323,28 @@ def test_llmopt_serve_stops_gracefully_on_sigterm(tmp_path):
         assert wait_exit(proc, 120, "the server after SIGTERM") == 0, output_of(proc)
     finally:
         proc.kill()
+
+
+def test_an_8bit_kv_cache_serves_and_scoring_requests_share_the_prefix_cache():
+    """`serve --kv-cache-dtype int8`: completions as the engine gives them, the cache reported in /v1/models; and
+    echo + logprobs requests (lm-eval's loglikelihood) that share a context prefill it once."""
+    running = Running(config=EngineConfig(block_size=4, kv_cache_dtype="int8"))
+    try:
+        kv = httpx.get(running.url + "/v1/models").json()["data"][0]["llmopt"]["kv_cache"]
+        assert kv["dtype"] == "int8" and kv["tokens_per_dtype"]["int8"] == kv["tokens"]
+        assert kv["tokens"] > 3 * kv["tokens_per_dtype"]["float32"]  # head_dim 16: 64 / (16 + 4) = 3.2x
+        out = running.client.completions.create(model=MODEL, prompt="hello there", max_tokens=6, temperature=0)
+        model, tokenizer = build_tiny_model("llama", seed=0)
+        [want] = Engine(model, tokenizer, EngineConfig(block_size=4, kv_cache_dtype="int8")).generate(
+            [tokenizer("hello there")["input_ids"]], SamplingParams(max_tokens=6))
+        assert out.choices[0].text == want.text
+        context = "a shared question that spans several blocks of the cache: answer"
+        scores = [running.client.completions.create(model=MODEL, prompt=context + choice, max_tokens=1, echo=True,
+                                                    logprobs=1, temperature=0).choices[0].logprobs
+                  for choice in (" yes", " no", " yes")]
+        # the cached context scores as computed (the rest: the same numbers through other kernels, last bits apart)
+        assert scores[0].token_logprobs[0] is scores[2].token_logprobs[0] is None
+        assert scores[0].token_logprobs[1:] == pytest.approx(scores[2].token_logprobs[1:], abs=1e-4)
+        assert running.engine.stats().prefix_cache_hits > 0
+    finally:
+        running.close()

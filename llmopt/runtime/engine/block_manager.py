@@ -36,6 +36,9 @@ class BlockManager:
         self.num_blocks = num_blocks
         self.block_size = block_size
         self.enable_prefix_cache = enable_prefix_cache
+        # (token_ids, max_blocks, top_n) -> how many leading full blocks have kept prompt scores (the model
+        # runner's PromptScoreCache.available): prompt-scoring requests may take that many from the prefix cache
+        self.score_lookup = None
         self.free_block_ids: deque[int] = deque(range(num_blocks))
         self.ref_counts = [0] * num_blocks
         self.root = RadixNode()
@@ -87,8 +90,12 @@ class BlockManager:
 
     # --- allocation -----------------------------------------------------------------------------
     def _cached_prefix_for(self, seq: Sequence) -> list[int]:
-        if seq.params.prompt_logprobs is not None:  # scoring the prompt needs every position computed
-            return []
+        top_n = seq.params.prompt_logprobs
+        if top_n is not None:  # scoring the prompt: only blocks whose scores were kept (score_lookup)
+            if self.score_lookup is None:
+                return []
+            limit = self.score_lookup(seq.token_ids, (seq.num_prompt_tokens - 1) // self.block_size, top_n)
+            return self.match_prefix(seq.token_ids, limit) if limit else []
         # Keep at least one token to compute, so the step that admits the sequence produces logits.
         return self.match_prefix(seq.token_ids, (seq.num_tokens - 1) // self.block_size)
 

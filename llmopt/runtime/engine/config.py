@@ -58,7 +58,10 @@ class SpeculativeConfig:
         return cls(method, model or None, **fields)
 
 
-KV_CACHE_DTYPES = ("auto", "float32", "bfloat16", "float16")
+KV_CACHE_DTYPES = ("auto", "float32", "bfloat16", "float16", "int8", "fp8")
+KV_CACHE_DTYPE_ALIASES = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16", "float8": "fp8",
+                          "fp8_e4m3": "fp8"}
+KV_CACHE_8BIT = ("int8", "fp8")  # codes with a scale per token and KV head (runtime/executor/kernels/kv_quant.py)
 ACTIVATION_MODES = ("float", "int8")
 # EngineConfig.activations -> the input-activation scheme linear methods are chosen for (None: the compute dtype)
 ACTIVATION_SCHEMES = {"float": None, "int8": INT8_GROUP_ACTIVATIONS}
@@ -84,8 +87,10 @@ class EngineConfig:
     kv_cache_memory_fraction: float = option(
         KV_CACHE_MEMORY_FRACTION, "Default KV cache size as a fraction of the memory available at start (host "
         "memory on CPU, free device memory on CUDA).")
-    kv_cache_dtype: Literal["auto", "float32", "bfloat16", "float16"] = option(
-        "auto", "dtype of the cached keys and values; auto: the model's.", numerics=True)
+    kv_cache_dtype: str = option(
+        "auto", "dtype of the cached keys and values: auto (the model's), float32|fp32, bfloat16|bf16, "
+        "float16|fp16, int8 or fp8 (8-bit codes with an fp32 scale per token and KV head: ~3.8x the tokens of fp32 "
+        "in the same bytes).", numerics=True)
     max_num_seqs: int = option(64, "Sequences in one step at most.")
     max_num_batched_tokens: int = option(2048, "Tokens in one step at most (prefill chunks + decodes).")
     enable_chunked_prefill: bool = option(True, "Split long prompts into chunks that share steps with decodes.",
@@ -109,6 +114,8 @@ class EngineConfig:
     speculative: Optional[SpeculativeConfig] = None  # its own options (cli.options.SPECULATIVE_OPTIONS)
 
     def __post_init__(self):
+        dtype = KV_CACHE_DTYPE_ALIASES.get(self.kv_cache_dtype, self.kv_cache_dtype)
+        object.__setattr__(self, "kv_cache_dtype", dtype)  # one spelling from here on
         for name in ("block_size", "max_num_seqs", "max_num_batched_tokens"):
             if getattr(self, name) < 1:
                 raise ConfigError(f"--{name.replace('_', '-')} must be at least 1 (got {getattr(self, name)})",
@@ -126,6 +133,10 @@ class EngineConfig:
                 flag = engine_flag(name)
                 raise ConfigError(f"--{flag} must be one of {', '.join(allowed)} (got {getattr(self, name)!r})",
                                   param=name)
+
+    @property
+    def quantized_kv_cache(self) -> bool:
+        return self.kv_cache_dtype in KV_CACHE_8BIT
 
     def numerics(self) -> dict:
         """The settings that change the numbers computed (with the bench JSON and the server's /v1/models)."""

@@ -31,8 +31,7 @@ class Engine:
         self.config = config or EngineConfig()
         self.tokenizer = tokenizer
         self.runner = ModelRunner(hf_model, self.config)
-        self.block_manager = BlockManager(self.runner.num_blocks, self.config.block_size,
-                                          self.config.enable_prefix_cache)
+        self.block_manager = self._new_block_manager()
         self.scheduler = Scheduler(self.config, self.block_manager,
                                    eos_token_id=tokenizer.eos_token_id if tokenizer is not None else None)
         self.outputs = OutputProcessor(tokenizer)
@@ -177,6 +176,13 @@ class Engine:
                            bm.num_hit_tokens, self._stats.num_finished, dict(self._stats.finish_reasons),
                            self.speculator.stats.copy() if self.speculator is not None else None)
 
+    def _new_block_manager(self) -> BlockManager:
+        """Block bookkeeping for the runner's cache; prompt-scoring requests may take the cached prefixes whose
+        scores the runner kept."""
+        manager = BlockManager(self.runner.num_blocks, self.config.block_size, self.config.enable_prefix_cache)
+        manager.score_lookup = self.runner.prompt_scores.available
+        return manager
+
     def reset_stats(self, clear_prefix_cache: bool = False) -> None:
         """Zero the counters (after a warm-up, say); clear_prefix_cache also forgets the cached prefixes."""
         self._stats = EngineStats()
@@ -195,8 +201,7 @@ class Engine:
             self.runner.release(seq_id)
             if self.speculator is not None:
                 self.speculator.release(seq_id)
-        self.block_manager = BlockManager(self.runner.num_blocks, self.config.block_size,
-                                          self.config.enable_prefix_cache)
+        self.block_manager = self._new_block_manager()
         self.scheduler = Scheduler(self.config, self.block_manager,
                                    eos_token_id=self.tokenizer.eos_token_id if self.tokenizer is not None else None)
         self.outputs = OutputProcessor(self.tokenizer)
@@ -207,8 +212,9 @@ class Engine:
         """The KV cache: bytes, token capacity, dtype and how its size was chosen."""
         r = self.runner
         return {"bytes": r.kv_cache_bytes, "tokens": r.num_blocks * r.block_size,
-                "dtype": str(r.kv_dtype).removeprefix("torch."), "summary": r.kv_cache_summary(),
-                "bytes_per_token": r.kv_cache_spec.bytes_per_token, "layout": r.kv_cache_spec.layout}
+                "dtype": r.kv_dtype_label, "summary": r.kv_cache_summary(),
+                "bytes_per_token": r.kv_cache_spec.bytes_per_token, "layout": r.kv_cache_spec.layout,
+                "tokens_per_dtype": r.tokens_per_dtype()}
 
     def numerics(self) -> dict:
         """Every setting that changes the numbers computed, as configured and as resolved at start: the config's
@@ -216,5 +222,5 @@ class Engine:
         decoder = self.runner.decoder
         return {**self.config.numerics(), "fast_path_resolved": decoder.fast,
                 "attention_backend_resolved": decoder.attention.name,
-                "kv_cache_dtype_resolved": str(self.runner.kv_dtype).removeprefix("torch."),
+                "kv_cache_dtype_resolved": self.runner.kv_dtype_label,
                 "linear_methods": self.runner.linear_methods}

@@ -10,12 +10,14 @@ import psutil
 import torch
 
 from llmopt.core.errors import ConfigError
-from llmopt.runtime.engine.config import EngineConfig
+from llmopt.runtime.engine.config import KV_CACHE_8BIT, KV_CACHE_DTYPES, EngineConfig
 from llmopt.runtime.executor.host_memory import keep_freed_host_memory
 from llmopt.runtime.executor.kernels.attention import AttentionMetadata
 from llmopt.runtime.executor.kernels.cpu_ops import cpu_ops
+from llmopt.runtime.executor.kernels.kv_quant import KV_CODE_DTYPES
 from llmopt.runtime.executor.models import build_runtime_model
-from llmopt.runtime.executor.sampler import probabilities, sample, token_logprobs
+from llmopt.runtime.executor.prompt_scores import PromptScoreCache
+from llmopt.runtime.executor.sampler import probabilities, rows_token_logprobs, sample, token_logprobs
 from llmopt.runtime.engine.scheduler import SchedulerOutput
 from llmopt.runtime.spec_decode.verify import accept_greedy, rejection_sample
 
@@ -32,6 +34,20 @@ class StepResult:
 
 
 log = logging.getLogger(__name__)
+SCORE_ROWS = 256  # prompt positions scored per vocabulary projection
+
+
+def kv_cache_torch_dtype(name: str, model_dtype: torch.dtype) -> torch.dtype:
+    """--kv-cache-dtype (EngineConfig's spelling) -> the dtype the cache stores."""
+    if name == "auto":
+        return model_dtype
+    return KV_CODE_DTYPES.get(name) or getattr(torch, name)
+
+
+def kv_dtype_name(dtype: torch.dtype) -> str:
+    """The cache dtype as --kv-cache-dtype spells it."""
+    codes = {d: n for n, d in KV_CODE_DTYPES.items()}
+    return codes.get(dtype) or str(dtype).removeprefix("torch.")
 
 
 def available_memory(device: torch.device) -> int:
@@ -59,13 +75,14 @@ class ModelRunner:
             raise ConfigError(f"the model's linears were built for --int4-activations {loaded_with}, the engine is "
                               f"configured for {config.activations}: load it with load_runtime_model(..., "
                               f"activations={config.activations!r})", param="activations")
-        self.decoder = build_runtime_model(hf_model, config.attention_backend, config.fast_path)
+        self.decoder = build_runtime_model(hf_model, config.attention_backend, config.fast_path,
+                                           config.quantized_kv_cache)
         self.linear_methods = dict(sorted(self.decoder.linear_methods.items()))
         self.device = next(hf_model.parameters()).device
         if self.device.type == "cpu":
             keep_freed_host_memory()  # each step's activations reuse freed memory instead of new pages
-        self.kv_dtype = (self.decoder.dtype if config.kv_cache_dtype == "auto"
-                         else getattr(torch, config.kv_cache_dtype))
+        self.kv_dtype = kv_cache_torch_dtype(config.kv_cache_dtype, self.decoder.dtype)
+        self.kv_dtype_label = kv_dtype_name(self.kv_dtype)  # as --kv-cache-dtype spells it
         self.block_size = block_size
         self.kv_cache_spec = self.decoder.kv_cache_spec(self.kv_dtype)
         per_block = self.kv_cache_spec.bytes_per_block(block_size)
@@ -79,6 +96,7 @@ class ModelRunner:
             self.kv_cache_source = f"{kv_cache_memory_fraction:.0%} of available memory"
             if useful is not None and kv_cache_bytes == useful:
                 self.kv_cache_source = f"{max_num_seqs} sequences x the full context"
+        self.kv_cache_budget = kv_cache_bytes  # (the cache is whole blocks of it)
         self.num_blocks = kv_cache_bytes // per_block
         if self.num_blocks < 1:
             raise ConfigError(f"--kv-cache-bytes {kv_cache_bytes} holds no block of {block_size} tokens "
@@ -87,16 +105,29 @@ class ModelRunner:
         self.kv_cache_bytes = self.kv_cache.num_bytes
         log.info(self.kv_cache_summary())
         self.generators: dict[int, torch.Generator] = {}
+        self.prompt_scores = PromptScoreCache(block_size)
         # Medusa heads read the hidden state [hidden] that produced each sequence's newest token
         self.keep_last_hidden = False
         self.last_hidden: dict[int, torch.Tensor] = {}
 
     def kv_cache_summary(self) -> str:
-        """One line for start-up: the KV cache's size, where it came from, and the tokens it holds."""
-        dtype = str(self.kv_dtype).removeprefix("torch.")
+        """One line for start-up: the KV cache's size, where it came from, the tokens it holds, and what the same
+        bytes would hold in each other cache dtype."""
         return (f"KV cache: {self.kv_cache_bytes / 2**30:.2f} GiB ({self.kv_cache_source}), "
-                f"{self.kv_cache.num_tokens:,} tokens in {dtype} ({self.kv_cache_spec.bytes_per_token:,} bytes per "
-                f"token, {self.kv_cache_spec.layout} layout); attention backend {self.decoder.attention.name}")
+                f"{self.kv_cache.num_tokens:,} tokens in {self.kv_dtype_label} "
+                f"({self.kv_cache_spec.bytes_per_token:,} bytes per token, {self.kv_cache_spec.layout} layout; the "
+                f"same budget holds {self.tokens_per_dtype_text()}); attention backend {self.decoder.attention.name}")
+
+    def tokens_per_dtype(self) -> dict[str, int]:
+        """Tokens this cache's byte budget holds in each cache dtype the model's layout takes."""
+        names = [n for n in KV_CACHE_DTYPES if n != "auto"
+                 and (self.kv_cache_spec.layout == "kv" or n not in KV_CACHE_8BIT)]
+        per_block = {n: self.kv_cache_spec.with_dtype(kv_cache_torch_dtype(n, self.kv_dtype)).bytes_per_block(
+            self.block_size) for n in names}
+        return {n: self.kv_cache_budget // b * self.block_size for n, b in per_block.items()}
+
+    def tokens_per_dtype_text(self) -> str:
+        return ", ".join(f"{tokens:,} in {name}" for name, tokens in self.tokens_per_dtype().items())
 
     @torch.no_grad()  # the loaded model's parameters still require grad: no step may record an autograd graph
     def execute(self, out: SchedulerOutput) -> StepResult:
@@ -171,19 +202,39 @@ class ModelRunner:
     def _score_prompts(self, out: SchedulerOutput, starts: list[int], hidden: torch.Tensor, result: StepResult
                        ) -> None:
         """Prompt log-probabilities for requests that ask for them: the row computed at position p scores prompt
-        token p + 1."""
+        token p + 1 (the vocabulary projection in slices of SCORE_ROWS rows: a 2048-token chunk's fp32 logits
+        would take 400 MB at once). A request admitted with a cached prefix gets that prefix's scores from
+        prompt_scores (kept when it was first scored); every full prompt block scored is kept there."""
+        bs, scores = self.block_size, self.prompt_scores
         for i, item in enumerate(out.scheduled):
             seq = item.seq
             top = seq.params.prompt_logprobs
-            first = seq.num_computed_tokens
-            last = min(first + item.num_new_tokens, seq.num_prompt_tokens - 1)  # positions whose next is prompt
-            if top is None or last <= first:
+            if top is None:
                 continue
-            rows = hidden[starts[i]: starts[i] + (last - first)]
-            logits = self.decoder.logits(rows, as_float=True).cpu()  # [positions, vocab]
+            first, num_prompt = seq.num_computed_tokens, seq.num_prompt_tokens
+            state = scores.sequences.get(seq.seq_id)
+            prefix_entries = []
+            if state is None or first == seq.num_cached_tokens:  # (re)admitted
+                state = scores.start(seq.seq_id, seq.token_ids[:num_prompt])
+                if first:  # a prefix-cache hit: its scores, and the next token's from the hit's last hidden state
+                    cached, hidden_end = scores.cached_entries(state, first // bs)
+                    logits = self.decoder.logits(hidden_end[None], as_float=True).cpu()
+                    prefix_entries = cached + rows_token_logprobs(logits, [seq.token_ids[first]], top)
+                    state.stored = first // bs
+            last = min(first + item.num_new_tokens, num_prompt - 1)  # positions whose next token is prompt
+            rows = hidden[starts[i]: starts[i] + max(0, last - first)]
             targets = seq.token_ids[first + 1: last + 1]
-            entries = [token_logprobs(row, token, top) for row, token in zip(logits, targets, strict=True)]
-            result.prompt_logprobs[seq.seq_id] = (first + 1, entries)
+            entries = []
+            for r in range(0, len(targets), SCORE_ROWS):
+                logits = self.decoder.logits(rows[r:r + SCORE_ROWS], as_float=True).cpu()  # [rows, vocab]
+                entries += rows_token_logprobs(logits, targets[r:r + SCORE_ROWS], top)
+            # the hidden state at the last position of each full prompt block computed in this step
+            end = min(first + item.num_new_tokens, num_prompt // bs * bs)
+            block_ends = {p // bs: hidden[starts[i] + p - first].clone()
+                          for p in range(first // bs * bs + bs - 1, end, bs) if p >= first}
+            scores.record(state, prefix_entries + entries, block_ends, top)
+            if prefix_entries or entries:
+                result.prompt_logprobs[seq.seq_id] = (1 if prefix_entries else first + 1, prefix_entries + entries)
 
     def _generator(self, seq) -> torch.Generator | None:
         if seq.params.seed is None:
@@ -195,8 +246,9 @@ class ModelRunner:
 
     def release(self, seq_id: int) -> None:
         self.generators.pop(seq_id, None)
+        self.prompt_scores.release(seq_id)
         self.last_hidden.pop(seq_id, None)
 
     def has_request_state(self) -> bool:
         """Whether any request still holds per-request state here (seeded generators)."""
-        return bool(self.generators or self.last_hidden)
+        return bool(self.generators or self.last_hidden or self.prompt_scores.sequences)

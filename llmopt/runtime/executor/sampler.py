@@ -40,3 +40,18 @@ def token_logprobs(logits: torch.Tensor, token_id: int, top_n: int) -> dict[int,
         result = dict(zip(ids.tolist(), values.tolist()))
     result[token_id] = float(logprobs[token_id])
     return result
+
+
+def rows_token_logprobs(logits: torch.Tensor, token_ids: list[int], top_n: int) -> list[dict[int, float]]:
+    """token_logprobs for each row of logits [R, vocab] and its token, in one pass over the rows."""
+    logprobs = torch.log_softmax(logits.float(), dim=-1)
+    picked = logprobs.gather(1, torch.tensor(token_ids, dtype=torch.long)[:, None])[:, 0].tolist()
+    if not top_n:
+        return [{token: value} for token, value in zip(token_ids, picked)]
+    values, ids = torch.topk(logprobs, min(top_n, logprobs.shape[-1]), dim=-1)
+    rows = []
+    for top_ids, top_values, token, value in zip(ids.tolist(), values.tolist(), token_ids, picked):
+        entry = dict(zip(top_ids, top_values))
+        entry[token] = value
+        rows.append(entry)
+    return rows

@@ -1,9 +1,10 @@
-"""The compiled CPU backend (kernels/csrc/paged_attention_cpu.cpp): decodes read the paged blocks in place, the
-store is one compiled copy; prefill chunks run SDPA as the reference does. The fast path's default on CPU."""
+"""The compiled CPU backend (kernels/csrc/paged_attention_cpu.cpp): decodes read the paged blocks in place (8-bit
+ones too), the store is one compiled copy (or quantization); prefill chunks run as the reference does. The fast
+path's default on CPU."""
 
 from __future__ import annotations
 
-from llmopt.runtime.executor.attention.base import AttentionBackend, register_attention_backend
+from llmopt.runtime.executor.attention.base import AttentionBackend, cache_scales, register_attention_backend
 from llmopt.runtime.executor.kernels.attention import compiled_store_kv, reference_paged_attention
 from llmopt.runtime.executor.kernels.cpu_ops import cpu_ops
 
@@ -13,12 +14,14 @@ class CpuAttention(AttentionBackend):
     name, priority, layouts = "cpu", 10, ("kv",)
 
     @classmethod
-    def accepts(cls, device, layout, fast):
+    def accepts(cls, device, layout, fast, quantized=False):
         # the exact mode keeps the reference (its decode rounding differs in the last bits)
-        return device.type == "cpu" and super().accepts(device, layout, fast) and fast and cpu_ops() is not None
+        return (device.type == "cpu" and super().accepts(device, layout, fast, quantized) and fast
+                and cpu_ops() is not None)
 
     def store(self, k, v, cache, meta):
-        compiled_store_kv(k, v, cache[0], cache[1], meta.slot_mapping)
+        compiled_store_kv(k, v, cache[0], cache[1], meta.slot_mapping, cache_scales(cache))
 
     def attend(self, q, cache, meta, scale, k_new, v_new):
-        return reference_paged_attention(q, cache[0], cache[1], meta, scale, k_new, v_new, compiled=True)
+        return reference_paged_attention(q, cache[0], cache[1], meta, scale, k_new, v_new, compiled=True,
+                                         scales=cache_scales(cache))

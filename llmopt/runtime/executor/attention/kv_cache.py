@@ -4,6 +4,8 @@ every size is computed from it — the engine's block budget, start-up's summary
 Layouts:
 - "kv": a key and a value per KV head per token (multi-head, grouped- and multi-query attention);
   per layer two tensors [num_blocks, block_size, num_kv_heads, head_dim].
+  With an 8-bit dtype (int8, float8_e4m3fn: kernels/kv_quant.py) two more per layer, the fp32 scale of each
+  token's key and value per KV head: [num_blocks, block_size, num_kv_heads].
 - "latent": one compressed vector per token (DeepSeek's multi-head latent attention: the kv_lora_rank latent and
   the shared rope key, latent_dim + rope_dim values); per layer one tensor [num_blocks, block_size, 1,
   latent_dim + rope_dim].
@@ -11,11 +13,15 @@ Layouts:
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Literal
 
 import numpy as np
 import torch
+
+from llmopt.runtime.executor.kernels.kv_quant import is_quantized_kv
+
+SCALE_DTYPE = torch.float32  # an 8-bit cache's per-vector scales
 
 
 @dataclass(frozen=True)
@@ -28,9 +34,18 @@ class KVCacheSpec:
     latent_dim: int = 0  # "latent": kv_lora_rank
     rope_dim: int = 0  # "latent": qk_rope_head_dim
 
+    def __post_init__(self):
+        if self.quantized and self.layout != "kv":
+            raise ValueError(f"an 8-bit KV cache needs the kv layout (got {self.layout})")
+
+    @property
+    def quantized(self) -> bool:
+        """Whether the values are 8-bit codes with a scale per token and KV head."""
+        return is_quantized_kv(self.dtype)
+
     @property
     def element_bytes(self) -> int:
-        return torch.tensor([], dtype=self.dtype).element_size()
+        return self.dtype.itemsize
 
     @property
     def values_per_token_per_layer(self) -> int:
@@ -40,8 +55,12 @@ class KVCacheSpec:
 
     @property
     def bytes_per_token(self) -> int:
-        """All layers' cached values for one token."""
-        return self.num_layers * self.values_per_token_per_layer * self.element_bytes
+        """All layers' cached values for one token (with their scales in an 8-bit cache)."""
+        scales = 2 * self.num_kv_heads * SCALE_DTYPE.itemsize if self.quantized else 0
+        return self.num_layers * (self.values_per_token_per_layer * self.element_bytes + scales)
+
+    def with_dtype(self, dtype: torch.dtype) -> KVCacheSpec:
+        return replace(self, dtype=dtype)
 
     def bytes_per_block(self, block_size: int) -> int:
         return block_size * self.bytes_per_token
@@ -53,15 +72,23 @@ class KVCacheSpec:
             return [shape, shape]
         return [(num_blocks, block_size, 1, self.latent_dim + self.rope_dim)]
 
+    def scale_shapes(self, num_blocks: int, block_size: int) -> list[tuple[int, ...]]:
+        """The shapes of one layer's scale tensors (an 8-bit cache's; none otherwise)."""
+        return [(num_blocks, block_size, self.num_kv_heads)] * 2 if self.quantized else []
+
     def allocate(self, num_blocks: int, block_size: int, device: torch.device) -> KVCache:
-        layers = [tuple(zeros_lazily(shape, self.dtype, device) for shape in self.block_shapes(num_blocks, block_size))
+        """Per layer: the value tensors, then (8-bit) the key and value scales."""
+        layers = [tuple([zeros_lazily(shape, self.dtype, device) for shape in self.block_shapes(num_blocks, block_size)]
+                        + [zeros_lazily(shape, SCALE_DTYPE, device)
+                           for shape in self.scale_shapes(num_blocks, block_size)])
                   for _ in range(self.num_layers)]
         return KVCache(self, num_blocks, block_size, layers)
 
 
 @dataclass
 class KVCache:
-    """The allocated cache: `layers[i]` is layer i's (key, value) pair, or its (latent,) one-tuple."""
+    """The allocated cache: `layers[i]` is layer i's (key, value) pair, (key, value, key scales, value scales)
+    in 8 bits, or its (latent,) one-tuple."""
 
     spec: KVCacheSpec
     num_blocks: int
@@ -90,6 +117,6 @@ def zeros_lazily(shape: tuple[int, ...], dtype: torch.dtype, device: torch.devic
     """A zero tensor; on CPU from calloc'ed memory (numpy's zeros), whose pages the OS commits on first write."""
     if device.type != "cpu":
         return torch.zeros(shape, dtype=dtype, device=device)
-    element = torch.tensor([], dtype=dtype).element_size()
+    element = dtype.itemsize
     raw = np.zeros(int(np.prod(shape)) * element, dtype=np.uint8)
     return torch.from_numpy(raw).view(dtype).view(shape)

@@ -13,6 +13,7 @@ from llmopt.runtime.executor.attention.base import AttentionBackend, register_at
 @register_attention_backend
 class LatentTorchAttention(AttentionBackend):
     name, priority, layouts = "latent-torch", 0, ("latent",)
+    quantized_cache = False
 
     def store(self, latent, unused, cache, meta):
         """latent [T, 1, latent + rope] into its slots."""

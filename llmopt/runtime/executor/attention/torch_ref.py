@@ -3,7 +3,7 @@ greedy tokens match transformers' in fp32; every faster backend is tested agains
 
 from __future__ import annotations
 
-from llmopt.runtime.executor.attention.base import AttentionBackend, register_attention_backend
+from llmopt.runtime.executor.attention.base import AttentionBackend, cache_scales, register_attention_backend
 from llmopt.runtime.executor.kernels.attention import reference_paged_attention, reference_store_kv
 
 
@@ -12,7 +12,8 @@ class TorchAttention(AttentionBackend):
     name, priority, layouts = "torch", 0, ("kv",)
 
     def store(self, k, v, cache, meta):
-        reference_store_kv(k, v, cache[0], cache[1], meta.slot_mapping)
+        reference_store_kv(k, v, cache[0], cache[1], meta.slot_mapping, cache_scales(cache))
 
     def attend(self, q, cache, meta, scale, k_new, v_new):
-        return reference_paged_attention(q, cache[0], cache[1], meta, scale, k_new, v_new, compiled=False)
+        return reference_paged_attention(q, cache[0], cache[1], meta, scale, k_new, v_new, compiled=False,
+                                         scales=cache_scales(cache))

@@ -20,12 +20,19 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from functools import lru_cache
+from typing import Optional
 
 import torch
 import torch.nn.functional as F
 
 from llmopt.runtime.executor.kernels.cpu_ops import cpu_ops
+from llmopt.runtime.executor.kernels.kv_quant import dequantize_kv, fake_quantize_kv, quantize_kv
 
+
+# Prefill chunks after a cached prefix of at least this many tokens attend without a [chunk, context] mask
+# (_attend_after_prefix: two tiled kernels merged by log-sum-exp); shorter ones through one masked SDPA, whose
+# fixed cost is lower (a 20-token chunk: ~0.1 ms less per layer) and whose mask is small.
+TILED_MIN_CHUNK = 128
 
 # Sequences with at most this many new tokens after a cached prefix attend as decode rows (batched with the
 # decodes, through the compiled kernel on CPU) instead of one masked SDPA per sequence.
@@ -110,69 +117,101 @@ def triton_available() -> bool:
     return True
 
 
-def triton_paged_attention(q, k_cache, v_cache, meta: AttentionMetadata, scale: float) -> torch.Tensor:
+def triton_paged_attention(q, k_cache, v_cache, meta: AttentionMetadata, scale: float, scales: Scales = None
+                           ) -> torch.Tensor:
     """Decode-only steps: the split-KV decode kernel; steps with prefill chunks: the prefill kernel over every
-    sequence (a decode is a one-token chunk)."""
+    sequence (a decode is a one-token chunk). scales: an 8-bit cache's (its codes decoded in registers)."""
     from llmopt.runtime.executor.kernels.triton_decode_attention import decode_attention
     from llmopt.runtime.executor.kernels.triton_prefill_attention import prefill_attention
 
     t = meta.device_tensors
     if not meta.prefills:
-        return decode_attention(q, k_cache, v_cache, t["block_tables"], t["context_lens"], scale)
+        return decode_attention(q, k_cache, v_cache, t["block_tables"], t["context_lens"], scale, scales=scales)
     return prefill_attention(q, k_cache, v_cache, t["query_starts"], t["context_lens"], t["block_tables"], scale,
-                             t["max_new_tokens"], block_m=16 if t["max_new_tokens"] <= 16 else 64)
+                             t["max_new_tokens"], block_m=16 if t["max_new_tokens"] <= 16 else 64, scales=scales)
+
+
+Scales = Optional[tuple[torch.Tensor, torch.Tensor]]  # an 8-bit cache's (key, value) scales [blocks, bs, kv_heads]
 
 
 def store_kv(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-             slot_mapping: torch.Tensor) -> None:
-    """Write k, v [T, num_kv_heads, head_dim] into their slots (Triton on CUDA, the compiled copy on CPU)."""
+             slot_mapping: torch.Tensor, scales: Scales = None) -> None:
+    """Write k, v [T, num_kv_heads, head_dim] into their slots (Triton on CUDA, the compiled copy on CPU); an
+    8-bit cache (`scales` given) gets their codes and scales (kv_quant.quantize_kv)."""
     if k_cache.is_cuda and triton_available():
         from llmopt.runtime.executor.kernels.triton_store_kv import store_kv as triton_store_kv
 
-        return triton_store_kv(k, v, k_cache, v_cache, slot_mapping)
-    return compiled_store_kv(k, v, k_cache, v_cache, slot_mapping)
+        return triton_store_kv(k, v, k_cache, v_cache, slot_mapping, scales)
+    return compiled_store_kv(k, v, k_cache, v_cache, slot_mapping, scales)
 
 
 def compiled_store_kv(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-                      slot_mapping: torch.Tensor) -> None:
-    """The compiled CPU copy where the layouts allow it (a plain copy: the same bits as the reference)."""
-    if (k_cache.device.type == "cpu" and k.dtype == k_cache.dtype == v.dtype
+                      slot_mapping: torch.Tensor, scales: Scales = None) -> None:
+    """The compiled CPU store where the layouts allow it (the same bits as the reference: a copy, or in 8 bits
+    the same quantization)."""
+    if (k_cache.device.type == "cpu" and k.dtype == v.dtype and (scales is not None or k.dtype == k_cache.dtype)
             and k.stride(-1) == v.stride(-1) == 1 and k.stride(1) == v.stride(1) == k.shape[2]):
         ops = cpu_ops()
         if ops is not None:
-            return ops.store_kv_(k_cache, v_cache, k, v, slot_mapping)
-    reference_store_kv(k, v, k_cache, v_cache, slot_mapping)
+            if scales is None:
+                return ops.store_kv_(k_cache, v_cache, k, v, slot_mapping)
+            return ops.store_kv_quantized_(k_cache, v_cache, scales[0], scales[1], k, v, slot_mapping)
+    reference_store_kv(k, v, k_cache, v_cache, slot_mapping, scales)
 
 
 def reference_store_kv(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-                       slot_mapping: torch.Tensor) -> None:
+                       slot_mapping: torch.Tensor, scales: Scales = None) -> None:
     num_kv_heads, head_dim = k_cache.shape[-2:]
-    k_cache.view(-1, num_kv_heads, head_dim)[slot_mapping] = k.to(k_cache.dtype)
-    v_cache.view(-1, num_kv_heads, head_dim)[slot_mapping] = v.to(v_cache.dtype)
+    if scales is None:
+        k_cache.view(-1, num_kv_heads, head_dim)[slot_mapping] = k.to(k_cache.dtype)
+        v_cache.view(-1, num_kv_heads, head_dim)[slot_mapping] = v.to(v_cache.dtype)
+        return
+    for x, cache, scale in ((k, k_cache, scales[0]), (v, v_cache, scales[1])):
+        codes, vector_scales = quantize_kv(x, cache.dtype)
+        # (float8 tensors take no index_put: write their bytes)
+        cache.view(torch.uint8).view(-1, num_kv_heads, head_dim)[slot_mapping] = codes.view(torch.uint8)
+        scale.view(-1, num_kv_heads)[slot_mapping] = vector_scales
+
+
+def gather_kv(cache: torch.Tensor, scale: torch.Tensor | None, block_ids: torch.Tensor, dtype: torch.dtype
+              ) -> torch.Tensor:
+    """The rows of whole blocks [len(block_ids) * block_size, kv_heads, head_dim] in dtype (an 8-bit cache's
+    dequantized: only these blocks, never the whole cache)."""
+    num_kv_heads, head_dim = cache.shape[2:]
+    rows = cache.index_select(0, block_ids) if cache.dtype != torch.float8_e4m3fn else (
+        cache.view(torch.uint8).index_select(0, block_ids).view(cache.dtype))
+    rows = rows.reshape(-1, num_kv_heads, head_dim)
+    if scale is None:
+        return rows.to(dtype)
+    return dequantize_kv(rows, scale.index_select(0, block_ids).reshape(-1, num_kv_heads), dtype)
 
 
 def _attend_decodes(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, decode: DecodeGroup,
-                    scale: float, compiled: bool | None = None) -> torch.Tensor:
+                    scale: float, compiled: bool | None = None, scales: Scales = None) -> torch.Tensor:
     """q [B, num_heads, head_dim] -> [B, num_heads, head_dim], each over its own cached keys. compiled: use the
-    CPU kernel (None: for half-precision caches only)."""
+    CPU kernel (None: for half-precision and 8-bit caches only)."""
     if compiled is None:
         compiled = k_cache.dtype != torch.float32
     if compiled and k_cache.device.type == "cpu":
         ops = cpu_ops()
+        if ops is not None and scales is not None:
+            # the 8-bit blocks read in place: the codes as bytes, q and the output in q's dtype
+            return ops.paged_decode_attention_quantized(
+                q, k_cache.view(torch.uint8), v_cache.view(torch.uint8), scales[0], scales[1], decode.block_tables,
+                decode.context_lens, scale, k_cache.dtype == torch.float8_e4m3fn)
         if ops is not None:
             out = ops.paged_decode_attention(q if q.dtype == k_cache.dtype else q.to(k_cache.dtype), k_cache,
                                              v_cache, decode.block_tables, decode.context_lens, scale)
             return out if out.dtype == q.dtype else out.to(q.dtype)
     num_seqs, width = decode.block_tables.shape
-    num_blocks, block_size, num_kv_heads, head_dim = k_cache.shape
-    # index_select over whole blocks (rows of block_size * kv_heads * hd) is a plain memcpy per block, several
-    # times faster than advanced indexing; -> [B, kv_heads, blocks * block_size, hd]
+    block_size, num_kv_heads, head_dim = k_cache.shape[1:]
+    # index_select over whole blocks is a plain memcpy per block, several times faster than advanced indexing;
+    # -> [B, kv_heads, blocks * block_size, hd]
     flat = decode.block_tables.reshape(-1)
-    k = k_cache.view(num_blocks, -1).index_select(0, flat).view(num_seqs, width * block_size, num_kv_heads,
-                                                                 head_dim).transpose(1, 2)
-    v = v_cache.view(num_blocks, -1).index_select(0, flat).view(num_seqs, width * block_size, num_kv_heads,
-                                                                 head_dim).transpose(1, 2)
-    o = F.scaled_dot_product_attention(q.unsqueeze(2), k.to(q.dtype), v.to(q.dtype), attn_mask=decode.mask,
+    k, v = (gather_kv(cache, None if scales is None else scales[i], flat, q.dtype)
+            .view(num_seqs, width * block_size, num_kv_heads, head_dim).transpose(1, 2)
+            for i, cache in enumerate((k_cache, v_cache)))
+    o = F.scaled_dot_product_attention(q.unsqueeze(2), k, v, attn_mask=decode.mask,
                                        scale=scale, enable_gqa=q.shape[1] != num_kv_heads)
     return o[:, :, 0]
 
@@ -194,48 +233,100 @@ def _fresh_runs(prefills: list[PrefillGroup]) -> tuple[list[tuple[int, int, int]
 
 def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, meta: AttentionMetadata,
                     scale: float, k_new: torch.Tensor | None = None, v_new: torch.Tensor | None = None,
-                    compiled: bool | None = None) -> torch.Tensor:
+                    compiled: bool | None = None, scales: Scales = None) -> torch.Tensor:
     """Causal attention of each sequence's new queries over its cached keys; returns [T, num_heads, head_dim].
 
     k_new, v_new [T, num_kv_heads, head_dim]: this step's keys and values (already stored): prompts with nothing
     cached before attend over them directly, equal-length ones in one batched causal SDPA (a 2048-token chunk of
     128-token prompts: one call per layer instead of 16 gathers, masks and calls). compiled: decodes through the
-    CPU kernel (None: for half-precision caches only). On CUDA with Triton: the Triton kernels."""
+    CPU kernel (None: for half-precision and 8-bit caches only). scales: an 8-bit cache's. On CUDA with Triton:
+    the Triton kernels."""
     if meta.device_tensors is not None and triton_available():
-        return triton_paged_attention(q, k_cache, v_cache, meta, scale)
-    return reference_paged_attention(q, k_cache, v_cache, meta, scale, k_new, v_new, compiled)
+        return triton_paged_attention(q, k_cache, v_cache, meta, scale, scales)
+    return reference_paged_attention(q, k_cache, v_cache, meta, scale, k_new, v_new, compiled, scales)
 
 
 def reference_paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, meta: AttentionMetadata,
                               scale: float, k_new: torch.Tensor | None = None, v_new: torch.Tensor | None = None,
-                              compiled: bool | None = None) -> torch.Tensor:
-    """paged_attention in torch (decodes through the compiled CPU kernel when `compiled`)."""
+                              compiled: bool | None = None, scales: Scales = None) -> torch.Tensor:
+    """paged_attention in torch (decodes through the compiled CPU kernel when `compiled`).
+
+    An 8-bit cache's values are what attention sees everywhere: this step's keys and values are taken as the
+    cache holds them (fake_quantize_kv), so a prompt attends to the same numbers whether its prefix was just
+    computed, came from the prefix cache or from an earlier chunk."""
     num_kv_heads, head_dim = k_cache.shape[2:]
     num_heads = q.shape[1]
     if meta.decode is not None and meta.decode.contiguous and not meta.prefills:
-        return _attend_decodes(q, k_cache, v_cache, meta.decode, scale, compiled)
+        return _attend_decodes(q, k_cache, v_cache, meta.decode, scale, compiled, scales)
     out = torch.empty_like(q)
     if meta.decode is not None:
         rows = meta.decode.rows
-        out[rows] = _attend_decodes(q[rows], k_cache, v_cache, meta.decode, scale, compiled)
+        out[rows] = _attend_decodes(q[rows], k_cache, v_cache, meta.decode, scale, compiled, scales)
     prefills = meta.prefills
-    if k_new is not None and k_new.dtype == k_cache.dtype:
-        runs, prefills = _fresh_runs(prefills)
-        for start, count, length in runs:
-            end = start + count * length
-            # [count, heads, length, head_dim] views of the flat batch
-            qb, kb, vb = (t[start:end].view(count, length, t.shape[1], head_dim).transpose(1, 2)
-                          for t in (q, k_new, v_new))
-            o = F.scaled_dot_product_attention(qb, kb.to(q.dtype), vb.to(q.dtype), is_causal=True, scale=scale,
-                                               enable_gqa=num_heads != num_kv_heads)
-            out[start:end] = o.transpose(1, 2).reshape(end - start, num_heads, head_dim)
+    if k_new is None or (scales is None and k_new.dtype != k_cache.dtype) or q.device.type != "cpu":
+        # (callers without this step's keys, and devices without the tiled CPU kernel: one masked SDPA each)
+        for p in prefills:
+            out[p.start:p.end] = _attend_masked(q[p.start:p.end], k_cache, v_cache, p, scale, scales)
+        return out
+    if scales is not None and prefills:
+        k_new, v_new = (fake_quantize_kv(x, c.dtype).to(q.dtype) for x, c in ((k_new, k_cache), (v_new, v_cache)))
+    runs, prefills = _fresh_runs(prefills)
+    for start, count, length in runs:
+        end = start + count * length
+        # [count, heads, length, head_dim] views of the flat batch
+        qb, kb, vb = (t[start:end].view(count, length, t.shape[1], head_dim).transpose(1, 2)
+                      for t in (q, k_new, v_new))
+        o = F.scaled_dot_product_attention(qb, kb.to(q.dtype), vb.to(q.dtype), is_causal=True, scale=scale,
+                                           enable_gqa=num_heads != num_kv_heads)
+        out[start:end] = o.transpose(1, 2).reshape(end - start, num_heads, head_dim)
     for p in prefills:
-        k = k_cache.index_select(0, p.block_ids).reshape(-1, num_kv_heads, head_dim)[: p.context_len]
-        v = v_cache.index_select(0, p.block_ids).reshape(-1, num_kv_heads, head_dim)[: p.context_len]
-        o = F.scaled_dot_product_attention(
-            q[p.start:p.end].transpose(0, 1).unsqueeze(0), k.transpose(0, 1).unsqueeze(0).to(q.dtype),
-            v.transpose(0, 1).unsqueeze(0).to(q.dtype), attn_mask=p.mask, scale=scale,
-            enable_gqa=num_heads != num_kv_heads,
-        )
-        out[p.start:p.end] = o[0].transpose(0, 1)
+        if p.end - p.start < TILED_MIN_CHUNK:  # a short chunk: its mask is small, one SDPA costs less
+            out[p.start:p.end] = _attend_masked(q[p.start:p.end], k_cache, v_cache, p, scale, scales)
+        else:
+            out[p.start:p.end] = _attend_after_prefix(q[p.start:p.end], k_new[p.start:p.end], v_new[p.start:p.end],
+                                                      k_cache, v_cache, p, scale, scales)
     return out
+
+
+def _attend_masked(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, p: PrefillGroup, scale: float,
+                   scales: Scales) -> torch.Tensor:
+    """q [new, heads, hd] over the sequence's gathered blocks with its [new, context] causal mask."""
+    k, v = (gather_kv(c, None if scales is None else scales[i], p.block_ids, q.dtype)[: p.context_len]
+            for i, c in enumerate((k_cache, v_cache)))
+    o = F.scaled_dot_product_attention(q.transpose(0, 1).unsqueeze(0), k.transpose(0, 1).unsqueeze(0),
+                                       v.transpose(0, 1).unsqueeze(0), attn_mask=p.mask, scale=scale,
+                                       enable_gqa=q.shape[1] != k_cache.shape[2])
+    return o[0].transpose(0, 1)
+
+
+def _attend_after_prefix(q: torch.Tensor, k_new: torch.Tensor, v_new: torch.Tensor, k_cache: torch.Tensor,
+                         v_cache: torch.Tensor, p: PrefillGroup, scale: float, scales: Scales) -> torch.Tensor:
+    """A prefill chunk after a cached prefix, without a [new, context] mask or score matrix: the new queries
+    q [new, heads, hd] over the prefix's keys (no mask) and, causally, over their own (k_new, v_new [new,
+    kv_heads, hd]), each through a tiled (flash) attention kernel that returns its log-sum-exp; the two halves
+    are merged by those. Memory: the prefix's rows once, never the square of the chunk."""
+    new, num_heads, head_dim = q.shape
+    num_kv_heads = k_cache.shape[2]
+    group = num_heads // num_kv_heads
+    prefix_len = p.context_len - new
+    prefix_blocks = p.block_ids[: -(-prefix_len // k_cache.shape[1])]
+    k, v = (gather_kv(c, None if scales is None else scales[i], prefix_blocks, q.dtype)[:prefix_len]
+            for i, c in enumerate((k_cache, v_cache)))
+    # prefix: no mask, so each KV head's query rows (its group's heads x new tokens) attend together
+    q_grouped = q.view(new, num_kv_heads, group, head_dim).permute(1, 2, 0, 3).reshape(1, num_kv_heads,
+                                                                                         group * new, head_dim)
+    o_prefix, lse_prefix = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
+        q_grouped, k.transpose(0, 1).unsqueeze(0), v.transpose(0, 1).unsqueeze(0), 0.0, False, scale=scale)[:2]
+    o_prefix = o_prefix.reshape(num_heads, new, head_dim)  # rows were (group, new) per KV head
+    lse_prefix = lse_prefix.reshape(num_heads, new)
+    # the chunk itself, causally: its keys repeated per query head (the chunk's rows only)
+    k_heads, v_heads = (x.to(q.dtype).repeat_interleave(group, dim=1).transpose(0, 1).unsqueeze(0)
+                        for x in (k_new, v_new))
+    o_chunk, lse_chunk = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
+        q.transpose(0, 1).unsqueeze(0), k_heads, v_heads, 0.0, True, scale=scale)[:2]
+    o_chunk, lse_chunk = o_chunk[0], lse_chunk[0]  # [heads, new, hd], [heads, new]
+    # softmax over both halves: weights exp(lse_half - lse_total)
+    lse = torch.logaddexp(lse_prefix, lse_chunk)
+    merged = (o_prefix.float() * torch.exp(lse_prefix - lse)[..., None]
+              + o_chunk.float() * torch.exp(lse_chunk - lse)[..., None])
+    return merged.to(q.dtype).transpose(0, 1)

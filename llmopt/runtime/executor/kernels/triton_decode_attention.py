@@ -6,7 +6,9 @@ log-sum-exp; a second small kernel merges the splits. Splitting the KV length ke
 where there are only num_kv_heads programs per sequence otherwise.
 
 Shapes: q [B, H, D]; k_cache / v_cache [num_blocks, block_size, KVH, D]; block_tables [B, max_blocks] int32;
-context_lens [B] int32; out [B, H, D]. Reference: `kernels.attention._attend_decodes`.
+context_lens [B] int32; out [B, H, D]. An 8-bit cache (kernels/kv_quant.py) adds its fp32 scales [num_blocks,
+block_size, KVH]: codes are decoded in registers (`dequantize_codes`) and multiplied by their token's scale.
+Reference: `kernels.attention._attend_decodes`.
 """
 
 from __future__ import annotations
@@ -17,8 +19,32 @@ import triton.language as tl
 
 
 @triton.jit
+def dequantize_codes(raw, FP8: tl.constexpr):
+    """8-bit codes -> fp32: int8 as integers; E4M3 (loaded as uint8) by rebiasing the exponent (7 -> 127) in the
+    bit pattern, subnormals (exponent field 0) as mantissa x 2^-9 (csrc/simd.h's e4m3_to_float)."""
+    if FP8:
+        bits = raw.to(tl.int32) & 0xFF
+        mag = bits & 0x7F
+        normal = ((mag << 20) + (120 << 23)).to(tl.float32, bitcast=True)
+        value = tl.where(mag < 8, mag.to(tl.float32) * (1.0 / 512), normal)
+        return tl.where((bits & 0x80) != 0, -value, value)
+    return raw.to(tl.float32)
+
+
+def code_operands(k_cache: torch.Tensor, v_cache: torch.Tensor, scales) -> tuple:
+    """(k codes, v codes, k scales, v scales, QUANT, FP8) for the kernels: E4M3 codes travel as uint8; without
+    scales the caches themselves stand in for the unused scale pointers."""
+    if scales is None:
+        return k_cache, v_cache, k_cache, v_cache, False, False
+    fp8 = k_cache.dtype == torch.float8_e4m3fn
+    if fp8:
+        k_cache, v_cache = k_cache.view(torch.uint8), v_cache.view(torch.uint8)
+    return k_cache, v_cache, scales[0], scales[1], True, fp8
+
+
+@triton.jit
 def _decode_split_kernel(
-    q_ptr, k_ptr, v_ptr, tables_ptr, lens_ptr, part_out_ptr, part_lse_ptr,
+    q_ptr, k_ptr, v_ptr, ks_ptr, vs_ptr, tables_ptr, lens_ptr, part_out_ptr, part_lse_ptr,
     scale,
     stride_qb, stride_qh,
     stride_kb, stride_kt, stride_kh,
@@ -26,7 +52,7 @@ def _decode_split_kernel(
     stride_pb, stride_ph, stride_ps,
     stride_lb, stride_lh,
     GROUP: tl.constexpr, BLOCK_G: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
-    PAGE: tl.constexpr, PAGES_PER_SPLIT: tl.constexpr,
+    PAGE: tl.constexpr, PAGES_PER_SPLIT: tl.constexpr, QUANT: tl.constexpr, FP8: tl.constexpr,
 ):
     seq = tl.program_id(0)
     kv_head = tl.program_id(1)
@@ -52,8 +78,15 @@ def _decode_split_kernel(
             block = tl.load(tables_ptr + seq * stride_tb + page)
             kv_off = block * stride_kb + offs_t[:, None] * stride_kt + kv_head * stride_kh + offs_d[None, :]
             kv_mask = t_mask[:, None] & d_mask[None, :]
-            k = tl.load(k_ptr + kv_off, mask=kv_mask, other=0.0).to(tl.float32)  # [PAGE, D]
-            v = tl.load(v_ptr + kv_off, mask=kv_mask, other=0.0).to(tl.float32)
+            if QUANT:  # scales [blocks, PAGE, KVH] contiguous
+                s_off = (block * PAGE + offs_t) * (stride_kt // stride_kh) + kv_head
+                k = dequantize_codes(tl.load(k_ptr + kv_off, mask=kv_mask, other=0), FP8) * tl.load(
+                    ks_ptr + s_off, mask=t_mask, other=0.0)[:, None]
+                v = dequantize_codes(tl.load(v_ptr + kv_off, mask=kv_mask, other=0), FP8) * tl.load(
+                    vs_ptr + s_off, mask=t_mask, other=0.0)[:, None]
+            else:
+                k = tl.load(k_ptr + kv_off, mask=kv_mask, other=0.0).to(tl.float32)  # [PAGE, D]
+                v = tl.load(v_ptr + kv_off, mask=kv_mask, other=0.0).to(tl.float32)
             s = tl.sum(q[:, None, :] * k[None, :, :], axis=2) * scale  # [G, PAGE]
             s = tl.where(t_mask[None, :], s, float("-inf"))
             m_new = tl.maximum(m_i, tl.max(s, axis=1))
@@ -91,7 +124,8 @@ def _merge_splits_kernel(part_out_ptr, part_lse_ptr, out_ptr,
 
 
 def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
-                     context_lens: torch.Tensor, scale: float, num_splits: int | None = None) -> torch.Tensor:
+                     context_lens: torch.Tensor, scale: float, num_splits: int | None = None, scales=None
+                     ) -> torch.Tensor:
     num_seqs, num_heads, head_dim = q.shape
     _, page, num_kv_heads, _ = k_cache.shape
     group = num_heads // num_kv_heads
@@ -106,12 +140,13 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
     part_out = torch.empty(num_seqs, num_heads, num_splits, head_dim, dtype=torch.float32, device=q.device)
     part_lse = torch.empty(num_seqs, num_heads, num_splits, dtype=torch.float32, device=q.device)
     block_d = triton.next_power_of_2(head_dim)
+    k_codes, v_codes, k_scales, v_scales, quant, fp8 = code_operands(k_cache, v_cache, scales)
     _decode_split_kernel[(num_seqs, num_kv_heads, num_splits)](
-        q, k_cache, v_cache, block_tables, context_lens, part_out, part_lse, scale,
+        q, k_codes, v_codes, k_scales, v_scales, block_tables, context_lens, part_out, part_lse, scale,
         q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), block_tables.stride(0),
         part_out.stride(0), part_out.stride(1), part_out.stride(2), part_lse.stride(0), part_lse.stride(1),
         GROUP=group, BLOCK_G=triton.next_power_of_2(group), HEAD_DIM=head_dim, BLOCK_D=block_d,
-        PAGE=page, PAGES_PER_SPLIT=pages_per_split,
+        PAGE=page, PAGES_PER_SPLIT=pages_per_split, QUANT=quant, FP8=fp8,
     )
     out = torch.empty_like(q)
     _merge_splits_kernel[(num_seqs, num_heads)](

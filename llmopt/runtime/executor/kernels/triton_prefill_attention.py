@@ -4,7 +4,8 @@ are stored there first, so one loop covers prefix and chunk).
 
 One program per (sequence, query head, block of BLOCK_M new tokens); online softmax over pages.
 Shapes: q [T, H, D] (sequences concatenated); query_starts [S + 1] int32; context_lens [S] int32;
-block_tables [S, max_blocks] int32; caches [num_blocks, page, KVH, D]; out [T, H, D].
+block_tables [S, max_blocks] int32; caches [num_blocks, page, KVH, D]; out [T, H, D]. An 8-bit cache's codes
+are decoded in registers and scaled per token (as the decode kernel does).
 Reference: `kernels.attention.paged_attention` (prefill groups).
 """
 
@@ -14,15 +15,17 @@ import torch
 import triton
 import triton.language as tl
 
+from llmopt.runtime.executor.kernels.triton_decode_attention import code_operands, dequantize_codes
+
 
 @triton.jit
 def _prefill_kernel(
-    q_ptr, k_ptr, v_ptr, out_ptr, starts_ptr, lens_ptr, tables_ptr,
+    q_ptr, k_ptr, v_ptr, ks_ptr, vs_ptr, out_ptr, starts_ptr, lens_ptr, tables_ptr,
     scale,
     stride_qt, stride_qh, stride_ot, stride_oh,
     stride_kb, stride_kt, stride_kh, stride_tb,
     GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr,
-    PAGE: tl.constexpr,
+    PAGE: tl.constexpr, QUANT: tl.constexpr, FP8: tl.constexpr,
 ):
     seq = tl.program_id(0)
     head = tl.program_id(1)
@@ -50,8 +53,16 @@ def _prefill_kernel(
             k_pos = page * PAGE + offs_t
             kv_off = block * stride_kb + offs_t[:, None] * stride_kt + kv_head * stride_kh + offs_d[None, :]
             kv_mask = (k_pos < ctx)[:, None] & d_mask[None, :]
-            k = tl.load(k_ptr + kv_off, mask=kv_mask, other=0.0)
-            v = tl.load(v_ptr + kv_off, mask=kv_mask, other=0.0)
+            if QUANT:  # scales [blocks, PAGE, KVH] contiguous
+                s_off = (block * PAGE + offs_t) * (stride_kt // stride_kh) + kv_head
+                k = dequantize_codes(tl.load(k_ptr + kv_off, mask=kv_mask, other=0), FP8) * tl.load(
+                    ks_ptr + s_off, mask=k_pos < ctx, other=0.0)[:, None]
+                v = dequantize_codes(tl.load(v_ptr + kv_off, mask=kv_mask, other=0), FP8) * tl.load(
+                    vs_ptr + s_off, mask=k_pos < ctx, other=0.0)[:, None]
+                v = v.to(q.dtype)
+            else:
+                k = tl.load(k_ptr + kv_off, mask=kv_mask, other=0.0)
+                v = tl.load(v_ptr + kv_off, mask=kv_mask, other=0.0)
             s = tl.dot(q, tl.trans(k).to(q.dtype), input_precision="ieee").to(tl.float32) * scale  # [M, PAGE]
             visible = (k_pos[None, :] <= q_pos[:, None]) & (k_pos[None, :] < ctx) & m_mask[:, None]
             s = tl.where(visible, s, float("-inf"))
@@ -69,18 +80,20 @@ def _prefill_kernel(
 
 def prefill_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, query_starts: torch.Tensor,
                       context_lens: torch.Tensor, block_tables: torch.Tensor, scale: float,
-                      max_new_tokens: int, block_m: int = 32) -> torch.Tensor:
+                      max_new_tokens: int, block_m: int = 32, scales=None) -> torch.Tensor:
     num_heads, head_dim = q.shape[1:]
     _, page, num_kv_heads, _ = k_cache.shape
     num_seqs = context_lens.shape[0]
     q = q.contiguous()
     out = torch.empty_like(q)
     tables = block_tables.to(torch.int32).contiguous()
+    k_codes, v_codes, k_scales, v_scales, quant, fp8 = code_operands(k_cache, v_cache, scales)
     _prefill_kernel[(num_seqs, num_heads, triton.cdiv(max_new_tokens, block_m))](
-        q, k_cache, v_cache, out, query_starts.to(torch.int32).contiguous(), context_lens.to(torch.int32).contiguous(),
+        q, k_codes, v_codes, k_scales, v_scales, out, query_starts.to(torch.int32).contiguous(),
+        context_lens.to(torch.int32).contiguous(),
         tables, scale, q.stride(0), q.stride(1), out.stride(0), out.stride(1),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), tables.stride(0),
         GROUP=num_heads // num_kv_heads, HEAD_DIM=head_dim, BLOCK_D=triton.next_power_of_2(head_dim),
-        BLOCK_M=block_m, PAGE=page,
+        BLOCK_M=block_m, PAGE=page, QUANT=quant, FP8=fp8,
     )
     return out

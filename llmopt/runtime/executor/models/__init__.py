@@ -10,15 +10,17 @@ from llmopt.runtime.executor.models.weights import module_weights
 import_submodules(__name__)
 
 
-def build_runtime_model(model, attention_backend: str = "auto", fast: bool | None = None):
+def build_runtime_model(model, attention_backend: str = "auto", fast: bool | None = None,
+                        quantized_cache: bool = False):
     """The runtime model for a loaded checkpoint (RuntimeCheckpoint) or a loaded transformers model: its family's
-    class, its weights handed over by name, the attention backend chosen once."""
+    class, its weights handed over by name, the attention backend chosen once (one that reads an 8-bit cache
+    when quantized_cache)."""
     from llmopt.runtime.executor.attention import select_attention_backend
 
     config = model.config
     cls = model_class_for(config.model_type)
     device, dtype = next(model.parameters()).device, model.dtype  # (a transformers model's dtype: its floats')
     fast = fast if fast is not None else device.type == "cpu"
-    backend = select_attention_backend(attention_backend, device, cls.cache_layout, fast)
+    backend = select_attention_backend(attention_backend, device, cls.cache_layout, fast, quantized_cache)
     weights = model.named_weights() if isinstance(model, RuntimeCheckpoint) else module_weights(model)
     return cls(config, weights, backend, fast, dtype, device)

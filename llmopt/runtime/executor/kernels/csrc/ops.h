@@ -9,6 +9,12 @@
 namespace llmopt_cpu::attention {
 at::Tensor paged_decode_attention(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
                                   const at::Tensor& block_tables, const at::Tensor& context_lens, double scale);
+at::Tensor paged_decode_attention_quantized(const at::Tensor& q, const at::Tensor& k_codes, const at::Tensor& v_codes,
+                                            const at::Tensor& k_scales, const at::Tensor& v_scales,
+                                            const at::Tensor& block_tables, const at::Tensor& context_lens,
+                                            double scale, bool fp8);
+void store_kv_quantized_(at::Tensor& k_codes, at::Tensor& v_codes, at::Tensor& k_scales, at::Tensor& v_scales,
+                         const at::Tensor& k, const at::Tensor& v, const at::Tensor& slot_mapping);
 bool vectorized();
 std::string isa();
 }  // namespace llmopt_cpu::attention

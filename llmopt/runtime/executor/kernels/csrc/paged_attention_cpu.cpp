@@ -16,6 +16,8 @@
 #include <ATen/Parallel.h>
 
 #include <algorithm>
+#include <c10/util/Float8_e4m3fn.h>
+
 #include <cmath>
 #include <limits>
 #include <string>
@@ -110,7 +112,7 @@ inline void prefetch_row(const char* row, const Item& it, int ch) {
     _mm_prefetch(row + off, static_cast<decltype(_MM_HINT_T0)>(HINT));
 }
 
-#if defined(__AVX512BF16__)
+#if defined(__AVX512F__)
 // r[i] = sum of the 16 lanes of v[i], for 16 vectors (a transpose-and-add: 45 shuffles/adds instead of 16
 // horizontal reductions of 8 each).
 inline __m512 reduce16x16(__m512* v) {
@@ -390,6 +392,414 @@ at::Tensor paged_decode_attention(const at::Tensor& q, const at::Tensor& k_cache
   at::Tensor out = at::empty(qc.sizes(), qc.options());
   LLMOPT_DISPATCH(qc, [&] { decode_attention_impl<scalar_t>(qc, kc, vc, tables, lens, scale, out); });
   return out;
+}
+
+// ---- 8-bit caches (kernels/kv_quant.py) -------------------------------------------------------------------
+// Codes [num_blocks, block_size, num_kv_heads, head_dim] as bytes (int8, or E4M3 when FP8) with one fp32 scale
+// per token and KV head [num_blocks, block_size, num_kv_heads]. The scales factor out of each vector's dot
+// product and each value row, so codes are decoded in registers and nothing full-precision is written:
+// score = (q . codes_k) * k_scale * scale; out += (p * v_scale) * codes_v.
+//
+// A work item covers tokens [begin, end) of one sequence's context (begin a multiple of the block size): the
+// whole context, or with few sequences (a long prompt decoding alone: 1 sequence x 3 KV heads on 2 threads would
+// leave a thread idle a third of the time) one split of it; each split writes its softmax-normalized output and
+// its log-sum-exp per query head, and the splits are merged by those (as flash-decoding does).
+
+template <bool FP8>
+inline float code_value(uint8_t code) {
+  if constexpr (FP8) return e4m3_to_float(code);
+  else return static_cast<float>(static_cast<int8_t>(code));
+}
+
+struct Scales {
+  const float* k;
+  const float* v;
+};
+
+struct Range {  // tokens [begin, end) of the item's sequence
+  int64_t begin, end;
+};
+
+// Softmax over each query head's scores [rows][n] in place; writes 1 / sum to inv_sum and, when lse is given,
+// max + log(sum) per row.
+inline void softmax_rows(float* scores, int64_t rows, int64_t n, float* inv_sum, float* lse) {
+  for (int64_t j = 0; j < rows; ++j) {
+    float* s = scores + j * n;
+    const float max = max_of(s, n);
+    const float sum = softmax_numerators(s, n, max);
+    inv_sum[j] = 1.f / sum;
+    if (lse) lse[j] = max + std::log(sum);
+  }
+}
+
+// Any shape, any build: the two passes in scalar code. out: [num_heads, head_dim] (this item's heads written).
+template <bool FP8>
+void attend_heads_q8_generic(const float* q_f, const uint8_t* k_ptr, const uint8_t* v_ptr, const Scales& S,
+                             const Item& it, const Range& r, const Layout& L, float scale, float* scores, float* out,
+                             float* lse) {
+  const int64_t n = r.end - r.begin, G = L.group, D = L.head_dim, nh = it.h1 - it.h0, KVH = L.num_kv_heads;
+  auto scale_at = [&](const float* base, int64_t t, int64_t h) {
+    return base[(it.table[t / L.block_size] * L.block_size + t % L.block_size) * KVH + h];
+  };
+  for (int64_t t = r.begin; t < r.end; ++t) {
+    const uint8_t* krow = k_ptr + it.table[t / L.block_size] * L.block_stride + (t % L.block_size) * L.token_stride;
+    for (int64_t h = it.h0; h < it.h1; ++h) {
+      const float ks = scale_at(S.k, t, h) * scale;
+      for (int64_t g = 0; g < G; ++g) {
+        const float* qg = q_f + (h * G + g) * D;
+        float s = 0.f;
+        for (int64_t d = 0; d < D; ++d) s += qg[d] * code_value<FP8>(krow[h * D + d]);
+        scores[((h - it.h0) * G + g) * n + t - r.begin] = s * ks;
+      }
+    }
+  }
+  std::vector<float> inv_sum(nh * G);
+  softmax_rows(scores, nh * G, n, inv_sum.data(), lse);
+  float* acc = out + it.h0 * G * D;
+  std::fill(acc, acc + nh * G * D, 0.f);
+  for (int64_t t = r.begin; t < r.end; ++t) {
+    const uint8_t* vrow = v_ptr + it.table[t / L.block_size] * L.block_stride + (t % L.block_size) * L.token_stride;
+    for (int64_t h = it.h0; h < it.h1; ++h) {
+      const float vs = scale_at(S.v, t, h);
+      for (int64_t g = 0; g < G; ++g) {
+        const int64_t j = (h - it.h0) * G + g;
+        const float p = scores[j * n + t - r.begin] * vs;
+        for (int64_t d = 0; d < D; ++d) acc[j * D + d] += p * code_value<FP8>(vrow[h * D + d]);
+      }
+    }
+  }
+  for (int64_t j = 0; j < nh * G; ++j)
+    for (int64_t d = 0; d < D; ++d) acc[j * D + d] *= inv_sum[j];
+}
+
+#if defined(LLMOPT_VEC)
+template <bool FP8>
+inline Vec load_codes16(const uint8_t* p) {
+  if constexpr (FP8) return load16_e4m3(p);
+  else return load16_i8(reinterpret_cast<const int8_t*>(p));
+}
+
+#if defined(__AVX512F__)
+// Pass 1 on AVX-512 (block_size a multiple of 16): 16 key rows at a time, each query head's 16 partial vectors
+// parked and reduced together (reduce16x16) instead of one horizontal sum per score; the 16 scores are then
+// scaled by their rows' key scales in one multiply.
+template <bool FP8, int G, int CH>
+void scores_q8_16rows(const float* q_f, const uint8_t* k_ptr, const Scales& S, const Item& it, const Range& r,
+                      const Layout& L, float scale, float* scores) {
+  const int64_t n_all = r.end - r.begin, nh = it.h1 - it.h0, KVH = L.num_kv_heads;
+  static thread_local std::vector<__m512> parts_buf;
+  if (parts_buf.size() < static_cast<size_t>(nh * G * 16)) parts_buf.resize(nh * G * 16);
+  __m512* parts = parts_buf.data();  // [nh * G][16 rows]
+  const __m512i row_idx = _mm512_mullo_epi32(_mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15),
+                                             _mm512_set1_epi32(static_cast<int>(KVH)));
+  for (int64_t t0 = r.begin; t0 < r.end; t0 += 16) {
+    const int64_t block = it.table[t0 / L.block_size], in_block = t0 % L.block_size;
+    if (in_block == 0) prefetch_next_block(k_ptr, it, L, t0);
+    const uint8_t* rows = k_ptr + block * L.block_stride + in_block * L.token_stride;
+    const float* row_scales = S.k + (block * L.block_size + in_block) * KVH;
+    const int64_t n = std::min<int64_t>(16, r.end - t0);
+    for (int64_t i = 0; i < 16; ++i) {
+      for (int64_t h = 0; h < nh; ++h) {
+        Vec kv[CH];
+        if (i < n)
+          for (int c = 0; c < CH; ++c)
+            kv[c] = load_codes16<FP8>(rows + i * L.token_stride + (it.h0 + h) * CH * 16 + c * 16);
+        for (int g = 0; g < G; ++g) {
+          __m512 acc = _mm512_setzero_ps();
+          if (i < n) {
+            const float* qg = q_f + ((it.h0 + h) * G + g) * CH * 16;
+            for (int c = 0; c < CH; ++c) acc = _mm512_fmadd_ps(_mm512_loadu_ps(qg + c * 16), kv[c].v, acc);
+          }
+          parts[(h * G + g) * 16 + i] = acc;
+        }
+      }
+    }
+    const __mmask16 valid = static_cast<__mmask16>((1u << n) - 1);
+    for (int64_t h = 0; h < nh; ++h) {
+      // the 16 rows' key scales of this head (stride KVH), times the softmax scale
+      const __m512 ks = _mm512_mul_ps(_mm512_mask_i32gather_ps(_mm512_setzero_ps(), valid, row_idx,
+                                                               row_scales + it.h0 + h, 4), _mm512_set1_ps(scale));
+      for (int g = 0; g < G; ++g) {
+        const int64_t j = h * G + g;
+        _mm512_mask_storeu_ps(scores + j * n_all + t0 - r.begin, valid,
+                              _mm512_mul_ps(reduce16x16(parts + j * 16), ks));
+      }
+    }
+  }
+}
+#endif
+
+// G query heads per KV head and CH = head_dim / 16 known at compile time (as attend_heads).
+template <bool FP8, int G, int CH>
+void attend_heads_q8(const float* q_f, const uint8_t* k_ptr, const uint8_t* v_ptr, const Scales& S, const Item& it,
+                     const Range& r, const Layout& L, float scale, float* scores, float* out, float* lse) {
+  const int64_t n_all = r.end - r.begin, nh = it.h1 - it.h0, KVH = L.num_kv_heads, scale_block = L.block_size * KVH;
+#if defined(__AVX512F__)
+  if (L.block_size % 16 == 0) {
+    scores_q8_16rows<FP8, G, CH>(q_f, k_ptr, S, it, r, L, scale, scores);
+  } else
+#endif
+  for (int64_t t0 = r.begin; t0 < r.end; t0 += L.block_size) {
+    const int64_t block = it.table[t0 / L.block_size];
+    const uint8_t* kb = k_ptr + block * L.block_stride;
+    const float* ksb = S.k + block * scale_block;
+    const int64_t n = std::min(L.block_size, r.end - t0);
+    prefetch_next_block(k_ptr, it, L, t0);
+    for (int64_t i = 0; i < n; ++i) {
+      for (int64_t h = it.h0; h < it.h1; ++h) {
+        const uint8_t* krow = kb + i * L.token_stride + h * CH * 16;
+        Vec kv[CH];
+        for (int c = 0; c < CH; ++c) kv[c] = load_codes16<FP8>(krow + c * 16);
+        const float ks = ksb[i * KVH + h] * scale;
+        for (int g = 0; g < G; ++g) {
+          const float* qg = q_f + (h * G + g) * CH * 16;
+          Vec s = load16(qg) * kv[0];
+          for (int c = 1; c < CH; ++c) s = vfma(load16(qg + c * 16), kv[c], s);
+          scores[((h - it.h0) * G + g) * n_all + t0 - r.begin + i] = reduce_add(s) * ks;
+        }
+      }
+    }
+  }
+  float inv_sum[8 * 64];
+  softmax_rows(scores, nh * G, n_all, inv_sum, lse);
+  static thread_local std::vector<Vec> acc_buf;
+  if (acc_buf.size() < static_cast<size_t>(nh * G * CH)) acc_buf.resize(nh * G * CH);
+  Vec* acc = acc_buf.data();
+  for (int64_t j = 0; j < nh * G * CH; ++j) acc[j] = vzero();
+  for (int64_t t0 = r.begin; t0 < r.end; t0 += L.block_size) {
+    const int64_t block = it.table[t0 / L.block_size];
+    const uint8_t* vb = v_ptr + block * L.block_stride;
+    const float* vsb = S.v + block * scale_block;
+    const int64_t n = std::min(L.block_size, r.end - t0);
+    prefetch_next_block(v_ptr, it, L, t0);
+    for (int64_t h = it.h0; h < it.h1; ++h) {
+      Vec a[G][CH];
+      for (int g = 0; g < G; ++g)
+        for (int c = 0; c < CH; ++c) a[g][c] = acc[((h - it.h0) * G + g) * CH + c];
+      const float* p = scores + (h - it.h0) * G * n_all + t0 - r.begin;
+      for (int64_t i = 0; i < n; ++i) {
+        const uint8_t* vrow = vb + i * L.token_stride + h * CH * 16;
+        Vec vv[CH];
+        for (int c = 0; c < CH; ++c) vv[c] = load_codes16<FP8>(vrow + c * 16);
+        const float vs = vsb[i * KVH + h];
+        for (int g = 0; g < G; ++g) {
+          const Vec pg = vset1(p[g * n_all + i] * vs);
+          for (int c = 0; c < CH; ++c) a[g][c] = vfma(pg, vv[c], a[g][c]);
+        }
+      }
+      for (int g = 0; g < G; ++g)
+        for (int c = 0; c < CH; ++c) acc[((h - it.h0) * G + g) * CH + c] = a[g][c];
+    }
+  }
+  for (int64_t h = 0; h < nh; ++h)
+    for (int g = 0; g < G; ++g)
+      for (int c = 0; c < CH; ++c)
+        store16(out + ((it.h0 + h) * G + g) * CH * 16 + c * 16, acc[(h * G + g) * CH + c] * vset1(inv_sum[h * G + g]));
+}
+#endif
+
+using AttendQ8Fn = void (*)(const float*, const uint8_t*, const uint8_t*, const Scales&, const Item&, const Range&,
+                            const Layout&, float, float*, float*, float*);
+
+template <bool FP8>
+AttendQ8Fn pick_attend_q8(const Layout& L) {
+#if defined(LLMOPT_VEC)
+  if (L.num_kv_heads <= 64 && L.group <= 8) {
+    constexpr AttendQ8Fn by_group_64[8] = {attend_heads_q8<FP8, 1, 4>, attend_heads_q8<FP8, 2, 4>,
+                                           attend_heads_q8<FP8, 3, 4>, attend_heads_q8<FP8, 4, 4>,
+                                           attend_heads_q8<FP8, 5, 4>, attend_heads_q8<FP8, 6, 4>,
+                                           attend_heads_q8<FP8, 7, 4>, attend_heads_q8<FP8, 8, 4>};
+    constexpr AttendQ8Fn by_group_128[8] = {attend_heads_q8<FP8, 1, 8>, attend_heads_q8<FP8, 2, 8>,
+                                            attend_heads_q8<FP8, 3, 8>, attend_heads_q8<FP8, 4, 8>,
+                                            attend_heads_q8<FP8, 5, 8>, attend_heads_q8<FP8, 6, 8>,
+                                            attend_heads_q8<FP8, 7, 8>, attend_heads_q8<FP8, 8, 8>};
+    if (L.head_dim == 64) return by_group_64[L.group - 1];
+    if (L.head_dim == 128) return by_group_128[L.group - 1];
+  }
+#endif
+  return attend_heads_q8_generic<FP8>;
+}
+
+constexpr int64_t kMinSplitTokens = 1024;  // a context shorter than this is never split
+
+// Splits per (sequence, KV head) item: enough items for ~4 per thread when there are few sequences, each split
+// at least kMinSplitTokens long.
+inline int64_t context_splits(int64_t items, int64_t max_ctx, int64_t threads) {
+  const int64_t wanted = (4 * threads + items - 1) / items;
+  return std::max<int64_t>(1, std::min(wanted, max_ctx / kMinSplitTokens));
+}
+
+template <typename T>
+void decode_attention_q8_impl(const at::Tensor& q, const at::Tensor& k_codes, const at::Tensor& v_codes,
+                              const at::Tensor& k_scales, const at::Tensor& v_scales, const at::Tensor& block_tables,
+                              const at::Tensor& context_lens, double scale, bool fp8, at::Tensor& out) {
+  const int64_t num_seqs = q.size(0), num_heads = q.size(1), head_dim = q.size(2);
+  const int64_t num_kv_heads = k_codes.size(2), block_size = k_codes.size(1);
+  const Layout L{block_size, num_kv_heads, head_dim, num_heads / num_kv_heads, block_size * num_kv_heads * head_dim,
+                 num_kv_heads * head_dim};
+  const int64_t max_blocks = block_tables.size(1);
+  const T* q_ptr = q.data_ptr<T>();
+  const uint8_t* k_ptr = k_codes.data_ptr<uint8_t>();
+  const uint8_t* v_ptr = v_codes.data_ptr<uint8_t>();
+  const Scales S{k_scales.data_ptr<float>(), v_scales.data_ptr<float>()};
+  const int64_t* tables = block_tables.data_ptr<int64_t>();
+  const int64_t* lens = context_lens.data_ptr<int64_t>();
+  T* out_ptr = out.data_ptr<T>();
+  const float fscale = static_cast<float>(scale);
+  const AttendQ8Fn attend = fp8 ? pick_attend_q8<true>(L) : pick_attend_q8<false>(L);
+  const int64_t threads = at::get_num_threads();
+  const int64_t heads_per_item = num_seqs >= 2 * threads ? num_kv_heads : 1;
+  const int64_t items_per_seq = num_kv_heads / heads_per_item;
+  const int64_t max_ctx = *std::max_element(lens, lens + num_seqs);
+  const int64_t splits = heads_per_item == 1 ? context_splits(num_seqs * items_per_seq, max_ctx, threads) : 1;
+  // each split's tokens: a whole number of blocks
+  const int64_t split_len = ((max_ctx + splits - 1) / splits + block_size - 1) / block_size * block_size;
+  // with splits: each split's normalized output [seq][split][H * D] and log-sum-exp [seq][split][H]
+  std::vector<float> part_out(splits > 1 ? num_seqs * splits * num_heads * head_dim : 0);
+  std::vector<float> part_lse(splits > 1 ? num_seqs * splits * num_heads : 0);
+  at::parallel_for(0, num_seqs * items_per_seq * splits, 1, [&](int64_t begin, int64_t end) {
+    std::vector<float> q_f(num_heads * head_dim), acc(num_heads * head_dim), scores;
+    for (int64_t idx = begin; idx < end; ++idx) {
+      const int64_t split = idx % splits, item = idx / splits;
+      const int64_t seq = item / items_per_seq, h0 = (item % items_per_seq) * heads_per_item;
+      const Item it{tables + seq * max_blocks, lens[seq], h0, h0 + heads_per_item};
+      TORCH_CHECK(it.ctx >= 1 && it.ctx <= max_blocks * block_size, "context length outside its block table");
+      const Range r{std::min(split * split_len, it.ctx), std::min((split + 1) * split_len, it.ctx)};
+      const int64_t first = h0 * L.group * head_dim, count = heads_per_item * L.group * head_dim;
+      float* lse = splits > 1 ? part_lse.data() + (seq * splits + split) * num_heads + h0 * L.group : nullptr;
+      float* dst = splits > 1 ? part_out.data() + (seq * splits + split) * num_heads * head_dim : acc.data();
+      if (r.begin == r.end) {  // a split beyond this sequence's context
+        for (int64_t j = 0; j < heads_per_item * L.group; ++j) lse[j] = -std::numeric_limits<float>::infinity();
+        std::fill(dst + first, dst + first + count, 0.f);
+        continue;
+      }
+      const T* qs = q_ptr + seq * q.stride(0);
+      for (int64_t j = first; j < first + count; ++j)
+        q_f[j] = to_float(qs[(j / head_dim) * q.stride(1) + j % head_dim]);  // (q: a view of the fused q/k/v rows)
+      scores.resize(heads_per_item * L.group * (r.end - r.begin));
+      attend(q_f.data(), k_ptr, v_ptr, S, it, r, L, fscale, scores.data(), dst, lse);
+      if (splits == 1) {
+        T* os = out_ptr + seq * num_heads * head_dim;
+        for (int64_t j = first; j < first + count; ++j) os[j] = static_cast<T>(acc[j]);
+      }
+    }
+  });
+  if (splits == 1) return;
+  // merge: out = sum over splits of exp(lse_s - lse_total) x out_s, per sequence and query head
+  at::parallel_for(0, num_seqs * num_heads, 1, [&](int64_t begin, int64_t end) {
+    std::vector<float> merged(head_dim);
+    for (int64_t idx = begin; idx < end; ++idx) {
+      const int64_t seq = idx / num_heads, head = idx % num_heads;
+      float max = -std::numeric_limits<float>::infinity();
+      for (int64_t s = 0; s < splits; ++s) max = std::max(max, part_lse[(seq * splits + s) * num_heads + head]);
+      float total = 0.f;
+      std::fill(merged.begin(), merged.end(), 0.f);
+      for (int64_t s = 0; s < splits; ++s) {
+        const float w = std::exp(part_lse[(seq * splits + s) * num_heads + head] - max);
+        if (w == 0.f) continue;
+        total += w;
+        const float* o = part_out.data() + ((seq * splits + s) * num_heads + head) * head_dim;
+        for (int64_t d = 0; d < head_dim; ++d) merged[d] += w * o[d];
+      }
+      T* os = out_ptr + (seq * num_heads + head) * head_dim;
+      for (int64_t d = 0; d < head_dim; ++d) os[d] = static_cast<T>(merged[d] / total);
+    }
+  });
+}
+
+at::Tensor paged_decode_attention_quantized(const at::Tensor& q, const at::Tensor& k_codes, const at::Tensor& v_codes,
+                                            const at::Tensor& k_scales, const at::Tensor& v_scales,
+                                            const at::Tensor& block_tables, const at::Tensor& context_lens,
+                                            double scale, bool fp8) {
+  TORCH_CHECK(q.dim() == 3 && k_codes.dim() == 4 && v_codes.sizes() == k_codes.sizes(),
+              "q [B, H, D] and codes [blocks, block_size, kv_heads, D] expected");
+  TORCH_CHECK(k_codes.scalar_type() == at::kByte && v_codes.scalar_type() == at::kByte,
+              "the codes are passed as uint8 (a view of the int8 or float8 cache)");
+  TORCH_CHECK(k_scales.scalar_type() == at::kFloat && v_scales.scalar_type() == at::kFloat &&
+                  k_scales.sizes() == v_scales.sizes() && k_scales.dim() == 3 && k_scales.size(0) == k_codes.size(0) &&
+                  k_scales.size(1) == k_codes.size(1) && k_scales.size(2) == k_codes.size(2),
+              "fp32 scales [blocks, block_size, kv_heads] expected");
+  TORCH_CHECK(q.size(2) == k_codes.size(3) && q.size(1) % k_codes.size(2) == 0, "head counts or sizes disagree");
+  TORCH_CHECK(block_tables.scalar_type() == at::kLong && context_lens.scalar_type() == at::kLong,
+              "block_tables and context_lens must be int64");
+  TORCH_CHECK(block_tables.size(0) == q.size(0) && context_lens.size(0) == q.size(0), "one row per sequence");
+  const at::Tensor qc = q.stride(2) == 1 ? q : q.contiguous();
+  const at::Tensor kc = k_codes.contiguous(), vc = v_codes.contiguous();
+  const at::Tensor ksc = k_scales.contiguous(), vsc = v_scales.contiguous();
+  const at::Tensor tables = block_tables.contiguous(), lens = context_lens.contiguous();
+  at::Tensor out = at::empty(qc.sizes(), qc.options().memory_format(at::MemoryFormat::Contiguous));
+  if (q.size(0) == 0) return out;
+  LLMOPT_DISPATCH(qc, [&] {
+    decode_attention_q8_impl<scalar_t>(qc, kc, vc, ksc, vsc, tables, lens, scale, fp8, out);
+  });
+  return out;
+}
+
+// k, v [T, kv_heads, head_dim] (each token's row contiguous) -> their codes and scales in slot_mapping's slots:
+// the same numbers as kv_quant.quantize_kv (amax / code_max in fp32, x / scale in fp32, clamped, rounded half to
+// even; E4M3 through c10's conversion, which torch's cast uses).
+template <typename T, bool FP8>
+void store_quantized_rows(const T* x, int64_t x_stride, uint8_t* codes, float* scales, const int64_t* slots,
+                          int64_t num_tokens, int64_t kvh, int64_t hd) {
+  const float code_max = FP8 ? 448.f : 127.f;
+  for (int64_t t = 0; t < num_tokens; ++t)
+    for (int64_t h = 0; h < kvh; ++h) {
+      const T* row = x + t * x_stride + h * hd;
+      float amax = 0.f;
+      for (int64_t d = 0; d < hd; ++d) amax = std::max(amax, std::abs(to_float(row[d])));
+      const float s = amax / code_max, safe = s > 0.f ? s : 1.f;
+      uint8_t* out = codes + (slots[t] * kvh + h) * hd;
+      for (int64_t d = 0; d < hd; ++d) {
+        const float y = std::min(std::max(to_float(row[d]) / safe, -code_max), code_max);
+        if constexpr (FP8) out[d] = c10::Float8_e4m3fn(y).x;
+        else out[d] = static_cast<uint8_t>(static_cast<int8_t>(std::nearbyint(y)));
+      }
+      scales[slots[t] * kvh + h] = s;
+    }
+}
+
+void store_kv_quantized_(at::Tensor& k_codes, at::Tensor& v_codes, at::Tensor& k_scales, at::Tensor& v_scales,
+                         const at::Tensor& k, const at::Tensor& v, const at::Tensor& slot_mapping) {
+  TORCH_CHECK(k_codes.is_contiguous() && v_codes.is_contiguous() && k_codes.sizes() == v_codes.sizes() &&
+                  k_codes.dim() == 4, "contiguous code caches of one shape expected");
+  TORCH_CHECK(k_codes.scalar_type() == v_codes.scalar_type() &&
+                  (k_codes.scalar_type() == at::kChar || k_codes.scalar_type() == at::kFloat8_e4m3fn),
+              "int8 or float8_e4m3fn code caches expected");
+  TORCH_CHECK(k_scales.is_contiguous() && v_scales.is_contiguous() && k_scales.scalar_type() == at::kFloat &&
+                  v_scales.scalar_type() == at::kFloat && k_scales.numel() == k_codes.numel() / k_codes.size(3) &&
+                  v_scales.numel() == k_scales.numel(), "fp32 scales [blocks, block_size, kv_heads] expected");
+  TORCH_CHECK(k.dim() == 3 && k.sizes() == v.sizes() && k.size(1) == k_codes.size(2) && k.size(2) == k_codes.size(3),
+              "k, v [T, kv_heads, head_dim] expected");
+  TORCH_CHECK(k.stride(2) == 1 && k.stride(1) == k.size(2) && v.stride(2) == 1 && v.stride(1) == v.size(2),
+              "each token's k and v must be contiguous");
+  TORCH_CHECK(k.scalar_type() == v.scalar_type(), "k and v must share a dtype");
+  TORCH_CHECK(slot_mapping.scalar_type() == at::kLong && slot_mapping.numel() == k.size(0), "one slot per token");
+  const at::Tensor slots = slot_mapping.contiguous();
+  const int64_t* sp = slots.data_ptr<int64_t>();
+  const int64_t num_slots = k_codes.size(0) * k_codes.size(1);
+  for (int64_t t = 0; t < k.size(0); ++t) TORCH_CHECK(sp[t] >= 0 && sp[t] < num_slots, "slot outside the cache");
+  const bool fp8 = k_codes.scalar_type() == at::kFloat8_e4m3fn;
+  const int64_t kvh = k.size(1), hd = k.size(2), T = k.size(0);
+  auto* kc = static_cast<uint8_t*>(k_codes.data_ptr());
+  auto* vc = static_cast<uint8_t*>(v_codes.data_ptr());
+  LLMOPT_DISPATCH(k, [&] {
+    const scalar_t* kp = k.data_ptr<scalar_t>();
+    const scalar_t* vp = v.data_ptr<scalar_t>();
+    // tokens split across threads (a prefill chunk: thousands of rows)
+    at::parallel_for(0, T, 64, [&](int64_t begin, int64_t end) {
+      if (fp8) {
+        store_quantized_rows<scalar_t, true>(kp + begin * k.stride(0), k.stride(0), kc, k_scales.data_ptr<float>(),
+                                             sp + begin, end - begin, kvh, hd);
+        store_quantized_rows<scalar_t, true>(vp + begin * v.stride(0), v.stride(0), vc, v_scales.data_ptr<float>(),
+                                             sp + begin, end - begin, kvh, hd);
+      } else {
+        store_quantized_rows<scalar_t, false>(kp + begin * k.stride(0), k.stride(0), kc, k_scales.data_ptr<float>(),
+                                              sp + begin, end - begin, kvh, hd);
+        store_quantized_rows<scalar_t, false>(vp + begin * v.stride(0), v.stride(0), vc, v_scales.data_ptr<float>(),
+                                              sp + begin, end - begin, kvh, hd);
+      }
+    });
+  });
 }
 
 bool vectorized() { return kVectorized; }

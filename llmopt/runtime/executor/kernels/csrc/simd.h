@@ -11,6 +11,7 @@
 #include <ATen/ATen.h>
 
 #include <cstdint>
+#include <cstring>
 #include <type_traits>
 
 #if defined(__AVX512F__) || (defined(__AVX2__) && defined(__FMA__) && defined(__F16C__))
@@ -37,6 +38,20 @@ inline float to_float(at::BFloat16 x) { return static_cast<float>(x); }
 inline float to_float(at::Half x) { return static_cast<float>(x); }
 template <typename T>
 inline T from_float(float x) { return static_cast<T>(x); }  // round to nearest even, as torch casts
+
+// One E4M3 (float8_e4m3fn) code -> its value. Normal codes rebias the exponent (7 -> 127) in the bit pattern;
+// subnormal ones (exponent field 0) are mantissa x 2^-9. (0x7F / 0xFF, NaN, are never stored.)
+inline float e4m3_to_float(uint8_t code) {
+  const uint32_t mag = code & 0x7F;
+  float value;
+  if (mag < 8) {
+    value = static_cast<float>(mag) * (1.0f / 512);
+  } else {
+    const uint32_t bits = (mag << 20) + (120u << 23);
+    std::memcpy(&value, &bits, 4);
+  }
+  return (code & 0x80) ? -value : value;
+}
 
 #if defined(LLMOPT_VEC)
 // the sum of 8 lanes (both builds have AVX)
@@ -74,6 +89,21 @@ inline Vec load16(const at::BFloat16* p) {
   return {_mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(raw), 16))};
 }
 inline Vec load16(const at::Half* p) { return {_mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)))}; }
+// 16 int8 codes -> 16 floats
+inline Vec load16_i8(const int8_t* p) {
+  return {_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))))};
+}
+// 16 E4M3 codes -> 16 floats (as e4m3_to_float). Shifted left by 7 into an fp16 pattern, an E4M3 code's
+// exponent and mantissa bits are those of the fp16 value 2^-8 times its value (subnormals included: fp16's bias
+// is 15, E4M3's 7), so one F16C conversion and a multiply by 256 decode it exactly.
+inline __m256i e4m3_as_half_bits(__m256i b) {  // 16 codes, one per 16-bit lane
+  return _mm256_or_si256(_mm256_slli_epi16(_mm256_and_si256(b, _mm256_set1_epi16(0x7F)), 7),
+                         _mm256_slli_epi16(_mm256_and_si256(b, _mm256_set1_epi16(0x80)), 8));
+}
+inline Vec load16_e4m3(const uint8_t* p) {
+  const __m256i half = e4m3_as_half_bits(_mm256_cvtepu8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))));
+  return {_mm512_mul_ps(_mm512_cvtph_ps(half), _mm512_set1_ps(256.0f))};
+}
 // 16 unsigned bytes -> 16 floats
 inline Vec from_bytes(__m128i b) { return {_mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(b))}; }
 // 16 bytes of two 4-bit codes each -> the 16 low codes and the 16 high codes as floats (one widening)
@@ -147,6 +177,20 @@ inline Vec load16(const at::Half* p) {
 }
 inline Vec from_bytes(__m128i b) {
   return {_mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(b)), _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_srli_si128(b, 8)))};
+}
+inline Vec load16_i8(const int8_t* p) {
+  const __m128i b = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
+  return {_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(b)), _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_srli_si128(b, 8)))};
+}
+inline __m256i e4m3_as_half_bits(__m256i b) {  // as the AVX-512 build's
+  return _mm256_or_si256(_mm256_slli_epi16(_mm256_and_si256(b, _mm256_set1_epi16(0x7F)), 7),
+                         _mm256_slli_epi16(_mm256_and_si256(b, _mm256_set1_epi16(0x80)), 8));
+}
+inline Vec load16_e4m3(const uint8_t* p) {
+  const __m256i half = e4m3_as_half_bits(_mm256_cvtepu8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))));
+  const __m256 k = _mm256_set1_ps(256.0f);
+  return {_mm256_mul_ps(_mm256_cvtph_ps(_mm256_castsi256_si128(half)), k),
+          _mm256_mul_ps(_mm256_cvtph_ps(_mm256_extracti128_si256(half, 1)), k)};
 }
 inline void nibbles16(const uint8_t* p, Vec& low, Vec& high) {
   const __m128i v = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
