@@ -36,10 +36,15 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def start_server(model: str, port: int, max_num_seqs: int, kv_cache_bytes: int) -> subprocess.Popen:
+def start_server(model: str, port: int, max_num_seqs: int | None = None, kv_cache_bytes: int | None = None,
+                 checkout: str | None = None, quiet: bool = False) -> subprocess.Popen:
+    """`llmopt serve MODEL` on the port, once /health answers; checkout: serve another checkout's llmopt."""
+    options = [("--max-num-seqs", max_num_seqs), ("--kv-cache-bytes", kv_cache_bytes)]
+    env = {**os.environ, "TOKENIZERS_PARALLELISM": "false", **({"PYTHONPATH": checkout} if checkout else {})}
+    output = subprocess.DEVNULL if quiet else None
     proc = subprocess.Popen([sys.executable, "-m", "llmopt", "serve", model, "--port", str(port),
-                             "--max-num-seqs", str(max_num_seqs), "--kv-cache-bytes", str(kv_cache_bytes)],
-                            env={**os.environ, "TOKENIZERS_PARALLELISM": "false"})
+                             *(str(x) for flag, value in options if value is not None for x in (flag, value))],
+                            env=env, cwd=checkout, stdout=output, stderr=output)
     deadline = time.time() + 300
     while time.time() < deadline:
         try:

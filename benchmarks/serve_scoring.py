@@ -15,9 +15,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
-import subprocess
-import sys
 import tempfile
 import time
 from pathlib import Path
@@ -27,24 +24,7 @@ import httpx
 from llmopt.core.hardware import cpu_line
 from llmopt.core.models import load_tokenizer, resolve_model
 from llmopt.eval.tasks import load_docs, score
-from serve import free_port
-
-
-def start(model: str, port: int, checkout: str | None) -> subprocess.Popen:
-    env = {**os.environ, "TOKENIZERS_PARALLELISM": "false"}
-    if checkout:
-        env["PYTHONPATH"] = checkout  # that checkout's llmopt package first
-    proc = subprocess.Popen([sys.executable, "-m", "llmopt", "serve", model, "--port", str(port)], env=env,
-                            cwd=checkout or None, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    deadline = time.time() + 300
-    while time.time() < deadline:
-        try:
-            if httpx.get(f"http://127.0.0.1:{port}/health").status_code == 200:
-                return proc
-        except httpx.HTTPError:
-            time.sleep(0.5)
-    proc.kill()
-    raise SystemExit("the server did not come up")
+from serve import free_port, start_server
 
 
 def hit_rate(port: int) -> float:
@@ -68,7 +48,7 @@ def main() -> None:
     docs = load_docs("arc_easy", args.limit)
     pairs = [(ctx, cont) for doc in docs for ctx, cont in zip(doc.contexts, doc.continuations)]
     port = free_port()
-    server = start(args.model, port, args.checkout)
+    server = start_server(args.model, port, checkout=args.checkout, quiet=True)
     try:
         with tempfile.TemporaryDirectory() as folder:
             load_tokenizer(resolve_model(args.model)).save_pretrained(folder)

@@ -16,9 +16,8 @@ from typing import Callable
 
 import torch
 
-from llmopt.core.errors import DatasetError
 from llmopt.eval.perplexity import PerplexityResult, windows_of
-from llmopt.eval.tasks import encode_pair, score, task_pairs
+from llmopt.eval.tasks import encode_pairs, score, task_pairs
 from llmopt.runtime.engine.engine import Engine
 from llmopt.runtime.engine.sampling import SamplingParams
 
@@ -64,14 +63,7 @@ def runtime_loglikelihoods(engine: Engine, tokenizer, pairs: list[tuple[str, str
     """tasks.loglikelihoods through the engine: (sum of log p(continuation | context), whether every continuation
     token is the most likely) per pair. The first pair of each distinct context runs first, the others after it,
     so their contexts come from the prefix cache instead of being prefilled again."""
-    prefix = tokenizer.bos_token_id if tokenizer.bos_token_id is not None else tokenizer.eos_token_id
-    encoded = []
-    for context, continuation in pairs:
-        ctx, cont = encode_pair(tokenizer, context, continuation)
-        if not cont:
-            raise DatasetError(f"empty continuation after tokenizing {continuation!r}")
-        ids = (ctx or [prefix]) + cont
-        encoded.append((ids[-(max_length + 1):], len(cont)))
+    encoded = encode_pairs(tokenizer, pairs, max_length)
     seen, first_of_context, rest = set(), [], []
     for i, (context, _) in enumerate(pairs):
         (rest if context in seen else first_of_context).append(i)

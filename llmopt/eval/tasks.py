@@ -186,10 +186,9 @@ def encode_pair(tokenizer, context: str, continuation: str) -> tuple[list[int], 
 
 
 @torch.inference_mode()
-def loglikelihoods(model, tokenizer, pairs: list[tuple[str, str]], batch_size: int = 16, max_length: int = 2048,
-                   progress: Callable[[int, int], None] | None = None) -> list[tuple[float, bool]]:
-    """(sum of log p(continuation | context), whether every continuation token is the argmax) per pair."""
-    device = next(model.parameters()).device
+def encode_pairs(tokenizer, pairs: list[tuple[str, str]], max_length: int = 2048) -> list[tuple[list[int], int]]:
+    """(token ids of context + continuation, at most max_length + 1 of them, keeping the end; the continuation's
+    length) per pair; an empty context becomes the BOS (or EOS) token, as lm-eval does."""
     prefix = tokenizer.bos_token_id if tokenizer.bos_token_id is not None else tokenizer.eos_token_id
     encoded = []
     for context, continuation in pairs:
@@ -198,6 +197,14 @@ def loglikelihoods(model, tokenizer, pairs: list[tuple[str, str]], batch_size: i
             raise DatasetError(f"empty continuation after tokenizing {continuation!r}")
         ids = (ctx or [prefix]) + cont
         encoded.append((ids[-(max_length + 1):], len(cont)))
+    return encoded
+
+
+def loglikelihoods(model, tokenizer, pairs: list[tuple[str, str]], batch_size: int = 16, max_length: int = 2048,
+                   progress: Callable[[int, int], None] | None = None) -> list[tuple[float, bool]]:
+    """(sum of log p(continuation | context), whether every continuation token is the argmax) per pair."""
+    device = next(model.parameters()).device
+    encoded = encode_pairs(tokenizer, pairs, max_length)
     order = sorted(range(len(encoded)), key=lambda i: -len(encoded[i][0]))  # similar lengths batch together
     results: list[tuple[float, bool] | None] = [None] * len(encoded)
     for start in range(0, len(order), batch_size):

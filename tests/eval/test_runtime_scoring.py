@@ -12,6 +12,7 @@ from llmopt.eval.runtime_scoring import runtime_loglikelihoods, runtime_perplexi
 from llmopt.eval.tasks import loglikelihoods
 from llmopt.runtime.engine.engine import Engine, EngineConfig
 from tests.cli.test_cli import assert_one_line_error, run
+from tests.eval.test_tasks import winogrande_data
 
 
 @pytest.fixture(scope="module")
@@ -69,10 +70,7 @@ def test_eval_cli_backend_runtime(tiny_llama_dir, tmp_path):
 
 
 def test_eval_tasks_cli_backend_runtime_equals_hf(tiny_llama_dir, tmp_path, monkeypatch):
-    (tmp_path / "winogrande").mkdir()
-    (tmp_path / "winogrande" / "winogrande_dev.jsonl").write_text("\n".join(
-        json.dumps({"context_options": [f"A{i} so A", f"A{i} so B"], "continuation": "won.", "gold": i % 2})
-        for i in range(6)))
+    winogrande_data(tmp_path, 6)
     monkeypatch.setenv("LLMOPT_DATA_DIR", str(tmp_path))
     common = ["eval", "tasks", tiny_llama_dir, "--tasks", "winogrande", "--dtype", "float32", "--json"]
     hf = json.loads(run(*common).stdout)

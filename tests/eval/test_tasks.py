@@ -117,13 +117,18 @@ def test_task_files_are_read_in_their_formats(tmp_path, monkeypatch):
         load_docs("arc_challenge")
 
 
+def winogrande_data(folder, count: int) -> None:
+    """A data dir holding `count` WinoGrande records (the data dir's format), for CLI runs on tiny models."""
+    (folder / "winogrande").mkdir()
+    (folder / "winogrande" / "winogrande_dev.jsonl").write_text("\n".join(
+        json.dumps({"context_options": [f"A{i} so A", f"A{i} so B"], "continuation": "won.", "gold": i % 2})
+        for i in range(count)))
+
+
 def test_eval_tasks_cli_on_a_tiny_model(tiny_llama_dir, tmp_path, monkeypatch):
     from tests.cli.test_cli import run
 
-    (tmp_path / "winogrande").mkdir()
-    (tmp_path / "winogrande" / "winogrande_dev.jsonl").write_text("\n".join(
-        json.dumps({"context_options": [f"A{i} so A", f"A{i} so B"], "continuation": "won.", "gold": i % 2})
-        for i in range(3)))
+    winogrande_data(tmp_path, 3)
     monkeypatch.setenv("LLMOPT_DATA_DIR", str(tmp_path))
     result = run("eval", "tasks", tiny_llama_dir, "--tasks", "winogrande", "--json")
     assert result.exit_code == 0, result.output

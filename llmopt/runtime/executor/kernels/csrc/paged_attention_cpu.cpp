@@ -86,6 +86,12 @@ struct Layout {
   int64_t block_size, num_kv_heads, head_dim, group, block_stride, token_stride;
 };
 
+// q [B, H, D] over a cache [blocks, block_size, KVH, D] (strides in elements of the cache)
+inline Layout layout_of(const at::Tensor& q, const at::Tensor& cache) {
+  const int64_t block_size = cache.size(1), kv_heads = cache.size(2), head_dim = cache.size(3);
+  return {block_size, kv_heads, head_dim, q.size(1) / kv_heads, block_size * kv_heads * head_dim, kv_heads * head_dim};
+}
+
 #if defined(LLMOPT_VEC)
 // Requests the rows of this item's next block (from token t0 + block_size on) into L1.
 template <typename T>
@@ -205,6 +211,25 @@ void scores_bf16(const float* q_f, const at::BFloat16* k_ptr, const at::BFloat16
 }
 #endif
 
+// Pass 2's step for one value row vv (CH chunks) of a KV head: a[g] += (p[g * stride] * factor) * vv for its G
+// query heads (factor: an 8-bit row's value scale, 1 otherwise).
+template <int G, int CH>
+inline void accumulate_row(Vec (&a)[G][CH], const Vec (&vv)[CH], const float* p, int64_t stride, float factor) {
+  for (int g = 0; g < G; ++g) {
+    const Vec pg = vset1(p[g * stride] * factor);
+    for (int c = 0; c < CH; ++c) a[g][c] = vfma(pg, vv[c], a[g][c]);
+  }
+}
+
+// The item's outputs: acc [nh][G][CH] x each query head's 1 / sum, into out [num_heads, head_dim] from head h0.
+template <int G, int CH>
+inline void store_normalized(float* out, const Vec* acc, const float* inv_sum, int64_t h0, int64_t nh) {
+  for (int64_t h = 0; h < nh; ++h)
+    for (int g = 0; g < G; ++g)
+      for (int c = 0; c < CH; ++c)
+        store16(out + ((h0 + h) * G + g) * CH * 16 + c * 16, acc[(h * G + g) * CH + c] * vset1(inv_sum[h * G + g]));
+}
+
 // G = group size and CH = head_dim / 16 known at compile time: key/value chunks and the output accumulators
 // stay in registers.
 template <typename T, int G, int CH>
@@ -246,26 +271,19 @@ void attend_heads(const float* q_f, const T* k_ptr, const T* v_ptr, const Item& 
     if (!values_requested) prefetch_next_block(v_ptr, it, L, t0);
     for (int64_t h = it.h0; h < it.h1; ++h) {
       Vec a[G][CH];
-      for (int g = 0; g < G; ++g)
-        for (int c = 0; c < CH; ++c) a[g][c] = acc[((h - it.h0) * G + g) * CH + c];
+      Vec* head_acc = acc + (h - it.h0) * G * CH;
+      std::copy(head_acc, head_acc + G * CH, &a[0][0]);
       const float* p = scores + (h - it.h0) * G * ctx + t0;
       for (int64_t i = 0; i < n; ++i) {
         const T* vrow = vb + i * L.token_stride + h * CH * 16;
         Vec vv[CH];
         for (int c = 0; c < CH; ++c) vv[c] = load16(vrow + c * 16);
-        for (int g = 0; g < G; ++g) {
-          const Vec pg = vset1(p[g * ctx + i]);
-          for (int c = 0; c < CH; ++c) a[g][c] = vfma(pg, vv[c], a[g][c]);
-        }
+        accumulate_row<G, CH>(a, vv, p + i, ctx, 1.0f);
       }
-      for (int g = 0; g < G; ++g)
-        for (int c = 0; c < CH; ++c) acc[((h - it.h0) * G + g) * CH + c] = a[g][c];
+      std::copy(&a[0][0], &a[0][0] + G * CH, head_acc);
     }
   }
-  for (int64_t h = 0; h < nh; ++h)
-    for (int g = 0; g < G; ++g)
-      for (int c = 0; c < CH; ++c)
-        store16(out + ((it.h0 + h) * G + g) * CH * 16 + c * 16, acc[(h * G + g) * CH + c] * vset1(inv_sum[h * G + g]));
+  store_normalized<G, CH>(out, acc, inv_sum, it.h0, nh);
 }
 #endif
 
@@ -341,9 +359,8 @@ void decode_attention_impl(const at::Tensor& q, const at::Tensor& k_cache, const
                            const at::Tensor& block_tables, const at::Tensor& context_lens, double scale,
                            at::Tensor& out) {
   const int64_t num_seqs = q.size(0), num_heads = q.size(1), head_dim = q.size(2);
-  const int64_t num_kv_heads = k_cache.size(2), block_size = k_cache.size(1);
-  const Layout L{block_size, num_kv_heads, head_dim, num_heads / num_kv_heads, block_size * num_kv_heads * head_dim,
-                 num_kv_heads * head_dim};
+  const Layout L = layout_of(q, k_cache);
+  const int64_t num_kv_heads = L.num_kv_heads, block_size = L.block_size;
   const int64_t max_blocks = block_tables.size(1);
   const T* q_ptr = q.data_ptr<T>();
   const T* k_ptr = k_cache.data_ptr<T>();
@@ -574,27 +591,19 @@ void attend_heads_q8(const float* q_f, const uint8_t* k_ptr, const uint8_t* v_pt
     prefetch_next_block(v_ptr, it, L, t0);
     for (int64_t h = it.h0; h < it.h1; ++h) {
       Vec a[G][CH];
-      for (int g = 0; g < G; ++g)
-        for (int c = 0; c < CH; ++c) a[g][c] = acc[((h - it.h0) * G + g) * CH + c];
+      Vec* head_acc = acc + (h - it.h0) * G * CH;
+      std::copy(head_acc, head_acc + G * CH, &a[0][0]);
       const float* p = scores + (h - it.h0) * G * n_all + t0 - r.begin;
       for (int64_t i = 0; i < n; ++i) {
         const uint8_t* vrow = vb + i * L.token_stride + h * CH * 16;
         Vec vv[CH];
         for (int c = 0; c < CH; ++c) vv[c] = load_codes16<FP8>(vrow + c * 16);
-        const float vs = vsb[i * KVH + h];
-        for (int g = 0; g < G; ++g) {
-          const Vec pg = vset1(p[g * n_all + i] * vs);
-          for (int c = 0; c < CH; ++c) a[g][c] = vfma(pg, vv[c], a[g][c]);
-        }
+        accumulate_row<G, CH>(a, vv, p + i, n_all, vsb[i * KVH + h]);  // weights p x the row's value scale
       }
-      for (int g = 0; g < G; ++g)
-        for (int c = 0; c < CH; ++c) acc[((h - it.h0) * G + g) * CH + c] = a[g][c];
+      std::copy(&a[0][0], &a[0][0] + G * CH, head_acc);
     }
   }
-  for (int64_t h = 0; h < nh; ++h)
-    for (int g = 0; g < G; ++g)
-      for (int c = 0; c < CH; ++c)
-        store16(out + ((it.h0 + h) * G + g) * CH * 16 + c * 16, acc[(h * G + g) * CH + c] * vset1(inv_sum[h * G + g]));
+  store_normalized<G, CH>(out, acc, inv_sum, it.h0, nh);
 }
 #endif
 
@@ -634,9 +643,8 @@ void decode_attention_q8_impl(const at::Tensor& q, const at::Tensor& k_codes, co
                               const at::Tensor& k_scales, const at::Tensor& v_scales, const at::Tensor& block_tables,
                               const at::Tensor& context_lens, double scale, bool fp8, at::Tensor& out) {
   const int64_t num_seqs = q.size(0), num_heads = q.size(1), head_dim = q.size(2);
-  const int64_t num_kv_heads = k_codes.size(2), block_size = k_codes.size(1);
-  const Layout L{block_size, num_kv_heads, head_dim, num_heads / num_kv_heads, block_size * num_kv_heads * head_dim,
-                 num_kv_heads * head_dim};
+  const Layout L = layout_of(q, k_codes);
+  const int64_t num_kv_heads = L.num_kv_heads, block_size = L.block_size;
   const int64_t max_blocks = block_tables.size(1);
   const T* q_ptr = q.data_ptr<T>();
   const uint8_t* k_ptr = k_codes.data_ptr<uint8_t>();
