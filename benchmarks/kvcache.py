@@ -22,7 +22,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import resource
 import subprocess
 import sys
 import tempfile
@@ -161,8 +160,18 @@ def single_child(kv: str, model: str, tokens_file: str, output: int) -> dict:
     times = out.token_times
     return {"backend": "llmopt", "kv_cache_dtype": kv, "prompt_tokens": len(prompt), "output_tokens": len(times),
             "ttft_ms": (times[0] - out.arrival_time) * 1e3, "tpot_ms": (times[-1] - times[0]) / (len(times) - 1) * 1e3,
-            "peak_rss_mib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
-            "attention_backend": engine.runner.decoder.attention.name}
+            "peak_rss_mib": peak_rss_mib(),
+            "attention_backend": engine.runner.decoder.attention.name,
+            "compute_dtype": str(engine.runner.decoder.dtype).removeprefix("torch.")}
+
+
+def peak_rss_mib() -> float:
+    """This process's peak resident memory since its exec (VmHWM; getrusage's ru_maxrss would also count the
+    parent's memory at the fork)."""
+    for line in Path("/proc/self/status").read_text().splitlines():
+        if line.startswith("VmHWM:"):
+            return int(line.split()[1]) / 1024
+    raise RuntimeError("no VmHWM in /proc/self/status")
 
 
 def child_json(cmd: list[str]) -> dict:
@@ -185,10 +194,10 @@ def single_rows(args) -> dict:
         int4 = Path(tmp) / "w4a16"
         subprocess.run([sys.executable, "-m", "llmopt", "quantize", MODEL, "--bits", "4", "--method", "rtn",
                         "--group-size", "32", "-o", str(int4)], check=True, capture_output=True)
-        for label, model, kv in (("bf16 weights, kv float32", MODEL, "float32"),
-                                 ("bf16 weights, kv bfloat16", MODEL, "bfloat16"),
-                                 ("bf16 weights, kv int8", MODEL, "int8"),
-                                 ("bf16 weights, kv fp8", MODEL, "fp8"),
+        for label, model, kv in (("kv float32", MODEL, "float32"),
+                                 ("kv bfloat16", MODEL, "bfloat16"),
+                                 ("kv int8", MODEL, "int8"),
+                                 ("kv fp8", MODEL, "fp8"),
                                  ("int4 weights (RTN g32), kv int8", str(int4), "int8")):
             rows[label] = child_json([sys.executable, __file__, "--single-child", kv, "--child-model", model,
                                       "--child-tokens", str(tokens_file), "--single-output",

@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import resource
 import time
 
 import llama_cpp
@@ -42,7 +41,15 @@ def main() -> None:
     print(json.dumps({"backend": "llama.cpp", "llama_cpp_python": llama_cpp.__version__, "cache_type": args.cache_type,
                       "prompt_tokens": len(prompt), "output_tokens": len(times), "ttft_ms": (times[0] - start) * 1e3,
                       "tpot_ms": tpot * 1e3 if tpot else None,
-                      "peak_rss_mib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024}))
+                      "peak_rss_mib": peak_rss_mib()}))
+
+
+def peak_rss_mib() -> float:
+    """Peak resident memory since this process's exec (VmHWM; ru_maxrss would count the parent's at the fork)."""
+    for line in open("/proc/self/status"):
+        if line.startswith("VmHWM:"):
+            return int(line.split()[1]) / 1024
+    raise RuntimeError("no VmHWM in /proc/self/status")
 
 
 if __name__ == "__main__":

@@ -64,14 +64,15 @@ def quantized_caches(context_lens, num_kv_heads, head_dim, page, dtype, kv_dtype
     return tuple(t.to(device) for t in cache), tables
 
 
+@pytest.mark.parametrize("head_dim", [24, 64], ids=["scalar", "vector"])  # int8 rows of 16k values are vectorized
 @pytest.mark.parametrize("kv_dtype", CODE_DTYPES, ids=["int8", "fp8"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_compiled_store_writes_the_reference_codes_and_scales(ops, kv_dtype, dtype):
-    spec = KVCacheSpec("kv", 1, kv_dtype, num_kv_heads=3, head_dim=24)
+def test_compiled_store_writes_the_reference_codes_and_scales(ops, kv_dtype, dtype, head_dim):
+    spec = KVCacheSpec("kv", 1, kv_dtype, num_kv_heads=3, head_dim=head_dim)
     expected, got = (spec.allocate(6, 4, torch.device("cpu"))[0] for _ in range(2))
     g = torch.Generator().manual_seed(0)
-    k = (torch.randn(19, 3, 24, generator=g) * 5).to(dtype)
-    v = torch.randn(19, 3, 24, generator=g).to(dtype)
+    k = (torch.randn(19, 3, head_dim, generator=g) * 5).to(dtype)
+    v = torch.randn(19, 3, head_dim, generator=g).to(dtype)
     k[3, 1] = 0
     slots = torch.randperm(24, generator=g)[:19]
     reference_store_kv(k, v, expected[0], expected[1], slots, (expected[2], expected[3]))
