@@ -71,3 +71,23 @@ def test_score_cache_keys_chain_every_token_and_forget_the_oldest():
     assert cache.available([5, 6, 7, 8, 9, 10], 3, 0) == 0  # leading blocks only
     cache.release(0)
     assert not cache.sequences
+
+
+def test_scoring_requests_preempted_and_recomputed_give_the_same_scores(tiny):
+    """A cache too small for all at once: scoring requests are preempted mid-prompt and recomputed (their kept
+    scores and hidden states started afresh), some from a cached prefix; every score equals a cold engine's."""
+    model, tok = tiny
+    context = prompts(1, seed=5)[0] * 2
+    ps = [context + [i, i + 1] * 6 for i in range(6)] + [prompts(1, seed=6)[0] * 3 for _ in range(2)]
+    params = SamplingParams(max_tokens=8, prompt_logprobs=1, ignore_eos=True)
+    cold = [Engine(model, tok, EngineConfig(block_size=2, enable_prefix_cache=False)).generate([p], params)[0]
+            for p in ps]
+    per_token = Engine(model, tok, EngineConfig(block_size=2)).runner.kv_cache_spec.bytes_per_token
+    longest = max(len(p) for p in ps) + params.max_tokens
+    engine = Engine(model, tok, EngineConfig(block_size=2, kv_cache_bytes=(longest + 4) * per_token,
+                                             max_num_batched_tokens=16))
+    outputs = engine.generate(ps, params)
+    assert engine.stats().num_preemptions > 0 and engine.stats().prefix_cache_hits > 0
+    for out, want in zip(outputs, cold):
+        assert out.token_ids == want.token_ids
+        assert_same_scores(out.prompt_logprobs, want.prompt_logprobs)
