@@ -20,14 +20,22 @@ EvalBackendOpt = Annotated[Backend, typer.Option(
     "KV cache, --kv-cache-dtype included: what `llmopt serve` computes), each text prefilled in chunks.")]
 
 
-def runtime_engine(model: str, resolved_dtype: str, device: str, trust_remote_code: bool, engine):
-    """(Engine, its tokenizer, its model's config) for --backend runtime."""
-    from llmopt.runtime.engine.engine import Engine
-    from llmopt.runtime.executor.loader import load_runtime_model
+def load_for_eval(model: str, resolved_dtype: str, device: str, trust_remote_code: bool, backend: Backend, engine):
+    """(what scores: a transformers model or, for --backend runtime, an Engine; the tokenizer; the model's config;
+    the facts about what computes the numbers, for the JSON)."""
+    if backend is Backend.runtime:
+        from llmopt.runtime.engine.engine import Engine
+        from llmopt.runtime.executor.loader import load_runtime_model
 
-    lm, tokenizer, _ = load_runtime_model(model, dtype=resolved_dtype, device=device,
-                                          trust_remote_code=trust_remote_code, activations=engine.activations)
-    return Engine(lm, tokenizer, engine, record_steps=False), tokenizer, lm.config
+        lm, tokenizer, _ = load_runtime_model(model, dtype=resolved_dtype, device=device,
+                                              trust_remote_code=trust_remote_code, activations=engine.activations)
+        scorer = Engine(lm, tokenizer, engine, record_steps=False)
+        return scorer, tokenizer, lm.config, {"backend": "runtime", "kv_cache_dtype": scorer.runner.kv_dtype_label,
+                                              "attention_backend": scorer.runner.decoder.attention.name}
+    from llmopt.export.load import load_model
+
+    lm, tokenizer, _ = load_model(model, dtype=resolved_dtype, device=device, trust_remote_code=trust_remote_code)
+    return lm, tokenizer, lm.config, {"backend": "hf"}
 
 
 def check_engine_options(backend: Backend, engine) -> None:
@@ -55,8 +63,9 @@ def ppl(
     dataset: DatasetOpt = "wikitext2",
     seqlen: SeqlenOpt = 512,
     max_tokens: MaxTokensOpt = None,
-    batch_size: Annotated[int, typer.Option("--batch-size", help="Windows per forward pass (--backend hf; the runtime batches by --max-num-seqs / "
-                                                "--max-num-batched-tokens).")] = 4,
+    batch_size: Annotated[int, typer.Option(
+        "--batch-size", help="Windows per forward pass (--backend hf; the runtime batches by --max-num-seqs / "
+        "--max-num-batched-tokens).")] = 4,
     text_field: TextFieldOpt = "text",
     dtype: DtypeOpt = Dtype.float32,
     device: DeviceOpt = "cpu",
@@ -69,8 +78,8 @@ def ppl(
     from llmopt.core.datasets import tokenize_corpus
     from llmopt.core.errors import ConfigError
     from llmopt.core.models import check_within_context
-    from llmopt.export.load import load_model
     from llmopt.eval.perplexity import perplexity
+    from llmopt.eval.runtime_scoring import runtime_perplexity
 
     if seqlen < 2:
         raise ConfigError(f"--seqlen must be at least 2 (got {seqlen})")
@@ -78,24 +87,14 @@ def ppl(
         raise ConfigError(f"--max-tokens ({max_tokens}) must be at least --seqlen ({seqlen})")
     check_engine_options(backend, engine)
     resolved = resolve_dtype_option(dtype, device)
-    facts = {}
-    if backend is Backend.runtime:
-        from llmopt.eval.runtime_scoring import runtime_perplexity
-
-        runner, tokenizer, config = runtime_engine(model, resolved, device, trust_remote_code, engine)
-        check_within_context(seqlen, config, "--seqlen")
-        token_ids = tokenize_corpus(tokenizer, dataset, max_tokens, "eval", text_field)
-        with progress_bar(f"ppl {dataset} (runtime)") as update:
-            result = runtime_perplexity(runner, token_ids, seqlen=seqlen, progress=update)
-        facts = {"backend": "runtime", "kv_cache_dtype": runner.runner.kv_dtype_label,
-                 "attention_backend": runner.runner.decoder.attention.name}
-    else:
-        lm, tokenizer, source = load_model(model, dtype=resolved, device=device, trust_remote_code=trust_remote_code)
-        check_within_context(seqlen, lm.config, "--seqlen")
-        token_ids = tokenize_corpus(tokenizer, dataset, max_tokens, "eval", text_field)
-        with progress_bar(f"ppl {dataset}") as update:
-            result = perplexity(lm, token_ids, seqlen=seqlen, batch_size=batch_size, progress=update)
-        facts = {"backend": "hf"}
+    scorer, tokenizer, config, facts = load_for_eval(model, resolved, device, trust_remote_code, backend, engine)
+    check_within_context(seqlen, config, "--seqlen")
+    token_ids = tokenize_corpus(tokenizer, dataset, max_tokens, "eval", text_field)
+    with progress_bar(f"ppl {dataset}") as update:
+        if backend is Backend.runtime:
+            result = runtime_perplexity(scorer, token_ids, seqlen=seqlen, progress=update)
+        else:
+            result = perplexity(scorer, token_ids, seqlen=seqlen, batch_size=batch_size, progress=update)
     facts = {**result.to_dict(), "model": model, "dataset": dataset, "dtype": resolved, **facts}
     if as_json:
         print_json(facts)
@@ -111,8 +110,9 @@ def tasks(
         "--tasks", help="Comma-separated: arc_easy, arc_challenge, piqa, hellaswag, lambada, winogrande.")
     ] = "arc_easy,arc_challenge,piqa,hellaswag,lambada,winogrande",
     limit: Annotated[Optional[int], typer.Option("--limit", help="First N documents of each task.")] = None,
-    batch_size: Annotated[int, typer.Option("--batch-size", help="Sequences per forward pass (--backend hf; the runtime batches by --max-num-seqs / "
-                                                "--max-num-batched-tokens).")] = 16,
+    batch_size: Annotated[int, typer.Option(
+        "--batch-size", help="Sequences per forward pass (--backend hf; the runtime batches by --max-num-seqs / "
+        "--max-num-batched-tokens).")] = 16,
     dtype: DtypeOpt = Dtype.auto,
     device: DeviceOpt = "cpu",
     as_json: JsonOpt = False,
@@ -122,7 +122,7 @@ def tasks(
 ) -> None:
     """Zero-shot accuracy, scored by log-likelihood as lm-evaluation-harness does."""
     from llmopt.core.errors import ConfigError
-    from llmopt.export.load import load_model
+    from llmopt.eval.runtime_scoring import evaluate_task_runtime
     from llmopt.eval.tasks import TASKS, evaluate_task
 
     names = [t.strip() for t in task_names.split(",") if t.strip()]
@@ -135,21 +135,16 @@ def tasks(
         raise ConfigError(f"--batch-size must be at least 1 (got {batch_size})")
     check_engine_options(backend, engine)
     resolved = resolve_dtype_option(dtype, device)
-    if backend is Backend.runtime:
-        lm, tokenizer, _ = runtime_engine(model, resolved, device, trust_remote_code, engine)
-    else:
-        lm, tokenizer, _ = load_model(model, dtype=resolved, device=device, trust_remote_code=trust_remote_code)
+    scorer, tokenizer, _, facts = load_for_eval(model, resolved, device, trust_remote_code, backend, engine)
     results = {}
     for name in names:
         with progress_bar(name) as update:
             if backend is Backend.runtime:
-                from llmopt.eval.runtime_scoring import evaluate_task_runtime
-
-                results[name] = evaluate_task_runtime(lm, tokenizer, name, limit, update)
+                results[name] = evaluate_task_runtime(scorer, tokenizer, name, limit, update)
             else:
-                results[name] = evaluate_task(lm, tokenizer, name, limit, batch_size, update)
+                results[name] = evaluate_task(scorer, tokenizer, name, limit, batch_size, update)
     if as_json:
-        print_json({"model": model, "limit": limit, "dtype": resolved, "backend": backend.value, "tasks": results})
+        print_json({"model": model, "limit": limit, "dtype": resolved, **facts, "tasks": results})
     else:
         print_table(f"task accuracy of {model}", [{"task": k, **{m: v.get(m) for m in ("acc", "acc_norm", "ppl",
                                                    "num_docs")}} for k, v in results.items()])

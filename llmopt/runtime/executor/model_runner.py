@@ -212,19 +212,18 @@ class ModelRunner:
             if top is None:
                 continue
             first, num_prompt = seq.num_computed_tokens, seq.num_prompt_tokens
+            last = min(first + item.num_new_tokens, num_prompt - 1)  # positions whose next token is prompt
+            rows = hidden[starts[i]: starts[i] + max(0, last - first)]  # [positions, hidden]
+            targets = seq.token_ids[first + 1: last + 1]
+            first_scored, entries = first + 1, []  # the prompt position entries[0] scores
             state = scores.sequences.get(seq.seq_id)
-            prefix_entries = []
             if state is None or first == seq.num_cached_tokens:  # (re)admitted
                 state = scores.start(seq.seq_id, seq.token_ids[:num_prompt])
-                if first:  # a prefix-cache hit: its scores, and the next token's from the hit's last hidden state
-                    cached, hidden_end = scores.cached_entries(state, first // bs)
-                    logits = self.decoder.logits(hidden_end[None], as_float=True).cpu()
-                    prefix_entries = cached + rows_token_logprobs(logits, [seq.token_ids[first]], top)
-                    state.stored = first // bs
-            last = min(first + item.num_new_tokens, num_prompt - 1)  # positions whose next token is prompt
-            rows = hidden[starts[i]: starts[i] + max(0, last - first)]
-            targets = seq.token_ids[first + 1: last + 1]
-            entries = []
+                if first:  # a prefix-cache hit: its kept scores, and the next token's from the hit's last hidden
+                    # state, projected with this step's rows
+                    entries, hidden_end = scores.cached_entries(state, first // bs)
+                    rows, targets = torch.cat([hidden_end[None], rows]), [seq.token_ids[first], *targets]
+                    first_scored, state.stored = 1, first // bs
             for r in range(0, len(targets), SCORE_ROWS):
                 logits = self.decoder.logits(rows[r:r + SCORE_ROWS], as_float=True).cpu()  # [rows, vocab]
                 entries += rows_token_logprobs(logits, targets[r:r + SCORE_ROWS], top)
@@ -232,9 +231,9 @@ class ModelRunner:
             end = min(first + item.num_new_tokens, num_prompt // bs * bs)
             block_ends = {p // bs: hidden[starts[i] + p - first].clone()
                           for p in range(first // bs * bs + bs - 1, end, bs) if p >= first}
-            scores.record(state, prefix_entries + entries, block_ends, top)
-            if prefix_entries or entries:
-                result.prompt_logprobs[seq.seq_id] = (1 if prefix_entries else first + 1, prefix_entries + entries)
+            scores.record(state, entries, block_ends, top)
+            if entries:
+                result.prompt_logprobs[seq.seq_id] = (first_scored, entries)
 
     def _generator(self, seq) -> torch.Generator | None:
         if seq.params.seed is None:

@@ -33,13 +33,7 @@ def sample(logits: torch.Tensor, params: SamplingParams, generator: torch.Genera
 
 def token_logprobs(logits: torch.Tensor, token_id: int, top_n: int) -> dict[int, float]:
     """{token id: log-probability} for the sampled token and the top_n most likely ones (logits [vocab])."""
-    logprobs = torch.log_softmax(logits.float(), dim=-1)
-    result = {}
-    if top_n:
-        values, ids = torch.topk(logprobs, min(top_n, logprobs.numel()))
-        result = dict(zip(ids.tolist(), values.tolist()))
-    result[token_id] = float(logprobs[token_id])
-    return result
+    return rows_token_logprobs(logits[None], [token_id], top_n)[0]
 
 
 def rows_token_logprobs(logits: torch.Tensor, token_ids: list[int], top_n: int) -> list[dict[int, float]]:

@@ -186,6 +186,13 @@ def gather_kv(cache: torch.Tensor, scale: torch.Tensor | None, block_ids: torch.
     return dequantize_kv(rows, scale.index_select(0, block_ids).reshape(-1, num_kv_heads), dtype)
 
 
+def gather_keys_values(k_cache: torch.Tensor, v_cache: torch.Tensor, scales: Scales, block_ids: torch.Tensor,
+                       dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    """gather_kv of the key and the value cache: (keys, values) [len(block_ids) * block_size, kv_heads, hd]."""
+    return (gather_kv(k_cache, None if scales is None else scales[0], block_ids, dtype),
+            gather_kv(v_cache, None if scales is None else scales[1], block_ids, dtype))
+
+
 def _attend_decodes(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, decode: DecodeGroup,
                     scale: float, compiled: bool | None = None, scales: Scales = None) -> torch.Tensor:
     """q [B, num_heads, head_dim] -> [B, num_heads, head_dim], each over its own cached keys. compiled: use the
@@ -208,9 +215,8 @@ def _attend_decodes(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
     # index_select over whole blocks is a plain memcpy per block, several times faster than advanced indexing;
     # -> [B, kv_heads, blocks * block_size, hd]
     flat = decode.block_tables.reshape(-1)
-    k, v = (gather_kv(cache, None if scales is None else scales[i], flat, q.dtype)
-            .view(num_seqs, width * block_size, num_kv_heads, head_dim).transpose(1, 2)
-            for i, cache in enumerate((k_cache, v_cache)))
+    k, v = (x.view(num_seqs, width * block_size, num_kv_heads, head_dim).transpose(1, 2)
+            for x in gather_keys_values(k_cache, v_cache, scales, flat, q.dtype))
     o = F.scaled_dot_product_attention(q.unsqueeze(2), k, v, attn_mask=decode.mask,
                                        scale=scale, enable_gqa=q.shape[1] != num_kv_heads)
     return o[:, :, 0]
@@ -268,9 +274,10 @@ def reference_paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: t
         for p in prefills:
             out[p.start:p.end] = _attend_masked(q[p.start:p.end], k_cache, v_cache, p, scale, scales)
         return out
-    if scales is not None and prefills:
-        k_new, v_new = (fake_quantize_kv(x, c.dtype).to(q.dtype) for x, c in ((k_new, k_cache), (v_new, v_cache)))
     runs, prefills = _fresh_runs(prefills)
+    if scales is not None and (runs or any(_tiled(p) for p in prefills)):
+        # this step's keys are attended directly: taken as the cache holds them
+        k_new, v_new = (fake_quantize_kv(x, c.dtype).to(q.dtype) for x, c in ((k_new, k_cache), (v_new, v_cache)))
     for start, count, length in runs:
         end = start + count * length
         # [count, heads, length, head_dim] views of the flat batch
@@ -280,19 +287,23 @@ def reference_paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: t
                                            enable_gqa=num_heads != num_kv_heads)
         out[start:end] = o.transpose(1, 2).reshape(end - start, num_heads, head_dim)
     for p in prefills:
-        if p.end - p.start < TILED_MIN_CHUNK:  # a short chunk: its mask is small, one SDPA costs less
-            out[p.start:p.end] = _attend_masked(q[p.start:p.end], k_cache, v_cache, p, scale, scales)
-        else:
+        if _tiled(p):
             out[p.start:p.end] = _attend_after_prefix(q[p.start:p.end], k_new[p.start:p.end], v_new[p.start:p.end],
                                                       k_cache, v_cache, p, scale, scales)
+        else:  # a short chunk: its mask is small, one SDPA costs less
+            out[p.start:p.end] = _attend_masked(q[p.start:p.end], k_cache, v_cache, p, scale, scales)
     return out
+
+
+def _tiled(p: PrefillGroup) -> bool:
+    """Whether a chunk after a cached prefix attends through _attend_after_prefix (else _attend_masked)."""
+    return p.end - p.start >= TILED_MIN_CHUNK
 
 
 def _attend_masked(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, p: PrefillGroup, scale: float,
                    scales: Scales) -> torch.Tensor:
     """q [new, heads, hd] over the sequence's gathered blocks with its [new, context] causal mask."""
-    k, v = (gather_kv(c, None if scales is None else scales[i], p.block_ids, q.dtype)[: p.context_len]
-            for i, c in enumerate((k_cache, v_cache)))
+    k, v = (x[: p.context_len] for x in gather_keys_values(k_cache, v_cache, scales, p.block_ids, q.dtype))
     o = F.scaled_dot_product_attention(q.transpose(0, 1).unsqueeze(0), k.transpose(0, 1).unsqueeze(0),
                                        v.transpose(0, 1).unsqueeze(0), attn_mask=p.mask, scale=scale,
                                        enable_gqa=q.shape[1] != k_cache.shape[2])
@@ -310,8 +321,7 @@ def _attend_after_prefix(q: torch.Tensor, k_new: torch.Tensor, v_new: torch.Tens
     group = num_heads // num_kv_heads
     prefix_len = p.context_len - new
     prefix_blocks = p.block_ids[: -(-prefix_len // k_cache.shape[1])]
-    k, v = (gather_kv(c, None if scales is None else scales[i], prefix_blocks, q.dtype)[:prefix_len]
-            for i, c in enumerate((k_cache, v_cache)))
+    k, v = (x[:prefix_len] for x in gather_keys_values(k_cache, v_cache, scales, prefix_blocks, q.dtype))
     # prefix: no mask, so each KV head's query rows (its group's heads x new tokens) attend together
     q_grouped = q.view(new, num_kv_heads, group, head_dim).permute(1, 2, 0, 3).reshape(1, num_kv_heads,
                                                                                          group * new, head_dim)

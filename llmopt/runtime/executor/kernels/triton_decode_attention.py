@@ -31,6 +31,17 @@ def dequantize_codes(raw, FP8: tl.constexpr):
     return raw.to(tl.float32)
 
 
+@triton.jit
+def load_page(ptr, scales_ptr, kv_off, kv_mask, t_mask, block, offs_t, kv_heads, kv_head, PAGE: tl.constexpr,
+              QUANT: tl.constexpr, FP8: tl.constexpr):
+    """One page's rows [PAGE, D] of a key or value cache at kv_off: as stored, or (QUANT) its codes decoded and
+    multiplied by their token's scale (scales [blocks, PAGE, KVH] contiguous), in fp32."""
+    if QUANT:
+        scale = tl.load(scales_ptr + (block * PAGE + offs_t) * kv_heads + kv_head, mask=t_mask, other=0.0)
+        return dequantize_codes(tl.load(ptr + kv_off, mask=kv_mask, other=0), FP8) * scale[:, None]
+    return tl.load(ptr + kv_off, mask=kv_mask, other=0.0)
+
+
 def code_operands(k_cache: torch.Tensor, v_cache: torch.Tensor, scales) -> tuple:
     """(k codes, v codes, k scales, v scales, QUANT, FP8) for the kernels: E4M3 codes travel as uint8; without
     scales the caches themselves stand in for the unused scale pointers."""
@@ -78,15 +89,11 @@ def _decode_split_kernel(
             block = tl.load(tables_ptr + seq * stride_tb + page)
             kv_off = block * stride_kb + offs_t[:, None] * stride_kt + kv_head * stride_kh + offs_d[None, :]
             kv_mask = t_mask[:, None] & d_mask[None, :]
-            if QUANT:  # scales [blocks, PAGE, KVH] contiguous
-                s_off = (block * PAGE + offs_t) * (stride_kt // stride_kh) + kv_head
-                k = dequantize_codes(tl.load(k_ptr + kv_off, mask=kv_mask, other=0), FP8) * tl.load(
-                    ks_ptr + s_off, mask=t_mask, other=0.0)[:, None]
-                v = dequantize_codes(tl.load(v_ptr + kv_off, mask=kv_mask, other=0), FP8) * tl.load(
-                    vs_ptr + s_off, mask=t_mask, other=0.0)[:, None]
-            else:
-                k = tl.load(k_ptr + kv_off, mask=kv_mask, other=0.0).to(tl.float32)  # [PAGE, D]
-                v = tl.load(v_ptr + kv_off, mask=kv_mask, other=0.0).to(tl.float32)
+            kv_heads = stride_kt // stride_kh
+            k = load_page(k_ptr, ks_ptr, kv_off, kv_mask, t_mask, block, offs_t, kv_heads, kv_head, PAGE, QUANT,
+                          FP8).to(tl.float32)  # [PAGE, D]
+            v = load_page(v_ptr, vs_ptr, kv_off, kv_mask, t_mask, block, offs_t, kv_heads, kv_head, PAGE, QUANT,
+                          FP8).to(tl.float32)
             s = tl.sum(q[:, None, :] * k[None, :, :], axis=2) * scale  # [G, PAGE]
             s = tl.where(t_mask[None, :], s, float("-inf"))
             m_new = tl.maximum(m_i, tl.max(s, axis=1))

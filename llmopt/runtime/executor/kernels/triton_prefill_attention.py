@@ -15,7 +15,7 @@ import torch
 import triton
 import triton.language as tl
 
-from llmopt.runtime.executor.kernels.triton_decode_attention import code_operands, dequantize_codes
+from llmopt.runtime.executor.kernels.triton_decode_attention import code_operands, load_page
 
 
 @triton.jit
@@ -53,16 +53,13 @@ def _prefill_kernel(
             k_pos = page * PAGE + offs_t
             kv_off = block * stride_kb + offs_t[:, None] * stride_kt + kv_head * stride_kh + offs_d[None, :]
             kv_mask = (k_pos < ctx)[:, None] & d_mask[None, :]
-            if QUANT:  # scales [blocks, PAGE, KVH] contiguous
-                s_off = (block * PAGE + offs_t) * (stride_kt // stride_kh) + kv_head
-                k = dequantize_codes(tl.load(k_ptr + kv_off, mask=kv_mask, other=0), FP8) * tl.load(
-                    ks_ptr + s_off, mask=k_pos < ctx, other=0.0)[:, None]
-                v = dequantize_codes(tl.load(v_ptr + kv_off, mask=kv_mask, other=0), FP8) * tl.load(
-                    vs_ptr + s_off, mask=k_pos < ctx, other=0.0)[:, None]
+            kv_heads = stride_kt // stride_kh
+            k = load_page(k_ptr, ks_ptr, kv_off, kv_mask, k_pos < ctx, block, offs_t, kv_heads, kv_head, PAGE,
+                          QUANT, FP8)
+            v = load_page(v_ptr, vs_ptr, kv_off, kv_mask, k_pos < ctx, block, offs_t, kv_heads, kv_head, PAGE,
+                          QUANT, FP8)
+            if QUANT:  # (decoded in fp32; the value product runs in q's dtype, as a cache in it would)
                 v = v.to(q.dtype)
-            else:
-                k = tl.load(k_ptr + kv_off, mask=kv_mask, other=0.0)
-                v = tl.load(v_ptr + kv_off, mask=kv_mask, other=0.0)
             s = tl.dot(q, tl.trans(k).to(q.dtype), input_precision="ieee").to(tl.float32) * scale  # [M, PAGE]
             visible = (k_pos[None, :] <= q_pos[:, None]) & (k_pos[None, :] < ctx) & m_mask[:, None]
             s = tl.where(visible, s, float("-inf"))

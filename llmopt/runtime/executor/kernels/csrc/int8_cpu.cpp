@@ -34,28 +34,10 @@ void quantize_rows(const T* x, int8_t* codes, float* scales, int64_t rows, int64
   at::parallel_for(0, rows, grain_rows(k), [&](int64_t begin, int64_t end) {
     for (int64_t r = begin; r < end; ++r) {
       const T* row = x + r * k;
-      float amax = 0.f;
-      int64_t i = 0;
-#if defined(LLMOPT_VEC)
-      Vec peak = vzero();
-      for (; i + 16 <= k; i += 16) peak = vmax(peak, vabs(load16(row + i)));
-      amax = reduce_max(peak);
-#endif
-      for (; i < k; ++i) amax = std::max(amax, std::fabs(to_float(row[i])));
-      float scale = amax / 127.5f;
+      float scale = row_amax(row, k) / 127.5f;
       if (!(scale > 0.f)) scale = 1.f;
       scales[r] = scale;
-      int8_t* out = codes + r * k;
-      i = 0;
-#if defined(LLMOPT_VEC)
-      // the same exact division and round-half-even as the scalar loop, 16 at a time
-      const Vec vs = vset1(scale), lowest = vset1(-128.f), highest = vset1(127.f);
-      for (; i + 16 <= k; i += 16) store16_i8(out + i, vmin(vmax(round_half_even(load16(row + i) / vs), lowest), highest));
-#endif
-      for (; i < k; ++i) {
-        const float q = std::nearbyint(to_float(row[i]) / scale);  // round half to even, as torch.round
-        out[i] = static_cast<int8_t>(std::min(127.f, std::max(-128.f, q)));
-      }
+      quantize_row_int8(row, k, scale, -128.f, 127.f, codes + r * k);
     }
   });
 }

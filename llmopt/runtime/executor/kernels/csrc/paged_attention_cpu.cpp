@@ -14,13 +14,14 @@
 // over V). Nothing is padded: each sequence reads exactly its context_len rows.
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
+#include <c10/util/Float8_e4m3fn.h>
 
 #include <algorithm>
-#include <c10/util/Float8_e4m3fn.h>
 
 #include <cmath>
 #include <limits>
 #include <string>
+#include <tuple>
 #include <type_traits>
 #include <vector>
 
@@ -753,27 +754,13 @@ void store_quantized_rows(const T* x, int64_t x_stride, uint8_t* codes, float* s
   for (int64_t t = 0; t < num_tokens; ++t)
     for (int64_t h = 0; h < kvh; ++h) {
       const T* row = x + t * x_stride + h * hd;
-#if defined(LLMOPT_VEC)
-      if (!FP8 && hd % 16 == 0) {  // int8, 16 lanes at a time: the same divisions, clamps and roundings
-        Vec vmax_abs = vzero();
-        for (int64_t d = 0; d < hd; d += 16) vmax_abs = vmax(vmax_abs, vabs(load16(row + d)));
-        const float s = reduce_max(vmax_abs) / code_max;
-        const Vec safe = vset1(s > 0.f ? s : 1.f), lo = vset1(-code_max), hi = vset1(code_max);
-        int8_t* out = reinterpret_cast<int8_t*>(codes + (slots[t] * kvh + h) * hd);
-        for (int64_t d = 0; d < hd; d += 16)
-          store16_i8(out + d, round_half_even(vmin(vmax(load16(row + d) / safe, lo), hi)));
-        scales[slots[t] * kvh + h] = s;
-        continue;
-      }
-#endif
-      float amax = 0.f;
-      for (int64_t d = 0; d < hd; ++d) amax = std::max(amax, std::abs(to_float(row[d])));
-      const float s = amax / code_max, safe = s > 0.f ? s : 1.f;
+      const float s = row_amax(row, hd) / code_max, safe = s > 0.f ? s : 1.f;
       uint8_t* out = codes + (slots[t] * kvh + h) * hd;
-      for (int64_t d = 0; d < hd; ++d) {
-        const float y = std::min(std::max(to_float(row[d]) / safe, -code_max), code_max);
-        if constexpr (FP8) out[d] = c10::Float8_e4m3fn(y).x;
-        else out[d] = static_cast<uint8_t>(static_cast<int8_t>(std::nearbyint(y)));
+      if constexpr (FP8) {
+        for (int64_t d = 0; d < hd; ++d)
+          out[d] = c10::Float8_e4m3fn(std::min(std::max(to_float(row[d]) / safe, -code_max), code_max)).x;
+      } else {
+        quantize_row_int8(row, hd, safe, -code_max, code_max, reinterpret_cast<int8_t*>(out));
       }
       scales[slots[t] * kvh + h] = s;
     }
@@ -804,21 +791,12 @@ void store_kv_quantized_(at::Tensor& k_codes, at::Tensor& v_codes, at::Tensor& k
   auto* kc = static_cast<uint8_t*>(k_codes.data_ptr());
   auto* vc = static_cast<uint8_t*>(v_codes.data_ptr());
   LLMOPT_DISPATCH(k, [&] {
-    const scalar_t* kp = k.data_ptr<scalar_t>();
-    const scalar_t* vp = v.data_ptr<scalar_t>();
+    const auto store = fp8 ? store_quantized_rows<scalar_t, true> : store_quantized_rows<scalar_t, false>;
     // tokens split across threads (a prefill chunk: thousands of rows)
     at::parallel_for(0, T, 64, [&](int64_t begin, int64_t end) {
-      if (fp8) {
-        store_quantized_rows<scalar_t, true>(kp + begin * k.stride(0), k.stride(0), kc, k_scales.data_ptr<float>(),
-                                             sp + begin, end - begin, kvh, hd);
-        store_quantized_rows<scalar_t, true>(vp + begin * v.stride(0), v.stride(0), vc, v_scales.data_ptr<float>(),
-                                             sp + begin, end - begin, kvh, hd);
-      } else {
-        store_quantized_rows<scalar_t, false>(kp + begin * k.stride(0), k.stride(0), kc, k_scales.data_ptr<float>(),
-                                              sp + begin, end - begin, kvh, hd);
-        store_quantized_rows<scalar_t, false>(vp + begin * v.stride(0), v.stride(0), vc, v_scales.data_ptr<float>(),
-                                              sp + begin, end - begin, kvh, hd);
-      }
+      for (const auto& [x, codes, scales] : {std::tuple{&k, kc, &k_scales}, std::tuple{&v, vc, &v_scales}})
+        store(x->data_ptr<scalar_t>() + begin * x->stride(0), x->stride(0), codes, scales->data_ptr<float>(),
+              sp + begin, end - begin, kvh, hd);
     });
   });
 }

@@ -10,6 +10,8 @@
 
 #include <ATen/ATen.h>
 
+#include <algorithm>
+#include <cmath>
 #include <cstdint>
 #include <cstring>
 #include <type_traits>
@@ -276,6 +278,32 @@ inline Vec exp16(Vec x) {
   return scale_by_pow2(p, n);
 }
 #endif
+
+// The largest |x| over a row of k values.
+template <typename T>
+inline float row_amax(const T* row, int64_t k) {
+  float amax = 0.f;
+  int64_t i = 0;
+#if defined(LLMOPT_VEC)
+  Vec peak = vzero();
+  for (; i + 16 <= k; i += 16) peak = vmax(peak, vabs(load16(row + i)));
+  amax = reduce_max(peak);
+#endif
+  for (; i < k; ++i) amax = std::max(amax, std::fabs(to_float(row[i])));
+  return amax;
+}
+
+// A row's symmetric int8 codes: round_half_even(x / scale) (an exact division, as torch's) clamped to [lo, hi],
+// 16 at a time where the build has vectors, with the same results as the scalar tail.
+template <typename T>
+inline void quantize_row_int8(const T* row, int64_t k, float scale, float lo, float hi, int8_t* out) {
+  int64_t i = 0;
+#if defined(LLMOPT_VEC)
+  const Vec vs = vset1(scale), lowest = vset1(lo), highest = vset1(hi);
+  for (; i + 16 <= k; i += 16) store16_i8(out + i, vmin(vmax(round_half_even(load16(row + i) / vs), lowest), highest));
+#endif
+  for (; i < k; ++i) out[i] = static_cast<int8_t>(std::min(hi, std::max(lo, std::nearbyint(to_float(row[i]) / scale))));
+}
 
 }  // namespace
 }  // namespace llmopt_cpu
