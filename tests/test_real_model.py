@@ -139,3 +139,43 @@ def test_smollm2_speculative_greedy_equals_plain_greedy(smollm2, tmp_path, metho
     engine = Engine(model, tokenizer, EngineConfig(speculative=SpeculativeConfig(method, target, adaptive=False)))
     assert [o.token_ids for o in engine.generate(prompts, params)] == plain
     assert engine.stats().spec_decode.num_accepted_tokens > 0
+
+
+def test_smollm2_two_tensor_parallel_ranks_give_the_one_process_tokens(tmp_path):
+    """SmolLM2 (9 heads, 3 KV heads: split 6 + 3 query heads over whole KV heads), dense and GPTQ int4 g64,
+    served over HTTP with 2 ranks: the tokens of one process."""
+    import openai
+
+    from llmopt.compress.api import make_config
+    from llmopt.pipelines.quantize import quantize_to_artifact
+    from llmopt.runtime.engine.config import EngineConfig
+    from llmopt.runtime.engine.engine import Engine
+    from llmopt.runtime.engine.sampling import SamplingParams
+    from llmopt.runtime.executor.loader import load_for_engine
+    from llmopt.serve.launch import in_thread, start_server
+
+    gptq = tmp_path / "gptq"
+    quantize_to_artifact("smollm2-135m", gptq, [make_config("gptq", bits=4, group_size=64, calib="pystdlib",
+                                                            num_samples=8, seqlen=128)])
+    params = SamplingParams(max_tokens=32, ignore_eos=True)
+    texts = {}
+    for name in ("smollm2-135m", str(gptq)):
+        outputs = {}
+        for tp in (1, 2):
+            config = EngineConfig(tensor_parallel_size=tp, max_num_batched_tokens=64)
+            model, tokenizer, _ = load_for_engine(name, config)
+            prompts = [tokenizer(p)["input_ids"] for p in ("def fibonacci(n):", "The capital of France is",
+                                                           "import numpy as np\n" * 8)]
+            engine = Engine(model, tokenizer, config)
+            finished = engine.generate(prompts, params)
+            outputs[tp] = [o.token_ids for o in finished]
+            texts.setdefault(name, finished[0].text)
+            engine.close()
+        assert outputs[2] == outputs[1], name
+    app, server = start_server("smollm2-135m", EngineConfig(tensor_parallel_size=2), "float32")
+    with in_thread(server) as url:
+        client = openai.OpenAI(base_url=url, api_key="none", max_retries=0)
+        served = client.completions.create(model="smollm2-135m", prompt="def fibonacci(n):", max_tokens=32,
+                                           temperature=0, extra_body={"ignore_eos": True})
+    server.engine.engine.close()
+    assert served.choices[0].text == texts["smollm2-135m"]

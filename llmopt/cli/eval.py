@@ -25,10 +25,10 @@ def load_for_eval(model: str, resolved_dtype: str, device: str, trust_remote_cod
     the facts about what computes the numbers, for the JSON)."""
     if backend is Backend.runtime:
         from llmopt.runtime.engine.engine import Engine
-        from llmopt.runtime.executor.loader import load_runtime_model
+        from llmopt.runtime.executor.loader import load_for_engine
 
-        lm, tokenizer, _ = load_runtime_model(model, dtype=resolved_dtype, device=device,
-                                              trust_remote_code=trust_remote_code, activations=engine.activations)
+        lm, tokenizer, _ = load_for_engine(model, engine, dtype=resolved_dtype, device=device,
+                                           trust_remote_code=trust_remote_code)
         scorer = Engine(lm, tokenizer, engine, record_steps=False)
         return scorer, tokenizer, lm.config, {"backend": "runtime", "kv_cache_dtype": scorer.runner.kv_dtype_label,
                                               "attention_backend": scorer.runner.decoder.attention.name}

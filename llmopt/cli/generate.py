@@ -42,7 +42,7 @@ def generate(
     from llmopt.eval.hf_baseline import encode_prompts, hf_generate
     from llmopt.runtime.engine.engine import Engine
     from llmopt.runtime.engine.sampling import SamplingParams
-    from llmopt.runtime.executor.loader import load_runtime_model
+    from llmopt.runtime.executor.loader import load_for_engine
 
     params = SamplingParams(max_tokens=max_tokens, temperature=temperature, top_p=top_p, top_k=top_k, seed=seed,
                             stop=tuple(stop or ()))
@@ -54,8 +54,8 @@ def generate(
         _check_utf8(text)
     dtype = resolve_dtype_option(dtype, device)
     if backend is Backend.runtime:
-        lm, tokenizer, _ = load_runtime_model(model, dtype=dtype, device=device, trust_remote_code=trust_remote_code,
-                                              activations=engine.activations)
+        lm, tokenizer, _ = load_for_engine(model, engine, dtype=dtype, device=device,
+                                           trust_remote_code=trust_remote_code)
     else:
         lm, tokenizer, _ = load_model(model, dtype=dtype, device=device, trust_remote_code=trust_remote_code)
     prompt_ids = encode_prompts(tokenizer, prompt, chat)

@@ -33,6 +33,11 @@ class ConfigError(LLMOptError):
         self.param = param
 
 
+class ParallelError(LLMOptError):
+    """A rank of a parallel engine failed or stopped answering: the engine cannot go on (the message names the
+    rank and the cause)."""
+
+
 class ArtifactError(LLMOptError):
     """An output artifact cannot be written or read (exists, incomplete, wrong format)."""
 

@@ -224,16 +224,18 @@ def bench_runtime(name: str, model_name: str, spec: WorkloadSpec, config: BenchC
     """One measured runtime run."""
     from llmopt.core.models import DTYPES
     from llmopt.runtime.engine.engine import Engine
-    from llmopt.runtime.executor.loader import load_runtime_model
+    from llmopt.runtime.executor.loader import load_for_engine
 
     config = _resolved(config)
-    model, tokenizer, _ = load_runtime_model(model_name, dtype=config.dtype, device=config.device,
-                                             activations=config.engine.activations)
+    model, tokenizer, _ = load_for_engine(model_name, config.engine, dtype=config.dtype, device=config.device)
     engine = Engine(model, tokenizer, config.engine)
     vocab_size = model.config.vocab_size
     requests = build_workload(spec, tokenizer, vocab_size)
-    warm_up(engine, requests)
-    records, duration = run_engine(engine, requests, config.max_concurrency, progress)
+    try:
+        warm_up(engine, requests)
+        records, duration = run_engine(engine, requests, config.max_concurrency, progress)
+    finally:
+        engine.close()  # (tensor-parallel ranks)
     stats, kv = engine.stats(), engine.kv_cache_info()
     peaks = measure_peaks(DTYPES[config.dtype], config.peak_bandwidth, config.peak_flops, config.device)
     metrics = request_metrics(records, dict(config.slo))

@@ -19,7 +19,7 @@ import threading
 from dataclasses import dataclass
 from typing import AsyncIterator, Callable
 
-from llmopt.core.errors import LLMOptError
+from llmopt.core.errors import LLMOptError, ParallelError
 from llmopt.runtime.engine.engine import Engine
 from llmopt.runtime.engine.output import RequestOutput
 from llmopt.runtime.engine.sampling import SamplingParams
@@ -220,6 +220,10 @@ class AsyncEngine:
             try:
                 self._serve()
                 return
+            except ParallelError as exc:  # a rank is gone: the engine cannot run again
+                self.failed = exc
+                log.critical("the engine stopped: %s", exc)
+                return
             except BaseException as exc:  # noqa: BLE001
                 self.restarts += 1
                 log.critical("the engine loop died (%s: %s); restarting it (restart %d); the requests in flight "
@@ -251,6 +255,9 @@ class AsyncEngine:
                 continue
             try:
                 outputs = self.engine.step()
+            except ParallelError as exc:  # fatal (every rank is stopped): fail the requests, end the loop
+                self._fail_streams(exc)
+                raise
             except Exception as exc:  # noqa: BLE001  (fail the running requests, keep serving)
                 log.exception("engine step failed")
                 self._fail_all(exc)
@@ -261,6 +268,11 @@ class AsyncEngine:
                     self._streams.pop(output.request_id, None)
                 if stream is not None:
                     stream.put(output)
+
+    def _fail_streams(self, exc: Exception) -> None:
+        for stream in self._streams.values():
+            stream.put(exc)
+        self._streams.clear()
 
     def _fail_all(self, exc: Exception) -> None:
         failure = exc if isinstance(exc, LLMOptError) else RuntimeError(

@@ -248,15 +248,21 @@ def test_shards_along_out_and_in_features_rebuild_the_whole_product(method_cls):
     whole = method_cls(qw, torch.float32)(x)
     columns = [method_cls(method_cls.shard_weight(qw, "out", r, 2), torch.float32)(x) for r in range(2)]
     torch.testing.assert_close(torch.cat(columns, dim=-1), whole, rtol=1e-5, atol=1e-5)
-    if group == -1:  # one group per row cannot split along in-features
-        from llmopt.core.errors import ConfigError
-
-        with pytest.raises(ConfigError, match="whole groups"):
-            method_cls.shard_weight(qw, "in", 0, 2)
-        return
+    # (one group per row: each share keeps the row's scale)
     rows = [method_cls(method_cls.shard_weight(qw, "in", r, 2), torch.float32)(x[:, r * 64:(r + 1) * 64])
             for r in range(2)]
     torch.testing.assert_close(rows[0] + rows[1], whole, rtol=1e-4, atol=1e-4)
+
+
+def test_a_cut_inside_a_group_or_across_permuted_groups_is_refused():
+    from llmopt.core.errors import ConfigError
+
+    qw = qweight(64, 128, 4, 32, True)
+    with pytest.raises(ConfigError, match="whole groups of 32"):
+        qw.narrow_columns(0, 48, keep_bias=True)
+    qw.g_idx = qw.g_idx.flip(0)  # act-order: groups permuted
+    with pytest.raises(ConfigError, match="act-order"):
+        qw.narrow_columns(0, 64, keep_bias=True)
 
 
 def test_the_scheme_presets_choose_their_methods():

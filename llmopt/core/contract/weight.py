@@ -57,23 +57,42 @@ class QuantizedWeight:
         if dim == "out":
             if n % world:
                 raise ConfigError(f"{n} output features do not split into {world} equal shards")
-            rows = slice(rank * n // world, (rank + 1) * n // world)
-            bias = None if self.bias is None else self.bias[rows]
-            return QuantizedWeight(self.q[rows], self.scales[rows], self.zeros[rows], self.g_idx, self.scheme, bias,
-                                   self.input_activations, self.global_scale, self.input_global_scale)
+            return self.select_rows([(rank * n // world, (rank + 1) * n // world)])
         if dim != "in":
             raise ValueError(f"dim must be 'in' or 'out', not {dim!r}")
         groups = self.scales.shape[1]
-        if not self.has_trivial_g_idx or (groups > 1 and groups % world) or (groups == 1 and world > 1):
-            raise ConfigError(f"{k} input features in {groups} group(s) do not split into {world} shards of whole "
-                              "groups (per-channel or act-order permuted weights cannot be split along in-features)")
-        cols = slice(rank * k // world, (rank + 1) * k // world)
-        per = groups // world
-        group_cols = slice(rank * per, (rank + 1) * per)
-        g_idx = self.g_idx[cols] - rank * per
-        bias = self.bias if rank == 0 else None
-        return QuantizedWeight(self.q[:, cols], self.scales[:, group_cols], self.zeros[:, group_cols], g_idx,
-                               self.scheme, bias, self.input_activations, self.global_scale, self.input_global_scale)
+        if groups > 1 and groups % world:
+            raise ConfigError(f"{k} input features in {groups} groups do not split into {world} shards of whole "
+                              "groups")
+        return self.narrow_columns(rank * k // world, (rank + 1) * k // world, keep_bias=rank == 0)
+
+    def select_rows(self, ranges: list[tuple[int, int]]) -> QuantizedWeight:
+        """The output features in `ranges` ([start, stop) pairs, concatenated in order): a column-parallel
+        linear's share (several ranges for a checkpoint's packed q/k/v)."""
+        rows = torch.cat([torch.arange(a, b) for a, b in ranges])
+        bias = None if self.bias is None else self.bias[rows]
+        return QuantizedWeight(self.q[rows], self.scales[rows], self.zeros[rows], self.g_idx, self.scheme, bias,
+                               self.input_activations, self.global_scale, self.input_global_scale)
+
+    def narrow_columns(self, start: int, stop: int, keep_bias: bool) -> QuantizedWeight:
+        """Input features [start, stop) with their groups: a row-parallel linear's share. The cut must fall on
+        group boundaries of a weight with static groups (a per-channel weight's one group per row applies to
+        every column: each share keeps it); keep_bias: this share adds the bias (one share of all)."""
+        n, k = self.shape
+        groups = self.scales.shape[1]
+        if groups == 1:
+            group_cols, g_idx = slice(0, 1), self.g_idx[start:stop]
+        else:
+            width = k // groups
+            if not self.has_trivial_g_idx or groups * width != k or start % width or stop % width:
+                raise ConfigError(f"input features [{start}, {stop}) of {k} do not fall on whole groups of {width} "
+                                  "columns (act-order permuted groups cannot be split along in-features): use "
+                                  "another --tensor-parallel-size or an artifact with static groups")
+            group_cols = slice(start // width, stop // width)
+            g_idx = self.g_idx[start:stop] - start // width
+        return QuantizedWeight(self.q[:, start:stop], self.scales[:, group_cols], self.zeros[:, group_cols], g_idx,
+                               self.scheme, self.bias if keep_bias else None, self.input_activations,
+                               self.global_scale, self.input_global_scale)
 
     def signed_codes(self) -> torch.Tensor:
         """[N, K] int8: the integer codes less 2^(bits-1), the symmetric zero point (compressed-tensors' stored

@@ -111,12 +111,19 @@ class EngineConfig:
         "auto", "Paged attention kernels: torch (the reference), cpu (compiled), triton (CUDA), latent-torch (MLA), "
         "or any registered backend (`llmopt env` lists them); auto: the fastest the device, the model's cache and "
         "--fast-path allow.", numerics=True)
+    tensor_parallel_size: int = option(
+        1, "Ranks the model's matrix products are split over (one process each: rank 0 is this one, the others "
+        "are spawned, or launched by torchrun). Partial sums add in another order: fp32 logits within ~1e-6.",
+        numerics=True)
+    tp_cores: Optional[str] = option(
+        None, "CPU cores of each tensor-parallel rank, ';'-separated lists (\"0-3;4-7\"). Default: an even split of "
+        "the cores this process may use.")
     speculative: Optional[SpeculativeConfig] = None  # its own options (cli.options.SPECULATIVE_OPTIONS)
 
     def __post_init__(self):
         dtype = KV_CACHE_DTYPE_ALIASES.get(self.kv_cache_dtype, self.kv_cache_dtype)
         object.__setattr__(self, "kv_cache_dtype", dtype)  # one spelling from here on
-        for name in ("block_size", "max_num_seqs", "max_num_batched_tokens"):
+        for name in ("block_size", "max_num_seqs", "max_num_batched_tokens", "tensor_parallel_size"):
             if getattr(self, name) < 1:
                 raise ConfigError(f"--{name.replace('_', '-')} must be at least 1 (got {getattr(self, name)})",
                                   param=name)

@@ -30,7 +30,12 @@ class Engine:
 
         self.config = config or EngineConfig()
         self.tokenizer = tokenizer
-        self.runner = ModelRunner(hf_model, self.config)
+        if self.config.tensor_parallel_size > 1:
+            from llmopt.runtime.parallel.workers import tensor_parallel_runner
+
+            self.runner = tensor_parallel_runner(hf_model, self.config)
+        else:
+            self.runner = ModelRunner(hf_model, self.config)
         self.block_manager = self._new_block_manager()
         self.scheduler = Scheduler(self.config, self.block_manager,
                                    eos_token_id=tokenizer.eos_token_id if tokenizer is not None else None)
@@ -207,6 +212,10 @@ class Engine:
         self.outputs = OutputProcessor(self.tokenizer)
         self._live.clear()
         self._aborted.clear()
+
+    def close(self) -> None:
+        """Stop the engine's other processes (tensor-parallel ranks); also at interpreter exit."""
+        self.runner.close()
 
     def kv_cache_info(self) -> dict:
         """The KV cache: bytes, token capacity, dtype and how its size was chosen."""

@@ -6,27 +6,43 @@ from __future__ import annotations
 
 from llmopt.core.adapters import adapter_for
 from llmopt.core.config_checks import check_config
+from llmopt.core.errors import ConfigError
 from llmopt.core.models import (
     DTYPES, check_tensor_shapes, load_config, load_tokenizer, resolve_dtype_name, resolve_model,
 )
 from llmopt.runtime.engine.config import ACTIVATION_SCHEMES
 from llmopt.runtime.executor.linear import make_linear
-from llmopt.runtime.executor.models import RuntimeCheckpoint, model_class_for
+from llmopt.runtime.executor.models import MODEL_FAMILIES, RuntimeCheckpoint, model_class_for
 from llmopt.runtime.executor.models.weights import checkpoint_weights
+from llmopt.runtime.parallel.group import launched_rank
+from llmopt.runtime.parallel.sharding import ShardPlan
 
 
 def load_runtime_model(name: str, dtype: str = "float32", device: str = "cpu", trust_remote_code: bool = False,
-                       activations: str = "float"):
+                       activations: str = "float", shard: tuple[int, int] | None = None):
     """(checkpoint, tokenizer, source) for the engine: a RuntimeCheckpoint of a local folder, alias or artifact
     (dense, GPTQ / AWQ / compressed-tensors, pruned); a hub model is loaded through transformers first.
-    activations: EngineConfig.activations ("int8": 8-bit dynamic inputs where a linear method has them)."""
+    activations: EngineConfig.activations ("int8": 8-bit dynamic inputs where a linear method has them).
+    shard: (rank, world) to load one tensor-parallel rank's share (parallel.sharding); the checkpoint keeps
+    the arguments (`load_args`) the engine's other ranks load theirs with."""
     import torch
 
     source = resolve_model(name)
     dtype = resolve_dtype_name(dtype, device)
     config = load_config(source, trust_remote_code)
     adapter_for(config)  # unsupported families fail here, naming the supported ones
-    model_class_for(config.model_type)  # ... and families the runtime has no class for
+    model_class = model_class_for(config.model_type)  # ... and families the runtime has no class for
+    plan = None
+    if shard is not None and shard[1] > 1:
+        if not getattr(model_class, "tensor_parallel", False):
+            sharded = [n for n in MODEL_FAMILIES.names() if getattr(MODEL_FAMILIES.get(n), "tensor_parallel", False)]
+            raise ConfigError(f"tensor parallelism runs the {', '.join(sharded)} model types; run "
+                              f"{config.model_type} with --tensor-parallel-size 1", param="tensor_parallel_size")
+        if source.path is None:
+            raise ConfigError(f"tensor parallelism loads each rank's share from a local checkpoint: save "
+                              f"{source.name} to a folder first and give the folder",
+                              param="tensor_parallel_size")
+        plan = ShardPlan.for_config(config, *shard)
     input_activations = ACTIVATION_SCHEMES[activations]
     torch_dtype, torch_device = DTYPES[dtype], torch.device(device)
     # sizes, and for dense weights the memory they take, before any tensor is read
@@ -44,6 +60,17 @@ def load_runtime_model(name: str, dtype: str = "float32", device: str = "cpu", t
                                               linear_factory=lambda qw, _dtype, _device: linear_for(qw))
         model.llmopt_activations = activations
         return model, tokenizer, source
-    weights = checkpoint_weights(source.path, torch_dtype, torch_device, linear_for)
-    checkpoint = RuntimeCheckpoint(config, weights, activations)
+    weights = checkpoint_weights(source.path, torch_dtype, torch_device, linear_for,
+                                 shard=plan.shard if plan is not None else None)
+    checkpoint = RuntimeCheckpoint(config, weights, activations, shard_plan=plan)
+    checkpoint.load_args = dict(name=name, dtype=dtype, device=device, trust_remote_code=trust_remote_code,
+                                activations=activations)
     return checkpoint, load_tokenizer(source, trust_remote_code), source
+
+
+def load_for_engine(name: str, config, dtype: str = "float32", device: str = "cpu", trust_remote_code: bool = False):
+    """load_runtime_model for an engine of `config` (EngineConfig): its input activations, and under tensor
+    parallelism this process's share (rank 0, or torchrun's rank)."""
+    world = config.tensor_parallel_size
+    return load_runtime_model(name, dtype=dtype, device=device, trust_remote_code=trust_remote_code,
+                              activations=config.activations, shard=(launched_rank(), world) if world > 1 else None)

@@ -4,12 +4,12 @@ step into one forward over all scheduled tokens, and samples."""
 from __future__ import annotations
 
 import logging
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import psutil
 import torch
 
-from llmopt.core.errors import ConfigError
+from llmopt.core.errors import ConfigError, ParallelError
 from llmopt.runtime.engine.config import KV_CACHE_8BIT, KV_CACHE_DTYPES, EngineConfig
 from llmopt.runtime.executor.host_memory import keep_freed_host_memory
 from llmopt.runtime.executor.kernels.attention import AttentionMetadata
@@ -17,6 +17,7 @@ from llmopt.runtime.executor.kernels.cpu_ops import cpu_ops
 from llmopt.runtime.executor.kernels.kv_quant import KV_CODE_DTYPES
 from llmopt.runtime.executor.models import build_runtime_model
 from llmopt.runtime.executor.prompt_scores import PromptScoreCache
+from llmopt.runtime.parallel.group import to_wire
 from llmopt.runtime.executor.sampler import probabilities, rows_token_logprobs, sample, token_logprobs
 from llmopt.runtime.engine.scheduler import SchedulerOutput
 from llmopt.runtime.spec_decode.verify import accept_greedy, rejection_sample
@@ -63,11 +64,27 @@ def default_kv_cache_bytes(device: torch.device, fraction: float, max_useful_byt
     return min(budget, max_useful_bytes) if max_useful_bytes else budget
 
 
+@dataclass
+class StepInputs:
+    """One step's flat batch as plain lists (what rank 0 sends the other tensor-parallel ranks): the tokens,
+    their positions and cache slots, each sequence's first row (`starts`, one more than sequences), context
+    length and block table."""
+
+    input_ids: list[int]
+    positions: list[int]
+    slots: list[int]
+    starts: list[int]
+    context_lens: list[int]
+    tables: list[list[int]]
+
+
 class ModelRunner:
-    def __init__(self, hf_model, config: EngineConfig, num_blocks: int | None = None):
+    def __init__(self, hf_model, config: EngineConfig, num_blocks: int | None = None, group=None, workers=None):
         """config.kv_cache_bytes None: sized from the machine (default_kv_cache_bytes), up to what
         config.max_num_seqs sequences of the model's full context could hold. num_blocks: exactly that many blocks
-        instead (a draft model's cache holds as many tokens as its target's)."""
+        instead (a draft model's cache holds as many tokens as its target's, a tensor-parallel worker as many as
+        rank 0's). group: this rank's parallel.group.TensorParallelGroup when the model is one rank's share;
+        workers (rank 0 only): the other ranks, sent each step's inputs and each vocabulary projection's rows."""
         block_size, kv_cache_bytes = config.block_size, config.kv_cache_bytes
         kv_cache_memory_fraction, max_num_seqs = config.kv_cache_memory_fraction, config.max_num_seqs
         loaded_with = getattr(hf_model, "llmopt_activations", "float")
@@ -76,7 +93,8 @@ class ModelRunner:
                               f"configured for {config.activations}: load it with load_runtime_model(..., "
                               f"activations={config.activations!r})", param="activations")
         self.decoder = build_runtime_model(hf_model, config.attention_backend, config.fast_path,
-                                           config.quantized_kv_cache)
+                                           config.quantized_kv_cache, group=group)
+        self.group, self.workers = group, workers
         self.linear_methods = dict(sorted(self.decoder.linear_methods.items()))
         self.device = next(hf_model.parameters()).device
         if self.device.type == "cpu":
@@ -85,7 +103,10 @@ class ModelRunner:
         self.kv_dtype_label = kv_dtype_name(self.kv_dtype)  # as --kv-cache-dtype spells it
         self.block_size = block_size
         self.kv_cache_spec = self.decoder.kv_cache_spec(self.kv_dtype)
-        per_block = self.kv_cache_spec.bytes_per_block(block_size)
+        plan = self.decoder.plan if group is not None else None
+        # every rank has as many blocks: the budget holds them for the rank with the most KV heads
+        per_block = (replace(self.kv_cache_spec, num_kv_heads=plan.max_kv_heads) if plan is not None
+                     else self.kv_cache_spec).bytes_per_block(block_size)
         self.kv_cache_source = "given"
         if num_blocks is not None:
             kv_cache_bytes, self.kv_cache_source = num_blocks * per_block, f"{num_blocks} blocks"
@@ -131,7 +152,15 @@ class ModelRunner:
 
     @torch.no_grad()  # the loaded model's parameters still require grad: no step may record an autograd graph
     def execute(self, out: SchedulerOutput) -> StepResult:
-        """Run one step; samples a token for each sequence that reached its last token."""
+        """Run one step; samples a token for each sequence that reached its last token. A tensor-parallel rank
+        that failed ends every rank (ParallelError, naming it): no process is left waiting."""
+        try:
+            return self._execute(out)
+        except ParallelError:
+            self.close()
+            raise
+
+    def _execute(self, out: SchedulerOutput) -> StepResult:
         input_ids, positions, slots, starts, context_lens, tables, sample_rows = [], [], [], [0], [], [], []
         bs = self.block_size
         for item in out.scheduled:
@@ -152,15 +181,34 @@ class ModelRunner:
             tables.append(table)
             if item.samples:  # the rows of the last real token and of each draft after it
                 sample_rows.append((starts[-1] - 1 - len(drafts), seq, drafts))
-        meta = AttentionMetadata.build(starts, context_lens, tables,
-                                       torch.tensor(slots, dtype=torch.long, device=self.device), bs, self.device)
-        hidden = self.decoder(torch.tensor(input_ids, device=self.device),
-                              torch.tensor(positions, device=self.device), meta, self.kv_cache)
+        hidden = self.forward(StepInputs(input_ids, positions, slots, starts, context_lens, tables))
         result = StepResult()
         self._score_prompts(out, starts, hidden, result)
         if sample_rows:
             self._sample(hidden, sample_rows, result)
         return result
+
+    def forward(self, step: StepInputs) -> torch.Tensor:
+        """The decoder over one step's batch -> final hidden states [T, hidden] (rank 0 first hands the step to
+        the other tensor-parallel ranks, which run it alongside)."""
+        if self.workers is not None:
+            self.workers.send(("forward", step))
+        meta = AttentionMetadata.build(step.starts, step.context_lens, step.tables,
+                                       torch.tensor(step.slots, dtype=torch.long, device=self.device),
+                                       self.block_size, self.device)
+        return self.decoder(torch.tensor(step.input_ids, device=self.device),
+                            torch.tensor(step.positions, device=self.device), meta, self.kv_cache)
+
+    def logits(self, hidden: torch.Tensor, as_float: bool) -> torch.Tensor:
+        """[R, hidden] -> [R, vocab] (the other tensor-parallel ranks project the same rows onto their shares)."""
+        if self.workers is not None:
+            self.workers.send(("logits", to_wire(hidden), as_float))
+        return self.decoder.logits(hidden, as_float=as_float)
+
+    def close(self) -> None:
+        """Stop the other tensor-parallel ranks (nothing to do for one process)."""
+        if self.workers is not None:
+            self.workers.stop()
 
     def _sample(self, hidden: torch.Tensor, sample_rows: list[tuple[int, object, list[int]]], result: StepResult
                 ) -> None:
@@ -170,7 +218,7 @@ class ModelRunner:
         last_hidden = hidden if rows == list(range(hidden.shape[0])) else hidden[rows]
         # [R, vocab] in the model's dtype: the greedy rows need no fp32 copy (argmax over bf16 values is the
         # argmax over their exact fp32 values); rows that sample or report logprobs are converted one by one
-        logits = self.decoder.logits(last_hidden, as_float=False).cpu()
+        logits = self.logits(last_hidden, as_float=False).cpu()
         # one call for the whole batch (most requests are greedy); torch.argmax is slow on wide rows
         ops = cpu_ops()
         greedy = (ops.argmax_rows(logits) if ops is not None else logits.float().argmax(dim=-1)).tolist()
@@ -225,7 +273,7 @@ class ModelRunner:
                     rows, targets = torch.cat([hidden_end[None], rows]), [seq.token_ids[first], *targets]
                     first_scored, state.stored = 1, first // bs
             for r in range(0, len(targets), SCORE_ROWS):
-                logits = self.decoder.logits(rows[r:r + SCORE_ROWS], as_float=True).cpu()  # [rows, vocab]
+                logits = self.logits(rows[r:r + SCORE_ROWS], as_float=True).cpu()  # [rows, vocab]
                 entries += rows_token_logprobs(logits, targets[r:r + SCORE_ROWS], top)
             # the hidden state at the last position of each full prompt block computed in this step
             end = min(first + item.num_new_tokens, num_prompt // bs * bs)

@@ -44,7 +44,7 @@ class MedusaProposer:
         k = min(self.heads.num_heads, max(num_tokens[seq.seq_id] for seq in ready))
         hidden = torch.stack([kept[seq.seq_id] for seq in ready])  # [S, hidden]
         guesses = self.heads(hidden, k)  # [k, S, hidden]
-        logits = self.runner.decoder.logits(guesses.reshape(-1, hidden.shape[-1]), as_float=False)
+        logits = self.runner.logits(guesses.reshape(-1, hidden.shape[-1]), as_float=False)
         tokens = logits.argmax(dim=-1).view(k, len(ready)).t().tolist()  # [S][k]
         return {seq.seq_id: row[:num_tokens[seq.seq_id]] for seq, row in zip(ready, tokens)}
 

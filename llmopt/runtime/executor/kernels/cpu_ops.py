@@ -39,7 +39,7 @@ GEMV_BATCHED_ROWS = range(3, GEMV_MAX_ROWS + 1)
 
 SOURCES = [Path(__file__).parent / "csrc" / name
            for name in ("paged_attention_cpu.cpp", "fused_cpu.cpp", "int4_cpu.cpp", "int8_cpu.cpp", "fp4_cpu.cpp",
-                        "register.cpp")]
+                        "shm_all_reduce.cpp", "register.cpp")]
 _X86_FLAGS = {
     "scalar": [],
     "avx2": ["-mavx2", "-mfma", "-mf16c"],

@@ -11,10 +11,11 @@ import_submodules(__name__)
 
 
 def build_runtime_model(model, attention_backend: str = "auto", fast: bool | None = None,
-                        quantized_cache: bool = False):
+                        quantized_cache: bool = False, group=None):
     """The runtime model for a loaded checkpoint (RuntimeCheckpoint) or a loaded transformers model: its family's
     class, its weights handed over by name, the attention backend chosen once (one that reads an 8-bit cache
-    when quantized_cache)."""
+    when quantized_cache). A checkpoint loaded as one rank's share (its `shard_plan`) runs with that rank's
+    tensor-parallel `group` (parallel.group.TensorParallelGroup)."""
     from llmopt.runtime.executor.attention import select_attention_backend
 
     config = model.config
@@ -23,4 +24,7 @@ def build_runtime_model(model, attention_backend: str = "auto", fast: bool | Non
     fast = fast if fast is not None else device.type == "cpu"
     backend = select_attention_backend(attention_backend, device, cls.cache_layout, fast, quantized_cache)
     weights = model.named_weights() if isinstance(model, RuntimeCheckpoint) else module_weights(model)
-    return cls(config, weights, backend, fast, dtype, device)
+    plan = getattr(model, "shard_plan", None)
+    if plan is None:
+        return cls(config, weights, backend, fast, dtype, device)
+    return cls(config, weights, backend, fast, dtype, device, plan=plan, group=group)

@@ -15,9 +15,11 @@ class RuntimeCheckpoint(nn.Module):
     `parameters()` and `modules()` see them. `llmopt_activations`: the input-activation setting its linear methods
     were chosen for."""
 
-    def __init__(self, config, weights: Iterator[tuple[str, object]], activations: str = "float"):
+    def __init__(self, config, weights: Iterator[tuple[str, object]], activations: str = "float", shard_plan=None):
+        """shard_plan: the tensor-parallel share the weights were narrowed to (parallel.sharding.ShardPlan)."""
         super().__init__()
         self.config = config
+        self.shard_plan = shard_plan
         self.name_or_path = getattr(config, "_name_or_path", "")
         self.llmopt_activations = activations
         self.tensors = nn.ParameterList()

@@ -28,6 +28,8 @@ from llmopt.runtime.executor.linear import fuse_linears
 from llmopt.runtime.executor.models.registry import register_model_family
 from llmopt.runtime.executor.models.layers import RMSNorm, RotaryEmbedding, rotate_half
 from llmopt.runtime.executor.models.weights import DecoderWeights, rope_tables
+from llmopt.runtime.parallel.group import TensorParallelGroup
+from llmopt.runtime.parallel.sharding import ShardPlan, split_range
 
 # A layer's linears the runtime runs as one (fed the same input) -> the checkpoint's names of its parts, in order
 # (nano-vllm's packed_modules_mapping). Phi-3 ships q/k/v and gate/up packed already.
@@ -57,6 +59,28 @@ def _forward_2d(module: nn.Module):
     return forward_2d() if forward_2d is not None else module.forward
 
 
+class VocabParallelEmbedding(nn.Module):
+    """A rank's rows [first, first + rows) of the embedding table: tokens outside them look up zeros, and the
+    all-reduce of every rank's lookup is the full embedding (exact: one rank contributes each row)."""
+
+    def __init__(self, weight: torch.Tensor, first: int, group: TensorParallelGroup):
+        super().__init__()
+        self.register_buffer("weight", weight)  # [rows, hidden], shared with the checkpoint's tensor
+        self.first, self.group = first, group
+
+    def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
+        local = input_ids - self.first
+        outside = (local < 0) | (local >= self.weight.shape[0])
+        h = F.embedding(local.masked_fill(outside, 0), self.weight)  # [T, hidden]
+        return self.group.all_reduce(h.masked_fill_(outside[:, None], 0))
+
+
+def reduced(forward, group: TensorParallelGroup):
+    """A row-parallel linear's forward followed by the all-reduce of its partial sums."""
+    all_reduce = group.all_reduce
+    return lambda x: all_reduce(forward(x))
+
+
 def exactly_narrowed(weight: torch.Tensor) -> torch.Tensor:
     """An fp32 weight as fp16 or bf16 when every value survives the round trip (an artifact's fp16 lm_head
     loaded in fp32: half the bytes per batch-1 token, the same logits), else the weight itself."""
@@ -78,18 +102,28 @@ class LlamaFamilyDecoder(nn.Module):
     the loader registered for its name; the packed modules' parts are then fused."""
 
     cache_layout = "kv"
+    tensor_parallel = True  # its checkpoints shard by parallel.sharding.ShardPlan
 
     def __init__(self, config, weights, attention: AttentionBackend, fast: bool, dtype: torch.dtype,
-                 device: torch.device):
+                 device: torch.device, plan: ShardPlan | None = None, group: TensorParallelGroup | None = None):
+        """plan, group: this rank's share of a tensor-parallel model (weights already narrowed by the plan) and
+        its group; None for the whole model."""
         super().__init__()
         self.config, self.dtype, self.fast, self.attention = config, dtype, fast, attention
         geometry = attention_geometry(config)
         self.num_heads, self.num_kv_heads, self.head_dim = geometry.num_heads, geometry.num_kv_heads, geometry.head_dim
+        self.plan, self.group = plan, group
+        if plan is not None:  # this rank's heads
+            self.num_heads, self.num_kv_heads = plan.local_heads
         self.scale = self.head_dim ** -0.5
         self.num_layers = config.num_hidden_layers
         inv_freq, scaling = rope_tables(config)
         self.rotary = RotaryEmbedding(inv_freq.to(device), scaling)
         self._load(config, weights, device)
+        if group is not None:
+            self.embed = VocabParallelEmbedding(self.embed.weight, plan.vocab[0], group)
+            self._vocab_widths = [b - a for a, b in (split_range(plan.vocab_size, plan.world, r)
+                                                     for r in range(plan.world))]
         self.logits_head = fuse_linears([self.lm_head], prepack=self.fast)
         self._gemv_weight = None  # the lm_head weight for batch-1 decode (below)
         # the compiled fused element-wise ops (kernels/csrc/fused_cpu.cpp) serve the fast path on CPU
@@ -100,7 +134,8 @@ class LlamaFamilyDecoder(nn.Module):
             # that follows the layer (the next layer's input norm, or the final one)
             norms = [b.input_norm for b in self.blocks] + [self.norm]
             self._first_norm = (norms[0].weight, norms[0].eps)
-            self._fused_layers = [(*(_forward_2d(m) for m in (b.qkv, b.o_proj, b.gate_up, b.down_proj)),
+            self._fused_layers = [(*(self._row_parallel(_forward_2d(m), m) for m in (b.qkv, b.o_proj, b.gate_up,
+                                                                                       b.down_proj)),
                                    (b.post_norm.weight, b.post_norm.eps), (n.weight, n.eps))
                                   for b, n in zip(self.blocks, norms[1:])]
             if type(self.lm_head) is nn.Linear and self.lm_head.bias is None:
@@ -131,6 +166,11 @@ class LlamaFamilyDecoder(nn.Module):
                 q_norm, k_norm))
         self.linear_methods = shared.linear_methods
         self.blocks = nn.ModuleList(blocks)
+
+    def _row_parallel(self, forward, module: nn.Module):
+        """A projection's forward; o_proj's and down_proj's followed by the all-reduce under tensor parallelism."""
+        rows_split = any(module is m for b in self.blocks for m in (b.o_proj, b.down_proj))
+        return reduced(forward, self.group) if self.group is not None and rows_split else forward
 
     def kv_cache_spec(self, dtype: torch.dtype) -> KVCacheSpec:
         return KVCacheSpec("kv", self.num_layers, dtype, num_kv_heads=self.num_kv_heads, head_dim=self.head_dim)
@@ -165,11 +205,14 @@ class LlamaFamilyDecoder(nn.Module):
             v = qkv[:, (nq + nkv) * hd:].view(num_tokens, nkv, hd)
             self.attention.store(k, v, cache, meta)
             o = self.attention.attend(q, cache, meta, self.scale, k, v)
-            h = h + block.o_proj(o.reshape(num_tokens, -1))
+            h = h + self._reduce(block.o_proj(o.reshape(num_tokens, -1)))
             x = self._norm(block.post_norm, h)
             gate, up = block.gate_up(x).chunk(2, dim=-1)
-            h = h + block.down_proj(F.silu(gate) * up)
+            h = h + self._reduce(block.down_proj(F.silu(gate) * up))
         return self._norm(self.norm, h)
+
+    def _reduce(self, partial: torch.Tensor) -> torch.Tensor:
+        return partial if self.group is None else self.group.all_reduce(partial)
 
     def _forward_fused(self, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, meta: AttentionMetadata,
                        kv_cache: KVCache) -> torch.Tensor:
@@ -195,15 +238,22 @@ class LlamaFamilyDecoder(nn.Module):
             x = ops.add_rms_norm_(h, down_proj(ops.silu_mul(gate_up(x))), *next_norm)
         return x
 
-    def logits(self, hidden: torch.Tensor, as_float: bool = True) -> torch.Tensor:
-        """[S, hidden] -> [S, vocab], fp32 (as_float) or as the head computed them (the model's dtype)."""
+    def logits(self, hidden: torch.Tensor, as_float: bool = True) -> torch.Tensor | None:
+        """[S, hidden] -> [S, vocab], fp32 (as_float) or as the head computed them (the model's dtype). Under
+        tensor parallelism every rank computes its vocabulary share and rank 0 gets them all (others: None)."""
+        logits = self._local_logits(hidden)
+        if self.group is not None:
+            logits = self.group.gather_vocab(logits, self._vocab_widths)
+            if logits is None:
+                return None
+        return logits.float() if as_float else logits
+
+    def _local_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         weight = self._gemv_weight
         rows = hidden.shape[0]
         if self.fused_ops is not None and (rows == 1 or rows in GEMV_BATCHED_ROWS) and weight is not None and (
                 weight.dtype == hidden.dtype or hidden.dtype == torch.float32):
             # batch-1 decode (or its speculative verification, a few rows): the vocab x hidden weight (57 MB for
             # SmolLM2 in bf16) streamed once by one kernel
-            logits = self.fused_ops.gemv(hidden, weight)
-        else:
-            logits = self.logits_head(hidden)
-        return logits.float() if as_float else logits
+            return self.fused_ops.gemv(hidden, weight)
+        return self.logits_head(hidden)

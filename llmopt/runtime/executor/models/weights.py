@@ -84,16 +84,21 @@ def module_weights(model: nn.Module) -> Iterator[tuple[str, object]]:
                 yield f"{name}.{tensor_name}", tensor.detach()
 
 
-def checkpoint_weights(path, dtype: torch.dtype, device: torch.device | str, make_linear_for) -> Iterator:
+def checkpoint_weights(path, dtype: torch.dtype, device: torch.device | str, make_linear_for,
+                       shard=None) -> Iterator:
     """A checkpoint folder's weights by name, read without transformers: dense tensors cast to `dtype`; an
-    artifact's quantized linears built by `make_linear_for(qweight)`."""
+    artifact's quantized linears built by `make_linear_for(qweight)`. shard(name, value): a tensor-parallel
+    rank's share of each (parallel.sharding.ShardPlan.shard; None: the rank holds none of it), taken before any
+    cast or packing."""
     from llmopt.export.read import read_artifact
 
     contents = read_artifact(path)
     for name, tensor in contents.dense.items():
-        yield name, (tensor.to(dtype) if tensor.is_floating_point() else tensor).to(device)
+        if shard is not None and (tensor := shard(name, tensor)) is None:
+            continue
+        yield name, (tensor.to(dtype) if tensor.is_floating_point() else tensor).to(device).contiguous()
     for name, qweight in contents.qweights.items():
-        yield name, make_linear_for(qweight)
+        yield name, make_linear_for(qweight if shard is None else shard(name, qweight))
 
 
 def rope_tables(config) -> tuple[torch.Tensor, float]:

@@ -51,3 +51,8 @@ at::Tensor scale_int32_rows(const at::Tensor& acc, const at::Tensor& row_scale, 
 at::Tensor int8_gemv_rows(const at::Tensor& x, const at::Tensor& weight, const at::Tensor& weight_scale,
                           const at::Tensor& weight_sum, at::ScalarType dtype);
 }  // namespace llmopt_cpu::int8
+
+namespace llmopt_cpu::comm {
+int64_t shm_all_reduce_(at::Tensor& x, const at::Tensor& region, int64_t rank, int64_t world, int64_t seq,
+                        int64_t buffer_bytes, double wait_s, bool published);
+}  // namespace llmopt_cpu::comm
