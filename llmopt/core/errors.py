@@ -38,6 +38,20 @@ class ParallelError(LLMOptError):
     rank and the cause)."""
 
 
+class ReplicaFailed(LLMOptError):
+    """The data-parallel replica running a request died: the request is lost (the replica restarts; the others go
+    on)."""
+
+
+class RequestsFailed(LLMOptError):
+    """Some requests of a multi-replica engine failed on their own (`errors`: request id -> its error); the
+    engine and its other requests go on."""
+
+    def __init__(self, errors: dict):
+        super().__init__("; ".join(sorted({str(e) for e in errors.values()})))
+        self.errors = errors
+
+
 class ArtifactError(LLMOptError):
     """An output artifact cannot be written or read (exists, incomplete, wrong format)."""
 

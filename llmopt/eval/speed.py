@@ -223,14 +223,11 @@ def bench_runtime(name: str, model_name: str, spec: WorkloadSpec, config: BenchC
                   progress: ProgressFn | None = None) -> RunResult:
     """One measured runtime run."""
     from llmopt.core.models import DTYPES
-    from llmopt.runtime.engine.engine import Engine
-    from llmopt.runtime.executor.loader import load_for_engine
+    from llmopt.runtime.parallel.data_parallel import create_engine
 
     config = _resolved(config)
-    model, tokenizer, _ = load_for_engine(model_name, config.engine, dtype=config.dtype, device=config.device)
-    engine = Engine(model, tokenizer, config.engine)
-    vocab_size = model.config.vocab_size
-    requests = build_workload(spec, tokenizer, vocab_size)
+    engine = create_engine(model_name, config.engine, dtype=config.dtype, device=config.device)
+    requests = build_workload(spec, engine.tokenizer, engine.vocab_size)
     try:
         warm_up(engine, requests)
         records, duration = run_engine(engine, requests, config.max_concurrency, progress)
@@ -239,8 +236,14 @@ def bench_runtime(name: str, model_name: str, spec: WorkloadSpec, config: BenchC
     stats, kv = engine.stats(), engine.kv_cache_info()
     peaks = measure_peaks(DTYPES[config.dtype], config.peak_bandwidth, config.peak_flops, config.device)
     metrics = request_metrics(records, dict(config.slo))
-    metrics.update(engine_metrics(stats.steps, model_cost(engine.runner.decoder, kv["bytes_per_token"]), peaks,
-                                  stats.num_preemptions, stats.prefix_cache_hit_rate, metrics["duration"]))
+    # (under tensor parallelism rank 0's decoder holds its share only, and data-parallel replicas keep theirs in
+    # their own processes: no MBU / MFU from them)
+    single = config.engine.tensor_parallel_size == 1 and config.engine.data_parallel_size == 1
+    cost = model_cost(engine.runner.decoder, kv["bytes_per_token"]) if single else None
+    metrics.update(engine_metrics(stats.steps, cost, peaks, stats.num_preemptions, stats.prefix_cache_hit_rate,
+                                  metrics["duration"]))
+    step_time = sum(s.duration for s in stats.steps)
+    metrics["all_reduce_share"] = stats.all_reduce_seconds / step_time if stats.num_all_reduces and step_time else None
     metrics["peak_bandwidth"], metrics["peak_flops"] = peaks.bandwidth, peaks.flops
     metrics["kv_cache_bytes"], metrics["kv_cache_tokens"] = kv["bytes"], kv["tokens"]
     # TTFT of the requests that found their prefix cached (the first of each prefix pays the full prefill)

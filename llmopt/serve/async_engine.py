@@ -19,7 +19,7 @@ import threading
 from dataclasses import dataclass
 from typing import AsyncIterator, Callable
 
-from llmopt.core.errors import LLMOptError, ParallelError
+from llmopt.core.errors import LLMOptError, ParallelError, ReplicaFailed, RequestsFailed
 from llmopt.runtime.engine.engine import Engine
 from llmopt.runtime.engine.output import RequestOutput
 from llmopt.runtime.engine.sampling import SamplingParams
@@ -255,6 +255,12 @@ class AsyncEngine:
                 continue
             try:
                 outputs = self.engine.step()
+            except RequestsFailed as exc:  # some requests failed alone (a data-parallel replica died): only those
+                for request_id, error in exc.errors.items():
+                    stream = self._streams.pop(request_id, None)
+                    if stream is not None:
+                        stream.put(EngineRestarted(str(error)) if isinstance(error, ReplicaFailed) else error)
+                continue
             except ParallelError as exc:  # fatal (every rank is stopped): fail the requests, end the loop
                 self._fail_streams(exc)
                 raise

@@ -7,7 +7,7 @@ from typing import Iterator
 
 from llmopt.runtime.engine.config import EngineConfig
 from llmopt.runtime.engine.engine import Engine
-from llmopt.runtime.executor.loader import load_for_engine
+from llmopt.runtime.parallel.data_parallel import create_engine
 from llmopt.serve.app import DEFAULT_MAX_BODY_BYTES, Server, build_app
 from llmopt.serve.async_engine import AsyncEngine
 
@@ -30,9 +30,7 @@ def start_server(model_name: str, config: EngineConfig, dtype: str, device: str 
     """(FastAPI app, Server) for MODEL; quantized artifacts run on the runtime's packed layers. The model is
     loaded in the engine's thread (async_engine's note: one thread for every torch operation)."""
     def build() -> Engine:
-        model, tokenizer, _ = load_for_engine(model_name, config, dtype=dtype, device=device,
-                                              trust_remote_code=trust_remote_code)
-        return Engine(model, tokenizer, config, record_steps=False)
+        return create_engine(model_name, config, dtype, device, trust_remote_code, record_steps=False)
 
     server = _started(build, served_model_name or model_name, api_key, chat_template, max_waiting, max_body_bytes)
     return build_app(server), server

@@ -115,18 +115,36 @@ class EngineConfig:
         1, "Ranks the model's matrix products are split over (one process each: rank 0 is this one, the others "
         "are spawned, or launched by torchrun). Partial sums add in another order: fp32 logits within ~1e-6.",
         numerics=True)
+    pipeline_parallel_size: int = option(
+        1, "Pipeline stages, one process each holding a contiguous run of layers; each step's sequences are cut "
+        "into micro-batches that flow through the stages together (throughput, not batch-1 latency).")
+    pipeline_micro_batches: Optional[int] = option(
+        None, "Micro-batches per step under pipeline parallelism (default: the number of stages).")
     tp_cores: Optional[str] = option(
-        None, "CPU cores of each tensor-parallel rank, ';'-separated lists (\"0-3;4-7\"). Default: an even split of "
-        "the cores this process may use.")
+        None, "CPU cores of each tensor-parallel rank or pipeline stage, ';'-separated lists (\"0-3;4-7\"). "
+        "Default: an even split of the cores this process may use.")
+    data_parallel_size: int = option(
+        1, "Engine replicas, one process each on its own cores (serve and bench), behind one front that routes each "
+        "request to the least loaded replica or to one holding its prompt's prefix.")
+    dp_cores: Optional[str] = option(
+        None, "CPU cores of each data-parallel replica, ';'-separated lists. Default: an even split.")
     speculative: Optional[SpeculativeConfig] = None  # its own options (cli.options.SPECULATIVE_OPTIONS)
 
     def __post_init__(self):
         dtype = KV_CACHE_DTYPE_ALIASES.get(self.kv_cache_dtype, self.kv_cache_dtype)
         object.__setattr__(self, "kv_cache_dtype", dtype)  # one spelling from here on
-        for name in ("block_size", "max_num_seqs", "max_num_batched_tokens", "tensor_parallel_size"):
+        for name in ("block_size", "max_num_seqs", "max_num_batched_tokens", "tensor_parallel_size",
+                     "data_parallel_size", "pipeline_parallel_size"):
             if getattr(self, name) < 1:
                 raise ConfigError(f"--{name.replace('_', '-')} must be at least 1 (got {getattr(self, name)})",
                                   param=name)
+        if self.tensor_parallel_size > 1 and self.pipeline_parallel_size > 1:
+            raise ConfigError("--tensor-parallel-size and --pipeline-parallel-size together are not supported: use "
+                              "one of them (or replicas of either with --data-parallel-size)",
+                              param="pipeline_parallel_size")
+        if self.pipeline_micro_batches is not None and self.pipeline_micro_batches < 1:
+            raise ConfigError(f"--pipeline-micro-batches must be at least 1 (got {self.pipeline_micro_batches})",
+                              param="pipeline_micro_batches")
         if self.kv_cache_bytes is not None and self.kv_cache_bytes < 1:
             raise ConfigError(f"--kv-cache-bytes must be positive (got {self.kv_cache_bytes})",
                               param="kv_cache_bytes")

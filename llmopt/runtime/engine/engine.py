@@ -24,16 +24,45 @@ from llmopt.runtime.engine.sequence import Sequence
 from llmopt.runtime.engine.stats import EngineStats, SpecDecodeStats, step_stats
 
 
+def check_token_ids(token_ids, vocab_size: int | None, param: str) -> None:
+    """Refuse token ids outside the vocabulary (the embedding lookup would fail deep inside a step)."""
+    if not token_ids or vocab_size is None:
+        return
+    low, high = min(token_ids), max(token_ids)
+    if low < 0 or high >= vocab_size:
+        bad = low if low < 0 else high
+        raise ConfigError(f"token id {bad} is outside the vocabulary (0 to {vocab_size - 1})", param=param)
+
+
+def check_request(prompt_token_ids: list[int], params: SamplingParams, has_tokenizer: bool, vocab_size: int | None,
+                  max_context: int | None) -> None:
+    """What a request must satisfy before any engine queues it (ConfigError naming the field)."""
+    if params.stop and not has_tokenizer:
+        raise ConfigError("stop strings need the model's tokenizer; give stop_token_ids instead", param="stop")
+    if not prompt_token_ids:
+        raise ConfigError("empty prompt: give at least one token", param="prompt")
+    check_token_ids(prompt_token_ids, vocab_size, "prompt")
+    check_token_ids(params.stop_token_ids, vocab_size, "stop_token_ids")
+    if max_context and len(prompt_token_ids) + params.max_tokens > max_context:
+        raise ConfigError(f"prompt ({len(prompt_token_ids)} tokens) + max_tokens ({params.max_tokens}) exceeds "
+                          f"the model's context of {max_context}: shorten the prompt or lower max_tokens",
+                          param="max_tokens")
+
+
 class Engine:
     def __init__(self, hf_model, tokenizer, config: EngineConfig | None = None, record_steps: bool = True):
         from llmopt.runtime.executor.model_runner import ModelRunner
 
         self.config = config or EngineConfig()
         self.tokenizer = tokenizer
-        if self.config.tensor_parallel_size > 1:
-            from llmopt.runtime.parallel.workers import tensor_parallel_runner
+        if self.config.data_parallel_size > 1:
+            raise ConfigError("an Engine is one replica: --data-parallel-size is for serve and bench (the "
+                              "replicas are built by runtime.parallel.data_parallel.create_engine)",
+                              param="data_parallel_size")
+        if self.config.tensor_parallel_size > 1 or self.config.pipeline_parallel_size > 1:
+            from llmopt.runtime.parallel.workers import parallel_runner
 
-            self.runner = tensor_parallel_runner(hf_model, self.config)
+            self.runner = parallel_runner(hf_model, self.config)
         else:
             self.runner = ModelRunner(hf_model, self.config)
         self.block_manager = self._new_block_manager()
@@ -58,16 +87,7 @@ class Engine:
                     arrival_time: float | None = None) -> int:
         """Queue a request; returns its id. arrival_time (perf_counter) defaults to now."""
         params = params or SamplingParams()
-        if params.stop and self.tokenizer is None:
-            raise ConfigError("stop strings need the model's tokenizer; give stop_token_ids instead", param="stop")
-        if not prompt_token_ids:
-            raise ConfigError("empty prompt: give at least one token", param="prompt")
-        self.check_token_ids(prompt_token_ids, "prompt")
-        self.check_token_ids(params.stop_token_ids, "stop_token_ids")
-        if self.max_context and len(prompt_token_ids) + params.max_tokens > self.max_context:
-            raise ConfigError(f"prompt ({len(prompt_token_ids)} tokens) + max_tokens ({params.max_tokens}) exceeds "
-                              f"the model's context of {self.max_context}: shorten the prompt or lower max_tokens",
-                              param="max_tokens")
+        check_request(prompt_token_ids, params, self.tokenizer is not None, self.vocab_size, self.max_context)
         seq = Sequence(prompt_token_ids, params, arrival_time=arrival_time)
         self.scheduler.add(seq)  # refuses a request larger than the whole KV cache
         self._live[seq.seq_id] = seq
@@ -76,12 +96,7 @@ class Engine:
 
     def check_token_ids(self, token_ids, param: str) -> None:
         """Refuse token ids outside the vocabulary (the embedding lookup would fail deep inside a step)."""
-        if not token_ids or self.vocab_size is None:
-            return
-        low, high = min(token_ids), max(token_ids)
-        if low < 0 or high >= self.vocab_size:
-            bad = low if low < 0 else high
-            raise ConfigError(f"token id {bad} is outside the vocabulary (0 to {self.vocab_size - 1})", param=param)
+        check_token_ids(token_ids, self.vocab_size, param)
 
     def abort(self, request_id: int) -> bool:
         """Stop a request; its final output (finish_reason "abort") comes from the next step()."""
@@ -177,9 +192,11 @@ class Engine:
     def stats(self) -> EngineStats:
         """Counters since start or the last reset_stats(): per-step records, preemptions, prefix-cache hits."""
         bm = self.block_manager
+        num_all_reduces, all_reduce_seconds = self.runner.communication()
         return EngineStats(list(self._stats.steps), self.scheduler.num_preemptions, bm.num_lookup_tokens,
                            bm.num_hit_tokens, self._stats.num_finished, dict(self._stats.finish_reasons),
-                           self.speculator.stats.copy() if self.speculator is not None else None)
+                           self.speculator.stats.copy() if self.speculator is not None else None,
+                           num_all_reduces, all_reduce_seconds)
 
     def _new_block_manager(self) -> BlockManager:
         """Block bookkeeping for the runner's cache; prompt-scoring requests may take the cached prefixes whose
@@ -191,6 +208,7 @@ class Engine:
     def reset_stats(self, clear_prefix_cache: bool = False) -> None:
         """Zero the counters (after a warm-up, say); clear_prefix_cache also forgets the cached prefixes."""
         self._stats = EngineStats()
+        self.runner.reset_communication()
         self.scheduler.num_preemptions = 0
         if self.speculator is not None:
             self.speculator.stats = SpecDecodeStats()

@@ -86,6 +86,9 @@ class EngineStats:
     num_finished: int = 0
     finish_reasons: dict[str, int] = field(default_factory=dict)  # finished requests by finish reason
     spec_decode: SpecDecodeStats | None = None  # with speculative decoding
+    # tensor parallelism: rank 0's all-reduces (waiting for the other ranks included) and their time
+    num_all_reduces: int = 0
+    all_reduce_seconds: float = 0.0
 
     @property
     def prefix_cache_hit_rate(self) -> float:

@@ -15,16 +15,18 @@ from llmopt.runtime.executor.linear import make_linear
 from llmopt.runtime.executor.models import MODEL_FAMILIES, RuntimeCheckpoint, model_class_for
 from llmopt.runtime.executor.models.weights import checkpoint_weights
 from llmopt.runtime.parallel.group import launched_rank
-from llmopt.runtime.parallel.sharding import ShardPlan
+from llmopt.runtime.parallel.sharding import ShardPlan, StagePlan
 
 
 def load_runtime_model(name: str, dtype: str = "float32", device: str = "cpu", trust_remote_code: bool = False,
-                       activations: str = "float", shard: tuple[int, int] | None = None):
+                       activations: str = "float", shard: tuple[int, int] | None = None,
+                       stage: tuple[int, int] | None = None):
     """(checkpoint, tokenizer, source) for the engine: a RuntimeCheckpoint of a local folder, alias or artifact
     (dense, GPTQ / AWQ / compressed-tensors, pruned); a hub model is loaded through transformers first.
     activations: EngineConfig.activations ("int8": 8-bit dynamic inputs where a linear method has them).
-    shard: (rank, world) to load one tensor-parallel rank's share (parallel.sharding); the checkpoint keeps
-    the arguments (`load_args`) the engine's other ranks load theirs with."""
+    shard: (rank, world) to load one tensor-parallel rank's share (parallel.sharding.ShardPlan); stage: (stage,
+    stages) to load one pipeline stage's layers (StagePlan); the checkpoint keeps the arguments (`load_args`)
+    the engine's other ranks load theirs with."""
     import torch
 
     source = resolve_model(name)
@@ -32,17 +34,19 @@ def load_runtime_model(name: str, dtype: str = "float32", device: str = "cpu", t
     config = load_config(source, trust_remote_code)
     adapter_for(config)  # unsupported families fail here, naming the supported ones
     model_class = model_class_for(config.model_type)  # ... and families the runtime has no class for
-    plan = None
+    plan = stage_plan = None
+    parallel = (shard is not None and shard[1] > 1) or (stage is not None and stage[1] > 1)
+    if parallel and not getattr(model_class, "tensor_parallel", False):
+        sharded = [n for n in MODEL_FAMILIES.names() if getattr(MODEL_FAMILIES.get(n), "tensor_parallel", False)]
+        raise ConfigError(f"tensor and pipeline parallelism run the {', '.join(sharded)} model types; run "
+                          f"{config.model_type} in one process", param="tensor_parallel_size")
+    if parallel and source.path is None:
+        raise ConfigError(f"parallel ranks load their share from a local checkpoint: save {source.name} to a "
+                          "folder first and give the folder", param="tensor_parallel_size")
     if shard is not None and shard[1] > 1:
-        if not getattr(model_class, "tensor_parallel", False):
-            sharded = [n for n in MODEL_FAMILIES.names() if getattr(MODEL_FAMILIES.get(n), "tensor_parallel", False)]
-            raise ConfigError(f"tensor parallelism runs the {', '.join(sharded)} model types; run "
-                              f"{config.model_type} with --tensor-parallel-size 1", param="tensor_parallel_size")
-        if source.path is None:
-            raise ConfigError(f"tensor parallelism loads each rank's share from a local checkpoint: save "
-                              f"{source.name} to a folder first and give the folder",
-                              param="tensor_parallel_size")
         plan = ShardPlan.for_config(config, *shard)
+    if stage is not None and stage[1] > 1:
+        stage_plan = StagePlan.for_config(config, *stage)
     input_activations = ACTIVATION_SCHEMES[activations]
     torch_dtype, torch_device = DTYPES[dtype], torch.device(device)
     # sizes, and for dense weights the memory they take, before any tensor is read
@@ -60,17 +64,19 @@ def load_runtime_model(name: str, dtype: str = "float32", device: str = "cpu", t
                                               linear_factory=lambda qw, _dtype, _device: linear_for(qw))
         model.llmopt_activations = activations
         return model, tokenizer, source
-    weights = checkpoint_weights(source.path, torch_dtype, torch_device, linear_for,
-                                 shard=plan.shard if plan is not None else None)
+    shard_of = next((p.shard for p in (plan, stage_plan) if p is not None), None)
+    weights = checkpoint_weights(source.path, torch_dtype, torch_device, linear_for, shard=shard_of)
     checkpoint = RuntimeCheckpoint(config, weights, activations, shard_plan=plan)
+    checkpoint.stage_plan = stage_plan
     checkpoint.load_args = dict(name=name, dtype=dtype, device=device, trust_remote_code=trust_remote_code,
                                 activations=activations)
     return checkpoint, load_tokenizer(source, trust_remote_code), source
 
 
 def load_for_engine(name: str, config, dtype: str = "float32", device: str = "cpu", trust_remote_code: bool = False):
-    """load_runtime_model for an engine of `config` (EngineConfig): its input activations, and under tensor
-    parallelism this process's share (rank 0, or torchrun's rank)."""
-    world = config.tensor_parallel_size
+    """load_runtime_model for an engine of `config` (EngineConfig): its input activations, and under tensor or
+    pipeline parallelism this process's share (rank 0, or torchrun's rank)."""
+    tp, pp = config.tensor_parallel_size, config.pipeline_parallel_size
     return load_runtime_model(name, dtype=dtype, device=device, trust_remote_code=trust_remote_code,
-                              activations=config.activations, shard=(launched_rank(), world) if world > 1 else None)
+                              activations=config.activations, shard=(launched_rank(), tp) if tp > 1 else None,
+                              stage=(launched_rank(), pp) if pp > 1 else None)

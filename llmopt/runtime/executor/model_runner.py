@@ -18,6 +18,7 @@ from llmopt.runtime.executor.kernels.kv_quant import KV_CODE_DTYPES
 from llmopt.runtime.executor.models import build_runtime_model
 from llmopt.runtime.executor.prompt_scores import PromptScoreCache
 from llmopt.runtime.parallel.group import to_wire
+from llmopt.runtime.parallel.pipeline import split_tokens
 from llmopt.runtime.executor.sampler import probabilities, rows_token_logprobs, sample, token_logprobs
 from llmopt.runtime.engine.scheduler import SchedulerOutput
 from llmopt.runtime.spec_decode.verify import accept_greedy, rejection_sample
@@ -78,13 +79,23 @@ class StepInputs:
     tables: list[list[int]]
 
 
+def step_part(step: StepInputs, first: int, stop: int) -> StepInputs:
+    """Sequences [first, stop) of a step as a step of their own (a pipeline micro-batch)."""
+    a, b = step.starts[first], step.starts[stop]
+    return StepInputs(step.input_ids[a:b], step.positions[a:b], step.slots[a:b],
+                      [s - a for s in step.starts[first:stop + 1]], step.context_lens[first:stop],
+                      step.tables[first:stop])
+
+
 class ModelRunner:
-    def __init__(self, hf_model, config: EngineConfig, num_blocks: int | None = None, group=None, workers=None):
+    def __init__(self, hf_model, config: EngineConfig, num_blocks: int | None = None, group=None, workers=None,
+                 stages=None):
         """config.kv_cache_bytes None: sized from the machine (default_kv_cache_bytes), up to what
         config.max_num_seqs sequences of the model's full context could hold. num_blocks: exactly that many blocks
         instead (a draft model's cache holds as many tokens as its target's, a tensor-parallel worker as many as
         rank 0's). group: this rank's parallel.group.TensorParallelGroup when the model is one rank's share;
-        workers (rank 0 only): the other ranks, sent each step's inputs and each vocabulary projection's rows."""
+        workers (rank 0 only): the other ranks, sent each step's inputs and each vocabulary projection's rows.
+        stages: this process's parallel.pipeline.PipelineStages when the model is one pipeline stage."""
         block_size, kv_cache_bytes = config.block_size, config.kv_cache_bytes
         kv_cache_memory_fraction, max_num_seqs = config.kv_cache_memory_fraction, config.max_num_seqs
         loaded_with = getattr(hf_model, "llmopt_activations", "float")
@@ -94,7 +105,7 @@ class ModelRunner:
                               f"activations={config.activations!r})", param="activations")
         self.decoder = build_runtime_model(hf_model, config.attention_backend, config.fast_path,
                                            config.quantized_kv_cache, group=group)
-        self.group, self.workers = group, workers
+        self.group, self.workers, self.stages = group, workers, stages
         self.linear_methods = dict(sorted(self.decoder.linear_methods.items()))
         self.device = next(hf_model.parameters()).device
         if self.device.type == "cpu":
@@ -103,10 +114,14 @@ class ModelRunner:
         self.kv_dtype_label = kv_dtype_name(self.kv_dtype)  # as --kv-cache-dtype spells it
         self.block_size = block_size
         self.kv_cache_spec = self.decoder.kv_cache_spec(self.kv_dtype)
-        plan = self.decoder.plan if group is not None else None
-        # every rank has as many blocks: the budget holds them for the rank with the most KV heads
-        per_block = (replace(self.kv_cache_spec, num_kv_heads=plan.max_kv_heads) if plan is not None
-                     else self.kv_cache_spec).bytes_per_block(block_size)
+        # every rank has as many blocks: the budget holds them for the rank with the most KV heads, or the stage
+        # with the most layers
+        budget_spec = self.kv_cache_spec
+        if group is not None:
+            budget_spec = replace(budget_spec, num_kv_heads=self.decoder.plan.max_kv_heads)
+        if stages is not None:
+            budget_spec = replace(budget_spec, num_layers=stages.plan.max_layers)
+        per_block = budget_spec.bytes_per_block(block_size)
         self.kv_cache_source = "given"
         if num_blocks is not None:
             kv_cache_bytes, self.kv_cache_source = num_blocks * per_block, f"{num_blocks} blocks"
@@ -193,17 +208,51 @@ class ModelRunner:
         the other tensor-parallel ranks, which run it alongside)."""
         if self.workers is not None:
             self.workers.send(("forward", step))
+        if self.stages is not None:
+            return self._forward_pipelined(step)
+        return self._forward_part(step)
+
+    def _forward_part(self, step: StepInputs, hidden: torch.Tensor | None = None, final: bool = True
+                      ) -> torch.Tensor:
         meta = AttentionMetadata.build(step.starts, step.context_lens, step.tables,
                                        torch.tensor(step.slots, dtype=torch.long, device=self.device),
                                        self.block_size, self.device)
         return self.decoder(torch.tensor(step.input_ids, device=self.device),
-                            torch.tensor(step.positions, device=self.device), meta, self.kv_cache)
+                            torch.tensor(step.positions, device=self.device), meta, self.kv_cache, hidden, final)
+
+    def _forward_pipelined(self, step: StepInputs) -> torch.Tensor | None:
+        """This stage's layers over each micro-batch of the step (parallel/pipeline.py); stage 0 returns the final
+        hidden states [T, hidden] the last stage sent back, the others None."""
+        stages = self.stages
+        plan = stages.plan
+        counts = [b - a for a, b in zip(step.starts, step.starts[1:])]
+        parts = [step_part(step, a, b) for a, b in split_tokens(counts, stages.micro_batches)]
+        sends = []
+        for part in parts:
+            rows = len(part.input_ids)
+            hidden = None if plan.is_first else stages.recv(rows, plan.stage - 1)
+            out = self._forward_part(part, hidden, final=plan.is_last)
+            if not (plan.is_first and plan.is_last):
+                sends.append(stages.send(out, 0 if plan.is_last else plan.stage + 1))
+        finals = [stages.recv(len(part.input_ids), plan.stages - 1) for part in parts] if plan.is_first else None
+        for request in sends:
+            stages.wait(request)
+        return torch.cat(finals) if finals is not None else None
 
     def logits(self, hidden: torch.Tensor, as_float: bool) -> torch.Tensor:
         """[R, hidden] -> [R, vocab] (the other tensor-parallel ranks project the same rows onto their shares)."""
-        if self.workers is not None:
+        if self.group is not None and self.workers is not None:
             self.workers.send(("logits", to_wire(hidden), as_float))
         return self.decoder.logits(hidden, as_float=as_float)
+
+    def communication(self) -> tuple[int, float]:
+        """(all-reduces, seconds in them) on this rank since start or the last reset (0, 0.0 in one process)."""
+        group = self.group
+        return (group.num_all_reduces, group.all_reduce_seconds) if group is not None else (0, 0.0)
+
+    def reset_communication(self) -> None:
+        if self.group is not None:
+            self.group.num_all_reduces, self.group.all_reduce_seconds = 0, 0.0
 
     def close(self) -> None:
         """Stop the other tensor-parallel ranks (nothing to do for one process)."""

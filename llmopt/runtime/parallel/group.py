@@ -163,7 +163,6 @@ class TensorParallelGroup:
         self.shm, self.process_group = shm, process_group
         self.num_all_reduces = 0  # counted for the bench's communication share
         self.all_reduce_seconds = 0.0
-        self.timed = False
 
     @property
     def is_driver(self) -> bool:
@@ -171,7 +170,7 @@ class TensorParallelGroup:
 
     def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
         """The sum of x over the ranks (in place; every rank gets the same bits)."""
-        started = time.perf_counter() if self.timed else 0.0
+        started = time.perf_counter()
         try:
             if self.shm is not None and self.shm.fits(x):
                 self.shm.all_reduce_(x)
@@ -180,9 +179,8 @@ class TensorParallelGroup:
         except RuntimeError as e:  # gloo / NCCL: a peer's connection closed, or the timeout
             raise ParallelError(f"tensor-parallel all-reduce failed on rank {self.rank}: "
                                 f"{str(e).splitlines()[0]}") from e
-        if self.timed:
-            self.num_all_reduces += 1
-            self.all_reduce_seconds += time.perf_counter() - started
+        self.num_all_reduces += 1
+        self.all_reduce_seconds += time.perf_counter() - started
         return x
 
     def gather_vocab(self, local: torch.Tensor, widths: list[int]) -> torch.Tensor | None:

@@ -7,7 +7,7 @@ nano-vllm shard it):
   split;
 - the embedding and lm_head split along the vocabulary (lookup masked + all-reduce; logits gathered);
 - norms replicated.
-Shares are contiguous and as even as the units allow (ceil boundaries: earlier ranks take the larger share).
+Shares are contiguous and as even as the units allow (boundaries at ceil(r n / world): sizes differ by one at most).
 SmolLM2's 3 KV heads over 2 ranks: rank 0 heads 0-1 (6 query heads), rank 1 head 2 (3 query heads).
 
 Each checkpoint tensor (`model.layers.0.self_attn.q_proj.weight`) or quantized weight (`...q_proj`) is narrowed
@@ -15,6 +15,7 @@ by `ShardPlan.shard` as it is read, before any linear method packs it."""
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass
 
 import torch
@@ -28,7 +29,7 @@ MLP_UNITS = (128, 64, 32, 16, 8, 1)
 
 
 def split_range(n: int, world: int, rank: int) -> tuple[int, int]:
-    """Rank `rank`'s [start, stop) of n units over `world` ranks, contiguous, earlier ranks taking any extra."""
+    """Rank `rank`'s [start, stop) of n units over `world` ranks: contiguous, sizes differing by one at most."""
     return -(-rank * n // world), -(-(rank + 1) * n // world)
 
 
@@ -48,6 +49,49 @@ def head_split(num_heads: int, num_kv_heads: int, world: int, rank: int) -> tupl
     width = group // replicas
     first = kv_head * group + part * width
     return (first, first + width), (kv_head, kv_head + 1)
+
+
+@dataclass(frozen=True)
+class StagePlan:
+    """One pipeline stage's contiguous layers [first, stop) of `num_layers` (split_range: sizes differ by one at
+    most). Every stage also reads the embedding, final norm and lm_head: stage 0 embeds and projects the logits,
+    the last applies the final norm."""
+
+    stage: int
+    stages: int
+    layers: tuple[int, int]
+    num_layers: int
+
+    LAYER = re.compile(r"model\.layers\.(\d+)\.")
+
+    @classmethod
+    def for_config(cls, config, stage: int, stages: int) -> StagePlan:
+        n = config.num_hidden_layers
+        if stages > n:
+            raise ConfigError(f"--pipeline-parallel-size {stages} exceeds the model's {n} layers",
+                              param="pipeline_parallel_size")
+        return cls(stage, stages, split_range(n, stages, stage), n)
+
+    @property
+    def is_first(self) -> bool:
+        return self.stage == 0
+
+    @property
+    def is_last(self) -> bool:
+        return self.stage == self.stages - 1
+
+    @property
+    def max_layers(self) -> int:
+        """The most layers any stage holds: every stage's cache has as many blocks."""
+        return -(-self.num_layers // self.stages)
+
+    def holds(self, name: str) -> bool:
+        """Whether this stage loads the checkpoint tensor or linear `name`."""
+        match = self.LAYER.match(name)
+        return match is None or self.layers[0] <= int(match[1]) < self.layers[1]
+
+    def shard(self, name: str, value):
+        return value if self.holds(name) else None
 
 
 def mlp_unit(intermediate: int, world: int) -> int:

@@ -1,8 +1,10 @@
-"""The engine's tensor-parallel ranks: rank 0 is the engine's own process (scheduler, sampling, the server);
-ranks 1..N-1 are worker processes, spawned here (torch.multiprocessing) or launched by `torchrun`, each loading
-its share of the checkpoint and serving rank 0's commands: a step's inputs ("forward") and the rows to project
-to the vocabulary ("logits"). Everything else flows through the collectives of the decoder's forward (one
-all-reduce after o_proj and after down_proj, the embedding's all-reduce, the gather of the logits).
+"""The engine's tensor-parallel ranks or pipeline stages: rank 0 is the engine's own process (scheduler,
+sampling, the server); ranks 1..N-1 are worker processes, spawned here (torch.multiprocessing) or launched by
+`torchrun`, each loading its share of the checkpoint (a tensor-parallel share, or a stage's layers) and serving
+rank 0's commands: a step's inputs ("forward") and, under tensor parallelism, the rows to project to the
+vocabulary ("logits"). Everything else flows through the decoder's forward: tensor parallelism's collectives (one
+all-reduce after o_proj and after down_proj, the embedding's all-reduce, the gather of the logits) or the
+pipeline's point-to-point transfers (parallel/pipeline.py).
 
 Commands travel over one pipe per worker (spawned; a worker whose pipe closes exits, so none outlives the
 engine) or a gloo broadcast (torchrun, which ends every rank when one fails). A worker that fails mid-step
@@ -31,33 +33,36 @@ from llmopt.runtime.executor.model_runner import ModelRunner
 from llmopt.runtime.parallel.group import (
     COLLECTIVE_TIMEOUT_S, SharedMemoryAllReduce, TensorParallelGroup, backend_for, from_wire, launched_by_torchrun,
 )
+from llmopt.runtime.parallel.pipeline import PipelineStages
 
 log = logging.getLogger(__name__)
 START_TIMEOUT_S = 300.0  # a worker's import + load on a slow machine; a dead worker is noticed at once
 
 
-def rank_cores(spec: str | None, world: int, available: list[int] | None = None) -> list[list[int]]:
-    """Each rank's CPU cores: --tp-cores "0-3;4-7" (one list per rank, `;`-separated; ranges and commas), or an
-    even split of the cores this process may run on."""
+def rank_cores(spec: str | None, world: int, available: list[int] | None = None,
+               param: str = "tp_cores") -> list[list[int]]:
+    """Each rank's (or replica's) CPU cores: --tp-cores / --dp-cores "0-3;4-7" (one list each, `;`-separated;
+    ranges and commas), or an even split of the cores this process may run on."""
+    flag = "--" + param.replace("_", "-")
     available = sorted(available if available is not None else os.sched_getaffinity(0))
     if spec:
-        ranks = [sorted({c for part in text.split(",") if part for c in _core_range(part)})
+        ranks = [sorted({c for part in text.split(",") if part for c in _core_range(part, flag)})
                  for text in spec.split(";")]
         if len(ranks) != world or not all(ranks):
-            raise ConfigError(f"--tp-cores {spec!r}: give {world} non-empty core lists separated by ';'",
-                              param="tp_cores")
+            raise ConfigError(f"{flag} {spec!r}: give {world} non-empty core lists separated by ';'", param=param)
         return ranks
     if len(available) < world:
         return [available] * world  # more ranks than cores: they share
     return [available[r * len(available) // world:(r + 1) * len(available) // world] for r in range(world)]
 
 
-def _core_range(text: str) -> range:
+def _core_range(text: str, flag: str) -> range:
     try:
         first, _, last = text.partition("-")
         return range(int(first), int(last or first) + 1)
     except ValueError:
-        raise ConfigError(f"--tp-cores: {text!r} is not a core number or range like 0-3", param="tp_cores") from None
+        raise ConfigError(f"{flag}: {text!r} is not a core number or range like 0-3",
+                          param=flag[2:].replace("-", "_")) from None
 
 
 def pin(cores: list[int]) -> tuple[set[int], int]:
@@ -128,6 +133,33 @@ def _one_line(error: BaseException) -> str:
     return f"{type(error).__name__}: {text[0] if text else ''}"
 
 
+def pipelined(config: EngineConfig) -> bool:
+    return config.pipeline_parallel_size > 1
+
+
+def world_size(config: EngineConfig) -> int:
+    return config.pipeline_parallel_size if pipelined(config) else config.tensor_parallel_size
+
+
+def load_share(load_args: dict, config: EngineConfig, rank: int, world: int):
+    """This rank's share of the checkpoint: its tensor-parallel slices, or its stage's layers."""
+    share = {"stage": (rank, world)} if pipelined(config) else {"shard": (rank, world)}
+    model, _, _ = load_runtime_model(**load_args, **share)
+    return model
+
+
+def rank_runner(model, config: EngineConfig, rank: int, world: int, shm, process_group, num_blocks=None,
+                workers=None) -> ModelRunner:
+    """The ModelRunner of one rank: with its tensor-parallel group, or its pipeline stage."""
+    if pipelined(config):
+        plan = model.stage_plan
+        stages = PipelineStages(plan, process_group, config.pipeline_micro_batches or world,
+                                model.config.hidden_size, model.dtype, torch.device(model.load_args["device"]))
+        return ModelRunner(model, config, num_blocks=num_blocks, workers=workers, stages=stages)
+    group = TensorParallelGroup(rank, world, shm, process_group)
+    return ModelRunner(model, config, num_blocks=num_blocks, group=group, workers=workers)
+
+
 def spawned_worker(rank: int, world: int, init_method: str, shm_name: str | None, load_args: dict,
                    config: EngineConfig, cores: list[int], connection) -> None:
     """A spawned rank's process: pin, join, load its share, build its runner with rank 0's block count, then
@@ -136,11 +168,10 @@ def spawned_worker(rank: int, world: int, init_method: str, shm_name: str | None
         pin(cores)
         device = torch.device(load_args["device"])
         process_group = join_group(rank, world, init_method, device)
-        model, _, _ = load_runtime_model(**load_args, shard=(rank, world))
+        model = load_share(load_args, config, rank, world)
         shm = SharedMemoryAllReduce(rank, world, shm_name) if shm_name else None
-        group = TensorParallelGroup(rank, world, shm, process_group)
         _, num_blocks = connection.recv()
-        runner = ModelRunner(model, config, num_blocks=num_blocks, group=group)
+        runner = rank_runner(model, config, rank, world, shm, process_group, num_blocks)
         connection.send(("ready", os.getpid()))
         serve_commands(runner, connection.recv)
     except (EOFError, KeyboardInterrupt, BrokenPipeError):
@@ -155,8 +186,9 @@ def spawned_worker(rank: int, world: int, init_method: str, shm_name: str | None
     os._exit(0)
 
 
-class TensorParallelWorkers:
-    """Ranks 1..N-1 for a rank-0 ModelRunner: `send` a command to them all, `stop` them."""
+class ParallelWorkers:
+    """Ranks 1..N-1 (tensor-parallel ranks or pipeline stages) for a rank-0 ModelRunner: `send` a command to them
+    all, `stop` them."""
 
     def __init__(self, channel, processes=None, connections=None, restore=None, shm=None):
         self.channel, self.processes, self.connections = channel, processes or [], connections or []
@@ -218,22 +250,24 @@ class TensorParallelWorkers:
             torch.set_num_threads(threads)
 
 
-def tensor_parallel_runner(model, config: EngineConfig) -> ModelRunner:
-    """Rank 0's ModelRunner over its share (`model`, loaded with shard=(0, N)) and ranks 1..N-1: spawned here,
-    or (under torchrun) already running — those enter their command loop here and exit when rank 0 is done."""
-    world = config.tensor_parallel_size
-    plan = getattr(model, "shard_plan", None)
+def parallel_runner(model, config: EngineConfig) -> ModelRunner:
+    """Rank 0's ModelRunner over its share (`model`, loaded with shard=(0, N) or stage=(0, N)) and ranks 1..N-1:
+    spawned here, or (under torchrun) already running — those enter their command loop here and exit when rank 0
+    is done."""
+    world = world_size(config)
+    plan = getattr(model, "stage_plan" if pipelined(config) else "shard_plan", None)
     load_args = getattr(model, "load_args", None)
-    if plan is None or plan.world != world or load_args is None:
-        raise ConfigError(f"--tensor-parallel-size {world} needs the model loaded as a rank's share: "
-                          f"load_runtime_model(..., shard=(rank, {world}))", param="tensor_parallel_size")
+    if plan is None or getattr(plan, "stages", getattr(plan, "world", None)) != world or load_args is None:
+        kind = ("pipeline", "stage") if pipelined(config) else ("tensor", "shard")
+        raise ConfigError(f"--{kind[0]}-parallel-size {world} needs the model loaded as a rank's share: "
+                          f"load_runtime_model(..., {kind[1]}=(rank, {world}))", param=f"{kind[0]}_parallel_size")
     device = torch.device(load_args["device"])
     if launched_by_torchrun():
         return _torchrun_rank(model, config, plan.rank, world, device)
     cores = rank_cores(config.tp_cores, world)
     ctx = mp.get_context("spawn")
     init_method = f"tcp://127.0.0.1:{free_port()}"
-    shm = SharedMemoryAllReduce(0, world) if device.type == "cpu" else None
+    shm = SharedMemoryAllReduce(0, world) if device.type == "cpu" and not pipelined(config) else None
     worker_config = replace(config, speculative=None)
     processes, connections = [], []
     for rank in range(1, world):
@@ -245,16 +279,16 @@ def tensor_parallel_runner(model, config: EngineConfig) -> ModelRunner:
         theirs.close()
         processes.append(process)
         connections.append(ours)
-    workers = TensorParallelWorkers(PipeChannel(connections), processes, connections, pin(cores[0]), shm)
+    workers = ParallelWorkers(PipeChannel(connections), processes, connections, pin(cores[0]), shm)
     atexit.register(workers.stop)
     try:
-        group = TensorParallelGroup(0, world, shm, join_group(0, world, init_method, device))
-        runner = ModelRunner(model, config, group=group, workers=workers)
+        runner = rank_runner(model, config, 0, world, shm, join_group(0, world, init_method, device),
+                             workers=workers)
         workers.start(runner.num_blocks)
     except BaseException:
         workers.stop()
         raise
-    log.info(f"tensor parallelism: {world} ranks on cores {'; '.join(','.join(map(str, c)) for c in cores)}")
+    log.info(f"{'pipeline' if pipelined(config) else 'tensor'} parallelism: {world} ranks on cores {'; '.join(','.join(map(str, c)) for c in cores)}")
     return runner
 
 
@@ -262,27 +296,27 @@ def _torchrun_rank(model, config: EngineConfig, rank: int, world: int, device: t
     """Under torchrun: every rank runs the same command; rank 0 goes on as the engine, the others serve its
     commands here and exit when it is done."""
     if int(os.environ["WORLD_SIZE"]) != world:
-        raise ConfigError(f"torchrun started {os.environ['WORLD_SIZE']} processes for --tensor-parallel-size "
-                          f"{world}: give --nproc-per-node {world}", param="tensor_parallel_size")
+        raise ConfigError(f"torchrun started {os.environ['WORLD_SIZE']} processes for {world} parallel ranks: give "
+                          f"--nproc-per-node {world}", param="tensor_parallel_size")
     local = int(os.environ.get("LOCAL_RANK", rank))
     restore = pin(rank_cores(config.tp_cores, int(os.environ.get("LOCAL_WORLD_SIZE", world)))[local])
     process_group = join_group(rank, world, "env://", device)
     commands = BroadcastChannel(dist.new_group(list(range(world)), backend="gloo", timeout=timedelta(days=365)))
-    shm = SharedMemoryAllReduce(0, world) if device.type == "cpu" and rank == 0 else None
+    shared = device.type == "cpu" and not pipelined(config)
+    shm = SharedMemoryAllReduce(0, world) if shared and rank == 0 else None
     names = [shm.name if shm else None]
     dist.broadcast_object_list(names, src=0, group=commands.group)
-    if device.type == "cpu" and rank != 0:
+    if shared and rank != 0:
         shm = SharedMemoryAllReduce(rank, world, names[0], own_tracker=True)
     dist.barrier(group=commands.group)  # every rank mapped the segment before rank 0 may unlink it at the end
-    group = TensorParallelGroup(rank, world, shm, process_group)
     if rank == 0:
-        workers = TensorParallelWorkers(commands, restore=restore, shm=shm)
+        workers = ParallelWorkers(commands, restore=restore, shm=shm)
         atexit.register(workers.stop)
-        runner = ModelRunner(model, config, group=group, workers=workers)
+        runner = rank_runner(model, config, rank, world, shm, process_group, workers=workers)
         commands.send(("start", runner.num_blocks))
         return runner
     _, num_blocks = commands.recv()
-    runner = ModelRunner(model, replace(config, speculative=None), num_blocks=num_blocks, group=group)
+    runner = rank_runner(model, replace(config, speculative=None), rank, world, shm, process_group, num_blocks)
     try:
         serve_commands(runner, commands.recv)
     except LLMOptError as e:

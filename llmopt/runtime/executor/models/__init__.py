@@ -15,7 +15,8 @@ def build_runtime_model(model, attention_backend: str = "auto", fast: bool | Non
     """The runtime model for a loaded checkpoint (RuntimeCheckpoint) or a loaded transformers model: its family's
     class, its weights handed over by name, the attention backend chosen once (one that reads an 8-bit cache
     when quantized_cache). A checkpoint loaded as one rank's share (its `shard_plan`) runs with that rank's
-    tensor-parallel `group` (parallel.group.TensorParallelGroup)."""
+    tensor-parallel `group` (parallel.group.TensorParallelGroup); one loaded as a pipeline stage (its
+    `stage_plan`) holds that stage's layers."""
     from llmopt.runtime.executor.attention import select_attention_backend
 
     config = model.config
@@ -24,7 +25,7 @@ def build_runtime_model(model, attention_backend: str = "auto", fast: bool | Non
     fast = fast if fast is not None else device.type == "cpu"
     backend = select_attention_backend(attention_backend, device, cls.cache_layout, fast, quantized_cache)
     weights = model.named_weights() if isinstance(model, RuntimeCheckpoint) else module_weights(model)
-    plan = getattr(model, "shard_plan", None)
-    if plan is None:
+    plan, stage = getattr(model, "shard_plan", None), getattr(model, "stage_plan", None)
+    if plan is None and stage is None:
         return cls(config, weights, backend, fast, dtype, device)
-    return cls(config, weights, backend, fast, dtype, device, plan=plan, group=group)
+    return cls(config, weights, backend, fast, dtype, device, plan=plan, group=group, stage=stage)

@@ -29,7 +29,7 @@ from llmopt.runtime.executor.models.registry import register_model_family
 from llmopt.runtime.executor.models.layers import RMSNorm, RotaryEmbedding, rotate_half
 from llmopt.runtime.executor.models.weights import DecoderWeights, rope_tables
 from llmopt.runtime.parallel.group import TensorParallelGroup
-from llmopt.runtime.parallel.sharding import ShardPlan, split_range
+from llmopt.runtime.parallel.sharding import ShardPlan, StagePlan, split_range
 
 # A layer's linears the runtime runs as one (fed the same input) -> the checkpoint's names of its parts, in order
 # (nano-vllm's packed_modules_mapping). Phi-3 ships q/k/v and gate/up packed already.
@@ -105,9 +105,10 @@ class LlamaFamilyDecoder(nn.Module):
     tensor_parallel = True  # its checkpoints shard by parallel.sharding.ShardPlan
 
     def __init__(self, config, weights, attention: AttentionBackend, fast: bool, dtype: torch.dtype,
-                 device: torch.device, plan: ShardPlan | None = None, group: TensorParallelGroup | None = None):
+                 device: torch.device, plan: ShardPlan | None = None, group: TensorParallelGroup | None = None,
+                 stage: StagePlan | None = None):
         """plan, group: this rank's share of a tensor-parallel model (weights already narrowed by the plan) and
-        its group; None for the whole model."""
+        its group; stage: the pipeline stage whose layers it holds; None for the whole model."""
         super().__init__()
         self.config, self.dtype, self.fast, self.attention = config, dtype, fast, attention
         geometry = attention_geometry(config)
@@ -116,7 +117,9 @@ class LlamaFamilyDecoder(nn.Module):
         if plan is not None:  # this rank's heads
             self.num_heads, self.num_kv_heads = plan.local_heads
         self.scale = self.head_dim ** -0.5
-        self.num_layers = config.num_hidden_layers
+        self.stage = stage
+        self.layer_ids = range(*stage.layers) if stage is not None else range(config.num_hidden_layers)
+        self.num_layers = len(self.layer_ids)
         inv_freq, scaling = rope_tables(config)
         self.rotary = RotaryEmbedding(inv_freq.to(device), scaling)
         self._load(config, weights, device)
@@ -148,14 +151,14 @@ class LlamaFamilyDecoder(nn.Module):
         norms += ["self_attn.q_norm", "self_attn.k_norm"] if config.model_type in QK_NORM_TYPES else []
         shared = DecoderWeights(config)
         slots = []
-        for i in range(self.num_layers):
+        for i in self.layer_ids:
             prefix = f"model.layers.{i}."
             slots.append({group: [shared.linear(prefix + part) for part in parts] for group, parts in packed.items()})
             for norm in norms:
                 shared.keep(f"{prefix}{norm}.weight")
         self.embed, self.norm, self.lm_head = shared.load(weights)
         blocks = []
-        for i, layer in enumerate(slots):
+        for i, layer in zip(self.layer_ids, slots):
             prefix = f"model.layers.{i}."
             built = {group: [shared.build(slot) for slot in parts] for group, parts in layer.items()}
             q_norm, k_norm = ((shared.norm(f"{prefix}self_attn.{n}") for n in ("q_norm", "k_norm"))
@@ -179,12 +182,15 @@ class LlamaFamilyDecoder(nn.Module):
         return norm.fast(x) if self.fast else norm(x)
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata,
-                kv_cache: KVCache) -> torch.Tensor:
-        """input_ids, positions [T] -> final hidden states [T, hidden]."""
-        h = self.embed(input_ids)  # [T, hidden]
+                kv_cache: KVCache, hidden: torch.Tensor | None = None, final: bool = True) -> torch.Tensor:
+        """input_ids, positions [T] -> final hidden states [T, hidden]. A pipeline stage after the first starts
+        from the previous stage's residual stream `hidden` [T, hidden]; one before the last (final=False) returns
+        its residual stream, not normalized."""
+        h = self.embed(input_ids) if hidden is None else hidden  # [T, hidden]
         cos, sin = self.rotary(positions, h.dtype)  # [T, head_dim]
         if self.fused_ops is not None:
-            return self._forward_fused(h, cos, sin, meta, kv_cache)
+            x = self._forward_fused(h, cos, sin, meta, kv_cache)
+            return x if final else h
         cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)  # [T, 1, head_dim]
         num_tokens = input_ids.shape[0]
         nq, nkv, hd = self.num_heads, self.num_kv_heads, self.head_dim
@@ -209,7 +215,7 @@ class LlamaFamilyDecoder(nn.Module):
             x = self._norm(block.post_norm, h)
             gate, up = block.gate_up(x).chunk(2, dim=-1)
             h = h + self._reduce(block.down_proj(F.silu(gate) * up))
-        return self._norm(self.norm, h)
+        return self._norm(self.norm, h) if final else h
 
     def _reduce(self, partial: torch.Tensor) -> torch.Tensor:
         return partial if self.group is None else self.group.all_reduce(partial)

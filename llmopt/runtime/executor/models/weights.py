@@ -98,7 +98,9 @@ def checkpoint_weights(path, dtype: torch.dtype, device: torch.device | str, mak
             continue
         yield name, (tensor.to(dtype) if tensor.is_floating_point() else tensor).to(device).contiguous()
     for name, qweight in contents.qweights.items():
-        yield name, make_linear_for(qweight if shard is None else shard(name, qweight))
+        if shard is not None and (qweight := shard(name, qweight)) is None:
+            continue
+        yield name, make_linear_for(qweight)
 
 
 def rope_tables(config) -> tuple[torch.Tensor, float]:

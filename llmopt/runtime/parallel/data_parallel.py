@@ -1,0 +1,449 @@
+"""Data parallelism: N engine replicas, one process each on its own cores, behind one front with the Engine's
+interface (`DataParallelEngine`), so the OpenAI server and the bench drive it as they drive one engine.
+
+Routing (as SGLang's router and vLLM's DP coordinator do it): each request goes to the replica with the fewest
+outstanding tokens (prompt + max_tokens of the requests it runs), unless a replica within AFFINITY_SLACK_TOKENS of
+that load already holds a longer prefix of the prompt in its prefix cache: the front remembers the chained block
+hashes of the prompts it sent each replica (an approximation of the replica's cache: evictions are not seen).
+
+A replica that dies fails only its own requests (`ReplicaFailed`, raised by the next `step()`), and is started
+again; the front stays up. Replicas read the front's commands from a pipe and exit when it closes, so none
+outlives the front."""
+
+from __future__ import annotations
+
+import atexit
+import dataclasses
+import logging
+import os
+import threading
+import time
+from collections import OrderedDict
+from multiprocessing.connection import wait
+
+import torch.multiprocessing as mp
+
+from llmopt.core.errors import ConfigError, LLMOptError, ParallelError, ReplicaFailed, RequestsFailed
+from llmopt.core.models import load_config, load_tokenizer, resolve_model
+from llmopt.runtime.engine.config import EngineConfig
+from llmopt.runtime.engine.engine import Engine, check_request, check_token_ids
+from llmopt.runtime.engine.output import RequestOutput
+from llmopt.runtime.engine.sampling import SamplingParams
+from llmopt.runtime.engine.stats import EngineStats
+from llmopt.runtime.executor.loader import load_for_engine
+from llmopt.runtime.parallel.workers import START_TIMEOUT_S, pin, rank_cores
+
+log = logging.getLogger(__name__)
+AFFINITY_SLACK_TOKENS = 2048  # a replica holding the prefix takes the request while this close to the least loaded
+PREFIX_MEMORY_BLOCKS = 1 << 16  # block hashes remembered per replica (least recently routed forgotten first)
+POLL_S = 0.002  # a step waits this long for the replicas' outputs
+MAX_RESTARTS = 3  # a replica that dies more often than this stays down
+REPLY_TIMEOUT_S = 30.0
+
+
+def block_hashes(token_ids: list[int], block_size: int) -> list[int]:
+    """The chained hash of each full block of a prompt (as the block manager keys its prefix cache)."""
+    hashes, h = [], 0
+    for start in range(0, len(token_ids) - block_size + 1, block_size):
+        h = hash((h, tuple(token_ids[start:start + block_size])))
+        hashes.append(h)
+    return hashes
+
+
+class PrefixMemory:
+    """The block hashes of the prompts one replica was sent (LRU-bounded)."""
+
+    def __init__(self, capacity: int = PREFIX_MEMORY_BLOCKS):
+        self.capacity = capacity
+        self.hashes: OrderedDict[int, None] = OrderedDict()
+
+    def match(self, hashes: list[int]) -> int:
+        """Leading blocks of `hashes` this replica was sent before."""
+        n = 0
+        for h in hashes:
+            if h not in self.hashes:
+                break
+            n += 1
+        return n
+
+    def add(self, hashes: list[int]) -> None:
+        for h in hashes:
+            self.hashes[h] = None
+            self.hashes.move_to_end(h)
+        while len(self.hashes) > self.capacity:
+            self.hashes.popitem(last=False)
+
+
+def replica_main(index: int, load_args: dict, config: EngineConfig, cores: list[int], record_steps: bool,
+                 connection) -> None:
+    """A replica's process: its engine, fed by the front's commands, its outputs sent back with global ids."""
+    try:
+        pin(cores)
+        model, tokenizer, _ = load_for_engine(config=config, **load_args)
+        engine = Engine(model, tokenizer, config, record_steps=record_steps)
+        connection.send(("ready", {"kv_cache_info": engine.kv_cache_info(), "numerics": engine.numerics(),
+                                   "pid": os.getpid()}))
+        ids: dict[int, int] = {}  # local request id -> the front's
+        local: dict[int, int] = {}
+        while True:
+            if not engine.has_unfinished():
+                connection.poll(None)  # idle: block until a command (or EOF: the front is gone)
+            while connection.poll():
+                command = connection.recv()
+                if command is None:
+                    return
+                _handle(engine, command, ids, local, connection)
+            if engine.has_unfinished():
+                outputs = engine.step()
+                sent = []
+                for output in outputs:
+                    front_id = ids.get(output.request_id)
+                    if front_id is None:
+                        continue
+                    if output.finished:
+                        del ids[output.request_id]
+                        del local[front_id]
+                    sent.append(dataclasses.replace(output, request_id=front_id))
+                connection.send(("outputs", sent, _status(engine)))
+    except (EOFError, BrokenPipeError, KeyboardInterrupt):
+        return
+    except BaseException as e:  # noqa: BLE001 (one line to the front, which restarts the replica)
+        try:
+            connection.send(("error", f"{type(e).__name__}: {str(e).strip().splitlines()[0] if str(e) else ''}"))
+        except OSError:
+            pass
+        raise SystemExit(1) from None
+
+
+def _status(engine: Engine) -> dict:
+    bm = engine.block_manager
+    return {"waiting": engine.num_waiting, "running": engine.num_running, "usage": bm.usage,
+            "preemptions": engine.scheduler.num_preemptions}
+
+
+def _handle(engine: Engine, command: tuple, ids: dict, local: dict, connection) -> None:
+    kind = command[0]
+    if kind == "add":
+        _, front_id, prompt, params, arrival = command
+        try:
+            request_id = engine.add_request(prompt, params, arrival_time=arrival)
+        except LLMOptError as e:
+            connection.send(("rejected", front_id, str(e), getattr(e, "param", None)))
+            return
+        ids[request_id], local[front_id] = front_id, request_id
+    elif kind == "abort":
+        if command[1] in local:
+            engine.abort(local[command[1]])
+    elif kind == "stats":
+        connection.send(("stats", engine.stats()))
+    elif kind == "reset_stats":
+        engine.reset_stats(clear_prefix_cache=command[1])
+    elif kind == "reset":
+        engine.reset()
+        ids.clear()
+        local.clear()
+
+
+@dataclasses.dataclass
+class Replica:
+    index: int
+    cores: list[int]
+    process: object = None
+    connection: object = None
+    ready: bool = False
+    info: dict = dataclasses.field(default_factory=dict)
+    status: dict = dataclasses.field(default_factory=dict)
+    outstanding: int = 0  # prompt + max_tokens of the requests it runs
+    requests: set = dataclasses.field(default_factory=set)
+    prefixes: PrefixMemory = dataclasses.field(default_factory=PrefixMemory)
+    restarts: int = 0
+    stats: EngineStats | None = None
+
+
+class _Usage:
+    def __init__(self, front: DataParallelEngine):
+        self.front = front
+
+    @property
+    def usage(self) -> float:
+        values = [r.status.get("usage", 0.0) for r in self.front.replicas if r.ready]
+        return sum(values) / len(values) if values else 0.0
+
+
+class _Preemptions:
+    def __init__(self, front: DataParallelEngine):
+        self.front = front
+
+    @property
+    def num_preemptions(self) -> int:
+        return sum(r.status.get("preemptions", 0) for r in self.front.replicas)
+
+
+class DataParallelEngine:
+    """config.data_parallel_size replicas of MODEL behind the Engine's interface (add_request, step, abort, ...)."""
+
+    def __init__(self, model_name: str, config: EngineConfig, dtype: str = "float32", device: str = "cpu",
+                 trust_remote_code: bool = False, record_steps: bool = True):
+        self.config = config
+        source = resolve_model(model_name)
+        model_config = load_config(source, trust_remote_code)
+        self.tokenizer = load_tokenizer(source, trust_remote_code)
+        self.max_context = getattr(model_config, "max_position_embeddings", None)
+        self.vocab_size = getattr(model_config, "vocab_size", None)
+        self.load_args = dict(name=model_name, dtype=dtype, device=device, trust_remote_code=trust_remote_code)
+        self.replica_config = dataclasses.replace(config, data_parallel_size=1)
+        self.record_steps = record_steps
+        world = config.data_parallel_size
+        self.replicas = [Replica(i, cores) for i, cores in enumerate(rank_cores(config.dp_cores, world, param="dp_cores"))]
+        self._context = mp.get_context("spawn")
+        self._lock = threading.RLock()  # one reader of the replicas' pipes at a time
+        self._requests: dict[int, tuple[int, int]] = {}  # front id -> (replica, outstanding tokens)
+        self._outputs: list[RequestOutput] = []
+        self._failures: dict[int, LLMOptError] = {}  # request -> why it failed, reported by the next step
+        self._next_id = 0
+        self._start_failure: str | None = None
+        self.block_manager, self.scheduler = _Usage(self), _Preemptions(self)
+        self.runner = None  # (no model in this process)
+        self.closed = False
+        atexit.register(self.close)
+        try:
+            for replica in self.replicas:
+                self._start(replica)
+            self._wait_ready()
+        except BaseException:
+            self.close()
+            raise
+
+    # --- replicas -------------------------------------------------------------------------------
+    def _start(self, replica: Replica) -> None:
+        ours, theirs = self._context.Pipe()
+        replica.process = self._context.Process(
+            target=replica_main, name=f"llmopt-dp-replica{replica.index}",
+            args=(replica.index, self.load_args, self.replica_config, replica.cores, self.record_steps, theirs))
+        replica.process.start()
+        theirs.close()
+        replica.connection, replica.ready, replica.status = ours, False, {}
+
+    def _wait_ready(self) -> None:
+        deadline = time.monotonic() + START_TIMEOUT_S
+        while not all(r.ready for r in self.replicas):
+            self._receive(0.2)
+            if self._start_failure is not None:
+                raise ParallelError(f"a data-parallel replica failed to start: {self._start_failure}")
+            if time.monotonic() > deadline:
+                raise ParallelError(f"the data-parallel replicas did not start within {START_TIMEOUT_S:.0f} s")
+
+    def _receive(self, timeout: float) -> None:
+        """Read every message the replicas have sent (waiting up to `timeout` for the first)."""
+        with self._lock:
+            live = {r.connection: r for r in self.replicas if r.connection is not None}
+            sentinels = {r.process.sentinel: r for r in self.replicas if r.process is not None}
+            for ready in wait([*live, *sentinels], timeout):
+                replica = live.get(ready) or sentinels[ready]
+                if replica.connection is None:
+                    continue
+                try:
+                    while replica.connection.poll():
+                        self._dispatch(replica, replica.connection.recv())
+                except (EOFError, OSError):
+                    self._lost(replica, "its pipe closed")
+                    continue
+                if ready in sentinels and replica.connection is not None:
+                    self._lost(replica, f"exit code {replica.process.exitcode}")
+
+    def _dispatch(self, replica: Replica, message: tuple) -> None:
+        kind = message[0]
+        if kind == "outputs":
+            _, outputs, replica.status = message
+            self._outputs.extend(outputs)
+        elif kind == "ready":
+            replica.ready, replica.info = True, message[1]
+        elif kind == "rejected":
+            _, front_id, text, param = message
+            self._failures[front_id] = ConfigError(text, param=param)
+        elif kind == "stats":
+            replica.stats = message[1]
+        elif kind == "error":
+            self._lost(replica, message[1])
+
+    def _lost(self, replica: Replica, cause: str) -> None:
+        """A replica died: fail its requests, start it again (up to MAX_RESTARTS times)."""
+        replica.connection.close()
+        replica.connection = None
+        replica.process.join(timeout=5)
+        lost = sorted(replica.requests)
+        for front_id in lost:
+            self._requests.pop(front_id, None)
+        replica.requests, replica.outstanding, replica.prefixes = set(), 0, PrefixMemory()
+        message = (f"data-parallel replica {replica.index} (pid {replica.process.pid}) died ({cause}); "
+                   f"its {len(lost)} request(s) failed")
+        log.error(message)
+        if not replica.ready:
+            self._start_failure = message
+        failure = ReplicaFailed(message + ": send the request again")
+        self._failures.update({front_id: failure for front_id in lost})
+        if replica.restarts < MAX_RESTARTS and not self.closed:
+            replica.restarts += 1
+            self._start(replica)
+
+    # --- the Engine interface -------------------------------------------------------------------
+    def add_request(self, prompt_token_ids: list[int], params: SamplingParams | None = None,
+                    arrival_time: float | None = None) -> int:
+        params = params or SamplingParams()
+        check_request(prompt_token_ids, params, True, self.vocab_size, self.max_context)
+        replica = self._route(prompt_token_ids)
+        front_id, self._next_id = self._next_id, self._next_id + 1
+        cost = len(prompt_token_ids) + params.max_tokens
+        replica.connection.send(("add", front_id, prompt_token_ids, params,
+                                 time.perf_counter() if arrival_time is None else arrival_time))
+        replica.requests.add(front_id)
+        replica.outstanding += cost
+        self._requests[front_id] = (replica.index, cost)
+        return front_id
+
+    def _route(self, prompt: list[int]) -> Replica:
+        """The least loaded ready replica, or one close to it that holds a longer prefix of the prompt."""
+        ready = [r for r in self.replicas if r.ready and r.connection is not None]
+        if not ready:
+            raise ParallelError("no data-parallel replica is running (each died more than "
+                                f"{MAX_RESTARTS} times, or all are restarting)")
+        hashes = block_hashes(prompt, self.config.block_size)
+        least = min(r.outstanding for r in ready)
+        best = max(ready, key=lambda r: (r.prefixes.match(hashes) if r.outstanding - least <= AFFINITY_SLACK_TOKENS
+                                         else -1, -r.outstanding))
+        best.prefixes.add(hashes)
+        return best
+
+    def step(self) -> list[RequestOutput]:
+        """Outputs the replicas produced since the last call (waiting up to POLL_S for some). Requests that failed
+        on their own (their replica died, or refused them) raise RequestsFailed once, naming each."""
+        if self._failures:
+            failures, self._failures = self._failures, {}
+            for front_id in failures:
+                self._finished(front_id)
+            raise RequestsFailed(failures)
+        self._receive(0.0 if self._outputs else POLL_S)
+        outputs, self._outputs = self._outputs, []
+        for output in outputs:
+            if output.finished:
+                self._finished(output.request_id)
+        return outputs
+
+    def _finished(self, front_id: int) -> None:
+        index, cost = self._requests.pop(front_id, (None, 0))
+        if index is not None:
+            replica = self.replicas[index]
+            replica.requests.discard(front_id)
+            replica.outstanding -= cost
+
+    def abort(self, request_id: int) -> bool:
+        entry = self._requests.get(request_id)
+        if entry is None:
+            return False
+        self.replicas[entry[0]].connection.send(("abort", request_id))
+        return True
+
+    def has_unfinished(self) -> bool:
+        return bool(self._requests or self._outputs or self._failures)
+
+    @property
+    def num_live_requests(self) -> int:
+        return len(self._requests)
+
+    @property
+    def num_waiting(self) -> int:
+        return sum(r.status.get("waiting", 0) for r in self.replicas)
+
+    @property
+    def num_running(self) -> int:
+        return sum(r.status.get("running", 0) for r in self.replicas)
+
+    def check_token_ids(self, token_ids, param: str) -> None:
+        check_token_ids(token_ids, self.vocab_size, param)
+
+    def generate(self, prompts: list[list[int]], params: SamplingParams | list[SamplingParams] | None = None
+                 ) -> list[RequestOutput]:
+        return Engine.generate(self, prompts, params)
+
+    def stream(self):
+        return Engine.stream(self)
+
+    def _broadcast(self, command) -> None:
+        for replica in self.replicas:
+            if replica.connection is not None:
+                replica.connection.send(command)
+
+    def stats(self) -> EngineStats:
+        """Every replica's counters, added (their step records concatenated)."""
+        with self._lock:
+            for replica in self.replicas:
+                replica.stats = None
+            self._broadcast(("stats",))
+            deadline = time.monotonic() + REPLY_TIMEOUT_S
+            while any(r.stats is None and r.connection is not None for r in self.replicas):
+                if time.monotonic() > deadline:
+                    raise ParallelError("a data-parallel replica did not report its statistics within "
+                                        f"{REPLY_TIMEOUT_S:.0f} s")
+                self._receive(0.01)
+        parts = [r.stats for r in self.replicas if r.stats is not None]
+        total = EngineStats()
+        for part in parts:
+            total.steps += part.steps
+            total.num_preemptions += part.num_preemptions
+            total.prefix_cache_queries += part.prefix_cache_queries
+            total.prefix_cache_hits += part.prefix_cache_hits
+            total.num_finished += part.num_finished
+            for reason, count in part.finish_reasons.items():
+                total.finish_reasons[reason] = total.finish_reasons.get(reason, 0) + count
+        return total
+
+    def reset_stats(self, clear_prefix_cache: bool = False) -> None:
+        self._broadcast(("reset_stats", clear_prefix_cache))
+        if clear_prefix_cache:
+            for replica in self.replicas:
+                replica.prefixes = PrefixMemory()
+
+    def reset(self) -> None:
+        self._broadcast(("reset",))
+        self._requests.clear()
+        self._outputs.clear()
+        for replica in self.replicas:
+            replica.requests, replica.outstanding = set(), 0
+
+    def kv_cache_info(self) -> dict:
+        """Replica 0's cache (each replica has its own, as large), and the replica count."""
+        info = dict(self.replicas[0].info.get("kv_cache_info", {}))
+        info["replicas"] = len(self.replicas)
+        info["summary"] = f"{len(self.replicas)} data-parallel replicas, each: {info.get('summary', '')}"
+        return info
+
+    def numerics(self) -> dict:
+        return {**self.replicas[0].info.get("numerics", {}), "data_parallel_size": len(self.replicas)}
+
+    def close(self) -> None:
+        """Stop every replica (also at interpreter exit)."""
+        if self.closed:
+            return
+        self.closed = True
+        self._broadcast(None)
+        for replica in self.replicas:
+            if replica.process is None:
+                continue
+            replica.process.join(timeout=10)
+            if replica.process.exitcode is None:
+                replica.process.kill()
+                replica.process.join(timeout=5)
+            if replica.connection is not None:
+                replica.connection.close()
+                replica.connection = None
+
+
+def create_engine(model_name: str, config: EngineConfig, dtype: str = "float32", device: str = "cpu",
+                  trust_remote_code: bool = False, record_steps: bool = True):
+    """The engine for MODEL: one Engine (its model loaded here; under tensor parallelism this process's share),
+    or with config.data_parallel_size > 1 the DataParallelEngine of that many replicas."""
+    if config.data_parallel_size > 1:
+        return DataParallelEngine(model_name, config, dtype, device, trust_remote_code, record_steps)
+    model, tokenizer, _ = load_for_engine(model_name, config, dtype=dtype, device=device,
+                                          trust_remote_code=trust_remote_code)
+    return Engine(model, tokenizer, config, record_steps=record_steps)

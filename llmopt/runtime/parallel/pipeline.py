@@ -1,0 +1,66 @@
+"""Pipeline parallelism: each stage (one process) holds a contiguous run of layers and its own KV cache for
+them. A step's sequences are cut into micro-batches (contiguous groups of about equal tokens); stage 0 embeds and
+runs its layers on each in turn, sending each micro-batch's residual stream on (torch.distributed point-to-point)
+as soon as it is done, so the next stage works on micro-batch m while stage 0 works on m + 1. The last stage
+applies the final norm and sends the hidden states back to stage 0, which projects the logits and samples.
+Step time with S stages of equal cost T/S and M micro-batches: (M + S - 1) / (M S) x T, plus the transfers."""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+
+from llmopt.core.errors import ParallelError
+from llmopt.runtime.parallel.sharding import StagePlan
+
+
+def split_tokens(token_counts: list[int], parts: int) -> list[tuple[int, int]]:
+    """Contiguous [first, stop) runs of sequences, at most `parts`, each about the same number of tokens."""
+    n = len(token_counts)
+    parts = max(1, min(parts, n))
+    total, runs, first, acc = sum(token_counts), [], 0, 0
+    for i, count in enumerate(token_counts):
+        acc += count
+        later, rest = parts - len(runs) - 1, n - (i + 1)  # runs still to open, sequences left for them
+        # close the run once it reaches its share (or when each later run needs one of the sequences left)
+        if later and rest >= later and (acc >= total * (len(runs) + 1) / parts or rest == later):
+            runs.append((first, i + 1))
+            first = i + 1
+    runs.append((first, n))
+    return runs
+
+
+class PipelineStages:
+    """This process's stage, and the transfers of residual streams [rows, hidden] between stages."""
+
+    def __init__(self, plan: StagePlan, process_group, micro_batches: int, hidden_size: int, dtype: torch.dtype,
+                 device: torch.device):
+        self.plan, self.process_group = plan, process_group
+        self.micro_batches = micro_batches
+        self.hidden_size, self.dtype, self.device = hidden_size, dtype, device
+
+    def send(self, hidden: torch.Tensor, stage: int):
+        """Start sending [rows, hidden] to `stage`; returns the request to wait on."""
+        try:
+            return dist.isend(hidden.contiguous(), stage, group=self.process_group)
+        except RuntimeError as e:
+            raise self._failed("send to", stage, e) from e
+
+    def recv(self, rows: int, stage: int) -> torch.Tensor:
+        buffer = torch.empty(rows, self.hidden_size, dtype=self.dtype, device=self.device)
+        try:
+            dist.recv(buffer, stage, group=self.process_group)
+        except RuntimeError as e:
+            raise self._failed("receive from", stage, e) from e
+        return buffer
+
+    def wait(self, request) -> None:
+        try:
+            request.wait()
+        except RuntimeError as e:
+            raise self._failed("transfer with", None, e) from e
+
+    def _failed(self, what: str, stage: int | None, error: Exception) -> ParallelError:
+        peer = f"stage {stage}" if stage is not None else "the next stage"
+        return ParallelError(f"pipeline stage {self.plan.stage} could not {what} {peer}: "
+                             f"{str(error).splitlines()[0] if str(error) else type(error).__name__}")
