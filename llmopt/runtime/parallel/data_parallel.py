@@ -194,7 +194,8 @@ class DataParallelEngine:
         self.replica_config = dataclasses.replace(config, data_parallel_size=1)
         self.record_steps = record_steps
         world = config.data_parallel_size
-        self.replicas = [Replica(i, cores) for i, cores in enumerate(rank_cores(config.dp_cores, world, param="dp_cores"))]
+        cores = rank_cores(config.dp_cores, world, param="dp_cores")
+        self.replicas = [Replica(i, c) for i, c in enumerate(cores)]
         self._context = mp.get_context("spawn")
         self._lock = threading.RLock()  # one reader of the replicas' pipes at a time
         self._requests: dict[int, tuple[int, int]] = {}  # front id -> (replica, outstanding tokens)

@@ -288,7 +288,8 @@ def parallel_runner(model, config: EngineConfig) -> ModelRunner:
     except BaseException:
         workers.stop()
         raise
-    log.info(f"{'pipeline' if pipelined(config) else 'tensor'} parallelism: {world} ranks on cores {'; '.join(','.join(map(str, c)) for c in cores)}")
+    placement = "; ".join(",".join(map(str, c)) for c in cores)
+    log.info(f"{'pipeline' if pipelined(config) else 'tensor'} parallelism: {world} ranks on cores {placement}")
     return runner
 
 
