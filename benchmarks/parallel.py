@@ -1,11 +1,14 @@
-"""Tensor parallelism on the CPUs of one machine: N ranks of one core share (`--tensor-parallel-size N`) against
-one process on all the cores, on the same model, alternating runs (medians of --rounds).
+"""Parallelism on the CPUs of one machine: 2 ranks / stages / replicas of one core each against one process on
+all the cores, on the same model, alternating runs (medians of --rounds).
 
-- batch 1: one 128-token prompt, 128 generated tokens: TPOT;
-- batch 64: 64 x 128/128 requests at once: output tok/s;
-each with the share of rank 0's step time spent in all-reduces (waiting for the other ranks included: an
-unbalanced split shows here) and the all-reduce's own cost, measured alone between two processes on two cores
-(the compiled shared-memory path, and gloo's for comparison).
+- tp: `--tensor-parallel-size 2`; batch 1 (one 128-token prompt at a time, 128 generated: TPOT) and batch 64
+  (64 x 128/128 at once: output tok/s), with the share of rank 0's step time spent in all-reduces (waiting for
+  the other rank included: an unbalanced split shows here); and the all-reduce's own cost, measured alone between
+  two processes on two cores (the compiled shared-memory path, and gloo's);
+- dp: `--data-parallel-size 2`; 256 short requests (64 in / 32 out, all at once): output tok/s and p99 TTFT; and
+  a shared-prefix workload (64 requests, 4 prefixes of 512 tokens + 32, 16 out): the prefix-cache hit rate that
+  prefix-affinity routing keeps;
+- pp: `--pipeline-parallel-size 2` on 64 x 128/128: output tok/s.
 
     python benchmarks/parallel.py --json docs/results/data/parallel.json [--model smollm2-135m] [--rounds 2]
 """
@@ -30,16 +33,28 @@ from llmopt.runtime.engine.config import EngineConfig
 from llmopt.runtime.parallel.group import SharedMemoryAllReduce
 
 WORKLOADS = {"batch1": WorkloadSpec(num_requests=4, input_len=128, output_len=128),
-             "batch64": WorkloadSpec(num_requests=64, input_len=128, output_len=128)}
-CONCURRENCY = {"batch1": 1, "batch64": 64}
+             "batch64": WorkloadSpec(num_requests=64, input_len=128, output_len=128),
+             "short256": WorkloadSpec(num_requests=256, input_len=64, output_len=32),
+             "prefix": WorkloadSpec(dataset="prefix-repetition", num_requests=64, input_len=32, output_len=16,
+                                    prefix_len=512, num_prefixes=4)}
+CONCURRENCY = {"batch1": 1}
 HIDDEN = 576  # SmolLM2's hidden size: a batch-1 all-reduce moves one row of it
+METRICS = ("median_tpot_ms", "output_throughput", "median_ttft_ms", "p99_ttft_ms", "all_reduce_share",
+           "prefix_cache_hit_rate")
+# section -> (the configurations compared, first the baseline, as EngineConfig settings; workloads)
+SECTIONS = {"tp": ([{}, {"tensor_parallel_size": 2}], ["batch1", "batch64"]),
+            "dp": ([{}, {"data_parallel_size": 2}], ["short256", "prefix"]),
+            "pp": ([{}, {"pipeline_parallel_size": 2}], ["batch64"])}
 
 
-def run(model: str, tp: int, workload: str) -> dict:
-    config = BenchConfig(engine=EngineConfig(tensor_parallel_size=tp), max_concurrency=CONCURRENCY[workload])
-    m = bench_runtime(f"tp{tp}-{workload}", model, WORKLOADS[workload], config).metrics
-    return {"median_tpot_ms": m["median_tpot_ms"], "output_throughput": m["output_throughput"],
-            "median_ttft_ms": m["median_ttft_ms"], "all_reduce_share": m.get("all_reduce_share")}
+def label(settings: dict) -> str:
+    return ",".join(f"{k.split('_')[0]}={v}" for k, v in settings.items()) or "one process"
+
+
+def run(model: str, settings: dict, workload: str) -> dict:
+    config = BenchConfig(engine=EngineConfig(**settings), max_concurrency=CONCURRENCY.get(workload))
+    m = bench_runtime(f"{label(settings)}-{workload}", model, WORKLOADS[workload], config).metrics
+    return {k: m.get(k) for k in METRICS}
 
 
 def _peer(name: str | None, rounds: int, numel: int, port: int) -> None:
@@ -98,7 +113,7 @@ def all_reduce_cost(kind: str, numel: int, rounds: int) -> float:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--model", default="smollm2-135m")
-    parser.add_argument("--tp", type=int, default=2)
+    parser.add_argument("--sections", default="tp,dp,pp")
     parser.add_argument("--rounds", type=int, default=2)
     parser.add_argument("--json", type=Path)
     args = parser.parse_args()
@@ -107,35 +122,35 @@ def main() -> None:
             for kind in ("shm", "gloo") for rows in (1, 64)}
     print(json.dumps(cost), flush=True)
     runs: dict[str, list[dict]] = {}
-    for _ in range(args.rounds):
-        for workload in WORKLOADS:
-            for tp in (1, args.tp):
-                key = f"tp{tp}-{workload}"
-                runs.setdefault(key, []).append(run(args.model, tp, workload))
-                print(key, runs[key][-1], flush=True)
-
-    def median(key: str, metric: str):
-        values = [r[metric] for r in runs[key] if r[metric] is not None]
-        return statistics.median(values) if values else None
-
-    rows = []
-    print("\n| configuration | batch-1 TPOT ms | 64 x 128/128 out tok/s | all-reduce share (b1 / b64) |")
-    print("|---|---:|---:|---:|")
-    for tp in (1, args.tp):
-        row = {"tp": tp, "tpot_ms": median(f"tp{tp}-batch1", "median_tpot_ms"),
-               "throughput": median(f"tp{tp}-batch64", "output_throughput"),
-               "share_b1": median(f"tp{tp}-batch1", "all_reduce_share"),
-               "share_b64": median(f"tp{tp}-batch64", "all_reduce_share")}
-        rows.append(row)
-        share = "-" if row["share_b1"] is None else f"{row['share_b1']:.1%} / {row['share_b64']:.1%}"
-        print(f"| TP={tp} ({'1 core per rank' if tp > 1 else 'all cores'}) | {row['tpot_ms']:.1f} | "
-              f"{row['throughput']:.1f} | {share} |")
-    base, tp_row = rows
-    ratios = {"tpot_ratio": tp_row["tpot_ms"] / base["tpot_ms"], "throughput_ratio": tp_row["throughput"] / base["throughput"]}
-    print(json.dumps(ratios))
+    for section in args.sections.split(","):
+        configs, workloads = SECTIONS[section]
+        for _ in range(args.rounds):  # alternating: the machine's drift falls on both sides
+            for workload in workloads:
+                for settings in configs:
+                    key = f"{section}:{label(settings)}:{workload}"
+                    runs.setdefault(key, []).append(run(args.model, settings, workload))
+                    print(key, runs[key][-1], flush=True)
+    medians = {key: {m: statistics.median(v) if (v := [r[m] for r in rs if r[m] is not None]) else None
+                     for m in METRICS} for key, rs in runs.items()}
+    table = []
+    print("\n| section | configuration | workload | TPOT ms (median) | out tok/s | TTFT p99 ms | all-reduce share "
+          "| prefix hit rate | vs one process |")
+    print("|---|---|---|---:|---:|---:|---:|---:|---:|")
+    for key, m in medians.items():
+        section, config, workload = key.split(":")
+        base = medians[f"{section}:one process:{workload}"]
+        ratio = (m["median_tpot_ms"] / base["median_tpot_ms"] if workload == "batch1"
+                 else m["output_throughput"] / base["output_throughput"])
+        row = {"section": section, "configuration": config, "workload": workload, **m,
+               "ratio": ratio, "ratio_of": "TPOT" if workload == "batch1" else "throughput"}
+        table.append(row)
+        share = "-" if m["all_reduce_share"] is None else f"{m['all_reduce_share']:.1%}"
+        print(f"| {section} | {config} | {workload} | {m['median_tpot_ms']:.1f} | {m['output_throughput']:.1f} | "
+              f"{m['p99_ttft_ms']:.0f} | {share} | {m['prefix_cache_hit_rate']:.3f} | "
+              f"{ratio:.2f}x {row['ratio_of']} |")
     if args.json:
         write_json(args.json, {"cpu": cpu_line(), "model": args.model, "command": " ".join(sys.argv),
-                               "all_reduce_cost": cost, "runs": runs, "rows": rows, **ratios})
+                               "all_reduce_cost": cost, "runs": runs, "table": table})
 
 
 if __name__ == "__main__":

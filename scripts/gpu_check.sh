@@ -3,7 +3,8 @@
 # vs int4 (W4A16 Triton) on a random model with SmolLM2-135M's shape (the weights' values do not change
 # speed, and the GPU machine has no model files), the 8-bit KV cache's kernels and a long-context bench against
 # the fp16 cache, then the low-precision GEMM rates at 4096^3 (llmopt's Triton
-# W8A8 int8 / FP8 and FP8 / NVFP4-weight kernels vs torch._int_mm / _scaled_mm). Prints everything; paste the
+# W8A8 int8 / FP8 and FP8 / NVFP4-weight kernels vs torch._int_mm / _scaled_mm), and the tensor-parallel
+# collectives over NCCL with one rank. Prints everything; paste the
 # output into docs/results/gpu.md.
 #   bash scripts/gpu_check.sh            (needs python with torch+CUDA and triton; installs llmopt --no-deps)
 set -euo pipefail
@@ -36,5 +37,7 @@ echo "== 8-bit KV cache: the Triton store / decode / prefill tests on CUDA, then
 timeout 120 $PY -m pytest -q -p no:cacheprovider tests/runtime/test_kv_quant.py -k "triton"
 timeout 150 $PY -m llmopt bench "$MODEL" --dtype float16 --kv-cache-dtype int8 --baseline "$MODEL" --num-requests 16 \
   --input-len 4096 --output-len 64 --peak-bandwidth 4800 --peak-flops 989 --json /tmp/llmopt-gpu/kv8.json
+echo "== parallel engines: the NCCL path with one rank (a TP group's all-reduce and gather on CUDA)"
+timeout 120 $PY -m pytest -q -p no:cacheprovider tests/runtime/test_tensor_parallel.py -k nccl
 echo "== low-precision GEMMs at 4096^3: llmopt's Triton kernels vs torch's _int_mm / _scaled_mm"
 timeout 120 $PY benchmarks/lowprec_gpu.py --json /tmp/llmopt-gpu/lowprec_gpu.json

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import atexit
 from typing import Annotated, Optional
 
 import typer
@@ -88,6 +89,9 @@ def ppl(
     check_engine_options(backend, engine)
     resolved = resolve_dtype_option(dtype, device)
     scorer, tokenizer, config, facts = load_for_eval(model, resolved, device, trust_remote_code, backend, engine)
+    close = getattr(scorer, "close", None)
+    if close is not None:  # the runtime's engine: its other ranks stop with the command
+        atexit.register(close)
     check_within_context(seqlen, config, "--seqlen")
     token_ids = tokenize_corpus(tokenizer, dataset, max_tokens, "eval", text_field)
     with progress_bar(f"ppl {dataset}") as update:
@@ -136,6 +140,9 @@ def tasks(
     check_engine_options(backend, engine)
     resolved = resolve_dtype_option(dtype, device)
     scorer, tokenizer, _, facts = load_for_eval(model, resolved, device, trust_remote_code, backend, engine)
+    close = getattr(scorer, "close", None)
+    if close is not None:  # the runtime's engine: its other ranks stop with the command
+        atexit.register(close)
     results = {}
     for name in names:
         with progress_bar(name) as update:

@@ -65,7 +65,11 @@ def generate(
         outputs = hf_generate(lm, tokenizer, prompt_ids, params)
         texts = [tokenizer.decode(ids, skip_special_tokens=True) for ids in outputs]
     else:
-        finished = Engine(lm, tokenizer, engine).generate(prompt_ids, params)
+        runtime = Engine(lm, tokenizer, engine)
+        try:
+            finished = runtime.generate(prompt_ids, params)
+        finally:
+            runtime.close()  # (tensor-parallel ranks: stopped, this thread's cores given back)
         outputs, texts = [o.token_ids for o in finished], [o.text for o in finished]
     if as_json:
         print_json({"outputs": [

@@ -226,3 +226,23 @@ def test_torchrun_with_two_processes_prints_the_one_process_text(tiny_llama_dir)
                          capture_output=True, text=True, timeout=180, env=env)
     assert one.returncode == 0 and two.returncode == 0, two.stderr[-2000:]
     assert two.stdout == one.stdout  # rank 0 prints; the other rank prints nothing
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA (scripts/gpu_check.sh runs it)")
+def test_the_nccl_path_of_one_rank_reduces_and_gathers_on_the_device():
+    """The collectives over NCCL with one rank (a single lent GPU): the group's all-reduce and vocabulary gather
+    on CUDA tensors, as a TP engine's decoder calls them."""
+    import torch.distributed as dist
+
+    from llmopt.runtime.parallel.group import TensorParallelGroup
+    from llmopt.runtime.parallel.workers import free_port, join_group
+
+    device = torch.device("cuda")
+    group = TensorParallelGroup(0, 1, None, join_group(0, 1, f"tcp://127.0.0.1:{free_port()}", device))
+    try:
+        x = torch.randn(4, 576, device=device)
+        assert torch.equal(group.all_reduce(x.clone()), x)
+        logits = torch.randn(3, 259, device=device)
+        assert torch.equal(group.gather_vocab(logits, [259]), logits)
+    finally:
+        dist.destroy_process_group()

@@ -217,8 +217,9 @@ class ModelRunner:
         meta = AttentionMetadata.build(step.starts, step.context_lens, step.tables,
                                        torch.tensor(step.slots, dtype=torch.long, device=self.device),
                                        self.block_size, self.device)
-        return self.decoder(torch.tensor(step.input_ids, device=self.device),
-                            torch.tensor(step.positions, device=self.device), meta, self.kv_cache, hidden, final)
+        args = (torch.tensor(step.input_ids, device=self.device), torch.tensor(step.positions, device=self.device),
+                meta, self.kv_cache)
+        return self.decoder(*args) if self.stages is None else self.decoder(*args, hidden, final)
 
     def _forward_pipelined(self, step: StepInputs) -> torch.Tensor | None:
         """This stage's layers over each micro-batch of the step (parallel/pipeline.py); stage 0 returns the final

@@ -241,15 +241,16 @@ class DataParallelEngine:
             sentinels = {r.process.sentinel: r for r in self.replicas if r.process is not None}
             for ready in wait([*live, *sentinels], timeout):
                 replica = live.get(ready) or sentinels[ready]
-                if replica.connection is None:
-                    continue
+                if replica.connection is None or ready not in (replica.connection, replica.process.sentinel):
+                    continue  # (a replica already found dead, and restarted, in this loop)
                 try:
                     while replica.connection.poll():
                         self._dispatch(replica, replica.connection.recv())
                 except (EOFError, OSError):
                     self._lost(replica, "its pipe closed")
                     continue
-                if ready in sentinels and replica.connection is not None:
+                if ready == replica.process.sentinel and replica.connection is not None \
+                        and not replica.process.is_alive():
                     self._lost(replica, f"exit code {replica.process.exitcode}")
 
     def _dispatch(self, replica: Replica, message: tuple) -> None:

@@ -112,6 +112,9 @@ def join_group(rank: int, world: int, init_method: str, device: torch.device):
     if not dist.is_initialized():
         dist.init_process_group(backend_for(device), init_method=init_method, rank=rank, world_size=world,
                                 timeout=timedelta(seconds=START_TIMEOUT_S))
+    # every rank present (a spawned one imports torch first: seconds, or more on a busy machine) before the group
+    # whose store waits only COLLECTIVE_TIMEOUT_S is made
+    dist.barrier()
     return dist.new_group(list(range(world)), timeout=timedelta(seconds=COLLECTIVE_TIMEOUT_S))
 
 
