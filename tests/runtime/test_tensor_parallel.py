@@ -208,10 +208,13 @@ def test_cli_generate_with_two_ranks_prints_the_one_process_text(tiny_llama_dir)
     from llmopt.cli.main import app
 
     args = ["generate", str(tiny_llama_dir), "--prompt", "def main():", "--max-tokens", "12"]
+    placement = os.sched_getaffinity(0), torch.get_num_threads()
     one = CliRunner().invoke(app, args)
     two = CliRunner().invoke(app, args + ["--tensor-parallel-size", "2"])
     assert one.exit_code == 0 and two.exit_code == 0, two.output
     assert two.stdout == one.stdout
+    # rank 0 ran pinned to its core; the command gave this thread its cores and threads back
+    assert (os.sched_getaffinity(0), torch.get_num_threads()) == placement
 
 
 def test_torchrun_with_two_processes_prints_the_one_process_text(tiny_llama_dir):
