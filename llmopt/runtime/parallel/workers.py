@@ -37,6 +37,7 @@ from llmopt.runtime.parallel.pipeline import PipelineStages
 
 log = logging.getLogger(__name__)
 START_TIMEOUT_S = 300.0  # a worker's import + load on a slow machine; a dead worker is noticed at once
+HOT_WAIT_S = 0.05  # a worker polls this long for the next command before it sleeps (hot_receiver)
 
 
 def rank_cores(spec: str | None, world: int, available: list[int] | None = None,
@@ -118,6 +119,21 @@ def join_group(rank: int, world: int, init_method: str, device: torch.device):
     return dist.new_group(list(range(world)), timeout=timedelta(seconds=COLLECTIVE_TIMEOUT_S))
 
 
+def hot_receiver(connection, spin_s: float = HOT_WAIT_S):
+    """connection.recv, polling without sleeping for up to spin_s first: between the steps of a busy engine the
+    next command comes within a millisecond, and a sleeping process's wake-up (tens of us, milliseconds on a
+    loaded VM) would delay every all-reduce of the step that follows. The rank owns its core, so polling costs
+    no one else; an idle engine's ranks sleep after spin_s."""
+    def receive():
+        deadline = time.monotonic() + spin_s
+        while not connection.poll(0):
+            if time.monotonic() > deadline:
+                break
+        return connection.recv()
+
+    return receive
+
+
 def serve_commands(runner: ModelRunner, receive) -> None:
     """A worker's loop: run each command of rank 0 until it sends None."""
     while (command := receive()) is not None:
@@ -176,7 +192,7 @@ def spawned_worker(rank: int, world: int, init_method: str, shm_name: str | None
         _, num_blocks = connection.recv()
         runner = rank_runner(model, config, rank, world, shm, process_group, num_blocks)
         connection.send(("ready", os.getpid()))
-        serve_commands(runner, connection.recv)
+        serve_commands(runner, hot_receiver(connection))
     except (EOFError, KeyboardInterrupt, BrokenPipeError):
         os._exit(0)
     except BaseException as e:  # noqa: BLE001 (reported to rank 0, which names the rank)
