@@ -21,6 +21,22 @@ def tiny_qwen2_dir(tmp_path_factory):
 
 
 @pytest.fixture(scope="session")
+def tiny_gptq_artifact(tmp_path_factory):
+    """The tiny Llama quantized by GPTQ (4 bits, groups of 32) and written in the GPTQ format (fp32 dense parts)."""
+    import torch
+
+    from llmopt.compress.api import make_config, quantize_model
+    from llmopt.core.tiny import build_tiny_model
+    from llmopt.export.artifact import write_model_artifact
+
+    model, tok = build_tiny_model("llama", seed=0)
+    config = make_config("gptq", bits=4, group_size=32, calib="pystdlib", num_samples=4, seqlen=32)
+    result = quantize_model(model, tok, config)
+    return write_model_artifact(tmp_path_factory.mktemp("art") / "gptq", model, tok, result.qweights, "gptq",
+                                config.record(), {"stages": []}, dense_dtype=torch.float32)
+
+
+@pytest.fixture(scope="session")
 def smollm2():
     """SmolLM2-135M loaded once per session (fp32)."""
     from llmopt.export.load import load_model

@@ -93,21 +93,26 @@ def remove_stale_temporaries(final: Path) -> None:
         return
     for entry in final.parent.glob(f".{glob.escape(final.name)}.*-*-*"):
         match = _TEMP_NAME.match(entry.name)
-        if match and match["name"] == final.name and not _process_alive(int(match["pid"])):
+        if match and match["name"] == final.name and not process_alive(int(match["pid"])):
             if entry.is_dir():
                 shutil.rmtree(entry, ignore_errors=True)
             else:
                 entry.unlink(missing_ok=True)
 
 
-def _process_alive(pid: int) -> bool:
+def process_alive(pid: int) -> bool:
+    """Whether process `pid` runs (a zombie, exited but not yet reaped by its parent, counts as gone)."""
     try:
         os.kill(pid, 0)
     except ProcessLookupError:
         return False
     except PermissionError:
         return True
-    return True
+    try:  # a zombie still answers kill(0)
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except OSError:
+        return True
 
 
 def _temporary_name(final: Path, kind: str) -> Path:

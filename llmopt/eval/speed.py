@@ -228,18 +228,19 @@ def bench_runtime(name: str, model_name: str, spec: WorkloadSpec, config: BenchC
     config = _resolved(config)
     engine = create_engine(model_name, config.engine, dtype=config.dtype, device=config.device)
     requests = build_workload(spec, engine.tokenizer, engine.vocab_size)
+    # (under tensor or pipeline parallelism rank 0's decoder holds its share only, and data-parallel replicas
+    # keep theirs in their own processes: no MBU / MFU from them)
+    parallel = config.engine
+    single = parallel.tensor_parallel_size == parallel.pipeline_parallel_size == parallel.data_parallel_size == 1
     try:
         warm_up(engine, requests)
         records, duration = run_engine(engine, requests, config.max_concurrency, progress)
+        stats, kv, numerics = engine.stats(), engine.kv_cache_info(), engine.numerics()
+        cost = model_cost(engine.runner.decoder, kv["bytes_per_token"]) if single else None
     finally:
-        engine.close()  # (tensor-parallel ranks)
-    stats, kv = engine.stats(), engine.kv_cache_info()
+        engine.close()  # (the other ranks or replicas)
     peaks = measure_peaks(DTYPES[config.dtype], config.peak_bandwidth, config.peak_flops, config.device)
     metrics = request_metrics(records, dict(config.slo))
-    # (under tensor parallelism rank 0's decoder holds its share only, and data-parallel replicas keep theirs in
-    # their own processes: no MBU / MFU from them)
-    single = config.engine.tensor_parallel_size == 1 and config.engine.data_parallel_size == 1
-    cost = model_cost(engine.runner.decoder, kv["bytes_per_token"]) if single else None
     metrics.update(engine_metrics(stats.steps, cost, peaks, stats.num_preemptions, stats.prefix_cache_hit_rate,
                                   metrics["duration"]))
     step_time = sum(s.duration for s in stats.steps)
@@ -252,7 +253,7 @@ def bench_runtime(name: str, model_name: str, spec: WorkloadSpec, config: BenchC
     if stats.spec_decode is not None:
         metrics.update({f"spec_{key}": value for key, value in stats.spec_decode.to_json().items()})
     return RunResult(name, model_name, {"backend": "runtime", **asdict(config), "workload": asdict(spec),
-                                        "kv_cache": kv["summary"], "numerics": engine.numerics(),
+                                        "kv_cache": kv["summary"], "numerics": numerics,
                                         "hardware": _hardware(config)},
                      metrics, records, [s.num_seqs for s in stats.steps])
 

@@ -138,3 +138,15 @@ def test_served_with_two_replicas_over_the_openai_api(tiny_llama_dir):
         assert client.models.list().data[0].id == "tiny"
     server.engine.engine.close()
     assert texts == [expected] * 3
+
+
+def test_bench_reads_the_replicas_counters(tiny_llama_dir):
+    """`llmopt bench --data-parallel-size 2` on a shared-prefix workload: the replicas' steps and prefix-cache
+    hits reach the metrics (read before the replicas stop)."""
+    from llmopt.eval.speed import BenchConfig, WorkloadSpec, bench_runtime
+
+    spec = WorkloadSpec(dataset="prefix-repetition", num_requests=16, input_len=8, output_len=4, prefix_len=64,
+                        num_prefixes=2)
+    result = bench_runtime("dp", str(tiny_llama_dir), spec, BenchConfig(engine=EngineConfig(data_parallel_size=2)))
+    assert result.metrics["num_steps"] > 0 and result.metrics["prefix_cache_hit_rate"] > 0.5
+    assert result.config["numerics"]["data_parallel_size"] == 2

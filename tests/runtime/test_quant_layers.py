@@ -6,11 +6,8 @@ import torch
 
 from llmopt.core.contract import QuantScheme
 from llmopt.compress.quant import quantize_rtn
-from llmopt.compress.api import make_config, quantize_model
 from llmopt.export.load import load_model
 from llmopt.runtime.executor.loader import load_runtime_model
-from llmopt.core.tiny import build_tiny_model
-from llmopt.export.artifact import write_model_artifact
 from llmopt.runtime.engine.engine import Engine, EngineConfig
 from llmopt.eval.hf_baseline import hf_generate
 from llmopt.runtime.executor.kernels.quant_matmul import reference_quant_matmul
@@ -144,12 +141,8 @@ def test_layout_choice_falls_back_to_dense_where_no_kernel_fits():
 
 
 @pytest.fixture(scope="module")
-def gptq_artifact(tmp_path_factory):
-    model, tok = build_tiny_model("llama", seed=0)
-    config = make_config("gptq", bits=4, group_size=32, calib="pystdlib", num_samples=4, seqlen=32)
-    result = quantize_model(model, tok, config)
-    return write_model_artifact(tmp_path_factory.mktemp("art") / "gptq", model, tok, result.qweights, "gptq",
-                                config.record(), {"stages": []}, dense_dtype=torch.float32)
+def gptq_artifact(tiny_gptq_artifact):
+    return tiny_gptq_artifact
 
 
 def test_artifact_with_packed_kernels_matches_dequantized(gptq_artifact):

@@ -26,8 +26,9 @@ PARAMS = SamplingParams(max_tokens=12, ignore_eos=True)
 CONFIG = dict(max_num_batched_tokens=32)
 
 
-def generate(path, tp: int, **settings):
-    config = EngineConfig(tensor_parallel_size=tp, **{**CONFIG, **settings})
+def generate(path, **settings):
+    """The greedy tokens of PROMPTS from an engine of these EngineConfig settings (closed after)."""
+    config = EngineConfig(**{**CONFIG, **settings})
     model, tokenizer, _ = load_for_engine(str(path), config)
     engine = Engine(model, tokenizer, config)
     try:
@@ -135,34 +136,26 @@ def test_shared_memory_all_reduce_adds_in_rank_order_without_the_compiled_op():
 
 # --- engines of 2 ranks -----------------------------------------------------------------------------------------
 def test_two_ranks_give_the_tokens_of_one_process(tiny_llama_dir):
-    assert generate(tiny_llama_dir, 2) == generate(tiny_llama_dir, 1)
+    assert generate(tiny_llama_dir, tensor_parallel_size=2) == generate(tiny_llama_dir)
 
 
 def test_two_ranks_with_biases_tied_embeddings_an_odd_vocabulary_and_an_8bit_cache(tiny_qwen2_dir):
     # qwen2: q/k/v biases (split with their rows), the lm_head tied to the embedding (both split along a
     # vocabulary of 259: shares of 130 and 129)
     for settings in ({}, {"kv_cache_dtype": "int8", "fast_path": False}):
-        assert generate(tiny_qwen2_dir, 2, **settings) == generate(tiny_qwen2_dir, 1, **settings), settings
+        assert generate(tiny_qwen2_dir, tensor_parallel_size=2, **settings) == generate(tiny_qwen2_dir, **settings)
 
 
 @pytest.fixture(scope="module")
-def gptq_artifact(tmp_path_factory):
-    from llmopt.compress.api import make_config, quantize_model
-    from llmopt.core.tiny import build_tiny_model
-    from llmopt.export.artifact import write_model_artifact
-
-    model, tok = build_tiny_model("llama", seed=0)
-    config = make_config("gptq", bits=4, group_size=32, calib="pystdlib", num_samples=4, seqlen=32)
-    result = quantize_model(model, tok, config)
-    return write_model_artifact(tmp_path_factory.mktemp("art") / "gptq", model, tok, result.qweights, "gptq",
-                                config.record(), {"stages": []}, dense_dtype=torch.float32)
+def gptq_artifact(tiny_gptq_artifact):
+    return tiny_gptq_artifact
 
 
 def test_two_ranks_of_a_gptq_int4_artifact_run_its_packed_kernels(gptq_artifact):
     model, _, _ = load_runtime_model(str(gptq_artifact), shard=(1, 2))
     methods = {type(m).__name__ for m in model.linears}
     assert methods == {"Int4PackedLinear"}, methods  # each rank's share packed for the int4 kernel
-    assert generate(gptq_artifact, 2) == generate(gptq_artifact, 1)
+    assert generate(gptq_artifact, tensor_parallel_size=2) == generate(gptq_artifact)
 
 
 def test_an_engine_needs_the_model_loaded_as_a_share(tiny_llama_dir):
@@ -182,24 +175,30 @@ def _children() -> set[int]:
     return {p.pid for p in psutil.Process().children(recursive=True) if p.status() != psutil.STATUS_ZOMBIE}
 
 
-def test_a_rank_killed_mid_run_ends_the_engine_with_one_line_and_no_process_left(tiny_llama_dir):
+def kill_rank_1_mid_run(model_dir, config: EngineConfig, names_it: str) -> Engine:
+    """Run a long request, SIGKILL rank 1 after a step: the engine must end within 30 s with one line matching
+    `names_it`, every other process of it gone. Returns the (stopped) engine."""
     before = _children()
-    config = EngineConfig(tensor_parallel_size=2, **CONFIG)
-    model, tokenizer, _ = load_for_engine(str(tiny_llama_dir), config)
+    model, tokenizer, _ = load_for_engine(str(model_dir), config)
     engine = Engine(model, tokenizer, config)
     worker = engine.runner.workers.processes[0]
     engine.add_request(PROMPTS[1], SamplingParams(max_tokens=500, ignore_eos=True))
     engine.step()
     os.kill(worker.pid, signal.SIGKILL)
     started = time.monotonic()
-    with pytest.raises(ParallelError, match="rank 1") as failure:
+    with pytest.raises(ParallelError, match=names_it) as failure:
         while engine.has_unfinished():
             engine.step()
     assert time.monotonic() - started < 30
     assert "\n" not in str(failure.value)
     assert _children() == before  # every rank stopped, nothing left waiting
-    assert not os.path.exists(f"/dev/shm/{engine.runner.workers.shm.name}")
     engine.close()  # (idempotent)
+    return engine
+
+
+def test_a_rank_killed_mid_run_ends_the_engine_with_one_line_and_no_process_left(tiny_llama_dir):
+    engine = kill_rank_1_mid_run(tiny_llama_dir, EngineConfig(tensor_parallel_size=2, **CONFIG), "rank 1")
+    assert not os.path.exists(f"/dev/shm/{engine.runner.workers.shm.name}")
 
 
 def test_cli_generate_with_two_ranks_prints_the_one_process_text(tiny_llama_dir):

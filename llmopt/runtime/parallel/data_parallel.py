@@ -377,6 +377,8 @@ class DataParallelEngine:
 
     def stats(self) -> EngineStats:
         """Every replica's counters, added (their step records concatenated)."""
+        if self.closed:
+            raise ParallelError("the data-parallel replicas are stopped: read their statistics before close()")
         with self._lock:
             for replica in self.replicas:
                 replica.stats = None

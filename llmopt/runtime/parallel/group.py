@@ -16,6 +16,7 @@ import torch
 import torch.distributed as dist
 
 from llmopt.core.errors import ParallelError
+from llmopt.core.io import process_alive
 from llmopt.runtime.executor.kernels.cpu_ops import cpu_ops
 
 # A collective waits this long for its peers before the engine gives up on them (a rank killed or hung
@@ -114,7 +115,7 @@ class SharedMemoryAllReduce:
     def _check_peer(self, rank: int, expired: bool) -> None:
         """Raise if the late rank's process is gone, or it is late past the deadline."""
         pid = int(self.header[rank, 1])
-        if pid and not _alive(pid):
+        if pid and not process_alive(pid):
             raise ParallelError(f"tensor-parallel rank {rank} (pid {pid}) exited in the middle of a step")
         if expired:
             raise ParallelError(f"tensor-parallel rank {rank} did not reach the step's all-reduce within "
@@ -137,21 +138,6 @@ def _untrack(shm: shared_memory.SharedMemory) -> None:
         resource_tracker.unregister(shm._name, "shared_memory")
     except Exception:  # noqa: BLE001 (the tracker's internals: a leak warning at worst)
         pass
-
-
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    # a zombie child (exited, not yet reaped) still answers kill(0)
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
-    except OSError:
-        return True
 
 
 class TensorParallelGroup:
