@@ -147,6 +147,8 @@ def test_bench_reads_the_replicas_counters(tiny_llama_dir):
 
     spec = WorkloadSpec(dataset="prefix-repetition", num_requests=16, input_len=8, output_len=4, prefix_len=64,
                         num_prefixes=2)
-    result = bench_runtime("dp", str(tiny_llama_dir), spec, BenchConfig(engine=EngineConfig(data_parallel_size=2)))
+    # (64 tokens a step: a prompt's prefix is cached before the next one with it is admitted)
+    config = BenchConfig(engine=EngineConfig(data_parallel_size=2, max_num_batched_tokens=64))
+    result = bench_runtime("dp", str(tiny_llama_dir), spec, config)
     assert result.metrics["num_steps"] > 0 and result.metrics["prefix_cache_hit_rate"] > 0.5
     assert result.config["numerics"]["data_parallel_size"] == 2
