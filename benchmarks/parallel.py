@@ -11,6 +11,7 @@ all the cores, on the same model, alternating runs (medians of --rounds).
 - pp: `--pipeline-parallel-size 2` on 64 x 128/128: output tok/s.
 
     python benchmarks/parallel.py --json docs/results/data/parallel.json [--model smollm2-135m] [--rounds 2]
+        [--sections tp,dp,pp] [--workloads batch1,batch64,short256,prefix]
 """
 
 from __future__ import annotations
@@ -114,6 +115,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--model", default="smollm2-135m")
     parser.add_argument("--sections", default="tp,dp,pp")
+    parser.add_argument("--workloads", default=",".join(WORKLOADS), help="run only these of each section's")
     parser.add_argument("--rounds", type=int, default=2)
     parser.add_argument("--json", type=Path)
     args = parser.parse_args()
@@ -124,6 +126,7 @@ def main() -> None:
     runs: dict[str, list[dict]] = {}
     for section in args.sections.split(","):
         configs, workloads = SECTIONS[section]
+        workloads = [w for w in workloads if w in args.workloads.split(",")]
         for _ in range(args.rounds):  # alternating: the machine's drift falls on both sides
             for workload in workloads:
                 for settings in configs:

@@ -142,8 +142,9 @@ def test_smollm2_speculative_greedy_equals_plain_greedy(smollm2, tmp_path, metho
 
 
 def test_smollm2_two_tensor_parallel_ranks_give_the_one_process_tokens(tmp_path):
-    """SmolLM2 (9 heads, 3 KV heads: split 6 + 3 query heads over whole KV heads), dense and GPTQ int4 g64,
-    served over HTTP with 2 ranks: the tokens of one process."""
+    """SmolLM2 (9 heads, 3 KV heads: split 6 + 3 query heads over whole KV heads), dense and int4 g64 (RTN: the
+    packed kernels GPTQ's codes run on; GPTQ itself with 2 ranks: the tiny-model test), served over HTTP with 2
+    ranks: the tokens of one process."""
     import openai
 
     from llmopt.compress.api import make_config
@@ -154,12 +155,11 @@ def test_smollm2_two_tensor_parallel_ranks_give_the_one_process_tokens(tmp_path)
     from llmopt.runtime.executor.loader import load_for_engine
     from llmopt.serve.launch import in_thread, start_server
 
-    gptq = tmp_path / "gptq"
-    quantize_to_artifact("smollm2-135m", gptq, [make_config("gptq", bits=4, group_size=64, calib="pystdlib",
-                                                            num_samples=8, seqlen=128)])
+    int4 = tmp_path / "rtn-w4g64"
+    quantize_to_artifact("smollm2-135m", int4, [make_config("rtn", bits=4, group_size=64)])
     params = SamplingParams(max_tokens=32, ignore_eos=True)
     texts = {}
-    for name in ("smollm2-135m", str(gptq)):
+    for name in ("smollm2-135m", str(int4)):
         outputs = {}
         for tp in (1, 2):
             config = EngineConfig(tensor_parallel_size=tp, max_num_batched_tokens=64)
