@@ -141,10 +141,10 @@ def test_smollm2_speculative_greedy_equals_plain_greedy(smollm2, tmp_path, metho
     assert engine.stats().spec_decode.num_accepted_tokens > 0
 
 
-def test_smollm2_two_tensor_parallel_ranks_give_the_one_process_tokens(tmp_path):
-    """SmolLM2 (9 heads, 3 KV heads: split 6 + 3 query heads over whole KV heads), dense and int4 g64 (RTN: the
-    packed kernels GPTQ's codes run on; GPTQ itself with 2 ranks: the tiny-model test), served over HTTP with 2
-    ranks: the tokens of one process."""
+def test_smollm2_two_tensor_parallel_ranks_or_pipeline_stages_give_the_one_process_tokens(tmp_path):
+    """SmolLM2 (9 heads, 3 KV heads: split 6 + 3 query heads over whole KV heads; 30 layers: 15 + 15 per stage),
+    dense and int4 g64 (RTN: the packed kernels GPTQ's codes run on; GPTQ itself with 2 ranks: the tiny-model
+    test), served over HTTP with 2 ranks: the tokens of one process."""
     import openai
 
     from llmopt.compress.api import make_config
@@ -161,17 +161,18 @@ def test_smollm2_two_tensor_parallel_ranks_give_the_one_process_tokens(tmp_path)
     texts = {}
     for name in ("smollm2-135m", str(int4)):
         outputs = {}
-        for tp in (1, 2):
-            config = EngineConfig(tensor_parallel_size=tp, max_num_batched_tokens=64)
+        for parallel in ({}, {"tensor_parallel_size": 2}, {"pipeline_parallel_size": 2}):
+            config = EngineConfig(**parallel, max_num_batched_tokens=64)
             model, tokenizer, _ = load_for_engine(name, config)
             prompts = [tokenizer(p)["input_ids"] for p in ("def fibonacci(n):", "The capital of France is",
                                                            "import numpy as np\n" * 8)]
             engine = Engine(model, tokenizer, config)
             finished = engine.generate(prompts, params)
-            outputs[tp] = [o.token_ids for o in finished]
+            outputs[tuple(parallel.items())] = [o.token_ids for o in finished]
             texts.setdefault(name, finished[0].text)
             engine.close()
-        assert outputs[2] == outputs[1], name
+        one, *others = outputs.values()
+        assert all(other == one for other in others), name
     app, server = start_server("smollm2-135m", EngineConfig(tensor_parallel_size=2), "float32")
     with in_thread(server) as url:
         client = openai.OpenAI(base_url=url, api_key="none", max_retries=0)
