@@ -117,12 +117,13 @@ class EngineConfig:
         numerics=True)
     pipeline_parallel_size: int = option(
         1, "Pipeline stages, one process each holding a contiguous run of layers; each step's sequences are cut "
-        "into micro-batches that flow through the stages together (throughput, not batch-1 latency).")
+        "into micro-batches that flow through the stages together (throughput, not batch-1 latency). With "
+        "--tensor-parallel-size T each stage is T ranks: T x stages processes.")
     pipeline_micro_batches: Optional[int] = option(
         None, "Micro-batches per step under pipeline parallelism (default: the number of stages).")
     tp_cores: Optional[str] = option(
-        None, "CPU cores of each tensor-parallel rank or pipeline stage, ';'-separated lists (\"0-3;4-7\"). "
-        "Default: an even split of the cores this process may use.")
+        None, "CPU cores of each rank (tensor-parallel ranks, pipeline stages, or both: stage by stage), "
+        "';'-separated lists (\"0-3;4-7\"). Default: an even split of the cores this process may use.")
     data_parallel_size: int = option(
         1, "Engine replicas, one process each on its own cores (serve and bench), behind one front that routes each "
         "request to the least loaded replica or to one holding its prompt's prefix.")
@@ -138,10 +139,6 @@ class EngineConfig:
             if getattr(self, name) < 1:
                 raise ConfigError(f"--{name.replace('_', '-')} must be at least 1 (got {getattr(self, name)})",
                                   param=name)
-        if self.tensor_parallel_size > 1 and self.pipeline_parallel_size > 1:
-            raise ConfigError("--tensor-parallel-size and --pipeline-parallel-size together are not supported: use "
-                              "one of them (or replicas of either with --data-parallel-size)",
-                              param="pipeline_parallel_size")
         if self.pipeline_micro_batches is not None and self.pipeline_micro_batches < 1:
             raise ConfigError(f"--pipeline-micro-batches must be at least 1 (got {self.pipeline_micro_batches})",
                               param="pipeline_micro_batches")

@@ -15,7 +15,7 @@ from llmopt.runtime.executor.linear import make_linear
 from llmopt.runtime.executor.models import MODEL_FAMILIES, RuntimeCheckpoint, model_class_for
 from llmopt.runtime.executor.models.weights import checkpoint_weights
 from llmopt.runtime.parallel.group import launched_rank
-from llmopt.runtime.parallel.sharding import ShardPlan, StagePlan
+from llmopt.runtime.parallel.sharding import ParallelGrid, ShardPlan, StagePlan
 
 
 def load_runtime_model(name: str, dtype: str = "float32", device: str = "cpu", trust_remote_code: bool = False,
@@ -64,7 +64,7 @@ def load_runtime_model(name: str, dtype: str = "float32", device: str = "cpu", t
                                               linear_factory=lambda qw, _dtype, _device: linear_for(qw))
         model.llmopt_activations = activations
         return model, tokenizer, source
-    shard_of = next((p.shard for p in (plan, stage_plan) if p is not None), None)
+    shard_of = _share(plan, stage_plan)
     weights = checkpoint_weights(source.path, torch_dtype, torch_device, linear_for, shard=shard_of)
     checkpoint = RuntimeCheckpoint(config, weights, activations, shard_plan=plan)
     checkpoint.stage_plan = stage_plan
@@ -73,10 +73,23 @@ def load_runtime_model(name: str, dtype: str = "float32", device: str = "cpu", t
     return checkpoint, load_tokenizer(source, trust_remote_code), source
 
 
+def _share(plan: ShardPlan | None, stage_plan: StagePlan | None):
+    """shard(name, value) for checkpoint_weights: the stage's layers, each narrowed to the tensor-parallel share."""
+    if plan is None or stage_plan is None:
+        return next((p.shard for p in (plan, stage_plan) if p is not None), None)
+
+    def shard(name: str, value):
+        return None if (held := stage_plan.shard(name, value)) is None else plan.shard(name, held)
+
+    return shard
+
+
 def load_for_engine(name: str, config, dtype: str = "float32", device: str = "cpu", trust_remote_code: bool = False):
     """load_runtime_model for an engine of `config` (EngineConfig): its input activations, and under tensor or
-    pipeline parallelism this process's share (rank 0, or torchrun's rank)."""
+    pipeline parallelism this process's share (rank 0, or torchrun's rank: its stage's layers, narrowed to its
+    tensor-parallel share)."""
     tp, pp = config.tensor_parallel_size, config.pipeline_parallel_size
+    stage, tensor_rank = ParallelGrid(tp, pp).coordinates(launched_rank())
     return load_runtime_model(name, dtype=dtype, device=device, trust_remote_code=trust_remote_code,
-                              activations=config.activations, shard=(launched_rank(), tp) if tp > 1 else None,
-                              stage=(launched_rank(), pp) if pp > 1 else None)
+                              activations=config.activations, shard=(tensor_rank, tp) if tp > 1 else None,
+                              stage=(stage, pp) if pp > 1 else None)

@@ -222,7 +222,7 @@ class ModelRunner:
         return self.decoder(*args) if self.stages is None else self.decoder(*args, hidden, final)
 
     def _forward_pipelined(self, step: StepInputs) -> torch.Tensor | None:
-        """This stage's layers over each micro-batch of the step (parallel/pipeline.py); stage 0 returns the final
+        """This stage's layers over each micro-batch of the step (parallel/pipeline.py); rank 0 returns the final
         hidden states [T, hidden] the last stage sent back, the others None."""
         stages = self.stages
         plan = stages.plan
@@ -233,9 +233,12 @@ class ModelRunner:
             rows = len(part.input_ids)
             hidden = None if plan.is_first else stages.recv(rows, plan.stage - 1)
             out = self._forward_part(part, hidden, final=plan.is_last)
-            if not (plan.is_first and plan.is_last):
-                sends.append(stages.send(out, 0 if plan.is_last else plan.stage + 1))
-        finals = [stages.recv(len(part.input_ids), plan.stages - 1) for part in parts] if plan.is_first else None
+            if not plan.is_last:
+                sends.append(stages.send(out, plan.stage + 1))
+            elif stages.returns_finals:
+                sends.append(stages.send(out, 0))
+        finals = ([stages.recv(len(part.input_ids), plan.stages - 1) for part in parts] if stages.collects_finals
+                  else None)
         for request in sends:
             stages.wait(request)
         return torch.cat(finals) if finals is not None else None

@@ -52,11 +52,14 @@ class SharedMemoryAllReduce:
 
     HEADER = 2  # int64 per rank
 
-    def __init__(self, rank: int, world: int, name: str | None = None, own_tracker: bool = False):
+    def __init__(self, rank: int, world: int, name: str | None = None, own_tracker: bool = False,
+                 peer_names: list[str] | None = None):
         """name None: create the segment (rank 0, who unlinks it at the end); else attach to it. own_tracker: this
         process has its own multiprocessing resource tracker (torchrun; spawned children share their parent's),
-        which must not unlink the segment when this process exits."""
+        which must not unlink the segment when this process exits. peer_names: how errors name each rank of the
+        group (ParallelGrid.describe of its global rank)."""
         self.rank, self.world = rank, world
+        self.peer_names = peer_names or [f"tensor-parallel rank {r}" for r in range(world)]
         header_bytes = 8 * self.HEADER * world
         size = header_bytes + 2 * world * SHM_ALL_REDUCE_BYTES
         if name is None:
@@ -116,9 +119,9 @@ class SharedMemoryAllReduce:
         """Raise if the late rank's process is gone, or it is late past the deadline."""
         pid = int(self.header[rank, 1])
         if pid and not process_alive(pid):
-            raise ParallelError(f"tensor-parallel rank {rank} (pid {pid}) exited in the middle of a step")
+            raise ParallelError(f"{self.peer_names[rank]} (pid {pid}) exited in the middle of a step")
         if expired:
-            raise ParallelError(f"tensor-parallel rank {rank} did not reach the step's all-reduce within "
+            raise ParallelError(f"{self.peer_names[rank]} did not reach the step's all-reduce within "
                                 f"{COLLECTIVE_TIMEOUT_S:.0f} s")
 
     def close(self, unlink: bool) -> None:
@@ -143,9 +146,13 @@ def _untrack(shm: shared_memory.SharedMemory) -> None:
 class TensorParallelGroup:
     """This process's rank in the tensor-parallel group and the decoder's collectives over it."""
 
-    def __init__(self, rank: int, world: int, shm: SharedMemoryAllReduce | None = None, process_group=None):
-        """shm: the host's shared-memory all-reduce (CPU), else every collective goes through process_group."""
+    def __init__(self, rank: int, world: int, shm: SharedMemoryAllReduce | None = None, process_group=None,
+                 name: str | None = None):
+        """rank, world: within the group (a pipeline stage's ranks under pipeline parallelism too). shm: the host's
+        shared-memory all-reduce (CPU), else every collective goes through process_group. name: how errors name
+        this rank."""
         self.rank, self.world = rank, world
+        self.name = name or f"rank {rank}"
         self.shm, self.process_group = shm, process_group
         self.num_all_reduces = 0  # counted for the bench's communication share
         self.all_reduce_seconds = 0.0
@@ -163,7 +170,7 @@ class TensorParallelGroup:
             else:
                 dist.all_reduce(x, group=self.process_group)
         except RuntimeError as e:  # gloo / NCCL: a peer's connection closed, or the timeout
-            raise ParallelError(f"tensor-parallel all-reduce failed on rank {self.rank}: "
+            raise ParallelError(f"tensor-parallel all-reduce failed on {self.name}: "
                                 f"{str(e).splitlines()[0]}") from e
         self.num_all_reduces += 1
         self.all_reduce_seconds += time.perf_counter() - started
@@ -177,9 +184,9 @@ class TensorParallelGroup:
         padded = padded.contiguous()
         parts = [torch.empty_like(padded) for _ in range(self.world)] if self.rank == 0 else None
         try:
-            dist.gather(padded, parts, dst=0, group=self.process_group)
+            dist.gather(padded, parts, group=self.process_group, group_dst=0)
         except RuntimeError as e:
-            raise ParallelError(f"tensor-parallel gather failed on rank {self.rank}: {str(e).splitlines()[0]}") from e
+            raise ParallelError(f"tensor-parallel gather failed on {self.name}: {str(e).splitlines()[0]}") from e
         if self.rank != 0:
             return None
         return torch.cat([p[:, :w] for p, w in zip(parts, widths)], dim=-1)

@@ -52,6 +52,40 @@ def head_split(num_heads: int, num_kv_heads: int, world: int, rank: int) -> tupl
 
 
 @dataclass(frozen=True)
+class ParallelGrid:
+    """The engine's ranks as a grid of pipeline stages x tensor-parallel ranks (vLLM's order: the tensor-parallel
+    rank varies fastest). Rank 0 (stage 0, tensor-parallel rank 0) is the engine's process; each stage's ranks
+    form one tensor-parallel group, and the residual stream goes from (stage s, rank t) to (stage s + 1, rank t)."""
+
+    tensor: int = 1
+    stages: int = 1
+
+    @property
+    def world(self) -> int:
+        return self.tensor * self.stages
+
+    def coordinates(self, rank: int) -> tuple[int, int]:
+        """(stage, tensor-parallel rank) of a global rank."""
+        return divmod(rank, self.tensor)
+
+    def rank(self, stage: int, tensor_rank: int) -> int:
+        return stage * self.tensor + tensor_rank
+
+    def stage_ranks(self, stage: int) -> list[int]:
+        """The global ranks of one stage's tensor-parallel group."""
+        return [self.rank(stage, t) for t in range(self.tensor)]
+
+    def describe(self, rank: int) -> str:
+        """A rank as error messages name it."""
+        stage, tensor_rank = self.coordinates(rank)
+        if self.stages == 1:
+            return f"tensor-parallel rank {rank}"
+        if self.tensor == 1:
+            return f"pipeline stage {stage}"
+        return f"rank {rank} (pipeline stage {stage}, tensor-parallel rank {tensor_rank})"
+
+
+@dataclass(frozen=True)
 class StagePlan:
     """One pipeline stage's contiguous layers [first, stop) of `num_layers` (split_range: sizes differ by one at
     most). Every stage also reads the embedding, final norm and lm_head: stage 0 embeds and projects the logits,
