@@ -33,6 +33,9 @@ fi
 timeout 150 $PY -m llmopt bench "$MODEL" --dtype float16 --baseline "$MODEL-w4" --num-requests 4 \
   --max-concurrency 1 --input-len 128 --output-len 128 --peak-bandwidth 4800 --peak-flops 989 \
   --json /tmp/llmopt-gpu/bench.json
+echo "== the capacity planner's prediction for the bench above (SmolLM2 shape, int4 g64, batch 1, 128/128), to compare"
+$PY -m llmopt plan "$MODEL" --hardware h200 --workload batch1 --schemes int4-g64,fp16 --kv-dtypes fp16 --rows 4 \
+  || true
 echo "== 8-bit KV cache: the Triton store / decode / prefill tests on CUDA, then 16 x 4,096-token prompts, int8 vs fp16 cache"
 timeout 120 $PY -m pytest -q -p no:cacheprovider tests/runtime/test_kv_quant.py -k "triton"
 timeout 150 $PY -m llmopt bench "$MODEL" --dtype float16 --kv-cache-dtype int8 --baseline "$MODEL" --num-requests 16 \

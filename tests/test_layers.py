@@ -16,7 +16,7 @@ LAYERS = [
     ("pipelines",),
     ("serve",),
     ("eval",),
-    ("recipe", "report"),
+    ("recipe", "report", "planner"),
     ("cli",),
 ]
 RANK = {package: rank for rank, layer in enumerate(LAYERS) for package in layer}

@@ -149,7 +149,7 @@ def _register() -> None:
     app.add_typer(eval_cli.app, name="eval")
     app.command("generate")(generate.generate)
     app.command("env")(env.env)
-    from llmopt.cli import bench, distill, export, prune, quantize, recipe, report, serve
+    from llmopt.cli import bench, distill, export, plan, prune, quantize, recipe, report, serve
 
     app.command("quantize")(quantize.quantize)
     app.command("prune")(prune.prune)
@@ -159,6 +159,7 @@ def _register() -> None:
     app.command("serve")(serve.serve)
     app.add_typer(recipe.app, name="recipe")
     app.command("report")(report.report)
+    app.command("plan")(plan.plan)
 
 
 _register()

@@ -1,0 +1,172 @@
+"""What the planner needs of a model, from its config.json alone (no weights): the parameters each step reads, the
+FLOPs per token, and the KV cache's bytes per token; and what each weight scheme and KV dtype costs per value."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+
+from pydantic import BaseModel, ConfigDict, Field
+
+from llmopt.core.errors import ConfigError
+from llmopt.core.registry import Registry
+
+
+class WeightScheme(BaseModel):
+    """How a scheme stores the decoder's linear weights and where their products run."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    name: str
+    bits: float = Field(gt=0)  # per weight value
+    group_size: int = 0  # values sharing one scale (0: per channel or none)
+    scale_bits: float = 0  # per group: scale (+ zero point)
+    # the dtype the products run in (a hardware rate); "activations": weight-only, the weights are widened to the
+    # activations' dtype (HardwareSpec.activation_dtype)
+    compute: str = "activations"
+
+    @property
+    def bytes_per_weight(self) -> float:
+        per_group = self.scale_bits / self.group_size if self.group_size else 0.0
+        return (self.bits + per_group) / 8
+
+
+WEIGHT_SCHEMES: Registry = Registry("weight scheme")
+for _scheme in (
+    WeightScheme(name="fp32", bits=32, compute="fp32"),
+    WeightScheme(name="bf16", bits=16, compute="bf16"),
+    WeightScheme(name="fp16", bits=16, compute="bf16"),
+    # W8A8 (SmoothQuant) and FP8: integer / fp8 products where the device has them
+    WeightScheme(name="int8", bits=8, compute="int8"),
+    WeightScheme(name="fp8", bits=8, compute="fp8"),
+    # int4 weight-only, groups of 128 (or 64) with an fp16 scale and a 4-bit zero point (GPTQ / AWQ / RTN)
+    WeightScheme(name="int4", bits=4, group_size=128, scale_bits=20),
+    WeightScheme(name="int4-g64", bits=4, group_size=64, scale_bits=20),
+    # NVFP4: E2M1 values, an E4M3 scale per 16
+    WeightScheme(name="fp4", bits=4, group_size=16, scale_bits=8, compute="fp4"),
+):
+    WEIGHT_SCHEMES.add(_scheme.name, _scheme)
+
+# KV cache dtype -> bytes per cached value, and the per-(token, head) scale bytes of the 8-bit caches (fp32 each)
+KV_BYTES = {"fp32": 4, "bf16": 2, "fp16": 2, "int8": 1, "fp8": 1}
+KV_SCALE_BYTES = {"int8": 4, "fp8": 4}
+
+
+def weight_scheme(name: str) -> WeightScheme:
+    if name not in WEIGHT_SCHEMES:
+        raise ConfigError(f"unknown weight scheme {name!r}: choose one of {', '.join(WEIGHT_SCHEMES.names())}",
+                          param="schemes")
+    return WEIGHT_SCHEMES.get(name)
+
+
+@dataclass(frozen=True)
+class ModelShape:
+    """A dense decoder-only transformer (Llama family: GQA attention, gated MLP)."""
+
+    name: str
+    hidden: int
+    layers: int
+    heads: int
+    kv_heads: int
+    head_dim: int
+    intermediate: int
+    vocab: int
+    tied_embeddings: bool
+    max_context: int
+
+    @classmethod
+    def from_config(cls, config: dict, name: str = "model") -> ModelShape:
+        """From a config.json's fields (any hub config of a dense Llama-like model)."""
+        text = {**config.get("text_config", {}), **config}
+        if text.get("num_local_experts") or text.get("n_routed_experts") or text.get("num_experts"):
+            raise ConfigError(f"{name}: mixture-of-experts models are not modelled by the planner yet", param="model")
+        try:
+            hidden, heads = int(text["hidden_size"]), int(text["num_attention_heads"])
+            return cls(name, hidden, int(text["num_hidden_layers"]), heads,
+                       int(text.get("num_key_value_heads") or heads), int(text.get("head_dim") or hidden // heads),
+                       int(text["intermediate_size"]), int(text["vocab_size"]),
+                       bool(text.get("tie_word_embeddings", False)), int(text.get("max_position_embeddings", 4096)))
+        except KeyError as e:
+            raise ConfigError(f"{name}: config.json has no {e.args[0]!r}: give a decoder-only model's config",
+                              param="model") from None
+
+    @classmethod
+    def from_path(cls, path: str | Path) -> ModelShape:
+        """A config.json, or a folder holding one."""
+        path = Path(path)
+        file = path / "config.json" if path.is_dir() else path
+        if not file.is_file():
+            raise ConfigError(f"{path}: no config.json there: give a model folder or its config.json", param="model")
+        try:
+            config = json.loads(file.read_text())
+        except ValueError as e:
+            raise ConfigError(f"{file}: not JSON ({e})", param="model") from None
+        name = path.name if path.is_dir() else path.parent.name if path.stem == "config" else path.stem
+        return cls.from_config(config, name)
+
+    @property
+    def layer_params(self) -> int:
+        """Linear weights of one decoder layer: q, k, v, o and gate, up, down."""
+        q, kv = self.heads * self.head_dim, self.kv_heads * self.head_dim
+        return self.hidden * (2 * q + 2 * kv) + 3 * self.hidden * self.intermediate
+
+    @property
+    def decoder_params(self) -> int:
+        return self.layers * self.layer_params
+
+    @property
+    def head_params(self) -> int:
+        """The lm_head: every step reads it whole (a tied embedding too)."""
+        return self.vocab * self.hidden
+
+    @property
+    def params(self) -> int:
+        """Every parameter (norms left out: < 0.01%)."""
+        return self.decoder_params + self.head_params * (1 if self.tied_embeddings else 2)
+
+    def linear_flops_per_token(self) -> float:
+        """2 FLOPs per weight of every linear a token passes through (the lm_head for tokens that sample)."""
+        return 2.0 * self.decoder_params
+
+    def head_flops_per_token(self) -> float:
+        return 2.0 * self.head_params
+
+    def attention_flops_per_token(self, context: float) -> float:
+        """QK^T and PV over `context` cached tokens, every layer: 4 x heads x head_dim per context token."""
+        return 4.0 * self.layers * self.heads * self.head_dim * context
+
+    def weight_bytes(self, scheme: WeightScheme, head_bytes_per_value: float = 2.0) -> float:
+        """Decoder linears in the scheme, the lm_head in 16 bits (artifacts keep it unquantized; 4 bytes under
+        fp32), the embedding not counted (a step reads only its rows)."""
+        head = 4.0 if scheme.name == "fp32" else head_bytes_per_value
+        return self.decoder_params * scheme.bytes_per_weight + self.head_params * head
+
+    def stored_bytes(self, scheme: WeightScheme) -> float:
+        """Memory the weights take: the step's bytes plus an untied embedding."""
+        embed = 0 if self.tied_embeddings else self.head_params * (4.0 if scheme.name == "fp32" else 2.0)
+        return self.weight_bytes(scheme) + embed
+
+    def kv_bytes_per_token(self, kv_dtype: str) -> float:
+        """Keys and values of one token over every layer and KV head (8-bit caches add a scale per head)."""
+        if kv_dtype not in KV_BYTES:
+            raise ConfigError(f"unknown KV cache dtype {kv_dtype!r}: choose one of {', '.join(KV_BYTES)}",
+                              param="kv_dtypes")
+        per_head = self.head_dim * KV_BYTES[kv_dtype] + KV_SCALE_BYTES.get(kv_dtype, 0)
+        return 2.0 * self.layers * self.kv_heads * per_head
+
+
+def model_shape(name: str) -> ModelShape:
+    """MODEL for the planner: a config.json, a folder holding one, or anything `llmopt` resolves (an alias, an
+    artifact); only the config is read."""
+    path = Path(name).expanduser()
+    if path.exists():
+        return ModelShape.from_path(path)
+    from llmopt.core.models import resolve_model
+
+    source = resolve_model(name)
+    if source.path is None:
+        raise ConfigError(f"{name}: give a config.json or a local folder (the planner reads no hub model)",
+                          param="model")
+    shape = ModelShape.from_path(source.path)
+    return ModelShape(**{**shape.__dict__, "name": name})
