@@ -102,7 +102,13 @@ class GPTQFormat(Format):
         scheme = record.scheme
         config = {
             "quant_method": "gptq", "bits": scheme.bits, "group_size": scheme.group_size,
-            "desc_act": record.act_order, "sym": scheme.sym, "true_sequential": record.true_sequential,
+            # desc_act tells loaders the columns' groups are permuted (g_idx not k // group_size). Act-order with
+            # static groups quantizes in the permuted order but keeps every column's group k // group_size and
+            # stores the columns in their own order, so its g_idx is trivial and the checkpoint is the plain
+            # layout: desc_act false, as GPTQModel writes it (loaders that refuse act-order, vLLM's among them,
+            # take it); how it was quantized stays in llmopt.json and in static_groups.
+            "desc_act": record.act_order and not record.static_groups, "sym": scheme.sym,
+            "true_sequential": record.true_sequential,
             "static_groups": record.static_groups, "checkpoint_format": "gptq", "lm_head": False,
         }
         if record.damp is not None:  # (methods without a Hessian have none to record)

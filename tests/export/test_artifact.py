@@ -95,6 +95,34 @@ def test_export_between_formats_is_lossless(tmp_path, quantized):
     assert [s["stage"] for s in stages] == ["quantize", "export", "export"]
 
 
+def test_act_order_with_static_groups_is_written_as_the_plain_layout(tmp_path, quantized):
+    """desc_act false (loaders that refuse act-order take it): every g_idx is k // group_size and the columns are
+    stored in their own order; only a permuted g_idx says desc_act true."""
+    model, tok, result, config = quantized
+    assert config.act_order and config.static_groups
+    stages = [{"stage": "quantize", "method": "gptq", "settings": config.model_dump(mode="json")}]  # as the CLI's
+    out = write_model_artifact(tmp_path / "gptq", model, tok, result.qweights, "gptq", config.record(),
+                               {"stages": stages}, dense_dtype=torch.float32)
+    qcfg = json.loads((out / "config.json").read_text())["quantization_config"]
+    assert qcfg["desc_act"] is False and qcfg["static_groups"] is True
+    from safetensors.torch import load_file
+
+    tensors = load_file(str(out / "model.safetensors"))
+    g_idx = tensors["model.layers.0.self_attn.q_proj.g_idx"]
+    assert torch.equal(g_idx, torch.arange(g_idx.numel(), dtype=torch.int32) // 32)
+    # the record read back still says act-order (llmopt.json), and re-exporting keeps the plain layout
+    from llmopt.export.convert import record_from_artifact
+
+    again = export_artifact(out, tmp_path / "again", "gptq")
+    assert json.loads((tmp_path / "again" / "config.json").read_text())["quantization_config"]["desc_act"] is False
+    assert again["num_quantized_linears"] == len(result.qweights)
+    permuted = make_config("gptq", bits=4, group_size=32, act_order=True, static_groups=False).record()
+    from llmopt.export.formats import FORMATS
+
+    assert FORMATS.get("gptq").quantization_config(permuted)["desc_act"] is True
+    assert record_from_artifact(read_artifact(out)).act_order
+
+
 def test_permuted_act_order_cannot_go_into_awq_and_nothing_is_left(tmp_path):
     model, tok = build_tiny_model("llama", seed=0)
     config = make_config("gptq", bits=4, group_size=32, calib="pystdlib", num_samples=4, seqlen=32,
