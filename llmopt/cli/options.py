@@ -65,6 +65,8 @@ def choices(name: str, values: list[str]) -> type[Enum]:
 # that `--help` does not import torch and a new method's module appears here by itself.
 QuantMethod = choices("QuantMethod", declared_names("llmopt.compress", "QUANT_METHODS"))
 FormatName = choices("FormatName", declared_names("llmopt.export", "FORMATS"))
+# `llmopt export` also writes one GGUF file (llama.cpp's format), which is not a checkpoint-folder format
+ExportFormatName = choices("ExportFormatName", [*declared_names("llmopt.export", "FORMATS"), "gguf"])
 PruneMethod = choices("PruneMethod", declared_names("llmopt.compress", "PRUNE_METHODS"))
 StructuredKind = choices("StructuredKind", ["mlp", "heads", "layers"])
 SchemeName = choices("SchemeName", list(QUANTIZE_PRESETS))
