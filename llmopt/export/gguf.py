@@ -58,7 +58,7 @@ def rope_permutation(rows: int, heads: int) -> torch.Tensor:
 
 def block_type(qweight: QuantizedWeight, name: str) -> str:
     """The GGUF block type that holds `qweight` ("Q4_0", "Q4_1", "Q8_0"), or ArtifactError naming why none."""
-    scheme, (n, k) = qweight.scheme, qweight.shape
+    scheme, k = qweight.scheme, qweight.shape[1]
     group = k if scheme.group_size == -1 else scheme.group_size
     if scheme.type != "int":
         raise ArtifactError(f"{name}: {scheme.bits}-bit float codes have no exact GGUF block type here: export an "
