@@ -9,7 +9,8 @@ Our codes hold exactly: symmetric 4-bit (zero point 8) as Q4_0 and symmetric 8-b
 groups of a multiple of 32 columns (or one per row) whose scales are fp16 values (every artifact stores them so).
 Asymmetric 4-bit goes to Q4_1 with m = -z d rounded to fp16: the closest block type, its largest error reported.
 Everything else is refused with the reason (act-order permuted groups, groups under 32, 2/3-bit, asymmetric 8-bit,
-float codes). Dense tensors: 1-D ones (norms) in F32, the rest (embedding, lm_head) in F16 as artifacts store them.
+float codes). Dense tensors: 1-D ones (norms) in F32, the rest (embedding, lm_head) in F16 as artifacts store them;
+a dense model (no quantized linears) keeps fp32 weights in F32 (llama.cpp's own quantizer starts from such a file).
 
 llama.cpp's Llama applies rotary embeddings to interleaved pairs where transformers rotates halves: like its own
 converter, q_proj's and k_proj's rows are permuted per head ([2, D/2] -> [D/2, 2]), codes, scales and zero points
@@ -192,7 +193,8 @@ def check_exportable(config: dict) -> str:
 
 def export_gguf(source: str | Path, output: str | Path, overwrite: bool = False,
                 trust_remote_code: bool = False) -> dict:
-    """Write ARTIFACT (its quantized linears' codes, its dense tensors, its tokenizer) as one GGUF file."""
+    """Write ARTIFACT (its quantized linears' codes, its dense tensors, its tokenizer) as one GGUF file; a dense
+    model folder is written with its weights as stored (fp32: F32, else F16)."""
     import gguf
 
     from llmopt.core.models import load_tokenizer, resolve_model
@@ -205,8 +207,6 @@ def export_gguf(source: str | Path, output: str | Path, overwrite: bool = False,
     if not (source / "config.json").exists():
         raise ArtifactError(f"{source} is not a model folder (no config.json)")
     contents = read_artifact(source)
-    if not contents.qweights:
-        raise ArtifactError(f"{source} holds no quantized weights: quantize it first (llmopt quantize)")
     config = contents.config
     arch = check_exportable(config)
     kinds = {name: block_type(qw, name) for name, qw in contents.qweights.items()}  # refuse before writing
@@ -214,9 +214,12 @@ def export_gguf(source: str | Path, output: str | Path, overwrite: bool = False,
     heads = int(config["num_attention_heads"])
     kv_heads = int(config.get("num_key_value_heads") or heads)
     counts = {kind: list(kinds.values()).count(kind) for kind in set(kinds.values())}
-    main = max(counts, key=counts.get)
+    linears = [t for n, t in contents.dense.items() if t.dim() == 2 and "layers." in n]
+    dense_type = "F32" if any(t.dtype == torch.float32 for t in linears) else "F16"
+    main = max(counts, key=counts.get) if counts else dense_type  # a dense model: its linears as stored
     file_type = {"Q4_0": gguf.LlamaFileType.MOSTLY_Q4_0, "Q4_1": gguf.LlamaFileType.MOSTLY_Q4_1,
-                 "Q8_0": gguf.LlamaFileType.MOSTLY_Q8_0}[main]
+                 "Q8_0": gguf.LlamaFileType.MOSTLY_Q8_0, "F16": gguf.LlamaFileType.MOSTLY_F16,
+                 "F32": gguf.LlamaFileType.ALL_F32}[main]
     max_error = 0.0
     with atomic_output_file(output) as tmp:
         writer = gguf.GGUFWriter(str(tmp), arch)
@@ -238,7 +241,8 @@ def export_gguf(source: str | Path, output: str | Path, overwrite: bool = False,
                 continue
             rows = _rope_rows(name.rpartition(".")[0], tensor.shape[0], heads, kv_heads)
             tensor = tensor[rows] if rows is not None else tensor
-            array = tensor.float().numpy() if tensor.dim() == 1 else tensor.to(torch.float16).numpy()
+            wide = tensor.dim() == 1 or (tensor.dtype == torch.float32 and not contents.qweights)
+            array = tensor.float().numpy() if wide else tensor.to(torch.float16).numpy()
             writer.add_tensor(gguf_name(name), array)
         writer.write_header_to_file()
         writer.write_kv_data_to_file()

@@ -101,6 +101,20 @@ def test_transformers_reads_the_gguf_back_to_our_logits_and_tokens(artifacts):
     assert tokenizer(text)["input_ids"] == tok(text)["input_ids"]
 
 
+def test_a_dense_model_is_written_in_f32_and_read_back_exactly(tmp_path):
+    from transformers import AutoModelForCausalLM
+
+    from llmopt.core.tiny import save_tiny_model
+
+    folder = save_tiny_model(tmp_path / "dense", "llama", seed=1, rope_theta=50000.0)
+    facts = export_gguf(folder, tmp_path / "dense.gguf")
+    assert facts["block_types"] == {} and facts["exact"]
+    theirs = AutoModelForCausalLM.from_pretrained(str(tmp_path), gguf_file="dense.gguf", dtype=torch.float32)
+    ours = AutoModelForCausalLM.from_pretrained(str(folder), dtype=torch.float32)
+    with torch.no_grad():
+        assert torch.equal(theirs(input_ids=IDS).logits, ours(input_ids=IDS).logits)
+
+
 def test_permuted_groups_are_refused_and_nothing_is_written(artifacts):
     root, _, act = artifacts
     with pytest.raises(ArtifactError, match="act-order permuted groups"):
