@@ -121,7 +121,8 @@ def _tokenizer_metadata(writer, tokenizer, config: dict) -> None:
     """The vocabulary, merges, special tokens and chat template as llama.cpp's BPE (`gpt2`) tokenizer reads them."""
     import gguf
 
-    model = json.loads(tokenizer.backend_tokenizer.to_str())["model"] if tokenizer.is_fast else {}
+    spec = json.loads(tokenizer.backend_tokenizer.to_str()) if tokenizer.is_fast else {}
+    model = spec.get("model") or {}
     if model.get("type") != "BPE":
         raise ArtifactError("GGUF export writes byte-level BPE tokenizers (GPT-2 style, as SmolLM2's); this one is "
                             f"{model.get('type') or type(tokenizer).__name__}")
@@ -136,7 +137,7 @@ def _tokenizer_metadata(writer, tokenizer, config: dict) -> None:
                      gguf.TokenType.UNUSED if token is None else gguf.TokenType.NORMAL)
     merges = [m if isinstance(m, str) else " ".join(m) for m in model.get("merges", [])]
     writer.add_tokenizer_model("gpt2")
-    writer.add_tokenizer_pre("default")
+    writer.add_tokenizer_pre(pre_tokenizer_name(spec.get("pre_tokenizer")))
     writer.add_token_list(tokens)
     writer.add_token_types(types)
     if merges:
@@ -152,6 +153,14 @@ def _tokenizer_metadata(writer, tokenizer, config: dict) -> None:
     writer.add_add_bos_token(bool(getattr(tokenizer, "add_bos_token", False)))
     if getattr(tokenizer, "chat_template", None):
         writer.add_chat_template(tokenizer.chat_template)
+
+
+def pre_tokenizer_name(pre: dict | None) -> str:
+    """llama.cpp's name for how text is split before BPE: GPT-2's regex for a byte-level pre-tokenizer that uses
+    it (SmolLM2's as llmopt reads it), else llama.cpp's default split."""
+    if pre and pre.get("type") == "ByteLevel" and pre.get("use_regex", True):
+        return "gpt2"
+    return "default"
 
 
 def _model_metadata(writer, config: dict, file_type) -> None:

@@ -1,0 +1,141 @@
+"""llmopt's GGUF export run by llama.cpp (llama-cpp-python, built from source for this CPU): wikitext2 perplexity
+of llmopt's GPTQ and RTN int4 codes exported to GGUF (Q4_0) against llama.cpp's own quantizers (Q4_0, Q4_1,
+Q4_K_M) applied to the same fp32 model exported as an F32 GGUF, all scored by llama.cpp on the same windows; the
+same artifacts scored by llmopt (transformers forward over the artifact's weights): the export must agree within
+1%; and the greedy tokens of llama.cpp vs llmopt's runtime on the exported GPTQ weights.
+
+    python benchmarks/gguf_llamacpp.py --json docs/results/data/gguf-llamacpp.json [--model smollm2-135m]
+        [--max-tokens 16384] [--seqlen 512]
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+import tempfile
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from llmopt.compress.api import make_config
+from llmopt.core.datasets import tokenize_corpus
+from llmopt.core.hardware import cpu_line
+from llmopt.core.io import write_json
+from llmopt.core.models import load_tokenizer, resolve_model
+from llmopt.eval.perplexity import perplexity
+from llmopt.export.gguf import export_gguf
+from llmopt.export.read import load_artifact_model
+from llmopt.pipelines.quantize import quantize_to_artifact
+from llmopt.runtime.engine.config import EngineConfig
+from llmopt.runtime.engine.engine import Engine
+from llmopt.runtime.engine.sampling import SamplingParams
+from llmopt.runtime.executor.loader import load_runtime_model
+
+LLAMA_CPP_TYPES = {"Q4_0": 2, "Q4_1": 3, "Q4_K_M": 15}  # llama.cpp's LLAMA_FTYPE_MOSTLY_*
+PROMPTS = ["The capital of France is", "def fibonacci(n):", "Once upon a time,"]
+
+
+class LlamaCppModel:
+    """llama.cpp behind the `model(input_ids=...).logits` call llmopt's perplexity makes (one window at a time)."""
+
+    def __init__(self, path: Path, seqlen: int, threads: int):
+        import llama_cpp
+
+        self.llm = llama_cpp.Llama(str(path), n_ctx=seqlen, n_batch=seqlen, n_threads=threads, logits_all=True,
+                                   verbose=False)
+
+    def parameters(self):
+        yield torch.empty(0)
+
+    def __call__(self, input_ids: torch.Tensor, use_cache: bool = False):
+        rows = []
+        for window in input_ids.tolist():
+            self.llm.reset()
+            self.llm.eval(window)
+            rows.append(torch.from_numpy(np.array(self.llm.scores[: len(window)], dtype=np.float32)))
+
+        class Out:
+            logits = torch.stack(rows)
+
+        return Out()
+
+    def greedy(self, prompt: list[int], tokens: int) -> list[int]:
+        self.llm.reset()
+        self.llm.eval(prompt)
+        out = []
+        for _ in range(tokens):
+            token = int(np.argmax(self.llm.scores[self.llm.n_tokens - 1]))
+            out.append(token)
+            self.llm.eval([token])
+        return out
+
+
+def main() -> None:
+    import llama_cpp
+
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--model", default="smollm2-135m")
+    parser.add_argument("--max-tokens", type=int, default=16384)
+    parser.add_argument("--seqlen", type=int, default=512)
+    parser.add_argument("--json", type=Path)
+    args = parser.parse_args()
+    threads = torch.get_num_threads()
+    print(cpu_line(), flush=True)
+    tokenizer = load_tokenizer(resolve_model(args.model))
+    ids = tokenize_corpus(tokenizer, "wikitext2", args.max_tokens)
+    rows, facts = [], {}
+    with tempfile.TemporaryDirectory() as folder:
+        root = Path(folder)
+        artifacts = {}
+        for method in ("gptq", "rtn"):
+            out = root / f"{method}-w4g32"
+            quantize_to_artifact(args.model, out, [make_config(method, bits=4, group_size=32, sym=True)])
+            artifacts[method] = out
+            facts[f"{method}_export"] = export_gguf(out, root / f"{method}.gguf")
+        facts["f32_export"] = export_gguf(resolve_model(args.model).path, root / "f32.gguf")
+        for name, ftype in LLAMA_CPP_TYPES.items():
+            params = llama_cpp.llama_model_quantize_default_params()
+            params.ftype, params.nthread = ftype, threads
+            code = llama_cpp.llama_model_quantize(str(root / "f32.gguf").encode(), str(root / f"{name}.gguf").encode(),
+                                                  params)
+            assert code == 0, f"llama.cpp's quantizer failed for {name} ({code})"
+        files = {"llmopt GPTQ w4 g32 -> Q4_0": "gptq", "llmopt RTN w4 g32 -> Q4_0": "rtn",
+                 "llama.cpp Q4_0": "Q4_0", "llama.cpp Q4_1": "Q4_1", "llama.cpp Q4_K_M": "Q4_K_M",
+                 "fp32 (F32 GGUF)": "f32"}
+        for label, stem in files.items():
+            llm = LlamaCppModel(root / f"{stem}.gguf", args.seqlen, threads)
+            ppl = perplexity(llm, ids, args.seqlen, batch_size=1).ppl
+            row = {"weights": label, "llama_cpp_ppl": ppl, "gguf_mb": (root / f"{stem}.gguf").stat().st_size / 1e6}
+            if stem in artifacts:
+                row["llmopt_ppl"] = perplexity(load_artifact_model(artifacts[stem]), ids, args.seqlen).ppl
+                row["ppl_difference"] = ppl / row["llmopt_ppl"] - 1
+            rows.append(row)
+            print(row, flush=True)
+            if stem == "gptq":
+                model, tok, _ = load_runtime_model(str(artifacts["gptq"]))
+                engine = Engine(model, tok, EngineConfig())
+                prompts = [tok(p)["input_ids"] for p in PROMPTS]
+                ours = [o.token_ids for o in engine.generate(prompts, SamplingParams(max_tokens=32, ignore_eos=True))]
+                theirs = [llm.greedy(p, 32) for p in prompts]
+                facts["greedy_equal"] = [a == b for a, b in zip(ours, theirs)]
+                facts["greedy_common_prefix"] = [next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), len(a))
+                                                 for a, b in zip(ours, theirs)]
+                print("greedy equal:", facts["greedy_equal"], facts["greedy_common_prefix"], flush=True)
+    print(f"\nwikitext2, {ids.numel():,} tokens in windows of {args.seqlen}; {threads} threads\n")
+    print("| weights | GGUF MB | ppl (llama.cpp) | ppl (llmopt) | difference |")
+    print("|---|---:|---:|---:|---:|")
+    for r in rows:
+        ours = f"{r['llmopt_ppl']:.3f}" if "llmopt_ppl" in r else ""
+        diff = f"{r['ppl_difference']:+.2%}" if "ppl_difference" in r else ""
+        print(f"| {r['weights']} | {r['gguf_mb']:.1f} | {r['llama_cpp_ppl']:.3f} | {ours} | {diff} |")
+    if args.json:
+        write_json(args.json, {"cpu": cpu_line(), "max_tokens": args.max_tokens, "seqlen": args.seqlen,
+                               "rows": rows, **{k: v for k, v in facts.items() if not k.endswith("_export")},
+                               "exports": {k: v for k, v in facts.items() if k.endswith("_export")},
+                               "llama_cpp_version": getattr(llama_cpp, "__version__", "?"),
+                               "nan_free": all(math.isfinite(r["llama_cpp_ppl"]) for r in rows)})
+
+
+if __name__ == "__main__":
+    main()
