@@ -142,8 +142,8 @@ def _tokenizer_metadata(writer, tokenizer, config: dict) -> None:
     writer.add_token_types(types)
     if merges:
         writer.add_token_merges(merges)
-    else:  # (a vocabulary of single bytes and specials: an empty array is not written, and readers that find no
-        # merges derive them from scores, which must then be there)
+    else:  # a vocabulary of single bytes (a test's): GGUF has no empty arrays, so the key is left out; transformers
+        # then derives merges from scores, which must be there (llama.cpp refuses a BPE vocabulary without merges)
         writer.add_token_scores([0.0] * size)
     for attribute, add in (("bos_token_id", writer.add_bos_token_id), ("eos_token_id", writer.add_eos_token_id),
                            ("unk_token_id", writer.add_unk_token_id), ("pad_token_id", writer.add_pad_token_id)):
@@ -159,7 +159,7 @@ def pre_tokenizer_name(pre: dict | None) -> str:
     """llama.cpp's name for how text is split before BPE: GPT-2's regex for a byte-level pre-tokenizer that uses
     it (SmolLM2's as llmopt reads it), else llama.cpp's default split."""
     if pre and pre.get("type") == "ByteLevel" and pre.get("use_regex", True):
-        return "gpt2"
+        return "gpt-2"
     return "default"
 
 

@@ -132,25 +132,28 @@ def test_cli_export_gguf(artifacts):
     assert again.exit_code == 1 and "--overwrite" in again.output
 
 
-def test_llama_cpp_runs_the_export_to_our_runtime_s_greedy_tokens(artifacts):
+def test_llama_cpp_runs_the_export_to_our_runtime_s_greedy_tokens(tmp_path):
+    """SmolLM2 RTN w4 g32 (symmetric: Q4_0, exact) in llama.cpp: the greedy tokens of llmopt's runtime on the same
+    weights (a real vocabulary: llama.cpp needs BPE merges, which the tiny byte vocabulary has none of)."""
     llama_cpp = pytest.importorskip("llama_cpp", reason="llama-cpp-python not installed (built from source)")
+    from llmopt.pipelines.quantize import quantize_to_artifact
     from llmopt.runtime.engine.config import EngineConfig
     from llmopt.runtime.engine.engine import Engine
     from llmopt.runtime.engine.sampling import SamplingParams
     from llmopt.runtime.executor.loader import load_runtime_model
 
-    root, artifact, _ = artifacts
-    path = root / "run.gguf"
-    export_gguf(artifact, path, overwrite=True)
-    prompt = [1, 5, 9, 33, 70, 100, 7]
+    artifact = tmp_path / "rtn"
+    quantize_to_artifact("smollm2-135m", artifact, [make_config("rtn", bits=4, group_size=32, sym=True)])
+    export_gguf(artifact, tmp_path / "rtn.gguf")
     model, tokenizer, _ = load_runtime_model(str(artifact))
+    prompt = tokenizer("The capital of France is")["input_ids"]
     engine = Engine(model, tokenizer, EngineConfig())
-    ours = engine.generate([prompt], SamplingParams(max_tokens=8, ignore_eos=True))[0].token_ids
-    llm = llama_cpp.Llama(str(path), n_ctx=64, n_threads=1, verbose=False, logits_all=False)
+    ours = engine.generate([prompt], SamplingParams(max_tokens=16, ignore_eos=True))[0].token_ids
+    llm = llama_cpp.Llama(str(tmp_path / "rtn.gguf"), n_ctx=64, n_threads=1, verbose=False)
+    assert llm.tokenize(b"The capital of France is", add_bos=False, special=True) == prompt
     theirs = []
     llm.eval(prompt)
-    for _ in range(8):
-        token = int(np.argmax(llm.scores[llm.n_tokens - 1]))
-        theirs.append(token)
-        llm.eval([token])
+    for _ in range(16):
+        theirs.append(int(np.argmax(llm.scores[llm.n_tokens - 1])))
+        llm.eval([theirs[-1]])
     assert theirs == ours
