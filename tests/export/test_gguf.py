@@ -149,7 +149,7 @@ def test_llama_cpp_runs_the_export_to_our_runtime_s_greedy_tokens(tmp_path):
     prompt = tokenizer("The capital of France is")["input_ids"]
     engine = Engine(model, tokenizer, EngineConfig())
     ours = engine.generate([prompt], SamplingParams(max_tokens=16, ignore_eos=True))[0].token_ids
-    llm = llama_cpp.Llama(str(tmp_path / "rtn.gguf"), n_ctx=64, n_threads=1, verbose=False)
+    llm = llama_cpp.Llama(str(tmp_path / "rtn.gguf"), n_ctx=64, n_threads=1, logits_all=True, verbose=False)
     assert llm.tokenize(b"The capital of France is", add_bos=False, special=True) == prompt
     theirs = []
     llm.eval(prompt)
