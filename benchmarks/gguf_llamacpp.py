@@ -1,11 +1,11 @@
 """llmopt's GGUF export run by llama.cpp (llama-cpp-python, built from source for this CPU): wikitext2 perplexity
-of llmopt's GPTQ and RTN int4 codes exported to GGUF (Q4_0) against llama.cpp's own quantizers (Q4_0, Q4_1,
+of llmopt's GPTQ and RTN int4 codes exported to GGUF (symmetric: Q4_0, asymmetric: Q4_1) against llama.cpp's own quantizers (Q4_0, Q4_1,
 Q4_K_M) applied to the same fp32 model exported as an F32 GGUF, all scored by llama.cpp on the same windows; the
 same artifacts scored by llmopt (transformers forward over the artifact's weights): the export must agree within
 1%; and the greedy tokens of llama.cpp vs llmopt's runtime on the exported GPTQ weights.
 
     python benchmarks/gguf_llamacpp.py --json docs/results/data/gguf-llamacpp.json [--model smollm2-135m]
-        [--max-tokens 16384] [--seqlen 512]
+        [--max-tokens 16384] [--seqlen 512] [--only gptq,rtn,gptq-asym,rtn-asym,Q4_0,Q4_1,Q4_K_M,f32]
 """
 
 from __future__ import annotations
@@ -78,8 +78,11 @@ def main() -> None:
     parser.add_argument("--model", default="smollm2-135m")
     parser.add_argument("--max-tokens", type=int, default=16384)
     parser.add_argument("--seqlen", type=int, default=512)
+    parser.add_argument("--only", help="these rows only, comma-separated: gptq, rtn, gptq-asym, rtn-asym, Q4_0, Q4_1, "
+                        "Q4_K_M, f32")
     parser.add_argument("--json", type=Path)
     args = parser.parse_args()
+    only = set(args.only.split(",")) if args.only else None
     threads = torch.get_num_threads()
     print(cpu_line(), flush=True)
     tokenizer = load_tokenizer(resolve_model(args.model))
@@ -88,22 +91,30 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as folder:
         root = Path(folder)
         artifacts = {}
-        for method in ("gptq", "rtn"):
-            out = root / f"{method}-w4g32"
-            quantize_to_artifact(args.model, out, [make_config(method, bits=4, group_size=32, sym=True)])
-            artifacts[method] = out
-            facts[f"{method}_export"] = export_gguf(out, root / f"{method}.gguf")
+        for stem, method, sym in (("gptq", "gptq", True), ("rtn", "rtn", True), ("gptq-asym", "gptq", False),
+                                  ("rtn-asym", "rtn", False)):
+            if only is not None and stem not in only:
+                continue
+            out = root / f"{stem}-w4g32"
+            quantize_to_artifact(args.model, out, [make_config(method, bits=4, group_size=32, sym=sym)])
+            artifacts[stem] = out
+            facts[f"{stem}_export"] = export_gguf(out, root / f"{stem}.gguf")
         facts["f32_export"] = export_gguf(resolve_model(args.model).path, root / "f32.gguf")
         for name, ftype in LLAMA_CPP_TYPES.items():
+            if only is not None and name not in only:
+                continue
             params = llama_cpp.llama_model_quantize_default_params()
             params.ftype, params.nthread = ftype, threads
             code = llama_cpp.llama_model_quantize(str(root / "f32.gguf").encode(), str(root / f"{name}.gguf").encode(),
                                                   params)
             assert code == 0, f"llama.cpp's quantizer failed for {name} ({code})"
         files = {"llmopt GPTQ w4 g32 -> Q4_0": "gptq", "llmopt RTN w4 g32 -> Q4_0": "rtn",
+                 "llmopt GPTQ w4 g32 asym -> Q4_1": "gptq-asym", "llmopt RTN w4 g32 asym -> Q4_1": "rtn-asym",
                  "llama.cpp Q4_0": "Q4_0", "llama.cpp Q4_1": "Q4_1", "llama.cpp Q4_K_M": "Q4_K_M",
                  "fp32 (F32 GGUF)": "f32"}
         for label, stem in files.items():
+            if only is not None and stem not in only:
+                continue
             llm = LlamaCppModel(root / f"{stem}.gguf", args.seqlen, threads)
             ppl = perplexity(llm, ids, args.seqlen, batch_size=1).ppl
             row = {"weights": label, "llama_cpp_ppl": ppl, "gguf_mb": (root / f"{stem}.gguf").stat().st_size / 1e6}
