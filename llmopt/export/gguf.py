@@ -80,11 +80,9 @@ def block_type(qweight: QuantizedWeight, name: str) -> str:
                         "--bits 4, or --bits 8 --sym")
 
 
-def _block_scales(qweight: QuantizedWeight) -> torch.Tensor:
-    """[N, K / 32] the scale of each block (its group's)."""
-    k = qweight.shape[1]
-    groups = qweight.g_idx.long().view(k // BLOCK, BLOCK)[:, 0]
-    return qweight.scales[:, groups]
+def _block_groups(qweight: QuantizedWeight) -> torch.Tensor:
+    """[K / 32] the group of each block (of its first column: block_type checked that a block is one group)."""
+    return qweight.g_idx.long().view(-1, BLOCK)[:, 0]
 
 
 def _nibbles(codes: torch.Tensor) -> torch.Tensor:
@@ -95,12 +93,12 @@ def _nibbles(codes: torch.Tensor) -> torch.Tensor:
 def encode_blocks(qweight: QuantizedWeight, kind: str) -> np.ndarray:
     """[N, K / 32 x block bytes] uint8, the rows of `qweight` in GGUF block type `kind`."""
     n, k = qweight.shape
-    d = _block_scales(qweight).to(torch.float16)  # [N, B]
-    parts = [d.contiguous().view(torch.uint8).view(n, k // BLOCK, 2)]
+    groups = _block_groups(qweight)
+    scales = qweight.scales[:, groups]  # [N, B]
+    parts = [scales.to(torch.float16).contiguous().view(torch.uint8).view(n, k // BLOCK, 2)]
     codes = qweight.q.view(n, k // BLOCK, BLOCK)
     if kind == "Q4_1":
-        zeros = qweight.zeros.long()[:, qweight.g_idx.long().view(k // BLOCK, BLOCK)[:, 0]]  # [N, B]
-        m = (-zeros * _block_scales(qweight)).to(torch.float16)
+        m = (-qweight.zeros.long()[:, groups] * scales).to(torch.float16)  # [N, B]
         parts += [m.contiguous().view(torch.uint8).view(n, k // BLOCK, 2)]
     if kind in ("Q4_0", "Q4_1"):
         parts.append(_nibbles(codes))

@@ -88,9 +88,20 @@ for _name, _fields in _GPUS.items():
     HARDWARE.add(_name, HardwareSpec(name=_name, step_overhead_ms=GPU_STEP_OVERHEAD_MS, **_fields))
 
 
+# The runtime on a CPU: its fixed costs (Python and dispatch, per step and per decoder layer), the share of the
+# measured GEMM rate its prefill and batched decode reach (smaller GEMMs than the measured one, plus attention,
+# norms and sampling in between: the GPUs' default), and of the copy bandwidth its decode reads at. Set once,
+# then checked against the runtime's measurements (benchmarks/planner.py; docs/results/planner.md).
+CPU_STEP_OVERHEAD_MS = 1.0
+CPU_LAYER_OVERHEAD_US = 150.0
+CPU_COMPUTE_EFFICIENCY = 0.6
+CPU_BANDWIDTH_EFFICIENCY = 0.9
+CPU_LINK_GB_S, CPU_LINK_LATENCY_US = 10.0, 10.0  # the shared-memory all-reduce: ~10 us for a row (parallel.md)
+
+
 def this_cpu() -> HardwareSpec:
     """This machine's CPU as one device: the measured copy bandwidth and GEMM rates (core.hardware, cached per
-    machine), with the runtime's efficiencies and fixed costs on a CPU (below). Parallel ranks on a CPU share it:
+    machine), with the runtime's efficiencies and fixed costs on a CPU (above). Parallel ranks on a CPU share it:
     each gets an even share of its cores, bandwidth and memory (the planner divides; `max_devices` is its core
     count); weight-only schemes compute in the dtype `auto` picks here. Links: the shared-memory all-reduce."""
     import psutil
@@ -104,19 +115,9 @@ def this_cpu() -> HardwareSpec:
         bandwidth_gb_s=rates.bandwidth / 1e9, flops_tflops={"fp32": rates.gemm_fp32 / 1e12,
                                                             "bf16": rates.gemm_bf16 / 1e12},
         compute_efficiency=CPU_COMPUTE_EFFICIENCY, bandwidth_efficiency=CPU_BANDWIDTH_EFFICIENCY,
-        link_gb_s=CPU_LINK_GB_S, link_latency_us=CPU_LINK_LATENCY_US, step_overhead_ms=CPU_STEP_OVERHEAD_MS, layer_overhead_us=CPU_LAYER_OVERHEAD_US, activation_dtype=activations,
+        link_gb_s=CPU_LINK_GB_S, link_latency_us=CPU_LINK_LATENCY_US, step_overhead_ms=CPU_STEP_OVERHEAD_MS,
+        layer_overhead_us=CPU_LAYER_OVERHEAD_US, activation_dtype=activations,
         max_devices=max(1, cpu_info().physical_cores), source=f"measured: {cpu_line()}")
-
-
-# The runtime on a CPU: its fixed costs (Python and dispatch, per step and per decoder layer), the share of the
-# measured GEMM rate its prefill and batched decode reach (smaller GEMMs than the measured one, plus attention,
-# norms and sampling in between: the GPUs' default), and of the copy bandwidth its decode reads at. Set once,
-# then checked against the runtime's measurements (benchmarks/planner.py; docs/results/planner.md).
-CPU_STEP_OVERHEAD_MS = 1.0
-CPU_LAYER_OVERHEAD_US = 150.0
-CPU_COMPUTE_EFFICIENCY = 0.6
-CPU_BANDWIDTH_EFFICIENCY = 0.9
-CPU_LINK_GB_S, CPU_LINK_LATENCY_US = 10.0, 10.0  # the shared-memory all-reduce: ~10 us for a row (parallel.md)
 
 
 def hardware_spec(name: Optional[str] = None, path: Optional[str] = None) -> HardwareSpec:

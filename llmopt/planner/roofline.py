@@ -76,15 +76,12 @@ class Instance:
     def _head_work(self, sequences: float) -> tuple[float, float]:
         """(FLOPs, bytes read) of the vocabulary projection of the sampled rows."""
         model = self.model
-        return sequences * model.head_flops_per_token(), model.head_params * self._head_bytes()
+        return sequences * model.head_flops_per_token(), model.head_params * self.scheme.dense_bytes
 
     def _layers_fixed(self, rows: float) -> float:
         """One stage's per-layer dispatch and its all-reduces."""
         layers = self.model.layers / self.pp
         return layers * (self.hardware.layer_overhead_us * 1e-6 + 2 * self.all_reduce_time(rows))
-
-    def _head_bytes(self) -> float:
-        return 4.0 if self.scheme.name == "fp32" else 2.0
 
     def step_time(self, rows: float, sequences: float, context: float) -> float:
         """One engine step over `rows` new tokens of `sequences` sequences (decode: rows = sequences)."""

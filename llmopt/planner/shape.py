@@ -27,6 +27,12 @@ class WeightScheme(BaseModel):
     compute: str = "activations"
 
     @property
+    def dense_bytes(self) -> float:
+        """Bytes per value of the tensors a scheme leaves unquantized (lm_head, embedding): 16 bits, as artifacts
+        store them, 32 under fp32."""
+        return 4.0 if self.name == "fp32" else 2.0
+
+    @property
     def bytes_per_weight(self) -> float:
         per_group = self.scale_bits / self.group_size if self.group_size else 0.0
         return (self.bits + per_group) / 8
@@ -136,15 +142,14 @@ class ModelShape:
         """QK^T and PV over `context` cached tokens, every layer: 4 x heads x head_dim per context token."""
         return 4.0 * self.layers * self.heads * self.head_dim * context
 
-    def weight_bytes(self, scheme: WeightScheme, head_bytes_per_value: float = 2.0) -> float:
-        """Decoder linears in the scheme, the lm_head in 16 bits (artifacts keep it unquantized; 4 bytes under
-        fp32), the embedding not counted (a step reads only its rows)."""
-        head = 4.0 if scheme.name == "fp32" else head_bytes_per_value
-        return self.decoder_params * scheme.bytes_per_weight + self.head_params * head
+    def weight_bytes(self, scheme: WeightScheme) -> float:
+        """Decoder linears in the scheme, the lm_head unquantized (scheme.dense_bytes), the embedding not counted (a
+        step reads only its rows)."""
+        return self.decoder_params * scheme.bytes_per_weight + self.head_params * scheme.dense_bytes
 
     def stored_bytes(self, scheme: WeightScheme) -> float:
         """Memory the weights take: the step's bytes plus an untied embedding."""
-        embed = 0 if self.tied_embeddings else self.head_params * (4.0 if scheme.name == "fp32" else 2.0)
+        embed = 0 if self.tied_embeddings else self.head_params * scheme.dense_bytes
         return self.weight_bytes(scheme) + embed
 
     def kv_bytes_per_token(self, kv_dtype: str) -> float:

@@ -88,8 +88,6 @@ def load_for_engine(name: str, config, dtype: str = "float32", device: str = "cp
     """load_runtime_model for an engine of `config` (EngineConfig): its input activations, and under tensor or
     pipeline parallelism this process's share (rank 0, or torchrun's rank: its stage's layers, narrowed to its
     tensor-parallel share)."""
-    tp, pp = config.tensor_parallel_size, config.pipeline_parallel_size
-    stage, tensor_rank = ParallelGrid(tp, pp).coordinates(launched_rank())
+    grid = ParallelGrid(config.tensor_parallel_size, config.pipeline_parallel_size)
     return load_runtime_model(name, dtype=dtype, device=device, trust_remote_code=trust_remote_code,
-                              activations=config.activations, shard=(tensor_rank, tp) if tp > 1 else None,
-                              stage=(stage, pp) if pp > 1 else None)
+                              activations=config.activations, **grid.share(launched_rank()))

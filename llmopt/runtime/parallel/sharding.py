@@ -71,6 +71,12 @@ class ParallelGrid:
     def rank(self, stage: int, tensor_rank: int) -> int:
         return stage * self.tensor + tensor_rank
 
+    def share(self, rank: int) -> dict:
+        """load_runtime_model's `shard` and `stage` arguments for a global rank (None where the grid has one)."""
+        stage, tensor_rank = self.coordinates(rank)
+        return {"shard": (tensor_rank, self.tensor) if self.tensor > 1 else None,
+                "stage": (stage, self.stages) if self.stages > 1 else None}
+
     def stage_ranks(self, stage: int) -> list[int]:
         """The global ranks of one stage's tensor-parallel group."""
         return [self.rank(stage, t) for t in range(self.tensor)]

@@ -171,9 +171,7 @@ def grid_of(config: EngineConfig) -> ParallelGrid:
 
 def load_share(load_args: dict, grid: ParallelGrid, rank: int):
     """This rank's share of the checkpoint: its stage's layers, narrowed to its tensor-parallel slices."""
-    stage, tensor_rank = grid.coordinates(rank)
-    model, _, _ = load_runtime_model(**load_args, shard=(tensor_rank, grid.tensor) if grid.tensor > 1 else None,
-                                     stage=(stage, grid.stages) if grid.stages > 1 else None)
+    model, _, _ = load_runtime_model(**load_args, **grid.share(rank))
     return model
 
 
@@ -184,12 +182,17 @@ def stage_all_reduce(grid: ParallelGrid, rank: int, name: str | None = None, own
     return SharedMemoryAllReduce(tensor_rank, grid.tensor, name, own_tracker, peer_names=names)
 
 
+def stage_segments(grid: ParallelGrid) -> list[SharedMemoryAllReduce]:
+    """Every stage's shared-memory all-reduce, created by rank 0 (which unlinks them at the end)."""
+    return [stage_all_reduce(grid, grid.rank(stage, 0)) for stage in range(grid.stages)]
+
+
 def rank_runner(model, config: EngineConfig, rank: int, shm, groups: tuple, num_blocks=None,
                 workers=None) -> ModelRunner:
     """The ModelRunner of one rank: with its stage's tensor-parallel group, its pipeline stage, or both. groups:
     join_group's (every rank, this stage's ranks)."""
     grid = grid_of(config)
-    stage, tensor_rank = grid.coordinates(rank)
+    _, tensor_rank = grid.coordinates(rank)
     everyone, stage_group = groups
     group = stages = None
     if grid.tensor > 1:
@@ -320,8 +323,7 @@ def parallel_runner(model, config: EngineConfig) -> ModelRunner:
     ctx = mp.get_context("spawn")
     init_method = f"tcp://127.0.0.1:{free_port()}"
     # one shared-memory all-reduce per stage's tensor-parallel group, created here and unlinked at the end
-    segments = ([stage_all_reduce(grid, grid.rank(stage, 0)) for stage in range(grid.stages)]
-                if device.type == "cpu" and grid.tensor > 1 else [])
+    segments = stage_segments(grid) if device.type == "cpu" and grid.tensor > 1 else []
     worker_config = replace(config, speculative=None)
     processes, connections = [], []
     for rank in range(1, world):
@@ -365,7 +367,7 @@ def _torchrun_rank(model, config: EngineConfig, rank: int, device: torch.device)
     commands = BroadcastChannel(dist.new_group(list(range(world)), backend="gloo", timeout=timedelta(days=365)))
     # shared memory needs every rank on this host; rank 0 creates each stage's segment and unlinks them at the end
     shared = device.type == "cpu" and grid.tensor > 1 and local_world == world
-    segments = [stage_all_reduce(grid, grid.rank(s, 0)) for s in range(grid.stages)] if shared and rank == 0 else []
+    segments = stage_segments(grid) if shared and rank == 0 else []
     names = [[segment.name for segment in segments]]
     dist.broadcast_object_list(names, src=0, group=commands.group)
     stage = grid.coordinates(rank)[0]
