@@ -9,6 +9,7 @@ from __future__ import annotations
 import hashlib
 import json
 import time
+from dataclasses import replace
 from pathlib import Path
 from typing import Callable
 
@@ -17,6 +18,14 @@ from llmopt.core.errors import LLMOptError
 from llmopt.core.io import read_json, write_json
 from llmopt.recipe.schema import Recipe
 from llmopt.recipe.stages import STAGES
+
+BATCH1_REQUESTS = 4  # requests of a bench's batch-1 run (bench.batch1)
+
+
+def run_summary(run) -> dict:
+    """What a recipe keeps of one bench run: its metrics and each request's TTFT and TPOT (ms)."""
+    return {"metrics": run.metrics, "ttft_ms": [r.ttft * 1000 for r in run.records],
+            "tpot_ms": [r.tpot * 1000 for r in run.records if r.tpot is not None]}
 
 LogFn = Callable[[str], None]
 
@@ -125,32 +134,34 @@ class RecipeRunner:
         if spec is None:
             return None
 
+        def measure(name: str, workload, config):
+            from llmopt.core.hardware import resolve_dtype
+            from llmopt.eval.speed import HttpTarget, bench_hf, bench_http, bench_runtime
+            from llmopt.serve.launch import serving
+
+            if through_hf:
+                return bench_hf(name, model, workload, config)
+            if spec.serve:
+                with serving(model, config.engine, resolve_dtype(spec.dtype, config.device)) as url:
+                    return bench_http(name, model, workload, config, HttpTarget(url, model=model))
+            return bench_runtime(name, model, workload, config)
+
         def compute():
             from llmopt.eval.metrics import parse_slo
-            from llmopt.eval.speed import BenchConfig, bench_runtime
+            from llmopt.eval.speed import BenchConfig
             from llmopt.eval.workloads import WorkloadSpec
 
             workload = WorkloadSpec(spec.dataset, spec.num_requests, spec.input_len, spec.output_len,
                                     spec.range_ratio, request_rate=spec.request_rate, seed=self.recipe.defaults.seed)
             config = BenchConfig(dtype=spec.dtype, engine=spec.engine_config(),
                                  slo=tuple(parse_slo(spec.slo).items()))
-            backend = "hf" if through_hf else "http" if spec.serve else "runtime"
-            if through_hf:
-                from llmopt.eval.speed import bench_hf
-
-                run = bench_hf("bench", model, workload, config)
-            elif spec.serve:
-                from llmopt.core.hardware import resolve_dtype
-                from llmopt.eval.speed import HttpTarget, bench_http
-                from llmopt.serve.launch import serving
-
-                with serving(model, config.engine, resolve_dtype(spec.dtype, config.device)) as url:
-                    run = bench_http("bench", model, workload, config, HttpTarget(url, model=model))
-            else:
-                run = bench_runtime("bench", model, workload, config)
-            return {"backend": backend, "metrics": run.metrics,
-                    "ttft_ms": [r.ttft * 1000 for r in run.records],
-                    "tpot_ms": [r.tpot * 1000 for r in run.records if r.tpot is not None]}
+            out = {"backend": "hf" if through_hf else "http" if spec.serve else "runtime",
+                   **run_summary(measure("bench", workload, config))}
+            if spec.batch1:  # the workload's first few requests, one at a time
+                single = replace(workload, num_requests=min(BATCH1_REQUESTS, workload.num_requests))
+                out["batch1"] = run_summary(measure("bench-batch1", single,
+                                                    replace(config, max_concurrency=1, hf_batch_size=1)))
+            return out
 
         config = {**spec.model_dump(mode="json", exclude={"order"}), "hf": through_hf}  # order: not a setting
         return self._cached("bench", key, config, compute)

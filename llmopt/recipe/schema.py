@@ -105,6 +105,9 @@ class BenchSpec(_Strict):
     engine: EngineSection = Field(default_factory=EngineSection)  # any EngineConfig field: max_num_seqs, ...
     slo: Optional[str] = None
     serve: bool = False  # bench each variant served over HTTP (llmopt serve on loopback), not the engine directly
+    # also run the workload one request at a time (its first runner.BATCH1_REQUESTS requests): batch-1 speed beside the
+    # batched figures, since a quantized model can win at one and lose at the other
+    batch1: bool = False
     # speculative decoding as `--speculative` takes it (ngram, draft:MODEL, medusa[:PATH]), and its draft length
     speculative: Optional[str] = None
     # variants are benched in an order shuffled by defaults.seed (the first measurement of a process can pay

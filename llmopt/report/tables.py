@@ -12,7 +12,9 @@ from llmopt.core.io import read_json
 SPEED = [("out tok/s", ("bench", "metrics", "output_throughput"), "higher"),
          ("TTFT ms", ("bench", "metrics", "mean_ttft_ms"), "lower"),
          ("TPOT ms", ("bench", "metrics", "median_tpot_ms"), "lower"),
-         ("goodput req/s", ("bench", "metrics", "request_goodput"), "higher")]
+         ("goodput req/s", ("bench", "metrics", "request_goodput"), "higher"),
+         ("batch-1 tok/s", ("bench", "batch1", "metrics", "output_throughput"), "higher"),
+         ("batch-1 TPOT ms", ("bench", "batch1", "metrics", "median_tpot_ms"), "lower")]
 
 
 def load_run(run_dir: str | Path) -> dict:

@@ -234,3 +234,25 @@ bench: {dataset: random, num_requests: 4, input_len: 16, output_len: 8, dtype: f
     [variant] = json.loads((tmp_path / "run" / "results.json").read_text())["variants"]
     assert variant["bench"]["backend"] == "http"
     assert variant["bench"]["metrics"]["completed"] == 4 and variant["bench"]["metrics"]["total_output_tokens"] == 32
+
+
+def test_a_recipe_bench_can_add_a_batch1_row(tmp_path):
+    recipe = tmp_path / "batch1.yaml"
+    recipe.write_text("""name: batch1
+model: tiny-random-llama
+variants:
+  fp32: []
+  rtn:
+    - quantize: {method: rtn, bits: 4, group_size: 32}
+bench: {dataset: random, num_requests: 6, input_len: 16, output_len: 8, dtype: float32, batch1: true}
+baseline: fp32
+""")
+    result = run("recipe", "run", recipe, "-o", tmp_path / "run")
+    assert result.exit_code == 0, result.output
+    for variant in json.loads((tmp_path / "run" / "results.json").read_text())["variants"]:
+        batched, single = variant["bench"]["metrics"], variant["bench"]["batch1"]["metrics"]
+        assert batched["completed"] == 6 and single["completed"] == 4  # the first 4 requests, one at a time
+        assert single["mean_batch_size"] == 1 < batched["mean_batch_size"]
+    report = run("report", tmp_path / "run", "-o", tmp_path / "report.html", "--markdown", tmp_path / "report.md")
+    assert report.exit_code == 0, report.output
+    assert "batch-1 tok/s" in (tmp_path / "report.md").read_text()

@@ -79,9 +79,9 @@ def test_compiled_int4_dequantization_is_bit_exact(dtype, monkeypatch):
     if dtype == torch.bfloat16:  # rounded once from fp32, as the torch expression: the same bits
         assert torch.equal(out, expected)
     torch.testing.assert_close(out, expected, rtol=1e-6, atol=1e-6)  # fp32: fused multiply-add vs two roundings
-    # the layer at 20 rows: compiled dequantization + GEMM, or (no compiled kernels) aten's int4 kernel
+    # the compiled dequantization + GEMM path at 20 rows, or (no compiled kernels) aten's int4 kernel
     x = torch.randn(20, 192).to(dtype)
-    compiled = layer(x)
+    compiled = layer.run_path("dequantize", x)
     torch.testing.assert_close(compiled, torch.nn.functional.linear(x, out), rtol=0, atol=0)
     monkeypatch.setattr(int4_cpu, "cpu_ops", lambda: None)
     tol = 1e-4 if dtype == torch.float32 else 5e-2
@@ -167,15 +167,15 @@ def test_artifact_with_packed_kernels_matches_dequantized(gptq_artifact):
 
 
 def test_decode_bytes_count_the_int4_kernel_weights_not_the_prefill_copy(gptq_artifact):
-    """MBU's bytes per decode step: int4 linears count their packed weights and scales, not the nibble copy
-    that only many-row steps read."""
+    """MBU's bytes per decode step: int4 linears count one copy of their codes and scales, not the other
+    layouts of the same codes (the nibbles, the panels) a step reads instead."""
     from llmopt.eval.speed import model_cost
 
     checkpoint, tok, _ = load_runtime_model(str(gptq_artifact))
     decoder = Engine(checkpoint, tok, EngineConfig(block_size=4, kv_cache_bytes=2**20)).runner.decoder
     int4 = [m for m in decoder.blocks.modules() if isinstance(m, Int4PackedLinear)]
     assert int4
-    nibble_bytes = sum(m.nibbles.numel() for m in int4)
+    nibble_bytes = sum(m.nibbles.numel() + m.panel_codes.numel() + 4 * m.panel_scales.numel() for m in int4)
     everything = sum(t.numel() * t.element_size() for t in list(decoder.blocks.parameters())
                      + list(decoder.blocks.buffers()))
     lm_head = decoder.lm_head.weight
@@ -201,16 +201,16 @@ def kernel_calls(monkeypatch):
     return calls
 
 
-@pytest.mark.parametrize("rows", [1, 3, 15])
-def test_fp32_int4_decode_rows_run_from_the_codes(rows, kernel_calls):
-    # fp32 activations below the dequantize threshold go to the compiled kernel (aten's int4 kernel is ~20x
-    # slower with fp32 inputs); bf16 keeps aten's
+@pytest.mark.parametrize("rows,kernel", [(1, "int4_matmul_rows"), (3, "int4_matmul_panels"), (40, "int4_matmul_tiled")])
+def test_fp32_int4_decode_rows_run_from_the_codes(rows, kernel, kernel_calls):
+    # by default fp32 activations go to the compiled kernels, few rows straight from the codes, more tile by tile
+    # (aten's int4 kernel is ~20x slower with fp32 inputs); bf16 keeps aten's
     calls = kernel_calls
     qw = qweight(48, 192, 4, 64, False)
     layer = quantized_linear(qw, torch.float32)
     x = torch.randn(rows, 192)
     torch.testing.assert_close(layer(x), reference(x, qw), rtol=1e-5, atol=1e-5 * reference(x, qw).abs().max().item())
-    assert calls == ["int4_matmul_rows"]
+    assert calls == [kernel]
     calls.clear()
     quantized_linear(qw, torch.bfloat16)(x.bfloat16())
     assert "int4_matmul_rows" not in calls
@@ -225,7 +225,7 @@ def test_int8_activations_are_a_scheme(kernel_calls):
     q8 = quantized_linear(qw, torch.float32, "cpu", INT8_GROUP_ACTIVATIONS)
     assert type(q8) is Int4Q8Linear and type(layer) is Int4PackedLinear
     approx = q8(x)
-    assert calls == ["int4_matmul_rows", "int4_matmul_rows_q8"]
+    assert calls == ["int4_matmul_panels", "int4_matmul_rows_q8"]
     # 8-bit inputs: close to the exact product, not equal to it
     assert not torch.equal(approx, exact)
     torch.testing.assert_close(approx, exact, rtol=0.05, atol=0.05 * exact.abs().max().item())

@@ -63,6 +63,7 @@ KV_CACHE_DTYPE_ALIASES = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float1
                           "fp8_e4m3": "fp8"}
 KV_CACHE_8BIT = ("int8", "fp8")  # codes with a scale per token and KV head (runtime/executor/kernels/kv_quant.py)
 ACTIVATION_MODES = ("float", "int8")
+LINEAR_KERNEL_MODES = ("measured", "fixed")  # how quantized linears pick a kernel per row count (row_paths.py)
 # EngineConfig.activations -> the input-activation scheme linear methods are chosen for (None: the compute dtype)
 ACTIVATION_SCHEMES = {"float": None, "int8": INT8_GROUP_ACTIVATIONS}
 
@@ -107,6 +108,10 @@ class EngineConfig:
         "float", "int8: int4 linears at few rows round their inputs to 8 bits per group (dynamic, symmetric) and "
         "multiply integers, as llama.cpp's Q8 activations do (~1% error per output, faster on AVX2).",
         flag="int4-activations", numerics=True)
+    linear_kernels: Literal["measured", "fixed"] = option(
+        "measured", "How quantized linears pick their kernel for each step's row count: measured (every path timed "
+        "once per layer shape on this machine at start, kept in $LLMOPT_HOME/kernels/) or fixed (built-in row "
+        "thresholds: the same choice on every machine).", numerics=True)
     attention_backend: str = option(
         "auto", "Paged attention kernels: torch (the reference), cpu (compiled), triton (CUDA), latent-torch (MLA), "
         "or any registered backend (`llmopt env` lists them); auto: the fastest the device, the model's cache and "
@@ -150,7 +155,7 @@ class EngineConfig:
                               f"(0, {KV_CACHE_MAX_FRACTION}]", param="kv_cache_memory_fraction")
         # (attention_backend: checked against the backends' registry when the engine starts)
         for name, allowed in (("policy", ("continuous", "static")), ("kv_cache_dtype", KV_CACHE_DTYPES),
-                              ("activations", ACTIVATION_MODES)):
+                              ("activations", ACTIVATION_MODES), ("linear_kernels", LINEAR_KERNEL_MODES)):
             if getattr(self, name) not in allowed:
                 flag = engine_flag(name)
                 raise ConfigError(f"--{flag} must be one of {', '.join(allowed)} (got {getattr(self, name)!r})",

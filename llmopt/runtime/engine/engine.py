@@ -245,9 +245,10 @@ class Engine:
 
     def numerics(self) -> dict:
         """Every setting that changes the numbers computed, as configured and as resolved at start: the config's
-        numerics fields, the attention backend and the linear methods chosen (name -> count)."""
+        numerics fields, the attention backend, the linear methods chosen (name -> count) and, for methods with
+        several kernels, the kernel each layer shape runs per row bucket (layer key -> {rows: path})."""
         decoder = self.runner.decoder
         return {**self.config.numerics(), "fast_path_resolved": decoder.fast,
                 "attention_backend_resolved": decoder.attention.name,
                 "kv_cache_dtype_resolved": self.runner.kv_dtype_label,
-                "linear_methods": self.runner.linear_methods}
+                "linear_methods": self.runner.linear_methods, "linear_paths": self.runner.linear_paths}

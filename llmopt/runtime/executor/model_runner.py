@@ -16,6 +16,7 @@ from llmopt.runtime.executor.kernels.attention import AttentionMetadata
 from llmopt.runtime.executor.kernels.cpu_ops import cpu_ops
 from llmopt.runtime.executor.kernels.kv_quant import KV_CODE_DTYPES
 from llmopt.runtime.executor.models import build_runtime_model
+from llmopt.runtime.executor.linear.row_paths import plan_linears
 from llmopt.runtime.executor.prompt_scores import PromptScoreCache
 from llmopt.runtime.parallel.group import to_wire
 from llmopt.runtime.parallel.pipeline import split_tokens
@@ -107,6 +108,7 @@ class ModelRunner:
                                            config.quantized_kv_cache, group=group)
         self.group, self.workers, self.stages = group, workers, stages
         self.linear_methods = dict(sorted(self.decoder.linear_methods.items()))
+        self.linear_paths = plan_linears(self.decoder, config.linear_kernels)
         self.device = next(hf_model.parameters()).device
         if self.device.type == "cpu":
             keep_freed_host_memory()  # each step's activations reuse freed memory instead of new pages

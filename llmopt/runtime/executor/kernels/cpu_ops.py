@@ -18,6 +18,7 @@ or flags change.
 
 from __future__ import annotations
 
+import hashlib
 import logging
 import os
 from functools import lru_cache
@@ -38,8 +39,8 @@ GEMV_MAX_ROWS = 8  # ops.gemv takes x [1..8, K] (csrc/fused_cpu.cpp, GEMV_MAX_RO
 GEMV_BATCHED_ROWS = range(3, GEMV_MAX_ROWS + 1)
 
 SOURCES = [Path(__file__).parent / "csrc" / name
-           for name in ("paged_attention_cpu.cpp", "fused_cpu.cpp", "int4_cpu.cpp", "int8_cpu.cpp", "fp4_cpu.cpp",
-                        "shm_all_reduce.cpp", "register.cpp")]
+           for name in ("paged_attention_cpu.cpp", "fused_cpu.cpp", "int4_cpu.cpp", "int8_cpu.cpp",
+                        "int8_weight_cpu.cpp", "fp4_cpu.cpp", "shm_all_reduce.cpp", "register.cpp")]
 _X86_FLAGS = {
     "scalar": [],
     "avx2": ["-mavx2", "-mfma", "-mf16c"],
@@ -55,13 +56,22 @@ def isa_flags(isa: str) -> list[str]:
     return _X86_FLAGS[isa] if cpu_info().is_x86 else []
 
 
+def headers_digest() -> str:
+    """A digest of csrc/*.h, passed as a flag: torch's loader rebuilds when sources or flags change, and this
+    makes a header's change one of them."""
+    digest = hashlib.sha256()
+    for header in sorted((Path(__file__).parent / "csrc").glob("*.h")):
+        digest.update(header.read_bytes())
+    return digest.hexdigest()[:16]
+
+
 @lru_cache(maxsize=None)
 def _load(isa: str):
     from torch.utils.cpp_extension import load
 
     load(name=f"llmopt_cpu_kernels_{isa}", sources=[str(s) for s in SOURCES], is_python_module=False,
          extra_cflags=["-O3", "-fopenmp", *isa_flags(isa), f"-DLLMOPT_NS=llmopt_cpu_{isa}",
-                       f"-DLLMOPT_ISA={isa}"],
+                       f"-DLLMOPT_ISA={isa}", f"-DLLMOPT_HEADERS={headers_digest()}"],
          extra_ldflags=["-fopenmp"], verbose=False)
     return getattr(torch.ops, f"llmopt_cpu_{isa}")
 

@@ -77,6 +77,20 @@ def int4_dequantize(nibbles: torch.Tensor, scales_and_offsets: torch.Tensor, ker
     return torch.addcmul(offsets, q - 8, scales).reshape(n, -1)
 
 
+def pack_int4_panels(nibbles: torch.Tensor, scales_and_offsets: torch.Tensor, kernel_group: int
+                     ) -> tuple[torch.Tensor, torch.Tensor]:
+    """The int4 weight in panels of 16 outputs for `int4_matmul_panels` (csrc/int4_cpu.cpp): codes [N/16, K, 8]
+    (per column k, output i of the panel in the low nibble of byte i, output 8 + i in the high one) and per group
+    the panel's scales and biases (offset - 8 * scale, so w = q * scale + bias) as fp32 [N/16, K/group, 2, 16]."""
+    q = unpack_nibbles(nibbles)  # [N, K]
+    n, k = q.shape
+    panels = q.reshape(n // 16, 16, k).to(torch.uint8)
+    codes = (panels[:, :8] | (panels[:, 8:] << 4)).transpose(1, 2).contiguous()  # [P, K, 8]
+    scales, offsets = scales_and_offsets[..., 0].float(), scales_and_offsets[..., 1].float()  # [G, N]
+    per_panel = torch.stack([scales, offsets - 8 * scales], dim=1)  # [G, 2, N]
+    return codes, per_panel.reshape(k // kernel_group, 2, n // 16, 16).permute(2, 0, 1, 3).contiguous()
+
+
 def pack_int8(q: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor, dtype: torch.dtype
               ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
     """Per-channel 8-bit codes [N, K], scales/zeros [N, 1] -> (signed codes, scales [N], correction [N] or None).

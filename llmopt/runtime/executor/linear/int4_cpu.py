@@ -8,26 +8,34 @@ import torch.nn.functional as F
 
 from llmopt.runtime.executor.kernels.cpu_ops import cpu_ops
 from llmopt.runtime.executor.kernels.quant_matmul import (
-    can_pack_int4, int4_dequantize, int4_group_size, int4_matmul, pack_int4, pack_int4_codes, pack_nibbles,
-    unpack_nibbles,
+    can_pack_int4, int4_dequantize, int4_group_size, int4_matmul, pack_int4, pack_int4_codes, pack_int4_panels,
+    pack_nibbles, unpack_nibbles,
 )
 from llmopt.runtime.executor.linear.base import LinearMethod, dequantize_buffer, new_stacked, register_linear_method
+from llmopt.runtime.executor.linear.row_paths import TILE_BYTES, RowPathsMixin
 
 
 @register_linear_method
-class Int4PackedLinear(LinearMethod):
-    """aten's int4 kernel for few rows (decode: it reads 4-bit weights, the memory-bound case); for more rows
-    (prefill, decode batches of 16+) the weight is dequantized whole and multiplied by the dense GEMM, which on
-    CPUs with bf16 matrix units is several times faster than the int4 kernel there (docs/results/runtime.md).
-    The plain nibble copy for that costs another half byte per weight."""
+class Int4PackedLinear(RowPathsMixin, LinearMethod):
+    """Five kernels ("paths", chosen per step's row count by row_paths.py, measured on this machine): the compiled
+    few-row kernel straight from the codes ("rows": decode, the memory-bound case); the one that reads the codes
+    repacked at load in panels of 16 outputs and decodes each column once for up to 16 rows ("panels": batched
+    decode); the one that
+    dequantizes an L2-sized tile at a time and multiplies it by all rows ("tiled": decode batches); the compiled
+    whole-weight dequantization + dense GEMM ("dequantize": prefill chunks, where CPUs with bf16 matrix units
+    are several times faster dense, docs/results/runtime.md); aten's int4 kernel ("aten": bf16 decode). The
+    plain nibble copy and the panels each cost another half byte per weight."""
 
     name, priority = "int4-cpu", 10
     # two copies of the codes, one read per step (aten's layout for bf16 decode, nibbles otherwise; the same
     # size): eval.speed.model_cost counts one
-    prefill_only_buffers = ("nibbles",)
-    dequantize_min_rows = 256  # the measured crossover on SmolLM2's shapes, bf16, 2 cores (benchmarks/int4_matmul.py)
+    prefill_only_buffers = ("nibbles", "panel_codes", "panel_scales")
+    # the fixed plan's thresholds (--linear-kernels fixed, and before a plan is set):
+    dequantize_min_rows = 256  # torch dequantization vs aten's kernel, bf16, 2 cores (benchmarks/int4_matmul.py)
     # the same with the compiled dequantization (kernels/csrc/int4_cpu.cpp, ~30x faster than the torch one)
     compiled_dequantize_min_rows = 16
+    # fp32 / fp16: "rows" for 1 row, "panels" up to 32, "tiled" up to 64 (benchmarks/int4_batch.py)
+    few_rows_max, panels_max_rows, tiled_max_rows = 1, 32, 64
 
     def __init__(self, qweight, dtype, device="cpu"):
         super().__init__(qweight, dtype, device)
@@ -36,6 +44,12 @@ class Int4PackedLinear(LinearMethod):
         self.register_buffer("packed", packed)
         self.register_buffer("scales_and_offsets", scales_and_offsets)
         self.register_buffer("nibbles", pack_nibbles(qweight.q))
+        self._register_panels()
+
+    def _register_panels(self):
+        codes, scales_biases = pack_int4_panels(self.nibbles, self.scales_and_offsets, self.kernel_group)
+        self.register_buffer("panel_codes", codes)
+        self.register_buffer("panel_scales", scales_biases)
 
     @classmethod
     def accepts(cls, qweight, scheme, device):
@@ -55,6 +69,7 @@ class Int4PackedLinear(LinearMethod):
         fused.register_buffer("packed", pack_int4_codes(unpack_nibbles(nibbles)))
         fused.register_buffer("scales_and_offsets", torch.cat([p.scales_and_offsets for p in parts], dim=1))
         fused.register_buffer("nibbles", nibbles)
+        fused._register_panels()
         return fused
 
     @classmethod
@@ -63,23 +78,51 @@ class Int4PackedLinear(LinearMethod):
         return all(type(p) is cls and p.in_features == first.in_features and p.dtype == first.dtype
                    and p.kernel_group == first.kernel_group for p in parts)
 
-    def _few_rows(self, ops, x2d):
-        """fp32 / fp16 rows straight from the codes (aten's kernel serves bf16 well, fp32 ~20x slower)."""
-        return ops.int4_matmul_rows(x2d, self.nibbles, self.scales_and_offsets, self.kernel_group)
+    # --- paths (row_paths.py): which kernel runs a step of `rows` inputs -------------------------------------
+    def row_paths(self) -> dict[str, int | None]:
+        if cpu_ops() is None:
+            return {"aten": None, "torch_dequantize": None}
+        paths = {"rows": 16, "panels": 128, "tiled": None, "dequantize": None}
+        if self.dtype == torch.bfloat16:
+            paths["aten"] = 64  # aten's int4 kernel serves bf16 inputs (fp32 ones ~20x slower than "rows")
+        return paths
 
-    def _matmul(self, x2d):
-        rows = x2d.shape[0]
-        ops = cpu_ops() if x2d.device.type == "cpu" else None
-        if ops is not None and rows < self.compiled_dequantize_min_rows and x2d.dtype != torch.bfloat16:
-            return self._few_rows(ops, x2d)
-        if ops is not None and rows >= self.compiled_dequantize_min_rows:
-            # one compiled pass into a reused buffer, then the dense GEMM
-            weight = dequantize_buffer(self.out_features * self.in_features, self.scales_and_offsets.dtype)
-            weight = weight.view(self.out_features, self.in_features)
-            ops.int4_dequantize_out(self.nibbles, self.scales_and_offsets, self.kernel_group, weight)
-            return F.linear(x2d, weight)
-        if rows >= self.dequantize_min_rows:
-            return F.linear(x2d, int4_dequantize(self.nibbles, self.scales_and_offsets, self.kernel_group))
+    def default_path(self, rows: int) -> str:
+        if cpu_ops() is None:
+            return "torch_dequantize" if rows >= self.dequantize_min_rows else "aten"
+        if self.dtype == torch.bfloat16:
+            return "aten" if rows < self.compiled_dequantize_min_rows else "dequantize"
+        if rows <= self.few_rows_max:
+            return "rows"
+        return "panels" if rows <= self.panels_max_rows else "tiled" if rows <= self.tiled_max_rows else "dequantize"
+
+    def row_plan_key(self) -> str:
+        return f"{self.name}|{str(self.dtype).removeprefix('torch.')}|{self.out_features}x{self.in_features}|g{self.kernel_group}"
+
+    def _path_rows(self, x2d):
+        """Straight from the codes, widened in registers for every pair of rows (decode at small batches)."""
+        return cpu_ops().int4_matmul_rows(x2d, self.nibbles, self.scales_and_offsets, self.kernel_group)
+
+    def _path_panels(self, x2d):
+        """From the codes repacked at load in panels of 16 outputs, decoded once per 16 rows (batched decode)."""
+        return cpu_ops().int4_matmul_panels(x2d, self.panel_codes, self.panel_scales, self.kernel_group)
+
+    def _path_tiled(self, x2d):
+        """Dequantized one L2-sized tile at a time, each tile multiplied by all rows (tiled_gemm.h)."""
+        return cpu_ops().int4_matmul_tiled(x2d, self.nibbles, self.scales_and_offsets, self.kernel_group,
+                                           TILE_BYTES)
+
+    def _path_dequantize(self, x2d):
+        """One compiled pass into a reused buffer, then the dense GEMM (large prefill chunks)."""
+        weight = dequantize_buffer(self.out_features * self.in_features, self.scales_and_offsets.dtype)
+        weight = weight.view(self.out_features, self.in_features)
+        cpu_ops().int4_dequantize_out(self.nibbles, self.scales_and_offsets, self.kernel_group, weight)
+        return F.linear(x2d, weight)
+
+    def _path_torch_dequantize(self, x2d):
+        return F.linear(x2d, int4_dequantize(self.nibbles, self.scales_and_offsets, self.kernel_group))
+
+    def _path_aten(self, x2d):
         return int4_matmul(x2d, self.packed, self.scales_and_offsets, self.kernel_group)
 
 
@@ -103,5 +146,11 @@ class Int4Q8Linear(Int4PackedLinear):
         # the kernel's activation groups of 64 never straddle a kernel group
         return int4_group_size(qweight.shape[1], qweight.scheme.group_size) % 64 == 0
 
-    def _few_rows(self, ops, x2d):
-        return ops.int4_matmul_rows_q8(x2d, self.nibbles, self.scales_and_offsets, self.kernel_group)
+    def _path_rows(self, x2d):
+        return cpu_ops().int4_matmul_rows_q8(x2d, self.nibbles, self.scales_and_offsets, self.kernel_group)
+
+    def default_path(self, rows: int) -> str:
+        """The 8-bit inputs' kernel for fewer than 16 fp32 / fp16 rows, as asked; the parent's choice beyond."""
+        if cpu_ops() is not None and self.dtype != torch.bfloat16 and rows < self.compiled_dequantize_min_rows:
+            return "rows"
+        return super().default_path(rows)

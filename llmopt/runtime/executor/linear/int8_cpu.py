@@ -1,15 +1,19 @@
-"""int8 weights, one scale per output channel, on CPU: aten's int8 weight-only kernel."""
+"""int8 weights, one scale per output channel, on CPU: the compiled kernels (kernels/csrc/int8_weight_cpu.cpp) for
+few rows and, tile by tile, for batches; aten's int8 weight-only kernel for bf16 inputs and where the compiled
+kernels are absent."""
 
 from __future__ import annotations
 
 import torch
 
+from llmopt.runtime.executor.kernels.cpu_ops import cpu_ops
 from llmopt.runtime.executor.kernels.quant_matmul import int8_matmul, pack_int8
 from llmopt.runtime.executor.linear.base import LinearMethod, new_stacked, register_linear_method
+from llmopt.runtime.executor.linear.row_paths import TILE_BYTES, RowPathsMixin
 
 
 @register_linear_method
-class Int8PackedLinear(LinearMethod):
+class Int8PackedLinear(RowPathsMixin, LinearMethod):
     name, priority = "int8-cpu", 10
 
     def __init__(self, qweight, dtype, device="cpu"):
@@ -45,5 +49,30 @@ class Int8PackedLinear(LinearMethod):
         return all(type(p) is Int8PackedLinear and p.in_features == first.in_features and p.dtype == first.dtype
                    for p in parts)
 
-    def _matmul(self, x2d):
+    # --- paths (row_paths.py) --------------------------------------------------------------------------------
+    def row_paths(self) -> dict[str, int | None]:
+        if cpu_ops() is None:
+            return {"aten": None}
+        paths = {"rows": 16, "tiled": None}
+        if self.dtype == torch.bfloat16:
+            paths["aten"] = None  # (with fp32 inputs aten's kernel is 10-100x slower than these)
+        return paths
+
+    def default_path(self, rows: int) -> str:
+        if cpu_ops() is None:
+            return "aten"
+        return "rows" if rows <= 8 else "tiled"
+
+    def row_plan_key(self) -> str:
+        return f"{self.name}|{str(self.dtype).removeprefix('torch.')}|{self.out_features}x{self.in_features}"
+
+    def _path_rows(self, x2d):
+        """The codes read once for all rows, widened in registers (decode)."""
+        return cpu_ops().int8_matmul_rows(x2d, self.signed, self.scale, self.correction)
+
+    def _path_tiled(self, x2d):
+        """Dequantized one L2-sized tile at a time, each tile multiplied by all rows (tiled_gemm.h)."""
+        return cpu_ops().int8_matmul_tiled(x2d, self.signed, self.scale, self.correction, TILE_BYTES)
+
+    def _path_aten(self, x2d):
         return int8_matmul(x2d, self.signed, self.scale, self.correction)

@@ -3,6 +3,7 @@
 
 #include <ATen/ATen.h>
 
+#include <optional>
 #include <string>
 #include <tuple>
 
@@ -35,6 +36,10 @@ void int4_dequantize_out(const at::Tensor& nibbles, const at::Tensor& scales_and
                          at::Tensor& out);
 at::Tensor int4_matmul_rows(const at::Tensor& x, const at::Tensor& nibbles, const at::Tensor& so, int64_t group);
 at::Tensor int4_matmul_rows_q8(const at::Tensor& x, const at::Tensor& nibbles, const at::Tensor& so, int64_t group);
+at::Tensor int4_matmul_panels(const at::Tensor& x, const at::Tensor& codes, const at::Tensor& scales_biases,
+                              int64_t group);
+at::Tensor int4_matmul_tiled(const at::Tensor& x, const at::Tensor& nibbles, const at::Tensor& so, int64_t group,
+                             int64_t tile_bytes);
 }  // namespace llmopt_cpu::int4
 
 namespace llmopt_cpu::fp4 {
@@ -50,6 +55,10 @@ at::Tensor scale_int32_rows(const at::Tensor& acc, const at::Tensor& row_scale, 
                             at::ScalarType dtype);
 at::Tensor int8_gemv_rows(const at::Tensor& x, const at::Tensor& weight, const at::Tensor& weight_scale,
                           const at::Tensor& weight_sum, at::ScalarType dtype);
+at::Tensor int8_matmul_rows(const at::Tensor& x, const at::Tensor& codes, const at::Tensor& scale,
+                            const std::optional<at::Tensor>& shift);
+at::Tensor int8_matmul_tiled(const at::Tensor& x, const at::Tensor& codes, const at::Tensor& scale,
+                             const std::optional<at::Tensor>& shift, int64_t tile_bytes);
 }  // namespace llmopt_cpu::int8
 
 namespace llmopt_cpu::comm {

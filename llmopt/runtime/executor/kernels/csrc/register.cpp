@@ -29,10 +29,14 @@ LLMOPT_LIBRARY(LLMOPT_NS, m) {
   m.def("int4_dequantize_out(Tensor nibbles, Tensor scales_and_offsets, int group, Tensor(a!) out) -> ()");
   m.def("int4_matmul_rows(Tensor x, Tensor nibbles, Tensor scales_and_offsets, int group) -> Tensor");
   m.def("int4_matmul_rows_q8(Tensor x, Tensor nibbles, Tensor scales_and_offsets, int group) -> Tensor");
+  m.def("int4_matmul_panels(Tensor x, Tensor codes, Tensor scales_biases, int group) -> Tensor");
+  m.def("int4_matmul_tiled(Tensor x, Tensor nibbles, Tensor scales_and_offsets, int group, int tile_bytes) -> Tensor");
   m.def("fp4_matmul_rows(Tensor x, Tensor nibbles, Tensor scale_bytes, Tensor scale_table, int group) -> Tensor");
   m.def("fp4_dequantize_out(Tensor nibbles, Tensor scale_bytes, Tensor scale_table, int group, Tensor(a!) out) -> ()");
   m.def("quantize_rows_int8(Tensor x) -> (Tensor, Tensor)");
   m.def("scale_int32_rows(Tensor acc, Tensor row_scale, Tensor col_scale, ScalarType dtype) -> Tensor");
+  m.def("int8_matmul_rows(Tensor x, Tensor codes, Tensor scale, Tensor? shift) -> Tensor");
+  m.def("int8_matmul_tiled(Tensor x, Tensor codes, Tensor scale, Tensor? shift, int tile_bytes) -> Tensor");
   m.def("int8_gemv_rows(Tensor x, Tensor weight, Tensor weight_scale, Tensor weight_sum, ScalarType dtype) -> Tensor");
   m.def("shm_all_reduce_(Tensor(a!) x, Tensor region, int rank, int world, int seq, int buffer_bytes, float wait_s, "
         "bool published) -> int");
@@ -53,10 +57,14 @@ LLMOPT_LIBRARY_IMPL(LLMOPT_NS, CPU, m) {
   m.impl("int4_dequantize_out", int4::int4_dequantize_out);
   m.impl("int4_matmul_rows", int4::int4_matmul_rows);
   m.impl("int4_matmul_rows_q8", int4::int4_matmul_rows_q8);
+  m.impl("int4_matmul_panels", int4::int4_matmul_panels);
+  m.impl("int4_matmul_tiled", int4::int4_matmul_tiled);
   m.impl("fp4_matmul_rows", fp4::fp4_matmul_rows);
   m.impl("fp4_dequantize_out", fp4::fp4_dequantize_out);
   m.impl("quantize_rows_int8", int8::quantize_rows_int8);
   m.impl("scale_int32_rows", int8::scale_int32_rows);
+  m.impl("int8_matmul_rows", int8::int8_matmul_rows);
+  m.impl("int8_matmul_tiled", int8::int8_matmul_tiled);
   m.impl("int8_gemv_rows", int8::int8_gemv_rows);
   m.impl("shm_all_reduce_", comm::shm_all_reduce_);
 }

@@ -1,0 +1,90 @@
+"""Is a quantized SmolLM2 faster than the dense one at every batch size? Output tok/s of GPTQ w4g64 and RTN int8
+weight-only vs fp32 dense at concurrency 1, 4, 16, 64 (128 in / 128 out), all in one run: the variants alternate
+within each round and each ratio is the median over rounds. Every run records which kernel each linear shape
+chose per row bucket (`linear_paths`, measured at engine start).
+
+    llmopt quantize smollm2-135m --method gptq --bits 4 --group-size 64 -o /tmp/gptq
+    llmopt quantize smollm2-135m --method rtn --bits 8 --group-size -1 -o /tmp/int8
+    python benchmarks/int4_batch.py --gptq /tmp/gptq --int8 /tmp/int8 --json docs/results/data/int4_batch.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+
+from llmopt.core.hardware import cpu_line
+from llmopt.eval.speed import BenchConfig, bench_runtime
+from llmopt.eval.workloads import WorkloadSpec
+from llmopt.runtime.engine.config import EngineConfig
+from rows import emit, save_rows
+
+DENSE = "smollm2-135m"
+TARGETS = {"gptq": {1: 1.8, 4: 1.5, 16: 1.2, 64: 1.0}, "int8": {1: 1.5, 4: 1.3, 16: 1.1, 64: 1.0}}
+
+
+def parse_args():
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--gptq", required=True, help="a GPTQ w4g64 artifact of SmolLM2-135M")
+    parser.add_argument("--int8", default=None, help="an RTN int8 (per channel) artifact of SmolLM2-135M")
+    parser.add_argument("--dtype", default="float32", help="compute dtype of every variant (default float32)")
+    parser.add_argument("--concurrency", default="1,4,16,64")
+    parser.add_argument("--input-len", type=int, default=128)
+    parser.add_argument("--output-len", type=int, default=128)
+    parser.add_argument("--rounds", type=int, default=2)
+    parser.add_argument("--linear-kernels", default="measured", choices=("measured", "fixed"))
+    parser.add_argument("--json", default="docs/results/data/int4_batch.json")
+    parser.add_argument("--markdown", default=None)
+    return parser.parse_args()
+
+
+def one_run(model: str, concurrency: int, args) -> dict:
+    spec = WorkloadSpec("random", num_requests=max(4, concurrency), input_len=args.input_len,
+                        output_len=args.output_len)
+    engine = EngineConfig(max_num_seqs=concurrency, kv_cache_bytes=1 << 30, linear_kernels=args.linear_kernels)
+    run = bench_runtime(model, model, spec, BenchConfig(dtype=args.dtype, engine=engine, max_concurrency=concurrency))
+    return {"model": model, "concurrency": concurrency, "output_throughput": run.metrics["output_throughput"],
+            "median_tpot_ms": run.metrics["median_tpot_ms"], "mean_ttft_ms": run.metrics["mean_ttft_ms"],
+            "linear_paths": run.config["numerics"]["linear_paths"]}
+
+
+def table(rows: list[dict], variants: dict[str, str], levels: list[int]) -> str:
+    lines = [f"CPU: {cpu_line()}", "",
+             "| concurrency | fp32 dense tok/s | " + " | ".join(f"{v} tok/s (x dense, target)" for v in variants
+                                                           if v != "dense") + " |",
+             "|---:|---:|" + "---:|" * (len(variants) - 1)]
+    for level in levels:
+        tput = {v: statistics.median(r["output_throughput"] for r in rows
+                                     if r["variant"] == v and r["concurrency"] == level) for v in variants}
+        cells = []
+        for v in variants:
+            if v == "dense":
+                continue
+            ratio, target = tput[v] / tput["dense"], TARGETS[v][level] if level in TARGETS[v] else None
+            verdict = "" if target is None else f", >= {target}: {'met' if ratio >= target else '**missed**'}"
+            cells.append(f"{tput[v]:.1f} ({ratio:.2f}x{verdict})")
+        lines.append(f"| {level} | {tput['dense']:.1f} | " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
+def main() -> None:
+    args = parse_args()
+    variants = {"dense": DENSE, "gptq": args.gptq}
+    if args.int8:
+        variants["int8"] = args.int8
+    levels = [int(c) for c in args.concurrency.split(",")]
+    rows = []
+    for round_index in range(args.rounds):
+        for level in levels:
+            order = list(variants) if round_index % 2 == 0 else list(reversed(variants))
+            for variant in order:
+                row = {"variant": variant, "round": round_index, **one_run(variants[variant], level, args)}
+                rows.append(row)
+                print(f"round {round_index} concurrency {level} {variant}: {row['output_throughput']:.1f} tok/s, "
+                      f"TPOT {row['median_tpot_ms']:.1f} ms", flush=True)
+                save_rows(args.json, {"cpu": cpu_line(), "dtype": args.dtype, "rows": rows})
+    emit(table(rows, variants, levels), args.markdown)
+
+
+if __name__ == "__main__":
+    main()

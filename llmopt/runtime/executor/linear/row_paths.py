@@ -1,0 +1,199 @@
+"""Which kernel a quantized linear runs for a step of M input rows (tokens), chosen by timing on this machine.
+
+A method with several kernels ("paths") declares
+- `row_paths()` -> {path name: the most rows it is timed at (None: every bucket)}, the paths this layer can run
+  here (its dtype, the compiled kernels present);
+- `default_path(rows)`: the built-in choice (used before a plan exists and under `--linear-kernels fixed`);
+- `run_path(name, x2d)`: the product by that path;
+- `row_plan_key()`: what the timing depends on (method, dtype, shape, group size).
+`plan_linears(decoder, mode)` gives each such layer a RowPlan at engine start. "measured" times every path at
+each of ROW_BUCKETS on the layer's own weight and keeps the fastest (the default unless another is at least
+MARGIN faster: the machines are noisy), once per shape per machine: the choices are kept in
+$LLMOPT_HOME/kernels/, keyed by CPU, features, threads, torch and the kernels' sources, and recorded with every
+bench result (Engine.numerics). No path changes what is computed beyond rounding order (fp32 accumulation).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import os
+import threading
+import time
+from functools import lru_cache
+from pathlib import Path
+
+import torch
+from torch import nn
+
+from llmopt.core.errors import ConfigError
+from llmopt.core.paths import llmopt_home
+from llmopt.runtime.engine.config import LINEAR_KERNEL_MODES
+
+log = logging.getLogger(__name__)
+
+ROW_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256)  # a step of M rows takes the choice of the first bucket >= M
+MARGIN = 0.05  # another path replaces the default only when faster by this fraction
+TIMING_REPEATS = 5  # best of, after one warm-up call
+TIMING_BUDGET_S = 0.05  # per path and bucket: fewer repeats for slow calls
+
+
+def tile_bytes() -> int:
+    """Bytes of dequantized weight per tile of the tiled paths (kernels/csrc/tiled_gemm.h): a quarter of the L2
+    cache (the tile, the rows' inputs and outputs and the GEMM's packing buffers share it), 64-512 KiB."""
+    from llmopt.core.hardware import cpu_info
+
+    return min(512 << 10, max(64 << 10, cpu_info().caches.get("L2", 1 << 20) // 4))
+
+
+TILE_BYTES = tile_bytes()
+
+
+class RowPlan:
+    """bucket -> path name; `path(rows)` looks the choice up in a table indexed by row count (a list index per
+    call: it runs for every linear of every step)."""
+
+    def __init__(self, choices: dict[int, str]):
+        self.choices = dict(sorted((int(b), p) for b, p in choices.items()))  # (the JSON store's keys are text)
+        buckets = list(self.choices)
+        self._table = [self.choices[next((b for b in buckets if b >= rows), buckets[-1])]
+                       for rows in range(buckets[-1] + 1)]
+
+    def path(self, rows: int) -> str:
+        return self._table[rows] if rows < len(self._table) else self._table[-1]
+
+    def to_json(self) -> dict[str, str]:
+        return {str(b): p for b, p in self.choices.items()}
+
+
+def fixed_plan(layer: nn.Module) -> RowPlan:
+    return RowPlan({b: layer.default_path(b) for b in ROW_BUCKETS})
+
+
+def _best_time(fn) -> float:
+    fn()  # warm-up (first-call allocations, the BLAS's packing buffers)
+    best, spent = float("inf"), 0.0
+    for _ in range(TIMING_REPEATS):
+        start = time.perf_counter()
+        fn()
+        elapsed = time.perf_counter() - start
+        best, spent = min(best, elapsed), spent + elapsed
+        if spent > TIMING_BUDGET_S:
+            break
+    return best
+
+
+def choose(times: dict[str, float], default: str) -> str:
+    """The fastest path, but the default where it is within MARGIN of it (timing noise should not flip it)."""
+    fastest = min(times, key=times.get)
+    return default if default in times and times[default] <= times[fastest] * (1 + MARGIN) else fastest
+
+
+def measure_plan(layer: nn.Module, buckets=ROW_BUCKETS) -> tuple[RowPlan, dict]:
+    """Times every path of `layer` at each bucket; returns the plan and the times (bucket -> path -> seconds)."""
+    paths = layer.row_paths()
+    generator = torch.Generator().manual_seed(0)
+    choices, times = {}, {}
+    with torch.inference_mode():
+        for rows in buckets:
+            x = torch.randn(rows, layer.in_features, generator=generator).to(layer.dtype)
+            candidates = [name for name, most in paths.items() if most is None or rows <= most]
+            timed = {name: _best_time(lambda name=name: layer.run_path(name, x)) for name in candidates}
+            choices[rows], times[rows] = choose(timed, layer.default_path(rows)), timed
+    return RowPlan(choices), times
+
+
+# --- the per-machine store of measured choices ---------------------------------------------------------
+_lock = threading.Lock()
+
+
+def _kernel_sources_digest() -> str:
+    digest = hashlib.sha256()
+    csrc = Path(__file__).resolve().parents[1] / "kernels" / "csrc"
+    for source in sorted(csrc.glob("*")):
+        digest.update(source.name.encode() + source.read_bytes())
+    for module in sorted(Path(__file__).parent.glob("*.py")):  # the paths themselves
+        digest.update(module.name.encode() + module.read_bytes())
+    return digest.hexdigest()
+
+
+def store_path() -> Path:
+    from llmopt.core.hardware import cpu_info, kernel_isa, usable_features
+
+    key = json.dumps([cpu_info().model, sorted(usable_features()), torch.get_num_threads(), torch.__version__,
+                      os.environ.get("ONEDNN_MAX_CPU_ISA"), os.environ.get("ATEN_CPU_CAPABILITY"), kernel_isa(),
+                      _kernel_sources_digest()])
+    return llmopt_home() / "kernels" / f"{hashlib.sha256(key.encode()).hexdigest()[:16]}.json"
+
+
+@lru_cache(maxsize=None)
+def _stored(path: Path) -> dict:
+    try:
+        return json.loads(path.read_text()) if path.is_file() else {}
+    except ValueError:
+        return {}  # a damaged file: measure again
+
+
+def _save(path: Path, entries: dict) -> None:
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_suffix(f".tmp{os.getpid()}")
+        tmp.write_text(json.dumps(entries, indent=1, sort_keys=True))
+        tmp.replace(path)
+    except OSError as exc:  # a read-only home: measure again next time
+        log.info("could not keep the linear kernels' choices at %s: %s", path, exc)
+
+
+def plan_for(layer: nn.Module, mode: str) -> RowPlan:
+    """The layer's plan under `mode` (measured: from the store, else timed now and stored)."""
+    if mode == "fixed":
+        return fixed_plan(layer)
+    path = store_path()
+    key = layer.row_plan_key()
+    with _lock:
+        entries = _stored(path)
+        if key not in entries:
+            plan, times = measure_plan(layer)
+            entries[key] = plan.to_json()
+            log.info("linear kernels for %s: %s (ms: %s)", key, entries[key],
+                     {b: {p: round(1e3 * s, 3) for p, s in t.items()} for b, t in times.items()})
+            on_disk = _stored.__wrapped__(path)  # another process may have added shapes meanwhile
+            _save(path, {**on_disk, **entries})
+        return RowPlan(entries[key])
+
+
+def plan_linears(decoder: nn.Module, mode: str) -> dict[str, dict[str, str]]:
+    """Gives every layer of `decoder` that has several paths its plan; returns {layer key: {bucket: path}} (what
+    the engine records)."""
+    if mode not in LINEAR_KERNEL_MODES:
+        raise ConfigError(f"--linear-kernels must be one of {', '.join(LINEAR_KERNEL_MODES)} (got {mode!r})",
+                          param="linear_kernels")
+    chosen = {}
+    for module in decoder.modules():
+        if hasattr(module, "row_paths") and hasattr(module, "set_row_plan"):
+            plan = plan_for(module, mode)
+            module.set_row_plan(plan)
+            chosen[module.row_plan_key()] = plan.to_json()
+    return chosen
+
+
+class RowPathsMixin:
+    """For a LinearMethod with several paths: `_matmul` runs the plan's path for the step's row count (the
+    built-in default until the engine sets a plan)."""
+
+    _row_plan: RowPlan | None = None
+
+    def set_row_plan(self, plan: RowPlan) -> None:
+        available = self.row_paths()
+        if not set(plan.choices.values()) <= set(available):  # a stored plan naming a path absent here
+            plan = fixed_plan(self)
+        self._row_plan = plan
+
+    def run_path(self, name: str, x2d: torch.Tensor) -> torch.Tensor:
+        return getattr(self, f"_path_{name}")(x2d)
+
+    def _matmul(self, x2d: torch.Tensor) -> torch.Tensor:
+        rows = x2d.shape[0]
+        plan = self._row_plan
+        return self.run_path(plan.path(rows) if plan is not None else self.default_path(rows), x2d)

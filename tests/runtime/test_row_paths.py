@@ -1,0 +1,174 @@
+"""Weight-only int4 / int8 linears at every row count: the compiled kernels (few-row and tiled) against the
+dequantized reference in every build this CPU runs, each path of the runtime's layers, and the per-row-count
+choice of path (row_paths.py): its lookup, its measurement, its store, and the engine recording it."""
+
+import json
+
+import pytest
+import torch
+
+from llmopt.compress.quant import quantize_rtn
+from llmopt.core.contract import QuantScheme
+from llmopt.core.errors import ConfigError
+from llmopt.core.hardware import supported_kernel_isas
+from llmopt.runtime.engine.config import EngineConfig
+from llmopt.runtime.executor.kernels.cpu_ops import cpu_ops
+from llmopt.runtime.executor.kernels.quant_matmul import (
+    int4_dequantize, pack_int4_panels, pack_int8, pack_nibbles, reference_quant_matmul,
+)
+from llmopt.runtime.executor.linear import make_linear
+from llmopt.runtime.executor.linear import row_paths
+from llmopt.runtime.executor.linear.int4_cpu import Int4PackedLinear
+from llmopt.runtime.executor.linear.int8_cpu import Int8PackedLinear
+from llmopt.runtime.executor.linear.row_paths import ROW_BUCKETS, RowPlan, choose, measure_plan, plan_for
+
+ROWS = (1, 3, 8, 9, 16, 64, 257)  # decode, speculative verification, the middle range, a prefill chunk
+DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+
+
+@pytest.fixture(params=supported_kernel_isas())
+def ops(request):
+    built = cpu_ops(request.param)
+    assert built is not None, f"the {request.param} kernels failed to build"
+    return built
+
+
+def close(out, expected, dtype):
+    tol = 1e-5 if dtype == torch.float32 else 1e-2
+    torch.testing.assert_close(out.float(), expected, rtol=tol, atol=tol * expected.abs().max().item())
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("tile_bytes", [4096, 1 << 20])  # 16-row tiles (a partial last one), one tile
+def test_int4_panels_and_tiles_match_the_dequantized_weight(ops, dtype, tile_bytes):
+    # 48 outputs: tiles of 16 rows, three panels of 16; 257 rows: 16 chunks of 16 (AVX2: 64 of 4) and one row
+    n, k, group = 48, 192, 64
+    g = torch.Generator().manual_seed(0)
+    q = torch.randint(0, 16, (n, k), generator=g)
+    so = torch.stack([torch.rand(k // group, n, generator=g) * 0.1, torch.randn(k // group, n, generator=g) * 0.1],
+                     dim=-1).to(dtype)
+    nibbles = pack_nibbles(q)
+    weight = int4_dequantize(nibbles, so.float(), group)
+    for rows in ROWS:
+        x = torch.randn(rows, k, generator=g).to(dtype)
+        out = ops.int4_matmul_tiled(x, nibbles, so, group, tile_bytes)
+        assert out.dtype == dtype and out.shape == (rows, n)
+        close(out, x.float() @ weight.t(), dtype)
+        codes, scales_biases = pack_int4_panels(nibbles, so, group)
+        close(ops.int4_matmul_panels(x, codes, scales_biases, group), x.float() @ weight.t(), dtype)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("sym", [True, False])
+def test_int8_weight_only_kernels_match_the_dequantized_weight(ops, dtype, sym):
+    n, k = 37, 200  # K not a multiple of 16: the scalar tail after the vectors
+    g = torch.Generator().manual_seed(1)
+    qw = quantize_rtn(torch.randn(n, k, generator=g), QuantScheme(8, -1, sym))
+    codes, scale, shift = pack_int8(qw.q, qw.scales, qw.zeros, dtype)
+    assert (shift is None) == sym
+    # the dequantized weight as the kernels see it: scale and shift rounded to the compute dtype
+    weight = scale.float()[:, None] * codes.float() + (0 if shift is None else shift.float()[:, None])
+    for rows in ROWS:
+        x = torch.randn(rows, k, generator=g).to(dtype)
+        expected = x.float() @ weight.t()
+        close(ops.int8_matmul_rows(x, codes, scale, shift), expected, dtype)
+        close(ops.int8_matmul_tiled(x, codes, scale, shift, 4096), expected, dtype)
+
+
+def qweight(n, k, bits, group_size, sym):
+    g = torch.Generator().manual_seed(n + k)
+    return quantize_rtn(torch.randn(n, k, generator=g), QuantScheme(bits, group_size, sym),
+                        bias=torch.randn(n, generator=g))
+
+
+@pytest.mark.parametrize("bits,group_size,kind", [(4, 64, Int4PackedLinear), (8, -1, Int8PackedLinear)])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_every_path_of_a_layer_computes_its_product(bits, group_size, kind, dtype):
+    qw = qweight(48, 192, bits, group_size, sym=False)
+    layer = make_linear(qw, dtype)
+    assert type(layer) is kind and len(layer.row_paths()) >= 2
+    tol = 1e-4 if dtype == torch.float32 else 5e-2
+    for rows in ROWS:
+        x = torch.randn(rows, 192)
+        expected = reference_quant_matmul(x.to(dtype).float(), qw.q, qw.scales, qw.zeros, qw.g_idx) + qw.bias
+        for name in layer.row_paths():
+            out = layer.run_path(name, x.to(dtype)) + layer.bias
+            torch.testing.assert_close(out.float(), expected, rtol=tol, atol=tol * expected.abs().max().item(),
+                                       msg=lambda m: f"path {name}, {rows} rows: {m}")
+
+
+def test_a_plan_maps_each_row_count_to_its_bucket():
+    plan = RowPlan({1: "rows", 2: "rows", 4: "tiled", 256: "dequantize"})
+    assert [plan.path(m) for m in (1, 2, 3, 4, 5, 255, 256, 4096)] == [
+        "rows", "rows", "tiled", "tiled", "dequantize", "dequantize", "dequantize", "dequantize"]
+    stored = RowPlan(json.loads(json.dumps(plan.to_json())))  # through the JSON store: keys as text
+    assert [stored.path(m) for m in range(600)] == [plan.path(m) for m in range(600)]
+
+
+class TimedLayer:
+    """A layer with two paths of known cost: 'slow' sleeps, 'quick' does not."""
+
+    in_features, dtype = 8, torch.float32
+
+    def __init__(self, default="slow", quick_limit=None):
+        self.default, self.quick_limit, self.calls = default, quick_limit, []
+
+    def row_paths(self):
+        return {"slow": None, "quick": self.quick_limit}
+
+    def default_path(self, rows):
+        return self.default
+
+    def row_plan_key(self):
+        return "timed|float32|8x8"
+
+    def run_path(self, name, x):
+        self.calls.append((name, x.shape[0]))
+        if name == "slow":
+            import time
+            time.sleep(0.004)
+        return x
+
+
+def test_measurement_keeps_the_fastest_path_where_it_may_run():
+    layer = TimedLayer(quick_limit=16)
+    plan, times = measure_plan(layer)
+    assert all(plan.path(b) == ("quick" if b <= 16 else "slow") for b in ROW_BUCKETS)
+    assert set(times[256]) == {"slow"}  # a path is timed only up to its limit
+    # the default stays unless another path is faster by the margin
+    assert choose({"slow": 1.04, "quick": 1.0}, "slow") == "slow"
+    assert choose({"slow": 1.06, "quick": 1.0}, "slow") == "quick"
+    assert choose({"quick": 1.0}, "slow") == "quick"  # the default may not run at these rows
+
+
+def test_measured_plans_are_stored_per_machine_and_read_back(isolated_home, monkeypatch):
+    layer = TimedLayer()
+    first = plan_for(layer, "measured")
+    stored = list((isolated_home / "kernels").glob("*.json"))
+    assert len(stored) == 1 and json.loads(stored[0].read_text())["timed|float32|8x8"] == first.to_json()
+    row_paths._stored.cache_clear()  # a new process: reads the store, measures nothing
+    monkeypatch.setattr(row_paths, "measure_plan", lambda layer: pytest.fail("measured again"))
+    assert plan_for(layer, "measured").choices == first.choices
+    assert set(plan_for(layer, "fixed").choices.values()) == {"slow"}
+
+
+def test_a_stored_plan_naming_an_absent_path_falls_back_to_the_defaults():
+    layer = make_linear(qweight(48, 192, 4, 64, sym=True), torch.float32)
+    layer.set_row_plan(RowPlan({1: "no-such-kernel"}))
+    assert layer._row_plan.choices == {b: layer.default_path(b) for b in ROW_BUCKETS}
+
+
+def test_the_engine_records_each_shapes_choice(tiny_gptq_artifact, isolated_home):
+    from llmopt.runtime.engine.engine import Engine
+    from llmopt.runtime.executor.loader import load_runtime_model
+
+    model, tokenizer, _ = load_runtime_model(str(tiny_gptq_artifact))
+    engine = Engine(model, tokenizer, EngineConfig(kv_cache_bytes=1 << 22, linear_kernels="fixed"))
+    paths = engine.numerics()["linear_paths"]
+    assert paths and all(key.startswith("int4-cpu|float32|") for key in paths)
+    layer = next(m for m in engine.runner.decoder.modules() if isinstance(m, Int4PackedLinear))
+    assert paths[layer.row_plan_key()] == {str(b): layer.default_path(b) for b in ROW_BUCKETS}
+    engine = Engine(model, tokenizer, EngineConfig(kv_cache_bytes=1 << 22))  # measured: stored in LLMOPT_HOME
+    assert engine.numerics()["linear_kernels"] == "measured" and list((isolated_home / "kernels").glob("*.json"))
+    with pytest.raises(ConfigError, match="--linear-kernels must be one of measured, fixed"):
+        EngineConfig(linear_kernels="fastest")
