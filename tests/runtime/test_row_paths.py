@@ -14,7 +14,7 @@ from llmopt.core.hardware import supported_kernel_isas
 from llmopt.runtime.engine.config import EngineConfig
 from llmopt.runtime.executor.kernels.cpu_ops import cpu_ops
 from llmopt.runtime.executor.kernels.quant_matmul import (
-    int4_dequantize, pack_int4_panels, pack_int8, pack_nibbles, reference_quant_matmul,
+    int4_dequantize, pack_int4_panels, pack_int8, pack_int8_panels, pack_nibbles, reference_quant_matmul,
 )
 from llmopt.runtime.executor.linear import make_linear
 from llmopt.runtime.executor.linear import row_paths
@@ -73,6 +73,8 @@ def test_int8_weight_only_kernels_match_the_dequantized_weight(ops, dtype, sym):
         expected = x.float() @ weight.t()
         close(ops.int8_matmul_rows(x, codes, scale, shift), expected, dtype)
         close(ops.int8_matmul_tiled(x, codes, scale, shift, 4096), expected, dtype)
+        close(ops.int8_matmul_panels(x, pack_int8_panels(codes[:32]), scale[:32], None if sym else shift[:32]),
+              expected[:, :32], dtype)
 
 
 def qweight(n, k, bits, group_size, sym):

@@ -103,6 +103,13 @@ def pack_int8(q: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor, dtype:
     return signed, scale.to(dtype), correction
 
 
+def pack_int8_panels(signed: torch.Tensor) -> torch.Tensor:
+    """Signed codes [N, K] (N a multiple of 16) -> [N/16, K, 16] for `int8_matmul_panels`: per column k, the 16
+    codes of a panel's outputs side by side."""
+    n, k = signed.shape
+    return signed.reshape(n // 16, 16, k).transpose(1, 2).contiguous()
+
+
 def int8_matmul(x: torch.Tensor, signed: torch.Tensor, scale: torch.Tensor,
                 correction: torch.Tensor | None) -> torch.Tensor:
     y = torch.ops.aten._weight_int8pack_mm(x, signed, scale)

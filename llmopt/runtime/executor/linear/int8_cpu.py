@@ -7,7 +7,7 @@ from __future__ import annotations
 import torch
 
 from llmopt.runtime.executor.kernels.cpu_ops import cpu_ops
-from llmopt.runtime.executor.kernels.quant_matmul import int8_matmul, pack_int8
+from llmopt.runtime.executor.kernels.quant_matmul import int8_matmul, pack_int8, pack_int8_panels
 from llmopt.runtime.executor.linear.base import LinearMethod, new_stacked, register_linear_method
 from llmopt.runtime.executor.linear.row_paths import TILE_BYTES, RowPathsMixin
 
@@ -15,6 +15,7 @@ from llmopt.runtime.executor.linear.row_paths import TILE_BYTES, RowPathsMixin
 @register_linear_method
 class Int8PackedLinear(RowPathsMixin, LinearMethod):
     name, priority = "int8-cpu", 10
+    prefill_only_buffers = ("panel_codes",)  # another layout of the codes: eval.speed.model_cost counts one
 
     def __init__(self, qweight, dtype, device="cpu"):
         super().__init__(qweight, dtype, device)
@@ -22,6 +23,12 @@ class Int8PackedLinear(RowPathsMixin, LinearMethod):
         self.register_buffer("signed", signed)
         self.register_buffer("scale", scale)
         self.register_buffer("correction", correction)
+        self._register_panels()
+
+    def _register_panels(self):
+        """The codes in panels of 16 outputs for the batched path (another byte per weight), where N allows."""
+        panels = pack_int8_panels(self.signed) if self.out_features % 16 == 0 else None
+        self.register_buffer("panel_codes", panels)
 
     @classmethod
     def accepts(cls, qweight, scheme, device):
@@ -41,6 +48,7 @@ class Int8PackedLinear(RowPathsMixin, LinearMethod):
         corrections = [p.correction if p.correction is not None else torch.zeros_like(p.scale) for p in parts]
         has_correction = any(p.correction is not None for p in parts)
         fused.register_buffer("correction", torch.cat(corrections) if has_correction else None)
+        fused._register_panels()
         return fused
 
     @staticmethod
@@ -54,6 +62,8 @@ class Int8PackedLinear(RowPathsMixin, LinearMethod):
         if cpu_ops() is None:
             return {"aten": None}
         paths = {"rows": 16, "tiled": None}
+        if self.panel_codes is not None:
+            paths["panels"] = 128
         if self.dtype == torch.bfloat16:
             paths["aten"] = None  # (with fp32 inputs aten's kernel is 10-100x slower than these)
         return paths
@@ -69,6 +79,10 @@ class Int8PackedLinear(RowPathsMixin, LinearMethod):
     def _path_rows(self, x2d):
         """The codes read once for all rows, widened in registers (decode)."""
         return cpu_ops().int8_matmul_rows(x2d, self.signed, self.scale, self.correction)
+
+    def _path_panels(self, x2d):
+        """Each column of 16 outputs widened once for up to 16 rows (batched decode)."""
+        return cpu_ops().int8_matmul_panels(x2d, self.panel_codes, self.scale, self.correction)
 
     def _path_tiled(self, x2d):
         """Dequantized one L2-sized tile at a time, each tile multiplied by all rows (tiled_gemm.h)."""

@@ -215,23 +215,6 @@ void panel_rows(const float* x, int64_t K, const uint8_t* codes, const float* sb
 #endif
 }
 
-// rows m0.. in chunks of PR (a partial last chunk by its own instantiation)
-template <int MB = PR>
-void panel_all_rows(const float* x, int64_t M, int64_t K, const uint8_t* codes, const float* sb, int64_t group,
-                    float* y, int64_t N, int64_t n0) {
-  if constexpr (MB > 0) {
-    int64_t m = 0;
-    if constexpr (MB == PR)
-      for (; m + PR <= M; m += PR) panel_rows<PR>(x + m * K, K, codes, sb, group, y + m * N, N, n0);
-    const int64_t rest = M - m;
-    if (rest == MB) {
-      panel_rows<MB>(x + m * K, K, codes, sb, group, y + m * N, N, n0);
-    } else if (rest > 0) {
-      panel_all_rows<MB - 1>(x + m * K, rest, K, codes, sb, group, y + m * N, N, n0);
-    }
-  }
-}
-
 template <typename T>
 void int4_panels_impl(const at::Tensor& x, const at::Tensor& codes, const at::Tensor& sb, int64_t group,
                       at::Tensor& y) {
@@ -259,7 +242,10 @@ void int4_panels_impl(const at::Tensor& x, const at::Tensor& codes, const at::Te
   const int64_t groups = K / group;
   at::parallel_for(0, N / 16, 1, [&](int64_t begin, int64_t end) {
     for (int64_t p = begin; p < end; ++p)
-      panel_all_rows(xp, M, K, cp + p * K * 8, sp + p * groups * 32, group, yp, N, p * 16);
+      row_chunks<PR>(M, [&](auto rows, int64_t m) {
+        panel_rows<decltype(rows)::value>(xp + m * K, K, cp + p * K * 8, sp + p * groups * 32, group, yp + m * N, N,
+                                          p * 16);
+      });
   });
   if constexpr (!std::is_same_v<T, float>) write_rows<T>(out, y);
 }

@@ -6,6 +6,7 @@
 //   of fp32's 4), widened to fp32 in registers and multiplied with RB rows at a time. aten's int8 weight-only
 //   kernel, which the runtime used before, is fast with bf16 inputs but ran 10-100x slower than the fp32 GEMM
 //   with fp32 inputs;
+// - int8_matmul_panels, batched rows from codes repacked in panels of 16 outputs (see below);
 // - int8_matmul_tiled, batched rows: the weight dequantized tile by tile and each tile multiplied by all rows
 //   with the BLAS GEMM while it is in L2 (tiled_gemm.h).
 // Shapes: x [M, K]; codes [N, K] int8; scale [N] and shift [N] in x's dtype; y [M, N] in x's dtype.
@@ -108,6 +109,62 @@ void dequantize_rows(const int8_t* codes, const T* scale, const T* shift, T* til
   }
 }
 
+// Batched rows from the codes repacked at load in panels of 16 outputs (quant_matmul.pack_int8_panels: codes
+// [N/16, K, 16], per column k the 16 outputs' codes): each column widened once into one vector and multiplied
+// by every row's input broadcast, PR rows of 16-output accumulators over the whole of K, the scale and shift
+// applied once at the end (as int4_matmul_panels).
+#if defined(__AVX512F__)
+constexpr int PR = 16;
+#else
+constexpr int PR = 4;
+#endif
+
+template <typename T, int MB>
+void int8_panel_rows(const float* x, const float* xsum, int64_t K, const int8_t* codes, const T* scale,
+                     const T* shift, float* y, int64_t N, int64_t n0) {
+#if defined(LLMOPT_VEC)
+  Vec acc[MB];
+  for (int m = 0; m < MB; ++m) acc[m] = vzero();
+  for (int64_t k = 0; k < K; ++k) {
+    const Vec w = load16_i8(codes + k * 16);
+    for (int m = 0; m < MB; ++m) acc[m] = vfma(vset1(x[m * K + k]), w, acc[m]);
+  }
+  const Vec s = load16(scale + n0), b = shift != nullptr ? load16(shift + n0) : vzero();
+  for (int m = 0; m < MB; ++m) store16(y + m * N + n0, vfma(b, vset1(xsum[m]), acc[m] * s));
+#else
+  for (int m = 0; m < MB; ++m)
+    for (int i = 0; i < 16; ++i) {
+      float sum = 0.f;
+      for (int64_t k = 0; k < K; ++k) sum += x[m * K + k] * static_cast<float>(codes[k * 16 + i]);
+      const float b = shift != nullptr ? to_float(shift[n0 + i]) : 0.f;
+      y[m * N + n0 + i] = std::fma(b, xsum[m], sum * to_float(scale[n0 + i]));
+    }
+#endif
+}
+
+template <typename T>
+void int8_panels_impl(const at::Tensor& x, const at::Tensor& codes, const T* scale, const T* shift, at::Tensor& y) {
+  const int64_t M = x.size(0), K = x.size(1), N = codes.size(0) * 16;
+  const T* xp = x.data_ptr<T>();
+  std::vector<float> xf(M * K), xsum(M, 0.f);  // the inputs in fp32 and each row's sum, once per call
+  for (int64_t m = 0; m < M; ++m)
+    for (int64_t k = 0; k < K; ++k) {
+      xf[m * K + k] = to_float(xp[m * K + k]);
+      xsum[m] += xf[m * K + k];
+    }
+  const int8_t* cp = codes.data_ptr<int8_t>();
+  std::vector<float> out(M * N);
+  at::parallel_for(0, N / 16, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t p = begin; p < end; ++p)
+      row_chunks<PR>(M, [&](auto rows, int64_t m) {
+        int8_panel_rows<T, decltype(rows)::value>(xf.data() + m * K, xsum.data() + m, K, cp + p * K * 16, scale,
+                                                  shift, out.data() + m * N, N, p * 16);
+      });
+  });
+  T* yp = y.data_ptr<T>();
+  for (int64_t i = 0; i < M * N; ++i) yp[i] = from_float<T>(out[i]);
+}
+
 // checks, then y [M, N] in x's dtype; tile_bytes 0: the few-row kernel
 at::Tensor int8_weight_op(const at::Tensor& x, const at::Tensor& codes, const at::Tensor& scale,
                           const std::optional<at::Tensor>& shift, int64_t tile_bytes) {
@@ -132,6 +189,25 @@ at::Tensor int8_weight_op(const at::Tensor& x, const at::Tensor& codes, const at
         dequantize_rows<scalar_t>(cp, sp, bp, tile, K, n0, n1);
       });
     }
+  });
+  return y;
+}
+
+at::Tensor int8_matmul_panels(const at::Tensor& x, const at::Tensor& codes, const at::Tensor& scale,
+                              const std::optional<at::Tensor>& shift) {
+  TORCH_CHECK(codes.dim() == 3 && codes.size(2) == 16 && codes.scalar_type() == at::kChar,
+              "panel codes [N/16, K, 16] int8 expected");
+  const int64_t N = codes.size(0) * 16, K = codes.size(1);
+  TORCH_CHECK(x.dim() == 2 && x.size(1) == K, "x [M, K] expected, K matching the codes");
+  TORCH_CHECK(scale.dim() == 1 && scale.size(0) == N && scale.scalar_type() == x.scalar_type(),
+              "scale [N] in x's dtype expected");
+  TORCH_CHECK(!shift.has_value() || (shift->dim() == 1 && shift->size(0) == N && shift->scalar_type() == x.scalar_type()),
+              "shift [N] in x's dtype expected");
+  const at::Tensor xc = x.contiguous(), cc = codes.contiguous(), sc = scale.contiguous();
+  const at::Tensor bc = shift.has_value() ? shift->contiguous() : at::Tensor();
+  at::Tensor y = at::empty({x.size(0), N}, x.options());
+  LLMOPT_DISPATCH(xc, [&] {
+    int8_panels_impl<scalar_t>(xc, cc, sc.data_ptr<scalar_t>(), bc.defined() ? bc.data_ptr<scalar_t>() : nullptr, y);
   });
   return y;
 }

@@ -57,6 +57,8 @@ at::Tensor int8_gemv_rows(const at::Tensor& x, const at::Tensor& weight, const a
                           const at::Tensor& weight_sum, at::ScalarType dtype);
 at::Tensor int8_matmul_rows(const at::Tensor& x, const at::Tensor& codes, const at::Tensor& scale,
                             const std::optional<at::Tensor>& shift);
+at::Tensor int8_matmul_panels(const at::Tensor& x, const at::Tensor& codes, const at::Tensor& scale,
+                              const std::optional<at::Tensor>& shift);
 at::Tensor int8_matmul_tiled(const at::Tensor& x, const at::Tensor& codes, const at::Tensor& scale,
                              const std::optional<at::Tensor>& shift, int64_t tile_bytes);
 }  // namespace llmopt_cpu::int8

@@ -36,6 +36,7 @@ LLMOPT_LIBRARY(LLMOPT_NS, m) {
   m.def("quantize_rows_int8(Tensor x) -> (Tensor, Tensor)");
   m.def("scale_int32_rows(Tensor acc, Tensor row_scale, Tensor col_scale, ScalarType dtype) -> Tensor");
   m.def("int8_matmul_rows(Tensor x, Tensor codes, Tensor scale, Tensor? shift) -> Tensor");
+  m.def("int8_matmul_panels(Tensor x, Tensor codes, Tensor scale, Tensor? shift) -> Tensor");
   m.def("int8_matmul_tiled(Tensor x, Tensor codes, Tensor scale, Tensor? shift, int tile_bytes) -> Tensor");
   m.def("int8_gemv_rows(Tensor x, Tensor weight, Tensor weight_scale, Tensor weight_sum, ScalarType dtype) -> Tensor");
   m.def("shm_all_reduce_(Tensor(a!) x, Tensor region, int rank, int world, int seq, int buffer_bytes, float wait_s, "
@@ -64,6 +65,7 @@ LLMOPT_LIBRARY_IMPL(LLMOPT_NS, CPU, m) {
   m.impl("quantize_rows_int8", int8::quantize_rows_int8);
   m.impl("scale_int32_rows", int8::scale_int32_rows);
   m.impl("int8_matmul_rows", int8::int8_matmul_rows);
+  m.impl("int8_matmul_panels", int8::int8_matmul_panels);
   m.impl("int8_matmul_tiled", int8::int8_matmul_tiled);
   m.impl("int8_gemv_rows", int8::int8_gemv_rows);
   m.impl("shm_all_reduce_", comm::shm_all_reduce_);

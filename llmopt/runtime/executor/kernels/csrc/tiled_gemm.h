@@ -14,6 +14,7 @@
 #include <algorithm>
 #include <climits>
 #include <type_traits>
+#include <utility>
 #include <vector>
 
 // The Fortran BLAS sgemm torch's CPU build links (MKL or OpenBLAS) when it exports it; weak, so a torch
@@ -73,6 +74,18 @@ void tiled_matmul(const at::Tensor& x, at::Tensor& y, int64_t tile_bytes, const 
       tile_gemm<T>(x, tile, n1 - n0, y, n0);
     }
   });
+}
+
+// The panel kernels' row loop (int4_matmul_panels, int8_matmul_panels): rows in chunks of MB, each chunk's
+// accumulators in registers, so the chunk size is a template argument; a last partial chunk takes the
+// instantiation of its own size. run(std::integral_constant<int, rows>{}, first_row).
+template <int MB, typename Run>
+inline void row_chunks(int64_t M, const Run& run, int64_t first = 0) {
+  if constexpr (MB > 0) {
+    int64_t m = first;
+    for (; m + MB <= M; m += MB) run(std::integral_constant<int, MB>{}, m);
+    if (m < M) row_chunks<MB - 1>(M, run, m);
+  }
 }
 
 }  // namespace
