@@ -173,7 +173,7 @@ void int4_rows_impl(const at::Tensor& x, const at::Tensor& nibbles, const at::Te
 #if defined(__AVX512F__)
 constexpr int PR = 16;  // 16 accumulators + the weight, scale, bias and input vectors of 32 registers
 #else
-constexpr int PR = 4;  // AVX2: 4 two-register accumulators + 8 of 16 registers
+constexpr int PR = 6;  // AVX2: 6 two-register accumulators, the weight, the input; scale and bias from L1
 #endif
 
 #if defined(LLMOPT_VEC)

@@ -116,7 +116,7 @@ void dequantize_rows(const int8_t* codes, const T* scale, const T* shift, T* til
 #if defined(__AVX512F__)
 constexpr int PR = 16;
 #else
-constexpr int PR = 4;
+constexpr int PR = 6;  // AVX2: 6 two-register accumulators of 16 registers
 #endif
 
 template <typename T, int MB>
