@@ -96,8 +96,8 @@ class Int4PackedLinear(RowPathsMixin, LinearMethod):
             return "rows"
         return "panels" if rows <= self.panels_max_rows else "tiled" if rows <= self.tiled_max_rows else "dequantize"
 
-    def row_plan_key(self) -> str:
-        return f"{self.name}|{str(self.dtype).removeprefix('torch.')}|{self.out_features}x{self.in_features}|g{self.kernel_group}"
+    def plan_key_detail(self) -> str:
+        return f"|g{self.kernel_group}"
 
     def _path_rows(self, x2d):
         """Straight from the codes, widened in registers for every pair of rows (decode at small batches)."""

@@ -73,9 +73,6 @@ class Int8PackedLinear(RowPathsMixin, LinearMethod):
             return "aten"
         return "rows" if rows <= 8 else "tiled"
 
-    def row_plan_key(self) -> str:
-        return f"{self.name}|{str(self.dtype).removeprefix('torch.')}|{self.out_features}x{self.in_features}"
-
     def _path_rows(self, x2d):
         """The codes read once for all rows, widened in registers (decode)."""
         return cpu_ops().int8_matmul_rows(x2d, self.signed, self.scale, self.correction)

@@ -108,6 +108,7 @@ def measure_plan(layer: nn.Module, buckets=ROW_BUCKETS) -> tuple[RowPlan, dict]:
 _lock = threading.Lock()
 
 
+@lru_cache(maxsize=1)
 def _kernel_sources_digest() -> str:
     digest = hashlib.sha256()
     csrc = Path(__file__).resolve().parents[1] / "kernels" / "csrc"
@@ -189,6 +190,14 @@ class RowPathsMixin:
         if not set(plan.choices.values()) <= set(available):  # a stored plan naming a path absent here
             plan = fixed_plan(self)
         self._row_plan = plan
+
+    def row_plan_key(self) -> str:
+        """What the timing depends on: method, dtype, shape, and the method's own details (`plan_key_detail`)."""
+        dtype = str(self.dtype).removeprefix("torch.")
+        return f"{self.name}|{dtype}|{self.out_features}x{self.in_features}{self.plan_key_detail()}"
+
+    def plan_key_detail(self) -> str:
+        return ""
 
     def run_path(self, name: str, x2d: torch.Tensor) -> torch.Tensor:
         return getattr(self, f"_path_{name}")(x2d)

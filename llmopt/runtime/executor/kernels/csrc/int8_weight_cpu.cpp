@@ -25,6 +25,26 @@ namespace llmopt_cpu::int8 {
 
 using namespace llmopt_cpu;
 
+// The inputs [M, K] in fp32 and each row's sum, once per call; and the fp32 results into y's dtype.
+template <typename T>
+void fp32_rows(const at::Tensor& x, std::vector<float>& xf, std::vector<float>& xsum) {
+  const int64_t M = x.size(0), K = x.size(1);
+  const T* xp = x.data_ptr<T>();
+  xf.resize(M * K);
+  xsum.assign(M, 0.f);
+  for (int64_t m = 0; m < M; ++m)
+    for (int64_t k = 0; k < K; ++k) {
+      xf[m * K + k] = to_float(xp[m * K + k]);
+      xsum[m] += xf[m * K + k];
+    }
+}
+
+template <typename T>
+void store_rows(const std::vector<float>& out, at::Tensor& y) {
+  T* yp = y.data_ptr<T>();
+  for (size_t i = 0; i < out.size(); ++i) yp[i] = from_float<T>(out[i]);
+}
+
 #if defined(__AVX512F__)
 constexpr int RB = 4, NB = 4;  // rows x outputs per pass: 16 accumulators of 32 registers
 #else
@@ -73,13 +93,8 @@ void int8_rows_block(const float* x, const float* xsum, const int8_t* codes, con
 template <typename T>
 void int8_rows_impl(const at::Tensor& x, const at::Tensor& codes, const T* scale, const T* shift, at::Tensor& y) {
   const int64_t M = x.size(0), K = x.size(1), N = codes.size(0);
-  const T* xp = x.data_ptr<T>();
-  std::vector<float> xf(M * K), xsum(M, 0.f);  // the inputs in fp32 and each row's sum, once per call
-  for (int64_t m = 0; m < M; ++m)
-    for (int64_t k = 0; k < K; ++k) {
-      xf[m * K + k] = to_float(xp[m * K + k]);
-      xsum[m] += xf[m * K + k];
-    }
+  std::vector<float> xf, xsum;
+  fp32_rows<T>(x, xf, xsum);
   const int8_t* cp = codes.data_ptr<int8_t>();
   std::vector<float> out(M * N);
   at::parallel_for(0, N, 16, [&](int64_t begin, int64_t end) {
@@ -89,8 +104,7 @@ void int8_rows_impl(const at::Tensor& x, const at::Tensor& codes, const T* scale
     for (; m < M; ++m)
       int8_rows_block<T, 1>(xf.data() + m * K, xsum.data() + m, cp, scale, shift, out.data() + m * N, N, K, begin, end);
   });
-  T* yp = y.data_ptr<T>();
-  for (int64_t i = 0; i < M * N; ++i) yp[i] = from_float<T>(out[i]);
+  store_rows<T>(out, y);
 }
 
 // W's rows n0..n1 into tile [n1 - n0, K], w = fma(q, scale, shift) rounded once to T
@@ -145,13 +159,8 @@ void int8_panel_rows(const float* x, const float* xsum, int64_t K, const int8_t*
 template <typename T>
 void int8_panels_impl(const at::Tensor& x, const at::Tensor& codes, const T* scale, const T* shift, at::Tensor& y) {
   const int64_t M = x.size(0), K = x.size(1), N = codes.size(0) * 16;
-  const T* xp = x.data_ptr<T>();
-  std::vector<float> xf(M * K), xsum(M, 0.f);  // the inputs in fp32 and each row's sum, once per call
-  for (int64_t m = 0; m < M; ++m)
-    for (int64_t k = 0; k < K; ++k) {
-      xf[m * K + k] = to_float(xp[m * K + k]);
-      xsum[m] += xf[m * K + k];
-    }
+  std::vector<float> xf, xsum;
+  fp32_rows<T>(x, xf, xsum);
   const int8_t* cp = codes.data_ptr<int8_t>();
   std::vector<float> out(M * N);
   at::parallel_for(0, N / 16, 1, [&](int64_t begin, int64_t end) {
@@ -161,8 +170,16 @@ void int8_panels_impl(const at::Tensor& x, const at::Tensor& codes, const T* sca
                                                   shift, out.data() + m * N, N, p * 16);
       });
   });
-  T* yp = y.data_ptr<T>();
-  for (int64_t i = 0; i < M * N; ++i) yp[i] = from_float<T>(out[i]);
+  store_rows<T>(out, y);
+}
+
+void check_inputs(const at::Tensor& x, int64_t K, int64_t N, const at::Tensor& scale,
+                  const std::optional<at::Tensor>& shift) {
+  TORCH_CHECK(x.dim() == 2 && x.size(1) == K, "x [M, K] expected, K matching the codes");
+  TORCH_CHECK(scale.dim() == 1 && scale.size(0) == N && scale.scalar_type() == x.scalar_type(),
+              "scale [N] in x's dtype expected");
+  TORCH_CHECK(!shift.has_value() || (shift->dim() == 1 && shift->size(0) == N && shift->scalar_type() == x.scalar_type()),
+              "shift [N] in x's dtype expected");
 }
 
 // checks, then y [M, N] in x's dtype; tile_bytes 0: the few-row kernel
@@ -170,11 +187,7 @@ at::Tensor int8_weight_op(const at::Tensor& x, const at::Tensor& codes, const at
                           const std::optional<at::Tensor>& shift, int64_t tile_bytes) {
   TORCH_CHECK(codes.dim() == 2 && codes.scalar_type() == at::kChar, "codes [N, K] int8 expected");
   const int64_t N = codes.size(0), K = codes.size(1);
-  TORCH_CHECK(x.dim() == 2 && x.size(1) == K, "x [M, K] expected, K matching the codes");
-  TORCH_CHECK(scale.dim() == 1 && scale.size(0) == N && scale.scalar_type() == x.scalar_type(),
-              "scale [N] in x's dtype expected");
-  TORCH_CHECK(!shift.has_value() || (shift->dim() == 1 && shift->size(0) == N && shift->scalar_type() == x.scalar_type()),
-              "shift [N] in x's dtype expected");
+  check_inputs(x, K, N, scale, shift);
   const at::Tensor xc = x.contiguous(), cc = codes.contiguous(), sc = scale.contiguous();
   const at::Tensor bc = shift.has_value() ? shift->contiguous() : at::Tensor();
   at::Tensor y = at::empty({x.size(0), N}, x.options());
@@ -198,11 +211,7 @@ at::Tensor int8_matmul_panels(const at::Tensor& x, const at::Tensor& codes, cons
   TORCH_CHECK(codes.dim() == 3 && codes.size(2) == 16 && codes.scalar_type() == at::kChar,
               "panel codes [N/16, K, 16] int8 expected");
   const int64_t N = codes.size(0) * 16, K = codes.size(1);
-  TORCH_CHECK(x.dim() == 2 && x.size(1) == K, "x [M, K] expected, K matching the codes");
-  TORCH_CHECK(scale.dim() == 1 && scale.size(0) == N && scale.scalar_type() == x.scalar_type(),
-              "scale [N] in x's dtype expected");
-  TORCH_CHECK(!shift.has_value() || (shift->dim() == 1 && shift->size(0) == N && shift->scalar_type() == x.scalar_type()),
-              "shift [N] in x's dtype expected");
+  check_inputs(x, K, N, scale, shift);
   const at::Tensor xc = x.contiguous(), cc = codes.contiguous(), sc = scale.contiguous();
   const at::Tensor bc = shift.has_value() ? shift->contiguous() : at::Tensor();
   at::Tensor y = at::empty({x.size(0), N}, x.options());
