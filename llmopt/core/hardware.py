@@ -280,13 +280,18 @@ class MeasuredRates:
     measured_at: str
 
 
-def _best_time(fn, repeats: int = 3) -> float:
+def best_time_of(fn, repeats: int = 3, budget_s: float = float("inf")) -> float:
+    """The fastest of `repeats` calls after one warm-up call (first-call allocations, packing buffers), stopping
+    early once the timed calls have taken `budget_s` together."""
     fn()
-    best = float("inf")
+    best, spent = float("inf"), 0.0
     for _ in range(repeats):
         t = time.perf_counter()
         fn()
-        best = min(best, time.perf_counter() - t)
+        elapsed = time.perf_counter() - t
+        best, spent = min(best, elapsed), spent + elapsed
+        if spent > budget_s:
+            break
     return best
 
 
@@ -295,7 +300,7 @@ def _measure_bandwidth() -> float:
     size = min(2**30, max(256 * 2**20, 2 * l3))  # past the last-level cache, at most 1 GiB per buffer
     src = torch.ones(size // 4, dtype=torch.float32)
     dst = torch.empty_like(src)
-    return 2 * size / _best_time(lambda: dst.copy_(src))
+    return 2 * size / best_time_of(lambda: dst.copy_(src))
 
 
 def _measure_gemm(dtype: torch.dtype) -> float:
@@ -303,13 +308,18 @@ def _measure_gemm(dtype: torch.dtype) -> float:
     g = torch.Generator().manual_seed(0)
     x, w = torch.randn(m, k, generator=g).to(dtype), torch.randn(n, k, generator=g).to(dtype)
     # best of 10: a 2-vCPU VM's neighbours moved 3 runs' best by 50% between two measurements
-    return 2 * m * k * n / _best_time(lambda: torch.nn.functional.linear(x, w), repeats=10)
+    return 2 * m * k * n / best_time_of(lambda: torch.nn.functional.linear(x, w), repeats=10)
+
+
+def machine_key() -> list:
+    """What a measurement on this machine depends on (the key of the caches of measured figures): CPU model,
+    usable features, threads, torch, and the ISA caps the environment sets."""
+    return [cpu_info().model, sorted(usable_features()), torch.get_num_threads(), torch.__version__,
+            os.environ.get("ONEDNN_MAX_CPU_ISA"), os.environ.get("ATEN_CPU_CAPABILITY")]
 
 
 def _rates_path() -> Path:
-    info = cpu_info()
-    key = json.dumps([info.model, sorted(usable_features()), torch.get_num_threads(), torch.__version__,
-                      os.environ.get("ONEDNN_MAX_CPU_ISA"), os.environ.get("ATEN_CPU_CAPABILITY")])
+    key = json.dumps(machine_key())
     return llmopt_home() / "hardware" / f"{hashlib.sha256(key.encode()).hexdigest()[:16]}.json"
 
 

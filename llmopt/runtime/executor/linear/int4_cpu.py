@@ -20,15 +20,15 @@ class Int4PackedLinear(RowPathsMixin, LinearMethod):
     """Five kernels ("paths", chosen per step's row count by row_paths.py, measured on this machine): the compiled
     few-row kernel straight from the codes ("rows": decode, the memory-bound case); the one that reads the codes
     repacked at load in panels of 16 outputs and decodes each column once for up to 16 rows ("panels": batched
-    decode); the one that
-    dequantizes an L2-sized tile at a time and multiplies it by all rows ("tiled": decode batches); the compiled
+    decode); the one that dequantizes an L2-sized tile at a time and multiplies it by all rows ("tiled": larger
+    decode batches); the compiled
     whole-weight dequantization + dense GEMM ("dequantize": prefill chunks, where CPUs with bf16 matrix units
     are several times faster dense, docs/results/runtime.md); aten's int4 kernel ("aten": bf16 decode). The
     plain nibble copy and the panels each cost another half byte per weight."""
 
     name, priority = "int4-cpu", 10
-    # two copies of the codes, one read per step (aten's layout for bf16 decode, nibbles otherwise; the same
-    # size): eval.speed.model_cost counts one
+    # three layouts of the codes (aten's, the nibbles, the panels), one read per step: eval.speed.model_cost
+    # counts aten's
     prefill_only_buffers = ("nibbles", "panel_codes", "panel_scales")
     # the fixed plan's thresholds (--linear-kernels fixed, and before a plan is set):
     dequantize_min_rows = 256  # torch dequantization vs aten's kernel, bf16, 2 cores (benchmarks/int4_matmul.py)

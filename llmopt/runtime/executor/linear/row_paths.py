@@ -18,9 +18,7 @@ from __future__ import annotations
 import hashlib
 import json
 import logging
-import os
 import threading
-import time
 from functools import lru_cache
 from pathlib import Path
 
@@ -28,6 +26,8 @@ import torch
 from torch import nn
 
 from llmopt.core.errors import ConfigError
+from llmopt.core.hardware import best_time_of, kernel_isa, machine_key
+from llmopt.core.io import write_json
 from llmopt.core.paths import llmopt_home
 from llmopt.runtime.engine.config import LINEAR_KERNEL_MODES
 
@@ -71,19 +71,6 @@ def fixed_plan(layer: nn.Module) -> RowPlan:
     return RowPlan({b: layer.default_path(b) for b in ROW_BUCKETS})
 
 
-def _best_time(fn) -> float:
-    fn()  # warm-up (first-call allocations, the BLAS's packing buffers)
-    best, spent = float("inf"), 0.0
-    for _ in range(TIMING_REPEATS):
-        start = time.perf_counter()
-        fn()
-        elapsed = time.perf_counter() - start
-        best, spent = min(best, elapsed), spent + elapsed
-        if spent > TIMING_BUDGET_S:
-            break
-    return best
-
-
 def choose(times: dict[str, float], default: str) -> str:
     """The fastest path, but the default where it is within MARGIN of it (timing noise should not flip it)."""
     fastest = min(times, key=times.get)
@@ -99,7 +86,9 @@ def measure_plan(layer: nn.Module, buckets=ROW_BUCKETS) -> tuple[RowPlan, dict]:
         for rows in buckets:
             x = torch.randn(rows, layer.in_features, generator=generator).to(layer.dtype)
             candidates = [name for name, most in paths.items() if most is None or rows <= most]
-            timed = {name: _best_time(lambda name=name: layer.run_path(name, x)) for name in candidates}
+            timed = {name: best_time_of(lambda name=name, x=x: layer.run_path(name, x), TIMING_REPEATS,
+                                          TIMING_BUDGET_S)
+                     for name in candidates}
             choices[rows], times[rows] = choose(timed, layer.default_path(rows)), timed
     return RowPlan(choices), times
 
@@ -120,11 +109,7 @@ def _kernel_sources_digest() -> str:
 
 
 def store_path() -> Path:
-    from llmopt.core.hardware import cpu_info, kernel_isa, usable_features
-
-    key = json.dumps([cpu_info().model, sorted(usable_features()), torch.get_num_threads(), torch.__version__,
-                      os.environ.get("ONEDNN_MAX_CPU_ISA"), os.environ.get("ATEN_CPU_CAPABILITY"), kernel_isa(),
-                      _kernel_sources_digest()])
+    key = json.dumps([*machine_key(), kernel_isa(), _kernel_sources_digest()])
     return llmopt_home() / "kernels" / f"{hashlib.sha256(key.encode()).hexdigest()[:16]}.json"
 
 
@@ -138,19 +123,17 @@ def _stored(path: Path) -> dict:
 
 def _save(path: Path, entries: dict) -> None:
     try:
-        path.parent.mkdir(parents=True, exist_ok=True)
-        tmp = path.with_suffix(f".tmp{os.getpid()}")
-        tmp.write_text(json.dumps(entries, indent=1, sort_keys=True))
-        tmp.replace(path)
+        write_json(path, entries, indent=1)
     except OSError as exc:  # a read-only home: measure again next time
         log.info("could not keep the linear kernels' choices at %s: %s", path, exc)
 
 
-def plan_for(layer: nn.Module, mode: str) -> RowPlan:
-    """The layer's plan under `mode` (measured: from the store, else timed now and stored)."""
+def plan_for(layer: nn.Module, mode: str, path: Path | None = None) -> RowPlan:
+    """The layer's plan under `mode` (measured: from the store at `path`, default store_path(), else timed now
+    and stored)."""
     if mode == "fixed":
         return fixed_plan(layer)
-    path = store_path()
+    path = path or store_path()
     key = layer.row_plan_key()
     with _lock:
         entries = _stored(path)
@@ -170,10 +153,10 @@ def plan_linears(decoder: nn.Module, mode: str) -> dict[str, dict[str, str]]:
     if mode not in LINEAR_KERNEL_MODES:
         raise ConfigError(f"--linear-kernels must be one of {', '.join(LINEAR_KERNEL_MODES)} (got {mode!r})",
                           param="linear_kernels")
-    chosen = {}
+    chosen, path = {}, store_path() if mode == "measured" else None
     for module in decoder.modules():
         if hasattr(module, "row_paths") and hasattr(module, "set_row_plan"):
-            plan = plan_for(module, mode)
+            plan = plan_for(module, mode, path)
             module.set_row_plan(plan)
             chosen[module.row_plan_key()] = plan.to_json()
     return chosen
