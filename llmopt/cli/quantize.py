@@ -63,6 +63,10 @@ def quantize(
         "--awq-search", help="AWQ: re-apply scales/clips saved in an artifact instead of searching.")] = None,
     fmt: Annotated[Optional[FormatName], typer.Option(
         "--format", help="Checkpoint format (default per method: gptq, awq; compressed-tensors for rtn).")] = None,
+    max_memory: Annotated[Optional[str], typer.Option(
+        "--max-memory", help="Compress a model larger than memory: read one decoder layer at a time from its "
+        "safetensors files and write the artifact in shards as layers finish, within this much memory "
+        "beyond the process's fixed cost (e.g. 600MB, 8GB).")] = None,
     overwrite: OverwriteOpt = False,
     as_json: JsonOpt = False,
     trust_remote_code: TrustRemoteCodeOpt = False,
@@ -72,6 +76,7 @@ def quantize(
     from llmopt.compress.api import quantize_configs
     from llmopt.pipelines.quantize import quantize_to_artifact
     from llmopt.core.errors import ConfigError
+    from llmopt.core.offload import parse_memory
 
     given = {"act_order": act_order, "damp": damp, "static_groups": static_groups,
              "prune_pattern": prune_pattern, "gptaq": gptaq, "awq_search": awq_search}
@@ -90,10 +95,11 @@ def quantize(
         settings.update({k: v for k, v in given.items() if k != "awq_search" and v is not None})
     if awq_search is not None:
         settings["search_file"] = awq_search
+    memory = parse_memory(max_memory) if max_memory is not None else None
     with progress_bar(f"{method.value} layers ({calib_dtype_label(calibration)} forwards)") as update:
         facts = quantize_to_artifact(
             model, output, quantize_configs(method.value, settings), fmt.value if fmt else None,
-            overwrite=overwrite, trust_remote_code=trust_remote_code, progress=update,
+            overwrite=overwrite, trust_remote_code=trust_remote_code, progress=update, max_memory=memory,
         )
     if as_json:
         print_json(facts)

@@ -17,6 +17,7 @@ from llmopt.compress.config import SmoothQuantConfig, SparsityConfig, Structured
 from llmopt.compress.defaults import SPARSEGPT_DAMP
 from llmopt.compress.masks import check_nm_fits
 from llmopt.compress.modifier_list import ModifierList
+from llmopt.core.adapters import get_module
 from llmopt.core.contract import QuantizedWeight, sparsity_entry
 from llmopt.core.errors import ConfigError
 from llmopt.core.registry import import_submodules
@@ -83,6 +84,75 @@ def smoothquant_config(alpha, quantizer) -> SmoothQuantConfig:
 
 
 @dataclass
+class Streaming:
+    """Compress a model larger than memory: `model` is on the meta device; each decoder layer is read from
+    `weights` when it is reached, and when it is final its results go to `sink` and the layer is dropped.
+
+    sink(layer index, layer (compressed; quantized linears hold their dequantized weights), the layer's
+    QuantizedWeights by full linear name, its pruning masks by full linear name)."""
+
+    weights: object  # core.offload.SafetensorsWeights
+    sink: Callable[[int, torch.nn.Module, dict[str, QuantizedWeight], dict[str, torch.Tensor]], None]
+    activation_budget: int | None = None  # bytes of calibration activations kept in memory; more go to disk
+
+
+class _StreamedLayers:
+    """The calibration pipeline's LayerIO for `Streaming`: onloads each layer, pops its results from the
+    modifiers when it is final, counts what the facts need, and hands it all to the sink."""
+
+    def __init__(self, model, streaming: Streaming, quantizers: list[Quantizer], pruners: list[Pruner]):
+        from llmopt.core.adapters import adapter_for
+
+        self.model, self.streaming = model, streaming
+        self.adapter = adapter_for(model)
+        self.quantizers, self.pruners = quantizers, pruners
+        self.zeros = self.total = self.num_quantized = self.num_pruned = 0
+        self.suffixes: set[str] = set()  # the quantized linears' paths inside a layer
+
+    def _outer(self) -> list[tuple[str, torch.nn.Module]]:
+        """The base model's modules outside the layers (embeddings, final norm), by path."""
+        base = self.adapter.layers.rsplit(".", 1)[0]
+        layers = self.adapter.layers.rsplit(".", 1)[1]
+        return [(f"{base}.{name}", module) for name, module in get_module(self.model, base).named_children()
+                if name != layers]
+
+    def onload_outer(self) -> None:
+        from llmopt.core.offload import onload
+
+        for path, module in self._outer():
+            onload(module, path, self.streaming.weights)
+
+    def inputs_captured(self) -> None:
+        from llmopt.core.offload import offload
+
+        for _, module in self._outer():
+            offload(module)
+
+    def onload(self, index: int, layer: torch.nn.Module) -> None:
+        from llmopt.core.offload import onload
+
+        onload(layer, f"{self.adapter.layers}.{index}", self.streaming.weights)
+
+    def offload(self, index: int, layer: torch.nn.Module) -> None:
+        from llmopt.core.offload import offload
+
+        prefix = f"{self.adapter.layers}.{index}."
+        qweights = {}
+        for quantizer in self.quantizers:
+            qweights.update({k: quantizer.results.pop(k) for k in list(quantizer.results) if k.startswith(prefix)})
+        masks = {}
+        for pruner in self.pruners:  # pruners of one pass share their masks (ModifierList): pop once
+            masks.update({k: pruner.masks.pop(k) for k in list(pruner.masks) if k.startswith(prefix)})
+        zeros, total = zero_counts(qweights)
+        self.zeros, self.total = self.zeros + zeros, self.total + total
+        self.num_quantized += len(qweights)
+        self.suffixes.update(name.split(".", 3)[-1] for name in qweights)
+        self.num_pruned += len(masks)
+        self.streaming.sink(index, layer, qweights, masks)
+        offload(layer)
+
+
+@dataclass
 class CompressResult:
     qweights: dict[str, QuantizedWeight]
     masks: dict[str, torch.Tensor]
@@ -111,9 +181,11 @@ def check_model_fits(model, configs: list[BaseModel]) -> None:
 
 
 def compress_model(model, tokenizer, configs: list[BaseModel],
-                   progress: Callable[[int, int], None] | None = None) -> CompressResult:
+                   progress: Callable[[int, int], None] | None = None,
+                   streaming: Streaming | None = None) -> CompressResult:
     """Apply the methods of `configs` in order, in one pass over the layers; `model` is changed in place (its
-    quantized linears hold the dequantized weights, pruned weights are zero).
+    quantized linears hold the dequantized weights, pruned weights are zero). With `streaming` (a model larger
+    than memory, on the meta device) each layer's results go to its sink instead, and the result holds none.
 
     >>> result = compress_model(model, tok, quantize_configs("gptq", dict(bits=4, group_size=64)))  # doctest: +SKIP
     """
@@ -123,22 +195,34 @@ def compress_model(model, tokenizer, configs: list[BaseModel],
     start = time.perf_counter()
     smoothing = [c for c in configs if isinstance(c, SmoothQuantConfig)]
     configs = [c for c in configs if not isinstance(c, SmoothQuantConfig)]
+    if smoothing and streaming is not None:
+        raise ConfigError("--smoothquant-alpha needs a pass of its own over the whole model, which --max-memory "
+                          "does not make: quantize without --max-memory, or without SmoothQuant")
     smoothed = smooth_model(model, tokenizer, smoothing[0], progress) if smoothing else None
     modifiers = [method_spec(c.method).modifier_cls(c, model) for c in configs]
     algorithm = modifiers[0] if len(modifiers) == 1 else ModifierList(modifiers)
     calibration = next((c.calibration for c in configs if c.needs_calibration), None)
-    facts = apply_algorithm(model, tokenizer, algorithm, calibration, progress)
-    facts["wall_s"] = time.perf_counter() - start
     quantizers = [m for m in modifiers if isinstance(m, Quantizer)]
     pruners = [m for m in modifiers if isinstance(m, Pruner)]
+    streamed = None if streaming is None else _StreamedLayers(model, streaming, quantizers, pruners)
+    if streamed is not None:
+        streamed.onload_outer()
+    facts = apply_algorithm(model, tokenizer, algorithm, calibration, progress, streamed,
+                            None if streaming is None else streaming.activation_budget)
+    facts["wall_s"] = time.perf_counter() - start
     qweights = quantizers[0].results if quantizers else {}
     masks = pruners[-1].masks if pruners else {}
-    if not qweights and not masks:
+    zeros, total = zero_counts(qweights)
+    suffixes = {name.split(".", 3)[-1] for name in qweights}
+    if streamed is not None:  # the results went to the sink, layer by layer
+        zeros, total, suffixes = streamed.zeros, streamed.total, streamed.suffixes
+        facts["num_streamed_linears"] = streamed.num_quantized or streamed.num_pruned
+    if not qweights and not masks and not facts.get("num_streamed_linears"):
         raise ConfigError(f"nothing was {'quantized' if quantizers else 'pruned'}: every linear matched --ignore")
     if quantizers and pruners:  # pruned too: record it as a pruned model would
         pruner = pruners[-1].config
-        measured = zero_fraction(qweights)
-        suffixes = sorted({name.split(".", 3)[-1] for name in qweights})
+        measured = zeros / total
+        suffixes = sorted(suffixes)
         model.config.sparsity_config = sparsity_entry(pruner.structure, algorithm.name, pruner.target_sparsity,
                                                       pruner.ignore, measured, suffixes)
         facts["measured_sparsity"] = measured
@@ -177,14 +261,15 @@ def sparsify_model(model, tokenizer, config: SparsityConfig,
     return result.masks, result.facts
 
 
-def zero_fraction(qweights: dict[str, QuantizedWeight]) -> float:
-    """Fraction of the quantized weights that dequantize to exactly zero (code == zero point)."""
+def zero_counts(qweights: dict[str, QuantizedWeight]) -> tuple[int, int]:
+    """(quantized weights that dequantize to exactly zero (code == zero point), quantized weights)."""
     zeros = total = 0
     for qw in qweights.values():
         zero_points = qw.zeros[:, qw.g_idx.long()]  # [N, K]
         zeros += int((qw.q.to(torch.int32) == zero_points).sum())
         total += qw.q.numel()
-    return zeros / total
+    return zeros, total
+
 
 
 def measure_sparsity(model) -> dict:

@@ -27,6 +27,7 @@ import torch
 from torch import nn
 
 from llmopt.core.adapters import ArchAdapter, adapter_for, get_module, set_module
+from llmopt.core.offload import LayerIO, SpilledActivations, keep_activations
 
 
 class LayerwiseAlgorithm(Protocol):
@@ -110,10 +111,14 @@ def run_layerwise(
     batch_size: int = 8,
     progress: Callable[[int, int], None] | None = None,
     compute_dtype: torch.dtype = torch.float32,
+    layer_io: LayerIO | None = None,
+    activation_budget: int | None = None,
 ) -> dict:
     """Run `algorithm` over every decoder layer of `model` with calibration tokens [S, T].
 
-    Returns timing facts. The model is changed in place and left on the CPU.
+    Returns timing facts. The model is changed in place and left on the CPU. With `layer_io` (a model larger
+    than memory) each layer's weights are onloaded before it runs and handed over when it is final; activations
+    that would take more than `activation_budget` bytes are kept on disk.
     """
     device = torch.device(device)
     adapter = adapter_for(model)
@@ -123,17 +128,24 @@ def run_layerwise(
     # Kept in the compute dtype: the layers read it in that dtype and write it from that dtype, so storing it
     # wider would only cost memory (S x T x H: 75 MB less for SmolLM2 at 128 x 512 in bf16).
     hidden = hidden.to(compute_dtype)
+    uses_reference = getattr(algorithm, "uses_reference_inputs", False)
+    if layer_io is not None:
+        layer_io.inputs_captured()
+    hidden = keep_activations(hidden, activation_budget, 2 if uses_reference else 1)
+    spilled = isinstance(hidden, SpilledActivations)
     batches = [(i, slice(i * batch_size, (i + 1) * batch_size)) for i in range(len(kwargs_per_batch))]
     device_kwargs = [_to(kw, device, compute_dtype) for kw in kwargs_per_batch]
-    uses_reference = getattr(algorithm, "uses_reference_inputs", False)
     quantized = _Stream(hidden)
     original = _Stream(hidden.clone()) if uses_reference else None  # the uncompressed model's stream
     for index, layer in enumerate(layers):
+        if layer_io is not None:
+            layer_io.onload(index, layer)
         layer.to(device)
         # The layer that runs the samples: the fp32 layer itself, or a lower-precision copy of it.
         runner = layer if compute_dtype == torch.float32 else copy.deepcopy(layer).to(compute_dtype)
         stages = algorithm.stages(adapter)
-        replay_from = _attention_replay_start(adapter, algorithm, stages)
+        # (no replay cache beside spilled activations: it is as large as they are)
+        replay_from = None if spilled else _attention_replay_start(adapter, algorithm, stages)
         quantized.start_layer(runner)
         if original is not None:
             original.start_layer(copy.deepcopy(layer).to(compute_dtype))
@@ -159,6 +171,8 @@ def run_layerwise(
         if original is not None:
             original.layer = None
         layer.to("cpu")
+        if layer_io is not None:
+            layer_io.offload(index, layer)
         _release_freed_memory()
         if progress is not None:
             progress(index + 1, len(layers))
@@ -319,9 +333,11 @@ def _run_stage(quantized: _Stream, original: _Stream | None, index, names, algor
 
 
 def apply_algorithm(model: nn.Module, tokenizer, algorithm: LayerwiseAlgorithm, calibration=None,
-                    progress: Callable[[int, int], None] | None = None) -> dict:
+                    progress: Callable[[int, int], None] | None = None, layer_io: LayerIO | None = None,
+                    activation_budget: int | None = None) -> dict:
     """Run `algorithm` over every decoder layer: through the calibration pipeline when `calibration` (a
-    CalibrationConfig) is given, else layer by layer with no data (RTN, magnitude). Returns facts."""
+    CalibrationConfig) is given, else layer by layer with no data (RTN, magnitude). Returns facts.
+    `layer_io` and `activation_budget`: see run_layerwise."""
     from llmopt.core.datasets import calibration_samples
     from llmopt.core.models import check_within_context
 
@@ -331,14 +347,20 @@ def apply_algorithm(model: nn.Module, tokenizer, algorithm: LayerwiseAlgorithm, 
         calib_ids = calibration_samples(tokenizer, cal.calib, cal.num_samples, cal.seqlen, cal.seed,
                                         cal.text_field)
         facts = run_layerwise(model, calib_ids, algorithm, cal.device, cal.batch_size, progress,
-                              getattr(torch, cal.compute_dtype))
+                              getattr(torch, cal.compute_dtype), layer_io, activation_budget)
         return {"calibration_tokens": calib_ids.numel(), **facts}
     adapter = adapter_for(model)
     layers = get_module(model, adapter.layers)
     with torch.inference_mode():
+        if layer_io is not None:
+            layer_io.inputs_captured()
         for index, layer in enumerate(layers):
+            if layer_io is not None:
+                layer_io.onload(index, layer)
             for names in algorithm.stages(adapter):
                 algorithm.process(index, layer, names)
+            if layer_io is not None:
+                layer_io.offload(index, layer)
             if progress is not None:
                 progress(index + 1, len(layers))
     return {}

@@ -83,9 +83,11 @@ def build_tiny_model(family: str = "llama", seed: int = 0, **overrides):
     return model, tokenizer
 
 
-def save_tiny_model(path: str | Path, family: str = "llama", seed: int = 0, **overrides) -> Path:
+def save_tiny_model(path: str | Path, family: str = "llama", seed: int = 0, max_shard_size: str | None = None,
+                    **overrides) -> Path:
+    """build_tiny_model saved as a Hugging Face folder (in safetensors shards of `max_shard_size`, e.g. "200MB")."""
     model, tokenizer = build_tiny_model(family, seed, **overrides)
     path = Path(path)
-    model.save_pretrained(path)
+    model.save_pretrained(path, **({"max_shard_size": max_shard_size} if max_shard_size else {}))
     tokenizer.save_pretrained(path)
     return path

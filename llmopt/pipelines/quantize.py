@@ -20,6 +20,7 @@ from llmopt.export.load import load_model
 from llmopt.pipelines.common import (
     peak_rss_bytes, prior_stages, refuse_quantized_input, resolve_input, source_entry, weights_bytes,
 )
+from llmopt.pipelines.streamed import load_streamed, quantize_streamed
 
 
 # the one format that records quantized input activations (compressed-tensors' int-quantized) and float weights
@@ -66,10 +67,11 @@ def quantize_to_artifact(
     overwrite: bool = False,
     trust_remote_code: bool = False,
     progress: Callable[[int, int], None] | None = None,
+    max_memory: int | None = None,
 ) -> dict:
     """Quantize MODEL with the typed `configs` (compress.api.quantize_configs: the quantizer last, after a pruner
     in the same pass) and write it to `output` in `fmt_name` (default: the method's format); return the facts
-    measured."""
+    measured. `max_memory` (bytes): never hold more than one decoder layer's weights (pipelines.streamed)."""
     start = time.perf_counter()
     output = check_output_free(output, overwrite)
     config = configs[-1]
@@ -78,31 +80,44 @@ def quantize_to_artifact(
     FORMATS.get(fmt_name)  # an unknown format fails before the model loads
     source = resolve_input(model_name, output)
     refuse_quantized_input(source, "quantize", trust_remote_code)
-    model, tokenizer, source = load_model(source, trust_remote_code=trust_remote_code)
-    check_quantizable(model, configs, fmt_name)  # fail before the expensive part
-    result = compress_model(model, tokenizer, configs, progress)
-    for qweight in result.qweights.values():  # what the checkpoint asks the runtime to do with the inputs
-        qweight.input_activations = config.input_activations
-    result.facts["quantize_wall_s"] = result.facts.pop("wall_s")
-    result.facts["num_quantized_linears"] = len(result.qweights)
-    _drop_quantized_weights(model, result.qweights)
-    packed, fp16 = quantized_bytes(result.qweights, fmt_name)
-    manifest = {
-        "source": source_entry(model_name, source),
-        "stages": prior_stages(source) + [
-            {"stage": stage_of(c), "method": c.method,
-             "settings": c.model_dump(mode="json")} for c in configs],
-        "calibration": ({"datasets": config.calibration.calib, "num_samples": config.calibration.num_samples,
-                         "seqlen": config.calibration.seqlen, "seed": config.calibration.seed}
-                        if config.needs_calibration else None),
-        "facts": result.facts,
-    }
-    write_model_artifact(output, model, tokenizer, result.qweights, fmt_name, config.record(), manifest,
-                         result.extra_tensors, overwrite=overwrite)
+
+    def make_manifest(result, num_quantized: int) -> dict:
+        """llmopt.json, once the facts are known (after the quantized linears are counted)."""
+        result.facts["quantize_wall_s"] = result.facts.pop("wall_s")
+        result.facts["num_quantized_linears"] = num_quantized
+        result.facts.pop("num_streamed_linears", None)
+        return {
+            "source": source_entry(model_name, source),
+            "stages": prior_stages(source) + [
+                {"stage": stage_of(c), "method": c.method,
+                 "settings": c.model_dump(mode="json")} for c in configs],
+            "calibration": ({"datasets": config.calibration.calib, "num_samples": config.calibration.num_samples,
+                             "seqlen": config.calibration.seqlen, "seed": config.calibration.seed}
+                            if config.needs_calibration else None),
+            "facts": result.facts,
+        }
+
+    if max_memory is not None:  # larger than memory: one layer at a time from the files, shards as they are done
+        streamed = load_streamed(source, trust_remote_code)
+        check_quantizable(streamed.model, configs, fmt_name)
+        result, tally = quantize_streamed(streamed, output, configs, fmt_name, max_memory, make_manifest,
+                                          overwrite, progress)
+        num_quantized, packed, fp16 = tally.num_quantized, tally.packed_bytes, tally.fp16_bytes
+    else:
+        model, tokenizer, source = load_model(source, trust_remote_code=trust_remote_code)
+        check_quantizable(model, configs, fmt_name)  # fail before the expensive part
+        result = compress_model(model, tokenizer, configs, progress)
+        for qweight in result.qweights.values():  # what the checkpoint asks the runtime to do with the inputs
+            qweight.input_activations = config.input_activations
+        num_quantized = len(result.qweights)
+        _drop_quantized_weights(model, result.qweights)
+        packed, fp16 = quantized_bytes(result.qweights, fmt_name)
+        write_model_artifact(output, model, tokenizer, result.qweights, fmt_name, config.record(),
+                             make_manifest(result, num_quantized), result.extra_tensors, overwrite=overwrite)
     return {
         "output": str(output), "method": method, "format": fmt_name, "bits": config.bits,
         "group_size": config.group_size, "sym": config.sym,
-        "num_quantized_linears": len(result.qweights),
+        "num_quantized_linears": num_quantized,
         "quantize_wall_s": round(result.facts["quantize_wall_s"], 2),
         **{k: v for k, v in result.facts.items() if k.startswith("smoothquant_")},
         "total_wall_s": round(time.perf_counter() - start, 2),

@@ -73,6 +73,12 @@ CASES = [
     (["eval", "tasks", "{tiny}", "--limit", "0"], 1, r"--limit must be at least 1", None),
     (["eval", "tasks", "{tiny}", "--batch-size", "0"], 1, r"--batch-size must be at least 1", None),
     # --- quantize -------------------------------------------------------------------------------------------------
+    ([*RTN, "--max-memory", "lots"], 1, r"--max-memory 'lots': give a size such as 600MB", OUT),
+    ([*RTN, "--max-memory", "10KB"], 1, r"--max-memory 10 kB is less than compressing one layer .* give at least \d+",
+     OUT),
+    (["quantize", "{tiny}", "-o", OUT, "--method", "rtn", "--scheme", "w8a8-int8", "--smoothquant-alpha", "0.5",
+      "--max-memory", "1GB"], 1,
+     r"--smoothquant-alpha needs a pass of its own .* --max-memory", OUT),
     (["quantize", "{tiny_copy}", "-o", "{tiny_copy}", "--overwrite", "--method", "rtn", "--group-size", "32"], 1,
      r"is the input model or inside it", None),
     (["quantize", "{tiny}", "-o", "{tiny}/sub", "--method", "rtn", "--group-size", "32"], 1,
