@@ -38,9 +38,9 @@ GEMV_MAX_ROWS = 8  # ops.gemv takes x [1..8, K] (csrc/fused_cpu.cpp, GEMV_MAX_RO
 # AVX2 only (simulated; benchmarks/gemv_rows.py): 960x576 ~105 -> 70-82 us, 3072x576 ~410 -> 263-271 us.
 GEMV_BATCHED_ROWS = range(3, GEMV_MAX_ROWS + 1)
 
-SOURCES = [Path(__file__).parent / "csrc" / name
-           for name in ("paged_attention_cpu.cpp", "fused_cpu.cpp", "int4_cpu.cpp", "int8_cpu.cpp",
-                        "int8_weight_cpu.cpp", "fp4_cpu.cpp", "shm_all_reduce.cpp", "register.cpp")]
+# Two translation units built in parallel: the attention kernels, and every other source included by
+# kernels_unity.cpp (ATen's headers parsed twice per build instead of eight times: half the build time).
+SOURCES = [Path(__file__).parent / "csrc" / name for name in ("paged_attention_cpu.cpp", "kernels_unity.cpp")]
 _X86_FLAGS = {
     "scalar": [],
     "avx2": ["-mavx2", "-mfma", "-mf16c"],
@@ -57,11 +57,11 @@ def isa_flags(isa: str) -> list[str]:
 
 
 def headers_digest() -> str:
-    """A digest of csrc/*.h, passed as a flag: torch's loader rebuilds when sources or flags change, and this
-    makes a header's change one of them."""
+    """A digest of every file in csrc/, passed as a flag: torch's loader rebuilds when the sources it is given or
+    the flags change, and this makes a change to a header or to a source kernels_unity.cpp includes one of them."""
     digest = hashlib.sha256()
-    for header in sorted((Path(__file__).parent / "csrc").glob("*.h")):
-        digest.update(header.read_bytes())
+    for source in sorted((Path(__file__).parent / "csrc").iterdir()):
+        digest.update(source.name.encode() + source.read_bytes())
     return digest.hexdigest()[:16]
 
 
