@@ -53,6 +53,10 @@ TextFieldOpt = Annotated[str, typer.Option("--text-field", help="Field holding t
 SeqlenOpt = Annotated[int, typer.Option("--seqlen", help="Tokens per window / sample.")]
 MaxTokensOpt = Annotated[Optional[int], typer.Option("--max-tokens", help="Use at most this many tokens of the text.")]
 OutputOpt = Annotated[str, typer.Option("-o", "--output", help="Output folder (written atomically).")]
+MaxMemoryOpt = Annotated[Optional[str], typer.Option(
+    "--max-memory", help="Compress a model larger than memory: read one decoder layer at a time from its "
+    "safetensors files and write the artifact in shards as layers finish, within this much memory beyond the "
+    "process's fixed cost (e.g. 600MB, 8GB).")]
 OverwriteOpt = Annotated[bool, typer.Option("--overwrite", help="Replace an existing output folder.")]
 
 

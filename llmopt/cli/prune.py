@@ -6,7 +6,7 @@ from typing import Annotated, Optional
 
 import typer
 
-from llmopt.cli.options import IgnoreOpt, JsonOpt, ModelArg, OutputOpt, OverwriteOpt, StructuredKind
+from llmopt.cli.options import IgnoreOpt, JsonOpt, MaxMemoryOpt, ModelArg, OutputOpt, OverwriteOpt, StructuredKind
 from llmopt.cli.options import PruneMethod as PruneMethodName
 from llmopt.cli.options import TrustRemoteCodeOpt, calib_dtype_label, with_calibration_options
 from llmopt.cli.output import print_json, print_table, progress_bar
@@ -30,6 +30,7 @@ def prune(
     num_samples: Annotated[Optional[int], typer.Option(
         "--num-samples", help=f"Calibration samples (default {CALIBRATION['num_samples']}; "
         f"{STRUCTURED_NUM_SAMPLES} for structured).")] = None,
+    max_memory: MaxMemoryOpt = None,
     overwrite: OverwriteOpt = False,
     as_json: JsonOpt = False,
     trust_remote_code: TrustRemoteCodeOpt = False,
@@ -37,6 +38,7 @@ def prune(
 ) -> None:
     """Prune MODEL: zero weights (--method with --sparsity or --pattern), or shrink it (--structured --ratio)."""
     from llmopt.core.errors import ConfigError
+    from llmopt.core.offload import parse_memory
     from llmopt.pipelines.prune import prune_config, prune_to_artifact
 
     if structured is not None:
@@ -55,7 +57,8 @@ def prune(
         settings = dict(method=method.value, sparsity=sparsity, pattern=pattern, ignore=ignore or [], damp=damp,
                         num_samples=num_samples or CALIBRATION["num_samples"], **calibration)
     with progress_bar(f"pruning layers ({calib_dtype_label(calibration)} forwards)") as update:
-        facts = prune_to_artifact(model, output, prune_config(settings), overwrite, trust_remote_code, update)
+        facts = prune_to_artifact(model, output, prune_config(settings), overwrite, trust_remote_code, update,
+                                  parse_memory(max_memory) if max_memory is not None else None)
     if as_json:
         print_json(facts)
     else:

@@ -6,7 +6,9 @@ from typing import Annotated, Optional
 
 import typer
 
-from llmopt.cli.options import FormatName, IgnoreOpt, JsonOpt, ModelArg, OutputOpt, OverwriteOpt, SchemeName
+from llmopt.cli.options import (
+    FormatName, IgnoreOpt, JsonOpt, MaxMemoryOpt, ModelArg, OutputOpt, OverwriteOpt, SchemeName,
+)
 from llmopt.cli.options import QuantMethod as Method
 from llmopt.cli.options import TrustRemoteCodeOpt, calib_dtype_label, with_calibration_options
 from llmopt.cli.output import print_json, print_table, progress_bar
@@ -63,10 +65,7 @@ def quantize(
         "--awq-search", help="AWQ: re-apply scales/clips saved in an artifact instead of searching.")] = None,
     fmt: Annotated[Optional[FormatName], typer.Option(
         "--format", help="Checkpoint format (default per method: gptq, awq; compressed-tensors for rtn).")] = None,
-    max_memory: Annotated[Optional[str], typer.Option(
-        "--max-memory", help="Compress a model larger than memory: read one decoder layer at a time from its "
-        "safetensors files and write the artifact in shards as layers finish, within this much memory "
-        "beyond the process's fixed cost (e.g. 600MB, 8GB).")] = None,
+    max_memory: MaxMemoryOpt = None,
     overwrite: OverwriteOpt = False,
     as_json: JsonOpt = False,
     trust_remote_code: TrustRemoteCodeOpt = False,

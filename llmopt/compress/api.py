@@ -94,6 +94,7 @@ class Streaming:
     weights: object  # core.offload.SafetensorsWeights
     sink: Callable[[int, torch.nn.Module, dict[str, QuantizedWeight], dict[str, torch.Tensor]], None]
     activation_budget: int | None = None  # bytes of calibration activations kept in memory; more go to disk
+    observe_loaded: Callable[[int, torch.nn.Module], None] | None = None  # sees each layer as read, unchanged
 
 
 class _StreamedLayers:
@@ -132,6 +133,8 @@ class _StreamedLayers:
         from llmopt.core.offload import onload
 
         onload(layer, f"{self.adapter.layers}.{index}", self.streaming.weights)
+        if self.streaming.observe_loaded is not None:
+            self.streaming.observe_loaded(index, layer)
 
     def offload(self, index: int, layer: torch.nn.Module) -> None:
         from llmopt.core.offload import offload

@@ -18,9 +18,11 @@ from llmopt.compress.structured import prune_structured
 from llmopt.core.io import check_output_free
 from llmopt.export.artifact import dense_state_dict, write_artifact
 from llmopt.export.load import load_model
+from llmopt.core.errors import ConfigError
 from llmopt.pipelines.common import (
     peak_rss_bytes, prior_stages, refuse_quantized_input, resolve_input, source_entry, weights_bytes,
 )
+from llmopt.pipelines.streamed import ArtifactMeta, load_streamed, prune_streamed
 
 
 def prune_config(settings: dict):
@@ -38,14 +40,23 @@ def prune_to_artifact(
     overwrite: bool = False,
     trust_remote_code: bool = False,
     progress: Callable[[int, int], None] | None = None,
+    max_memory: int | None = None,
 ) -> dict:
     """Prune MODEL as the typed `config` says (prune_config builds it: a SparsityConfig or a StructuredConfig) and
-    write the artifact; return the facts measured."""
+    write the artifact; return the facts measured. `max_memory` (bytes): never hold more than one decoder
+    layer's weights (pipelines.streamed; sparsity only)."""
     start = time.perf_counter()
     output = check_output_free(output, overwrite)
     structured = isinstance(config, StructuredConfig)
+    if structured and max_memory is not None:
+        raise ConfigError("--max-memory prunes to sparsity (--method/--sparsity/--pattern); structured pruning "
+                          "scores and reshapes the whole model at once: run it without --max-memory",
+                          param="--max-memory")
     source = resolve_input(model_name, output)
     refuse_quantized_input(source, "prune", trust_remote_code)
+    if max_memory is not None:
+        return _prune_streamed(model_name, source, output, config, max_memory, overwrite, trust_remote_code,
+                               progress, start)
     model, tokenizer, source = load_model(source, trust_remote_code=trust_remote_code)
     before = measure_sparsity(model)
     manifest = {"source": source_entry(model_name, source),
@@ -74,10 +85,14 @@ def prune_to_artifact(
     config_dict.pop("quantization_config", None)
     write_artifact(output, dense, config_dict, tokenizer, {}, None, None, manifest, extra,
                    getattr(model, "generation_config", None), overwrite, extra_file=SCORES_FILE)
+    return _facts(output, "structured" if structured else "sparse",
+                  config.structured if structured else config.method, before, after, facts, start)
+
+
+def _facts(output, kind: str, method: str, before: dict, after: dict, facts: dict, start: float) -> dict:
+    """What a prune command reports (measure_sparsity before and after, wall times, memory, size)."""
     return {
-        "output": str(output),
-        "kind": "structured" if structured else "sparse",
-        "method": config.structured if structured else config.method,
+        "output": str(output), "kind": kind, "method": method,
         "num_parameters_before": before["num_parameters"], "num_parameters_after": after["num_parameters"],
         "num_nonzero_before": before["num_nonzero"], "num_nonzero_after": after["num_nonzero"],
         "linear_sparsity": round(after["linear_sparsity"], 6),
@@ -85,3 +100,26 @@ def prune_to_artifact(
         "peak_rss_bytes": peak_rss_bytes(),
         "artifact_weights_bytes": weights_bytes(output),
     }
+
+
+def _prune_streamed(model_name, source, output, config, max_memory, overwrite, trust_remote_code, progress,
+                    start) -> dict:
+    """prune_to_artifact for a model larger than memory: the same artifact, one layer in memory at a time."""
+    streamed = load_streamed(source, trust_remote_code)
+    manifest = {"source": source_entry(model_name, source),
+                "stages": prior_stages(source) + [{"stage": "prune", "settings": config.model_dump(mode="json")}]}
+
+    def make_meta(result, tally) -> ArtifactMeta:
+        facts = result.facts
+        facts["prune_wall_s"] = facts.pop("wall_s")
+        facts.pop("num_streamed_linears", None)
+        facts["measured_sparsity"] = tally.pruned / tally.masked
+        config_dict = streamed.model.config.to_dict()
+        config_dict.pop("quantization_config", None)
+        config_dict["sparsity_config"] = sparsity_config_entry(config, facts["measured_sparsity"],
+                                                               sorted(tally.suffixes))
+        return ArtifactMeta(config_dict, None, None, {**manifest, "facts": facts}, None, SCORES_FILE)
+
+    result, tally = prune_streamed(streamed, Path(output), config, max_memory, make_meta, overwrite, progress)
+    before, after = tally.facts()
+    return _facts(output, "sparse", config.method, before, after, result.facts, start)

@@ -6,7 +6,7 @@ in-memory pipeline writes from the same model and settings."""
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
@@ -18,10 +18,12 @@ from llmopt.core.io import atomic_output_dir
 from llmopt.core.offload import (
     ACTIVATION_SHARE, SafetensorsWeights, format_bytes, limit_heap_retention, meta_model,
 )
+from llmopt.compress.defaults import SEARCH_FILE
 from llmopt.export.artifact import ShardWriter, write_artifact_files
 from llmopt.export.formats import FORMATS
 
 DENSE_DTYPE = torch.float16  # what the quantized artifact stores its dense tensors in (as write_model_artifact)
+PRUNED_DTYPE = torch.float32  # what a pruned artifact stores every tensor in (as pipelines.prune)
 SHARD_SHARE = 8  # a shard holds at most --max-memory / 8 before it is written
 MIN_SHARD_BYTES = 2**20
 
@@ -84,6 +86,75 @@ def check_fits(model: torch.nn.Module, max_memory: int) -> None:
 
 
 @dataclass
+class ArtifactMeta:
+    """Everything of an artifact but its weights (export.artifact.write_artifact_files' arguments)."""
+
+    config: dict
+    fmt_name: str | None
+    record: object
+    manifest: dict
+    extra_tensors: dict | None = None
+    extra_file: str = SEARCH_FILE
+
+
+# layer index, the final layer, its QuantizedWeights and masks by full linear name -> the tensors to write
+LayerTensors = Callable[[int, torch.nn.Module, dict, dict], dict[str, torch.Tensor]]
+
+
+def compress_streamed(
+    streamed: StreamedModel,
+    output: Path,
+    configs: list,
+    max_memory: int,
+    dense_dtype: torch.dtype,
+    layer_tensors: LayerTensors,
+    make_meta: Callable[[CompressResult], ArtifactMeta],
+    observe_loaded: Callable[[int, torch.nn.Module], None] | None = None,
+    observe_outer: Callable[[str, torch.Tensor], None] | None = None,
+    overwrite: bool = False,
+    progress: Callable[[int, int], None] | None = None,
+) -> CompressResult:
+    """Compress the streamed model with `configs` into `output`, never holding more than one layer's weights:
+    each final layer's tensors (layer_tensors) go to the shards as it finishes, the tensors outside the layers
+    are copied from the files in `dense_dtype` (observe_outer sees each), and make_meta(result) gives the rest of
+    the artifact. observe_loaded sees each layer as read, before any change."""
+    model, weights = streamed.model, streamed.weights
+    check_fits(model, max_memory)
+    limit_heap_retention()
+    layers_prefix = adapter_for(model).layers + "."
+    with atomic_output_dir(output, overwrite) as tmp:
+        shards = ShardWriter(tmp, max(max_memory // SHARD_SHARE, MIN_SHARD_BYTES))
+
+        def sink(index: int, layer: torch.nn.Module, qweights: dict, masks: dict) -> None:
+            shards.add(layer_tensors(index, layer, qweights, masks))
+
+        streaming = Streaming(weights, sink, int(max_memory * ACTIVATION_SHARE), observe_loaded)
+        result = compress_model(model, streamed.tokenizer, configs, progress, streaming)
+        tied = bool(getattr(model.config, "tie_word_embeddings", False))
+        outer = {key: t for key, t in model.state_dict().items()
+                 if not key.startswith(layers_prefix) and not (tied and key == "lm_head.weight")}
+        if shards.pending_bytes + sum(t.numel() * dense_dtype.itemsize for t in outer.values()) > shards.shard_bytes:
+            shards.flush()  # the layers' shard written before the large tensors outside them are read
+        for key in outer:  # the tensors outside the layers, one at a time from the files
+            tensor = weights.get(key, dense_dtype)
+            if observe_outer is not None:
+                observe_outer(key, tensor)
+            shards.add({key: tensor})
+        shards.finish()
+        meta = make_meta(result)
+        write_artifact_files(tmp, meta.config, streamed.tokenizer, meta.fmt_name, meta.record, meta.manifest,
+                             {dense_dtype}, meta.extra_tensors, streamed.generation_config, meta.extra_file)
+    return result
+
+
+def dense_layer_tensors(index: int, layer: torch.nn.Module, prefix: str, dtype: torch.dtype,
+                        skip: set[str] = frozenset()) -> dict[str, torch.Tensor]:
+    """The layer's tensors by full name, floats in `dtype`, without `skip` (full names)."""
+    return {f"{prefix}{index}.{key}": tensor.to(dtype) if tensor.is_floating_point() else tensor
+            for key, tensor in layer.state_dict().items() if f"{prefix}{index}.{key}" not in skip}
+
+
+@dataclass
 class StreamedTally:
     num_quantized: int = 0
     packed_bytes: int = 0
@@ -100,43 +171,93 @@ def quantize_streamed(
     overwrite: bool = False,
     progress: Callable[[int, int], None] | None = None,
 ) -> tuple[CompressResult, StreamedTally]:
-    """Quantize the streamed model with `configs` into `output` in format `fmt_name`, never holding more than
-    one layer's weights; make_manifest(result, number of quantized linears) gives llmopt.json once the facts are known."""
-    model, weights = streamed.model, streamed.weights
-    check_fits(model, max_memory)
-    limit_heap_retention()
+    """Quantize the streamed model with `configs` into `output` in format `fmt_name`; make_manifest(result,
+    number of quantized linears) gives llmopt.json once the facts are known."""
     config, fmt = configs[-1], FORMATS.get(fmt_name)
-    layers_prefix = adapter_for(model).layers + "."
+    layers_prefix = adapter_for(streamed.model).layers + "."
     tally = StreamedTally()
-    with atomic_output_dir(output, overwrite) as tmp:
-        shards = ShardWriter(tmp, max(max_memory // SHARD_SHARE, MIN_SHARD_BYTES))
 
-        def sink(index: int, layer: torch.nn.Module, qweights: dict, masks: dict) -> None:
-            prefix = f"{layers_prefix}{index}."
-            tensors = {}
-            for name, qweight in qweights.items():
-                qweight.input_activations = config.input_activations
-                packed = fmt.pack(qweight)
-                tensors.update({f"{name}.{suffix}": t for suffix, t in packed.items()})
-                tally.packed_bytes += sum(t.numel() * t.element_size() for t in packed.values())
-                tally.fp16_bytes += qweight.q.numel() * 2
-            tally.num_quantized += len(qweights)
-            quantized = {f"{name}.{kind}" for name in qweights for kind in ("weight", "bias")}
-            for key, tensor in layer.state_dict().items():
-                if prefix + key not in quantized:
-                    tensors[prefix + key] = tensor.to(DENSE_DTYPE) if tensor.is_floating_point() else tensor
-            shards.add(tensors)
+    def layer_tensors(index: int, layer: torch.nn.Module, qweights: dict, masks: dict) -> dict:
+        tensors = {}
+        for name, qweight in qweights.items():
+            qweight.input_activations = config.input_activations
+            packed = fmt.pack(qweight)
+            tensors.update({f"{name}.{suffix}": t for suffix, t in packed.items()})
+            tally.packed_bytes += sum(t.numel() * t.element_size() for t in packed.values())
+            tally.fp16_bytes += qweight.q.numel() * 2
+        tally.num_quantized += len(qweights)
+        quantized = {f"{name}.{kind}" for name in qweights for kind in ("weight", "bias")}
+        return {**tensors, **dense_layer_tensors(index, layer, layers_prefix, DENSE_DTYPE, quantized)}
 
-        budget = int(max_memory * ACTIVATION_SHARE)
-        result = compress_model(model, streamed.tokenizer, configs, progress, Streaming(weights, sink, budget))
-        shards.flush()  # the layers' shards written before the large tensors outside them are read
-        tied = bool(getattr(model.config, "tie_word_embeddings", False))
-        for key in model.state_dict():  # the tensors outside the layers, one at a time from the files
-            if key.startswith(layers_prefix) or (tied and key == "lm_head.weight"):
-                continue
-            shards.add({key: weights.get(key, DENSE_DTYPE)})
-        shards.finish()
-        write_artifact_files(tmp, model.config.to_dict(), streamed.tokenizer, fmt_name, config.record(),
-                             make_manifest(result, tally.num_quantized), {DENSE_DTYPE}, result.extra_tensors,
-                             streamed.generation_config)
+    def make_meta(result: CompressResult) -> ArtifactMeta:
+        return ArtifactMeta(streamed.model.config.to_dict(), fmt_name, config.record(),
+                            make_manifest(result, tally.num_quantized), result.extra_tensors)
+
+    result = compress_streamed(streamed, output, configs, max_memory, DENSE_DTYPE, layer_tensors, make_meta,
+                               overwrite=overwrite, progress=progress)
+    return result, tally
+
+
+@dataclass
+class SparsityTally:
+    """What the facts of a pruned model count, gathered layer by layer (compress.api.measure_sparsity's
+    numbers, without the whole model in memory)."""
+
+    num_parameters: int = 0
+    nonzero_before: int = 0
+    nonzero_after: int = 0
+    linear_parameters: int = 0
+    linear_zeros: int = 0
+    pruned: int = 0  # weights the masks zero
+    masked: int = 0  # weights the masks cover
+    suffixes: set = field(default_factory=set)
+
+    def facts(self) -> tuple[dict, dict]:
+        """(measure_sparsity before, after)."""
+        linear = self.linear_zeros / self.linear_parameters if self.linear_parameters else 0.0
+        before = {"num_parameters": self.num_parameters, "num_nonzero": self.nonzero_before}
+        return before, {"num_parameters": self.num_parameters, "num_nonzero": self.nonzero_after,
+                        "linear_parameters": self.linear_parameters, "linear_sparsity": linear}
+
+
+def prune_streamed(
+    streamed: StreamedModel,
+    output: Path,
+    config,
+    max_memory: int,
+    make_meta: Callable[[CompressResult, SparsityTally], ArtifactMeta],
+    overwrite: bool = False,
+    progress: Callable[[int, int], None] | None = None,
+) -> tuple[CompressResult, SparsityTally]:
+    """Prune the streamed model (unstructured or N:M sparsity) into `output`, its tensors in fp32 as the
+    in-memory pipeline writes them; make_meta(result, tally) gives the rest of the artifact."""
+    model = streamed.model
+    adapter = adapter_for(model)
+    layers_prefix = adapter.layers + "."
+    tally = SparsityTally(num_parameters=sum(p.numel() for p in model.parameters()))
+
+    def nonzero(tensors) -> int:
+        return sum(int(t.count_nonzero()) for t in tensors)
+
+    def observe_loaded(index: int, layer: torch.nn.Module) -> None:
+        tally.nonzero_before += nonzero(layer.parameters())
+
+    def observe_outer(key: str, tensor: torch.Tensor) -> None:
+        tally.nonzero_before += nonzero([tensor])
+        tally.nonzero_after += nonzero([tensor])
+
+    def layer_tensors(index: int, layer: torch.nn.Module, qweights: dict, masks: dict) -> dict:
+        tally.nonzero_after += nonzero(layer.parameters())
+        for name in adapter.linears:
+            weight = layer.get_submodule(name).weight
+            tally.linear_parameters += weight.numel()
+            tally.linear_zeros += weight.numel() - int(weight.count_nonzero())
+        tally.pruned += sum(int(m.sum()) for m in masks.values())
+        tally.masked += sum(m.numel() for m in masks.values())
+        tally.suffixes.update(name.split(".", 3)[-1] for name in masks)
+        return dense_layer_tensors(index, layer, layers_prefix, PRUNED_DTYPE)
+
+    result = compress_streamed(streamed, output, [config], max_memory, PRUNED_DTYPE, layer_tensors,
+                               lambda result: make_meta(result, tally), observe_loaded, observe_outer,
+                               overwrite, progress)
     return result, tally

@@ -196,3 +196,47 @@ def test_peak_memory_stays_within_the_budget(tmp_path):
     assert done.returncode == 0, done.stderr[-2000:]
     measured = json.loads(done.stdout.strip().splitlines()[-1])
     assert measured["peak"] - measured["fixed"] <= budget, (measured, budget)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("settings", [
+    dict(method="sparsegpt", pattern="2:4", **CALIB),
+    dict(method="wanda", sparsity=0.5, **CALIB),
+    dict(method="magnitude", sparsity=0.6, ignore=["*down_proj"]),
+])
+def test_streamed_pruning_equals_in_memory(sharded_tiny, tmp_path, tiny_budget, settings):
+    from llmopt.pipelines.prune import prune_config, prune_to_artifact
+
+    full = prune_to_artifact(str(sharded_tiny), tmp_path / "full", prune_config(dict(settings)))
+    small = prune_to_artifact(str(sharded_tiny), tmp_path / "small", prune_config(dict(settings)),
+                              max_memory=100_000)
+    assert_same_artifact(tmp_path / "full", tmp_path / "small")
+    for key in ("num_parameters_before", "num_parameters_after", "num_nonzero_before", "num_nonzero_after",
+                "linear_sparsity"):
+        assert small[key] == full[key], key
+    assert len(list((tmp_path / "small").glob("model-*.safetensors"))) > 2
+    manifests = [json.loads((tmp_path / name / "llmopt.json").read_text())["facts"] for name in ("full", "small")]
+    assert manifests[0]["measured_sparsity"] == manifests[1]["measured_sparsity"]
+
+
+def test_structured_pruning_refuses_max_memory(sharded_tiny, tmp_path):
+    from llmopt.pipelines.prune import prune_config, prune_to_artifact
+
+    with pytest.raises(ConfigError, match="structured pruning scores and reshapes the whole model"):
+        prune_to_artifact(str(sharded_tiny), tmp_path / "out", prune_config(dict(structured="mlp", ratio=0.25)),
+                          max_memory=10**9)
+
+
+def test_cli_quantize_and_prune_take_max_memory(sharded_tiny, tmp_path):
+    from typer.testing import CliRunner
+
+    from llmopt.cli.main import app
+
+    for command in (["quantize", "--method", "rtn", "--group-size", "32"], ["prune", "--method", "magnitude",
+                                                                           "--sparsity", "0.5"]):
+        out = tmp_path / command[0]
+        result = CliRunner().invoke(app, [command[0], str(sharded_tiny), "-o", str(out), *command[1:],
+                                          "--max-memory", "2GB", "--json"])
+        assert result.exit_code == 0, result.output
+        assert json.loads(result.stdout)["peak_rss_bytes"] > 0
+        assert (out / "model.safetensors").exists() and (out / "llmopt.json").exists()
