@@ -51,7 +51,7 @@ def load_streamed(source, trust_remote_code: bool = False) -> StreamedModel:
     check_tensor_shapes(config, source.path, source.name)
     model = meta_model(config)
     try:
-        generation_config = GenerationConfig.from_pretrained(source.load_path)
+        generation_config = GenerationConfig.from_pretrained(source.load_path, trust_remote_code=trust_remote_code)
     except OSError:  # none saved: the one the model's config implies, as a loaded model would have
         generation_config = model.generation_config
     return StreamedModel(model, load_tokenizer(source, trust_remote_code), SafetensorsWeights(source.path),
