@@ -75,13 +75,15 @@ def gptq_quantize_weight(
     perm = None
     if act_order:
         perm = torch.argsort(torch.diag(h), descending=True)
-        w, h = w[:, perm], h[perm][:, perm]
+        w, h = w[:, perm], h[perm[:, None], perm]  # one gather: no [K, K] intermediate
         if cross is not None:
-            cross = cross[perm][:, perm]
+            cross = cross[perm[:, None], perm]
         if mask is not None:
             mask = mask[:, perm]
     hinv = inverse_hessian_cholesky(h, damp)
+    del h  # [K, K] copies are freed once used: the column loop below needs only hinv (and correction)
     correction = None if cross is None else cross_alpha * (cross @ hinv.t()).triu_(1) @ hinv  # [K, K]
+    cross = None
 
     codes = torch.zeros(k, n, dtype=torch.float32)  # filled column by column: rows are columns here
     num_groups = k // width

@@ -97,12 +97,17 @@ def inverse_hessian_cholesky(hessian: torch.Tensor, damp: float) -> torch.Tensor
     """Upper Cholesky factor of H^-1 after dampening by damp * mean(diag H); retries with more damping."""
     diag_mean = torch.mean(torch.diag(hessian))
     eye = torch.eye(hessian.shape[0], dtype=hessian.dtype, device=hessian.device)
+    # Each [K, K] intermediate is dropped as soon as the next exists: at K = 2816 one is 32 MB, and their sum was
+    # most of a streamed (--max-memory) GPTQ run's peak.
     for attempt in range(6):
         h = hessian + (damp * 10**attempt) * diag_mean * eye
         chol, info = torch.linalg.cholesky_ex(h)
+        del h
         if info == 0:
             inv = torch.cholesky_inverse(chol)
+            del chol
             upper, info = torch.linalg.cholesky_ex(inv, upper=True)
+            del inv
             if info == 0:
                 return upper
     raise LLMOptError("the Hessian stays singular after dampening: use more calibration samples or raise --damp")
