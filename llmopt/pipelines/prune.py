@@ -86,10 +86,11 @@ def prune_to_artifact(
     write_artifact(output, dense, config_dict, tokenizer, {}, None, None, manifest, extra,
                    getattr(model, "generation_config", None), overwrite, extra_file=SCORES_FILE)
     return _facts(output, "structured" if structured else "sparse",
-                  config.structured if structured else config.method, before, after, facts, start)
+                  config.structured if structured else config.method, before, after, facts, start, None)
 
 
-def _facts(output, kind: str, method: str, before: dict, after: dict, facts: dict, start: float) -> dict:
+def _facts(output, kind: str, method: str, before: dict, after: dict, facts: dict, start: float,
+           max_memory: int | None) -> dict:
     """What a prune command reports (measure_sparsity before and after, wall times, memory, size)."""
     return {
         "output": str(output), "kind": kind, "method": method,
@@ -97,7 +98,7 @@ def _facts(output, kind: str, method: str, before: dict, after: dict, facts: dic
         "num_nonzero_before": before["num_nonzero"], "num_nonzero_after": after["num_nonzero"],
         "linear_sparsity": round(after["linear_sparsity"], 6),
         "prune_wall_s": round(facts["prune_wall_s"], 2), "total_wall_s": round(time.perf_counter() - start, 2),
-        "peak_rss_bytes": peak_rss_bytes(),
+        "peak_rss_bytes": peak_rss_bytes(), "max_memory_bytes": max_memory,
         "artifact_weights_bytes": weights_bytes(output),
     }
 
@@ -122,4 +123,4 @@ def _prune_streamed(model_name, source, output, config, max_memory, overwrite, t
 
     result, tally = prune_streamed(streamed, Path(output), config, max_memory, make_meta, overwrite, progress)
     before, after = tally.facts()
-    return _facts(output, "sparse", config.method, before, after, result.facts, start)
+    return _facts(output, "sparse", config.method, before, after, result.facts, start, max_memory)

@@ -121,7 +121,7 @@ def quantize_to_artifact(
         "quantize_wall_s": round(result.facts["quantize_wall_s"], 2),
         **{k: v for k, v in result.facts.items() if k.startswith("smoothquant_")},
         "total_wall_s": round(time.perf_counter() - start, 2),
-        "peak_rss_bytes": peak_rss_bytes(),
+        "peak_rss_bytes": peak_rss_bytes(), "max_memory_bytes": max_memory,
         "artifact_weights_bytes": weights_bytes(output),
         "quantized_linear_bytes": packed, "quantized_linear_fp16_bytes": fp16,
         "quantized_linear_ratio": round(packed / fp16, 4),

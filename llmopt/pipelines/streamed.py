@@ -61,7 +61,7 @@ def load_streamed(source, trust_remote_code: bool = False) -> StreamedModel:
 def working_set_bytes(model: torch.nn.Module, streams: int = 3) -> int:
     """Memory the compression of the largest decoder layer takes besides activations: the layer in fp32 and its
     copies (the reference stream's, a lower-precision runner: `streams` in all), and the algorithm's work on its
-    largest linear [N, K] (GPTQ with act-order, GPTAQ and the range search: ~8 [K, K] fp32 matrices and ~4 [N, K]
+    largest linear [N, K] (GPTQ with act-order, GPTAQ and the range search: ~6 [K, K] fp32 matrices and ~4 [N, K]
     ones at its peak, measured); or the embeddings, in memory while the
     first layer's inputs are captured, if larger."""
     adapter = adapter_for(model)
@@ -69,7 +69,7 @@ def working_set_bytes(model: torch.nn.Module, streams: int = 3) -> int:
     for layer in model.get_submodule(adapter.layers):
         weights = sum(p.numel() * 4 for p in layer.parameters())
         linears = [m for m in layer.modules() if isinstance(m, torch.nn.Linear)]
-        work = max((8 * m.in_features ** 2 + 4 * m.in_features * m.out_features) * 4 for m in linears)
+        work = max((6 * m.in_features ** 2 + 4 * m.in_features * m.out_features) * 4 for m in linears)
         largest = max(largest, streams * weights + work)
     embeddings = sum(p.numel() * 4 for p in model.get_input_embeddings().parameters())
     return max(largest, embeddings)

@@ -49,19 +49,34 @@ def _check_calibration(options: dict) -> None:
 STAGES: Registry[Stage] = Registry("stage")
 
 
-def _split_quantize(options: dict) -> tuple[str, dict, str | None]:
+def _split_quantize(options: dict) -> tuple[str, dict, str | None, int | None]:
+    """(method, the config's settings, format or None for the method's own, max_memory in bytes or None)."""
     settings = dict(options)
     method = settings.pop("method", None)
     if method is None:
         raise ConfigError("quantize needs method: rtn, gptq or awq")
-    return method, settings, settings.pop("format", None)  # None: the method's own format
+    fmt = settings.pop("format", None)
+    return method, settings, fmt, _pop_max_memory(settings)
+
+
+def _pop_max_memory(settings: dict) -> int | None:
+    """A stage's `max_memory` (e.g. 600MB: compress a model larger than memory, one layer at a time), in bytes."""
+    from llmopt.core.offload import parse_memory
+
+    value = settings.pop("max_memory", None)
+    return None if value is None else parse_memory(str(value), "max_memory")
+
+
+def _split_prune(options: dict) -> tuple[dict, int | None]:
+    settings = dict(options)
+    return settings, _pop_max_memory(settings)
 
 
 def _validate_quantize(options: dict) -> None:
     from llmopt.compress.api import quantize_configs
     from llmopt.export.formats import FORMATS
 
-    method, settings, fmt = _split_quantize(options)
+    method, settings, fmt, _ = _split_quantize(options)
     quantize_configs(method, settings)
     if fmt is not None and fmt not in FORMATS:
         raise ConfigError(f"unknown format {fmt!r}: choose one of {', '.join(FORMATS.names())}")
@@ -71,20 +86,22 @@ def _run_quantize(model: str, output: Path, options: dict) -> dict:
     from llmopt.compress.api import quantize_configs
     from llmopt.pipelines.quantize import quantize_to_artifact
 
-    method, settings, fmt = _split_quantize(options)
-    return quantize_to_artifact(model, output, quantize_configs(method, settings), fmt, overwrite=True)
+    method, settings, fmt, max_memory = _split_quantize(options)
+    return quantize_to_artifact(model, output, quantize_configs(method, settings), fmt, overwrite=True,
+                                max_memory=max_memory)
 
 
 def _validate_prune(options: dict) -> None:
     from llmopt.pipelines.prune import prune_config
 
-    prune_config(dict(options))
+    prune_config(_split_prune(options)[0])
 
 
 def _run_prune(model: str, output: Path, options: dict) -> dict:
     from llmopt.pipelines.prune import prune_config, prune_to_artifact
 
-    return prune_to_artifact(model, output, prune_config(dict(options)), overwrite=True)
+    settings, max_memory = _split_prune(options)
+    return prune_to_artifact(model, output, prune_config(settings), overwrite=True, max_memory=max_memory)
 
 
 def _preflight_quantize(options: dict, model):
@@ -93,7 +110,7 @@ def _preflight_quantize(options: dict, model):
 
     _refuse_quantized(model, "quantize")
     _check_calibration(options)
-    method, settings, fmt = _split_quantize(options)
+    method, settings, fmt, _ = _split_quantize(options)
     configs = quantize_configs(method, settings)
     check_quantizable(model.model, configs, fmt or default_format(method, configs[-1]))
     return model.updated({}, quantized=True)
@@ -109,7 +126,7 @@ def _preflight_prune(options: dict, model):
 
     _refuse_quantized(model, "prune")
     _check_calibration(options)
-    config = prune_config(dict(options))
+    config = prune_config(_split_prune(options)[0])
     if not isinstance(config, StructuredConfig):
         check_model_fits(model.model, [config])
         return model

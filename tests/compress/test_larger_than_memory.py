@@ -240,3 +240,16 @@ def test_cli_quantize_and_prune_take_max_memory(sharded_tiny, tmp_path):
         assert result.exit_code == 0, result.output
         assert json.loads(result.stdout)["peak_rss_bytes"] > 0
         assert (out / "model.safetensors").exists() and (out / "llmopt.json").exists()
+
+
+def test_recipe_stages_take_max_memory(sharded_tiny, tmp_path):
+    from llmopt.recipe.stages import STAGES
+
+    quantize, prune = STAGES.get("quantize"), STAGES.get("prune")
+    with pytest.raises(ConfigError, match="max_memory 'lots': give a size"):
+        quantize.validate({"method": "rtn", "max_memory": "lots"})
+    facts = quantize.run(str(sharded_tiny), tmp_path / "q", {"method": "rtn", "group_size": 32, "max_memory": "1GB"})
+    assert facts["max_memory_bytes"] == 10**9 and facts["num_quantized_linears"] == 14
+    facts = prune.run(str(sharded_tiny), tmp_path / "p", {"method": "magnitude", "sparsity": 0.5,
+                                                         "max_memory": "1GB"})
+    assert facts["max_memory_bytes"] == 10**9 and facts["linear_sparsity"] == pytest.approx(0.5, abs=0.01)
