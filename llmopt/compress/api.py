@@ -17,7 +17,7 @@ from llmopt.compress.config import SmoothQuantConfig, SparsityConfig, Structured
 from llmopt.compress.defaults import SPARSEGPT_DAMP
 from llmopt.compress.masks import check_nm_fits
 from llmopt.compress.modifier_list import ModifierList
-from llmopt.core.adapters import get_module
+from llmopt.core.adapters import modules_beside_layers
 from llmopt.core.contract import QuantizedWeight, sparsity_entry
 from llmopt.core.errors import ConfigError
 from llmopt.core.registry import import_submodules
@@ -110,23 +110,16 @@ class _StreamedLayers:
         self.zeros = self.total = self.num_quantized = self.num_pruned = 0
         self.suffixes: set[str] = set()  # the quantized linears' paths inside a layer
 
-    def _outer(self) -> list[tuple[str, torch.nn.Module]]:
-        """The base model's modules outside the layers (embeddings, final norm), by path."""
-        base = self.adapter.layers.rsplit(".", 1)[0]
-        layers = self.adapter.layers.rsplit(".", 1)[1]
-        return [(f"{base}.{name}", module) for name, module in get_module(self.model, base).named_children()
-                if name != layers]
-
     def onload_outer(self) -> None:
         from llmopt.core.offload import onload
 
-        for path, module in self._outer():
+        for path, module in modules_beside_layers(self.model):
             onload(module, path, self.streaming.weights)
 
     def inputs_captured(self) -> None:
         from llmopt.core.offload import offload
 
-        for _, module in self._outer():
+        for _, module in modules_beside_layers(self.model):
             offload(module)
 
     def onload(self, index: int, layer: torch.nn.Module) -> None:
@@ -146,8 +139,9 @@ class _StreamedLayers:
         masks = {}
         for pruner in self.pruners:  # pruners of one pass share their masks (ModifierList): pop once
             masks.update({k: pruner.masks.pop(k) for k in list(pruner.masks) if k.startswith(prefix)})
-        zeros, total = zero_counts(qweights)
-        self.zeros, self.total = self.zeros + zeros, self.total + total
+        if self.pruners:  # pruned and quantized: the zero codes make the recorded sparsity
+            zeros, total = zero_counts(qweights)
+            self.zeros, self.total = self.zeros + zeros, self.total + total
         self.num_quantized += len(qweights)
         self.suffixes.update(name.split(".", 3)[-1] for name in qweights)
         self.num_pruned += len(masks)
@@ -215,17 +209,17 @@ def compress_model(model, tokenizer, configs: list[BaseModel],
     facts["wall_s"] = time.perf_counter() - start
     qweights = quantizers[0].results if quantizers else {}
     masks = pruners[-1].masks if pruners else {}
-    zeros, total = zero_counts(qweights)
-    suffixes = {name.split(".", 3)[-1] for name in qweights}
-    if streamed is not None:  # the results went to the sink, layer by layer
-        zeros, total, suffixes = streamed.zeros, streamed.total, streamed.suffixes
-        facts["num_streamed_linears"] = streamed.num_quantized or streamed.num_pruned
-    if not qweights and not masks and not facts.get("num_streamed_linears"):
+    streamed_linears = 0 if streamed is None else streamed.num_quantized or streamed.num_pruned
+    if not qweights and not masks and not streamed_linears:
         raise ConfigError(f"nothing was {'quantized' if quantizers else 'pruned'}: every linear matched --ignore")
     if quantizers and pruners:  # pruned too: record it as a pruned model would
         pruner = pruners[-1].config
+        if streamed is None:
+            zeros, total = zero_counts(qweights)
+            suffixes = sorted({name.split(".", 3)[-1] for name in qweights})
+        else:  # the results went to the sink, layer by layer: counted there
+            zeros, total, suffixes = streamed.zeros, streamed.total, sorted(streamed.suffixes)
         measured = zeros / total
-        suffixes = sorted(suffixes)
         model.config.sparsity_config = sparsity_entry(pruner.structure, algorithm.name, pruner.target_sparsity,
                                                       pruner.ignore, measured, suffixes)
         facts["measured_sparsity"] = measured
@@ -272,7 +266,6 @@ def zero_counts(qweights: dict[str, QuantizedWeight]) -> tuple[int, int]:
         zeros += int((qw.q.to(torch.int32) == zero_points).sum())
         total += qw.q.numel()
     return zeros, total
-
 
 
 def measure_sparsity(model) -> dict:

@@ -177,6 +177,13 @@ def decoder_layers(model: nn.Module) -> nn.ModuleList:
     return get_module(model, adapter_for(model).layers)
 
 
+def modules_beside_layers(model: nn.Module) -> list[tuple[str, nn.Module]]:
+    """The base model's modules other than its decoder layers (embeddings, rotary, final norm), by full path."""
+    base, _, layers = adapter_for(model).layers.rpartition(".")
+    return [(f"{base}.{name}", module) for name, module in get_module(model, base).named_children()
+            if name != layers]
+
+
 def layer_linears(layer: nn.Module, adapter: ArchAdapter) -> dict[str, nn.Linear]:
     """The adapter's linears present in one decoder layer, by relative path."""
     return {name: get_module(layer, name) for name in adapter.linears}

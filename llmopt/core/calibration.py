@@ -26,7 +26,7 @@ from typing import Callable, Protocol
 import torch
 from torch import nn
 
-from llmopt.core.adapters import ArchAdapter, adapter_for, get_module, set_module
+from llmopt.core.adapters import ArchAdapter, adapter_for, get_module, modules_beside_layers, set_module
 from llmopt.core.offload import LayerIO, SpilledActivations, keep_activations
 
 
@@ -70,8 +70,7 @@ def capture_first_layer_inputs(model: nn.Module, calib_ids: torch.Tensor, batch_
 
     handle = layers[0].register_forward_pre_hook(grab, with_kwargs=True)
     # Everything before layer 0 (embeddings, rotary) runs on the device; the layers themselves stay put.
-    base = get_module(model, adapter.layers.rsplit(".", 1)[0])
-    pre_layer_modules = [m for n, m in base.named_children() if m is not layers]
+    pre_layer_modules = [module for _, module in modules_beside_layers(model)]
     try:
         for m in pre_layer_modules:
             m.to(device)

@@ -58,17 +58,11 @@ class SafetensorsWeights:
         self.path = Path(path)
         self.entries: dict[str, tuple[Path, int, dict]] = {}  # key -> (file, data start, header entry)
         for file, header in check_safetensors(self.path).items():
-            data_start = 8 + int.from_bytes(file.open("rb").read(8), "little")
+            with file.open("rb") as f:
+                data_start = 8 + int.from_bytes(f.read(8), "little")
             for key, meta in header.items():
                 if key != "__metadata__":
                     self.entries[key] = (file, data_start, meta)
-
-    def __contains__(self, key: str) -> bool:
-        return key in self.entries
-
-    def nbytes(self, key: str) -> int:
-        begin, end = self.entries[key][2]["data_offsets"]
-        return end - begin
 
     def get(self, key: str, dtype: torch.dtype | None = None) -> torch.Tensor:
         """The tensor `key`, floats in `dtype` (None: as stored), in memory of its own. Converted in chunks

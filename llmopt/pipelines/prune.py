@@ -113,7 +113,6 @@ def _prune_streamed(model_name, source, output, config, max_memory, overwrite, t
     def make_meta(result, tally) -> ArtifactMeta:
         facts = result.facts
         facts["prune_wall_s"] = facts.pop("wall_s")
-        facts.pop("num_streamed_linears", None)
         facts["measured_sparsity"] = tally.pruned / tally.masked
         config_dict = streamed.model.config.to_dict()
         config_dict.pop("quantization_config", None)

@@ -85,7 +85,6 @@ def quantize_to_artifact(
         """llmopt.json, once the facts are known (after the quantized linears are counted)."""
         result.facts["quantize_wall_s"] = result.facts.pop("wall_s")
         result.facts["num_quantized_linears"] = num_quantized
-        result.facts.pop("num_streamed_linears", None)
         return {
             "source": source_entry(model_name, source),
             "stages": prior_stages(source) + [

@@ -1,6 +1,6 @@
-"""quantize a model larger than memory (`--max-memory`): the model is built on the meta device, each decoder
-layer is read from the safetensors files when the calibration pipeline reaches it, and its packed codes are
-written into the artifact's shards as soon as it is final. The artifact equals, tensor for tensor, what the
+"""quantize or prune a model larger than memory (`--max-memory`): the model is built on the meta device, each
+decoder layer is read from the safetensors files when the calibration pipeline reaches it, and its tensors
+(packed codes, or pruned weights) are written into the artifact's shards as soon as it is final. The artifact equals, tensor for tensor, what the
 in-memory pipeline writes from the same model and settings."""
 
 from __future__ import annotations

@@ -56,9 +56,11 @@ def isa_flags(isa: str) -> list[str]:
     return _X86_FLAGS[isa] if cpu_info().is_x86 else []
 
 
-def headers_digest() -> str:
+@lru_cache(maxsize=1)
+def sources_digest() -> str:
     """A digest of every file in csrc/, passed as a flag: torch's loader rebuilds when the sources it is given or
-    the flags change, and this makes a change to a header or to a source kernels_unity.cpp includes one of them."""
+    the flags change, and this makes a change to a header or to a source kernels_unity.cpp includes one of them.
+    (The linear kernels' measured choices are keyed by it too.)"""
     digest = hashlib.sha256()
     for source in sorted((Path(__file__).parent / "csrc").iterdir()):
         digest.update(source.name.encode() + source.read_bytes())
@@ -71,7 +73,7 @@ def _load(isa: str):
 
     load(name=f"llmopt_cpu_kernels_{isa}", sources=[str(s) for s in SOURCES], is_python_module=False,
          extra_cflags=["-O3", "-fopenmp", *isa_flags(isa), f"-DLLMOPT_NS=llmopt_cpu_{isa}",
-                       f"-DLLMOPT_ISA={isa}", f"-DLLMOPT_HEADERS={headers_digest()}"],
+                       f"-DLLMOPT_ISA={isa}", f"-DLLMOPT_SOURCES={sources_digest()}"],
          extra_ldflags=["-fopenmp"], verbose=False)
     return getattr(torch.ops, f"llmopt_cpu_{isa}")
 

@@ -99,10 +99,10 @@ _lock = threading.Lock()
 
 @lru_cache(maxsize=1)
 def _kernel_sources_digest() -> str:
-    digest = hashlib.sha256()
-    csrc = Path(__file__).resolve().parents[1] / "kernels" / "csrc"
-    for source in sorted(csrc.glob("*")):
-        digest.update(source.name.encode() + source.read_bytes())
+    """The compiled kernels' sources (cpu_ops.sources_digest) and the paths' Python."""
+    from llmopt.runtime.executor.kernels.cpu_ops import sources_digest
+
+    digest = hashlib.sha256(sources_digest().encode())
     for module in sorted(Path(__file__).parent.glob("*.py")):  # the paths themselves
         digest.update(module.name.encode() + module.read_bytes())
     return digest.hexdigest()
