@@ -30,6 +30,10 @@ def prune(
     num_samples: Annotated[Optional[int], typer.Option(
         "--num-samples", help=f"Calibration samples (default {CALIBRATION['num_samples']}; "
         f"{STRUCTURED_NUM_SAMPLES} for structured).")] = None,
+    save_compressed: Annotated[bool, typer.Option(
+        "--save-compressed/--save-dense",
+        help="2:4 and 4:8: store the kept values and a bitmask (compressed-tensors' sparse-24-bitmask; 0.53x of "
+        "fp32), or the dense weights with zeros in place.")] = True,
     max_memory: MaxMemoryOpt = None,
     overwrite: OverwriteOpt = False,
     as_json: JsonOpt = False,
@@ -55,7 +59,7 @@ def prune(
         if ratio is not None or scores is not None:
             raise ConfigError("--ratio and --scores apply to --structured pruning only")
         settings = dict(method=method.value, sparsity=sparsity, pattern=pattern, ignore=ignore or [], damp=damp,
-                        num_samples=num_samples or CALIBRATION["num_samples"], **calibration)
+                        save_compressed=save_compressed, num_samples=num_samples or CALIBRATION["num_samples"], **calibration)
     with progress_bar(f"pruning layers ({calib_dtype_label(calibration)} forwards)") as update:
         facts = prune_to_artifact(model, output, prune_config(settings), overwrite, trust_remote_code, update,
                                   parse_memory(max_memory) if max_memory is not None else None)

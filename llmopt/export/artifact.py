@@ -103,6 +103,8 @@ def write_artifact_files(
         config["dtype"] = str(next(iter(dense_dtypes))).removeprefix("torch.")
     if fmt_name is not None:
         config["quantization_config"] = quantization_config or FORMATS.get(fmt_name).quantization_config(record)
+    elif quantization_config is not None:  # compressed sparsity without quantization (export.sparse)
+        config["quantization_config"] = quantization_config
     write_json(tmp / "config.json", config)
     if generation_config is not None:
         generation_config.save_pretrained(tmp)

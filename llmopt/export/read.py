@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Callable
 from pathlib import Path
 
@@ -11,6 +11,8 @@ from safetensors import safe_open
 
 from llmopt.core.contract import QuantizedWeight, QuantScheme
 from llmopt.core.contract.activations import InputQuantizedLinear
+from llmopt.core.contract.sparse24 import Sparse24Weight
+from llmopt.core.contract.sparsity import compressed_sparsity, held_dense, quantizes
 from llmopt.core.errors import ArtifactError, ModelLoadError
 from llmopt.core.io import read_json
 from llmopt.core.models import rebuild_meta_buffers
@@ -25,6 +27,11 @@ class ArtifactContents:
     fmt: Format | None
     scheme: QuantScheme | None
     manifest: dict
+    sparse: dict[str, Sparse24Weight] = field(default_factory=dict)  # module path -> compressed 2:4 / 4:8 weight
+
+    def linears(self) -> dict[str, QuantizedWeight | Sparse24Weight]:
+        """Every linear stored in a form of its own (quantized or compressed), by module path."""
+        return {**self.qweights, **self.sparse}
 
 
 def _load_tensors(path: Path) -> dict[str, torch.Tensor]:
@@ -48,8 +55,12 @@ def read_artifact(path: str | Path) -> ArtifactContents:
     manifest = read_json(path / "llmopt.json") if (path / "llmopt.json").exists() else {}
     tensors = _load_tensors(path)
     qcfg = config.get("quantization_config")
-    if not qcfg:
-        return ArtifactContents(config, tensors, {}, None, None, manifest)
+    sparse = _take_sparse(path, tensors, compressed_sparsity(qcfg))
+    if not quantizes(qcfg):
+        return ArtifactContents(config, tensors, {}, None, None, manifest, sparse)
+    if sparse:
+        raise ArtifactError(f"{path}: sparse-24-bitmask linears stacked on quantized ones are not readable yet: "
+                            "store the quantized model dense (or the sparse one unquantized)")
     fmt = format_for_config(qcfg)
     scheme = fmt.scheme_from_config(qcfg)
     input_activations = fmt.input_activations_from_config(qcfg)
@@ -66,6 +77,22 @@ def read_artifact(path: str | Path) -> ArtifactContents:
     return ArtifactContents(config, tensors, qweights, fmt, scheme, manifest)
 
 
+def _take_sparse(path: Path, tensors: dict[str, torch.Tensor], sparsity: dict | None) -> dict[str, Sparse24Weight]:
+    """The compressed linears (marked by `.bitmask`), their tensors taken out of `tensors`."""
+    if sparsity is None:
+        return {}
+    pattern = sparsity.get("sparsity_structure") or "2:4"
+    marker = ".bitmask"
+    sparse = {}
+    for prefix in sorted(k[: -len(marker)] for k in tensors if k.endswith(marker)):
+        own = {k[len(prefix) + 1:]: tensors.pop(k) for k in list(tensors) if k.startswith(prefix + ".")}
+        try:
+            sparse[prefix] = Sparse24Weight.from_tensors(own, pattern)
+        except KeyError as e:
+            raise ArtifactError(f"{path}: {prefix} lacks tensor {e}: the checkpoint is incomplete") from None
+    return sparse
+
+
 def model_from_contents(contents: ArtifactContents, dtype: torch.dtype = torch.float32, device: str = "cpu",
                         linear_factory: Callable[[QuantizedWeight], torch.nn.Module] | None = None):
     """A transformers model with every quantized linear dequantized into a dense weight, or, given
@@ -76,11 +103,12 @@ def model_from_contents(contents: ArtifactContents, dtype: torch.dtype = torch.f
 
     config_dict = {k: v for k, v in contents.config.items() if k not in ("quantization_config",)}
     config = AutoConfig.for_model(**config_dict)
+    held_dense(config)  # (compressed linears are held dense in memory)
     with torch.device("meta"):
         model = AutoModelForCausalLM.from_config(config, dtype=dtype)
     expected = set(model.state_dict())
     state = {k: (v.to(dtype) if v.is_floating_point() else v) for k, v in contents.dense.items()}
-    for name, qweight in contents.qweights.items():
+    for name, qweight in contents.linears().items():
         if linear_factory is None and qweight.input_activations is not None:
             set_module(model, name, InputQuantizedLinear.of(qweight, dtype))  # W8A8: inputs fake-quantized
             expected -= {f"{name}.weight", f"{name}.bias"}

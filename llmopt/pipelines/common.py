@@ -40,8 +40,10 @@ def refuse_quantized_input(source, action: str, trust_remote_code: bool = False)
     from llmopt.core.errors import ArtifactError
     from llmopt.core.models import load_config
 
+    from llmopt.core.contract.sparsity import quantizes
+
     quantization = getattr(load_config(source, trust_remote_code), "quantization_config", None)
-    if not quantization:
+    if not quantizes(quantization):  # (compressed 2:4 weights alone are not quantized)
         return
     if not isinstance(quantization, dict):
         quantization = quantization.to_dict()

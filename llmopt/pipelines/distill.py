@@ -10,6 +10,7 @@ from typing import Callable
 
 import torch
 
+from llmopt.core.contract.sparsity import COMPRESSED_FORMAT
 from llmopt.core.errors import ConfigError
 from llmopt.core.io import check_output_free
 from llmopt.core.models import resolve_model
@@ -21,6 +22,7 @@ from llmopt.distill.student import Student
 from llmopt.distill.trainer import CHECKPOINT_DIR, LOG_FILE, Distiller, Progress
 from llmopt.export.artifact import dense_state_dict, write_artifact
 from llmopt.export.load import load_model
+from llmopt.export.sparse import compress_linears
 from llmopt.pipelines.common import peak_rss_bytes, prior_stages, resolve_input, source_entry, weights_bytes
 from llmopt.pipelines.distill_students import build_student
 
@@ -187,5 +189,11 @@ def _write_student(output: Path, student: Student, model, tokenizer, manifest: d
                        quantization_config=student.quantization_config)
         return
     config_dict.pop("quantization_config", None)
-    write_artifact(output, dense_state_dict(model, set(), torch.float32), config_dict, tokenizer, {}, None, None,
-                   manifest, generation_config=getattr(model, "generation_config", None), overwrite=overwrite)
+    tensors = dense_state_dict(model, set(), torch.float32)
+    if student.compressed_pattern is not None:  # the masks held: the linears are as sparse as they were stored
+        tensors = compress_linears(tensors, [name.removesuffix(".weight") for name in student.masks],
+                                   student.compressed_pattern)
+        config_dict["sparsity_config"] = {**config_dict["sparsity_config"], "format": COMPRESSED_FORMAT}
+    write_artifact(output, tensors, config_dict, tokenizer, {}, None, None, manifest,
+                   generation_config=getattr(model, "generation_config", None), overwrite=overwrite,
+                   quantization_config=student.quantization_config if student.compressed_pattern else None)

@@ -35,7 +35,10 @@ def _load_source(name: str, dtype: str, trust_remote_code: bool) -> Student:
                            quantization_config=contents.config["quantization_config"], format_name=contents.fmt.name)
         model, _, _ = load_model(source, dtype, trust_remote_code=trust_remote_code)
         if contents.config.get("sparsity_config"):
-            return Student(model, "sparse", name, teacher_layers, masks=sparse_masks(model))
+            pattern = next((w.pattern for w in contents.sparse.values()), None)
+            return Student(model, "sparse", name, teacher_layers, masks=sparse_masks(model),
+                           quantization_config=contents.config.get("quantization_config") if pattern else None,
+                           compressed_pattern=pattern)
         return Student(model, "dense", name, teacher_layers)
     model, _, _ = load_model(source, dtype, trust_remote_code=trust_remote_code)
     return Student(model, "dense", name, None)

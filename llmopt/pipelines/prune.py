@@ -1,9 +1,11 @@
-"""prune MODEL -> artifact: sparse models are written dense (zeros in place) with a sparsity_config;
-structured ones as ordinary smaller checkpoints. Both carry llmopt.json."""
+"""prune MODEL -> artifact: sparse models are written dense (zeros in place) with a sparsity_config, except 2:4 and
+4:8 ones, whose pruned linears are stored compressed (export.sparse: compressed-tensors' sparse-24-bitmask) unless
+asked otherwise; structured ones as ordinary smaller checkpoints. All carry llmopt.json."""
 
 from __future__ import annotations
 
 import time
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable
 
@@ -15,9 +17,11 @@ from llmopt.compress.api import (
 from llmopt.compress.config import StructuredConfig
 from llmopt.compress.defaults import SCORES_FILE
 from llmopt.compress.structured import prune_structured
+from llmopt.core.contract.sparsity import COMPRESSED_FORMAT
 from llmopt.core.io import check_output_free
 from llmopt.export.artifact import dense_state_dict, write_artifact
 from llmopt.export.load import load_model
+from llmopt.export.sparse import compress_linears, sparsity_quantization_config, stores_compressed
 from llmopt.core.errors import ConfigError
 from llmopt.pipelines.common import (
     peak_rss_bytes, prior_stages, refuse_quantized_input, resolve_input, source_entry, weights_bytes,
@@ -61,7 +65,7 @@ def prune_to_artifact(
     before = measure_sparsity(model)
     manifest = {"source": source_entry(model_name, source),
                 "stages": prior_stages(source) + [{"stage": "prune", "settings": config.model_dump(mode="json")}]}
-    extra = None
+    extra = sparse_storage = sparse_qcfg = None
     config_dict = model.config.to_dict()
     if structured:
         small, plan, facts = prune_structured(model, tokenizer, config, progress)
@@ -76,17 +80,48 @@ def prune_to_artifact(
         masks, facts = sparsify_model(model, tokenizer, config, progress)
         measured = sum(int(m.sum()) for m in masks.values()) / sum(m.numel() for m in masks.values())
         suffixes = sorted({name.split(".", 3)[-1] for name in masks})
-        config_dict["sparsity_config"] = sparsity_config_entry(config, measured, suffixes)
+        sparse_storage = SparseStorage.of(config)
+        config_dict["sparsity_config"] = sparsity_config_entry(config, measured, suffixes, sparse_storage.format)
+        sparse_qcfg = sparse_storage.quantization_config(config, measured, suffixes)
         facts["measured_sparsity"] = measured
     after = measure_sparsity(model)
     manifest["facts"] = facts
     # Pruned weights keep the source dtype: zeros are exact, and a later quantize reads them back as-is.
     dense = dense_state_dict(model, set(), torch.float32)
     config_dict.pop("quantization_config", None)
+    if sparse_storage is not None:
+        dense = sparse_storage.compress(dense, masks)
     write_artifact(output, dense, config_dict, tokenizer, {}, None, None, manifest, extra,
-                   getattr(model, "generation_config", None), overwrite, extra_file=SCORES_FILE)
+                   getattr(model, "generation_config", None), overwrite, extra_file=SCORES_FILE,
+                   quantization_config=sparse_qcfg)
     return _facts(output, "structured" if structured else "sparse",
                   config.structured if structured else config.method, before, after, facts, start, None)
+
+
+@dataclass
+class SparseStorage:
+    """How a sparsity-pruned model's linears are stored: compressed (2:4 / 4:8 unless asked for dense weights) or
+    dense, zeros in place."""
+
+    pattern: str | None = None  # None: dense
+
+    @classmethod
+    def of(cls, config) -> SparseStorage:
+        return cls(config.pattern if config.save_compressed and stores_compressed(config.structure) else None)
+
+    @property
+    def format(self) -> str:
+        return "dense" if self.pattern is None else COMPRESSED_FORMAT
+
+    def compress(self, tensors: dict[str, torch.Tensor], linears) -> dict[str, torch.Tensor]:
+        """`tensors` with the pruned `linears` (names) compressed, when this storage compresses."""
+        return tensors if self.pattern is None else compress_linears(tensors, linears, self.pattern)
+
+    def quantization_config(self, config, measured: float, suffixes: list[str]) -> dict | None:
+        """config.json's record of the compressed storage (None for dense weights)."""
+        if self.pattern is None:
+            return None
+        return sparsity_quantization_config(self.pattern, suffixes, config.ignore, measured)
 
 
 def _facts(output, kind: str, method: str, before: dict, after: dict, facts: dict, start: float,
@@ -109,6 +144,7 @@ def _prune_streamed(model_name, source, output, config, max_memory, overwrite, t
     streamed = load_streamed(source, trust_remote_code)
     manifest = {"source": source_entry(model_name, source),
                 "stages": prior_stages(source) + [{"stage": "prune", "settings": config.model_dump(mode="json")}]}
+    storage = SparseStorage.of(config)
 
     def make_meta(result, tally) -> ArtifactMeta:
         facts = result.facts
@@ -116,10 +152,13 @@ def _prune_streamed(model_name, source, output, config, max_memory, overwrite, t
         facts["measured_sparsity"] = tally.pruned / tally.masked
         config_dict = streamed.model.config.to_dict()
         config_dict.pop("quantization_config", None)
-        config_dict["sparsity_config"] = sparsity_config_entry(config, facts["measured_sparsity"],
-                                                               sorted(tally.suffixes))
-        return ArtifactMeta(config_dict, None, None, {**manifest, "facts": facts}, None, SCORES_FILE)
+        suffixes = sorted(tally.suffixes)
+        config_dict["sparsity_config"] = sparsity_config_entry(config, facts["measured_sparsity"], suffixes,
+                                                               storage.format)
+        return ArtifactMeta(config_dict, None, None, {**manifest, "facts": facts}, None, SCORES_FILE,
+                            storage.quantization_config(config, facts["measured_sparsity"], suffixes))
 
-    result, tally = prune_streamed(streamed, Path(output), config, max_memory, make_meta, overwrite, progress)
+    result, tally = prune_streamed(streamed, Path(output), config, max_memory, make_meta, overwrite, progress,
+                                   storage.compress)
     before, after = tally.facts()
     return _facts(output, "sparse", config.method, before, after, result.facts, start, max_memory)

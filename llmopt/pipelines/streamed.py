@@ -41,12 +41,14 @@ class StreamedModel:
 def load_streamed(source, trust_remote_code: bool = False) -> StreamedModel:
     from transformers import GenerationConfig
 
+    from llmopt.core.contract.sparsity import held_dense
     from llmopt.core.models import check_tensor_shapes, load_config, load_tokenizer
 
     if source.path is None:
         raise ConfigError(f"--max-memory reads {source.name}'s safetensors files one layer at a time: download it "
                           "to a local folder and give that folder", param="--max-memory")
     config = load_config(source, trust_remote_code)
+    held_dense(config)  # SafetensorsWeights decompresses compressed linears as it reads them
     adapter_for(config)
     check_tensor_shapes(config, source.path, source.name)
     model = meta_model(config)
@@ -95,6 +97,7 @@ class ArtifactMeta:
     manifest: dict
     extra_tensors: dict | None = None
     extra_file: str = SEARCH_FILE
+    quantization_config: dict | None = None  # written verbatim (compressed sparsity's record)
 
 
 # layer index, the final layer, its QuantizedWeights and masks by full linear name -> the tensors to write
@@ -143,7 +146,8 @@ def compress_streamed(
         shards.finish()
         meta = make_meta(result)
         write_artifact_files(tmp, meta.config, streamed.tokenizer, meta.fmt_name, meta.record, meta.manifest,
-                             {dense_dtype}, meta.extra_tensors, streamed.generation_config, meta.extra_file)
+                             {dense_dtype}, meta.extra_tensors, streamed.generation_config, meta.extra_file,
+                             meta.quantization_config)
     return result
 
 
@@ -228,9 +232,11 @@ def prune_streamed(
     make_meta: Callable[[CompressResult, SparsityTally], ArtifactMeta],
     overwrite: bool = False,
     progress: Callable[[int, int], None] | None = None,
+    store: Callable[[dict, list], dict] | None = None,
 ) -> tuple[CompressResult, SparsityTally]:
     """Prune the streamed model (unstructured or N:M sparsity) into `output`, its tensors in fp32 as the
-    in-memory pipeline writes them; make_meta(result, tally) gives the rest of the artifact."""
+    in-memory pipeline writes them; make_meta(result, tally) gives the rest of the artifact; store(tensors, pruned
+    linear names) the layer's tensors as written (the pruned linears compressed), default as they are."""
     model = streamed.model
     adapter = adapter_for(model)
     layers_prefix = adapter.layers + "."
@@ -255,7 +261,8 @@ def prune_streamed(
         tally.pruned += sum(int(m.sum()) for m in masks.values())
         tally.masked += sum(m.numel() for m in masks.values())
         tally.suffixes.update(name.split(".", 3)[-1] for name in masks)
-        return dense_layer_tensors(index, layer, layers_prefix, PRUNED_DTYPE)
+        tensors = dense_layer_tensors(index, layer, layers_prefix, PRUNED_DTYPE)
+        return tensors if store is None else store(tensors, list(masks))
 
     result = compress_streamed(streamed, output, [config], max_memory, PRUNED_DTYPE, layer_tensors,
                                lambda result: make_meta(result, tally), observe_loaded, observe_outer,

@@ -6,6 +6,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from functools import cached_property
 
+from llmopt.core.contract.sparsity import quantizes
 from llmopt.core.errors import ConfigError
 
 FLOAT32_BYTES = 4  # the stages load their input in float32
@@ -49,6 +50,6 @@ def skeleton_of(model_name: str, trust_remote_code: bool = False) -> Skeleton:
     if reason:
         raise ConfigError(f"{model_name}: {reason}")
     check_config(config, FLOAT32_BYTES, model_name)
-    return Skeleton(model_name, config, quantized=bool(getattr(config, "quantization_config", None)))
+    return Skeleton(model_name, config, quantized=quantizes(getattr(config, "quantization_config", None)))
 
 

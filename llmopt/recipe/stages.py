@@ -10,6 +10,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable
 
+from llmopt.core.contract.sparsity import quantizes
 from llmopt.core.errors import ConfigError
 from llmopt.core.registry import Registry
 
@@ -217,7 +218,7 @@ def _run_cast(model: str, output: Path, options: dict) -> dict:
 
     start = time.perf_counter()
     lm, tokenizer, _ = load_model(model, dtype=options["dtype"])
-    if getattr(lm.config, "quantization_config", None):
+    if quantizes(getattr(lm.config, "quantization_config", None)):
         raise ConfigError(f"cast needs a dense model; {model} is quantized")
     with atomic_output_dir(output, overwrite=True) as tmp:
         lm.to(getattr(torch, options["dtype"])).save_pretrained(tmp)

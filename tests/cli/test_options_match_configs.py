@@ -62,6 +62,7 @@ def test_calibration_defaults_are_the_configs(command):
 
 def test_method_defaults_are_the_configs():
     assert option("prune", "damp").default == SparsityConfig.model_fields["damp"].default
+    assert option("prune", "save_compressed").default == SparsityConfig.model_fields["save_compressed"].default
     # options default to None where the config's own default (or --scheme's) applies
     for name in ("bits", "group_size", "sym", "scheme", "damp", "act_order", "static_groups", "gptaq", "mse"):
         assert option("quantize", name).default is None, name

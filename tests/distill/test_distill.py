@@ -76,15 +76,17 @@ def test_sparse_students_keep_their_zeros_exactly(tmp_path):
     facts = distill_to_artifact(config, tmp_path / "out")
     assert facts["student_kind"] == "sparse"
     before, after = read_artifact(tmp_path / "sparse"), read_artifact(tmp_path / "out")
+    assert len(before.sparse) == len(after.sparse) == 14  # stored compressed (2:4), healed and stored so again
     changed = 0
-    for name, weight in before.dense.items():
-        if ".layers." in name and name.endswith("proj.weight"):
-            zeros = weight == 0
-            assert zeros.float().mean() >= 0.5
-            assert torch.all(after.dense[name][zeros] == 0), name
-            changed += int(not torch.equal(after.dense[name], weight))
+    for name, stored in before.sparse.items():
+        weight, trained = stored.decompress(), after.sparse[name].decompress()
+        zeros = weight == 0
+        assert zeros.float().mean() >= 0.5
+        assert torch.all(trained[zeros] == 0), name
+        changed += int(not torch.equal(trained, weight))
     assert changed > 0  # the kept weights did train
     assert after.config["sparsity_config"] == before.config["sparsity_config"]
+    assert after.config["quantization_config"] == before.config["quantization_config"]
 
 
 @pytest.mark.parametrize("fmt", ["gptq", "awq", "compressed-tensors"])

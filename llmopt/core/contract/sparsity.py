@@ -1,8 +1,12 @@
 """How sparsity is recorded in a model's config: `sparsity_config` (`sparsity_entry`) gives the structure
 ("unstructured" or an N:M pattern along the input dimension), the method, the targets and the measured fraction of
-zeros; the weights themselves stay dense with zeros in place."""
+zeros. The weights stay dense with zeros in place, except half-sparse ones (2:4, 4:8) written compressed: those
+also carry compressed-tensors' record of them, a `sparsity_config` inside `quantization_config`
+(`compressed_sparsity`; the layout: sparse24.py)."""
 
 from __future__ import annotations
+
+COMPRESSED_FORMAT = "sparse-24-bitmask"  # compressed-tensors' name for the half-sparse layout (sparse24.py)
 
 
 def parse_nm(pattern: str) -> tuple[int, int]:
@@ -17,8 +21,41 @@ def parse_nm(pattern: str) -> tuple[int, int]:
 
 
 def sparsity_entry(structure: str, method: str, target: float, ignore: list[str], measured: float,
-                   targets: list[str]) -> dict:
-    """What config.json records about a sparse model (llmopt's `sparsity_config`)."""
-    return {"format": "dense", "sparsity_structure": structure, "method": method,
+                   targets: list[str], storage: str = "dense") -> dict:
+    """What config.json records about a sparse model (llmopt's `sparsity_config`); storage: "dense" or
+    COMPRESSED_FORMAT."""
+    return {"format": storage, "sparsity_structure": structure, "method": method,
             "targets": targets, "ignore": ["lm_head", "model.embed_tokens", *ignore],
             "target_sparsity": round(target, 6), "global_sparsity": round(measured, 6)}
+
+
+def compressed_sparsity(qcfg) -> dict | None:
+    """A quantization_config's sparsity_config when its linears are stored in sparse-24-bitmask, else None."""
+    sparsity = _as_dict(qcfg).get("sparsity_config") or {}
+    return sparsity if sparsity.get("format") == COMPRESSED_FORMAT else None
+
+
+def quantizes(qcfg) -> bool:
+    """Whether a config's quantization_config quantizes weights (compressed-tensors also uses the entry for
+    compressed sparsity alone: no config groups then)."""
+    qcfg = _as_dict(qcfg)
+    if not qcfg:
+        return False
+    return qcfg.get("quant_method") != "compressed-tensors" or bool(qcfg.get("config_groups"))
+
+
+def _as_dict(qcfg) -> dict:
+    if qcfg is None:
+        return {}
+    return qcfg if isinstance(qcfg, dict) else qcfg.to_dict()
+
+
+def held_dense(config) -> None:
+    """Make a model config (transformers' object) of a checkpoint with compressed linears describe the same model
+    held dense in memory, as the readers hold it: no compressed-sparsity quantization_config, the sparsity
+    record's format "dense". Other configs are left as they are."""
+    if compressed_sparsity(getattr(config, "quantization_config", None)) is not None:
+        del config.quantization_config
+    record = getattr(config, "sparsity_config", None)
+    if record and record.get("format") == COMPRESSED_FORMAT:
+        config.sparsity_config = {**record, "format": "dense"}

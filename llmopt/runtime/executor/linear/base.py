@@ -2,6 +2,8 @@
 in a registry walked at import (every module of this package registers its methods).
 
 A method is an nn.Module class with
+- `weight_type`: the kind of weight it holds (the contract's QuantizedWeight unless it says otherwise: a compressed
+  sparse weight, core.contract.sparse24); only methods of the weight's kind are asked;
 - `accepts(qweight, scheme, device)`: whether it can hold this weight (shape, bits, groups, kernel present) with
   these input activations (`LinearScheme.input_activations`);
 - its constructor, `Method(qweight, dtype, device)`: packs the contract's QuantizedWeight once, at load (vLLM's
@@ -37,6 +39,7 @@ def register_linear_method(cls: type) -> type:
 class LinearMethod(nn.Module):
     name: ClassVar[str] = "base"
     priority: ClassVar[int] = 0
+    weight_type: ClassVar[type] = QuantizedWeight
 
     def __init__(self, qweight: QuantizedWeight, dtype: torch.dtype, device: torch.device | str = "cpu"):
         super().__init__()
@@ -84,7 +87,8 @@ def select_linear_method(qweight: QuantizedWeight, scheme: LinearScheme, device:
     """The registered method of highest priority that accepts this weight on this device."""
     device = torch.device(device)
     ranked = sorted((LINEAR_METHODS.get(name) for name in LINEAR_METHODS), key=lambda m: -m.priority)
-    return next(method for method in ranked if method.accepts(qweight, scheme, device))
+    return next(method for method in ranked
+                if isinstance(qweight, method.weight_type) and method.accepts(qweight, scheme, device))
 
 
 def make_linear(qweight: QuantizedWeight, dtype: torch.dtype, device: torch.device | str = "cpu",
@@ -95,7 +99,7 @@ def make_linear(qweight: QuantizedWeight, dtype: torch.dtype, device: torch.devi
     qweight.input_activations) is computed as it says."""
     if qweight.input_activations is not None:
         input_activations = qweight.input_activations
-    scheme = LinearScheme(qweight.scheme, input_activations)
+    scheme = LinearScheme(getattr(qweight, "scheme", None), input_activations)
     method = select_linear_method(qweight, scheme, device)
     if input_activations is not None and method.priority == FALLBACK_PRIORITY and qweight.input_activations is None:
         # quantized inputs are a request: a weight no kernel runs with them keeps inputs in the compute dtype

@@ -20,6 +20,7 @@ class DequantizedLinear(LinearMethod):
     """Any weight, dequantized once into a plain nn.Linear (built by `create`; the class is its registry entry)."""
 
     name, priority = "dense", FALLBACK_PRIORITY
+    weight_type = object  # any weight with a dense form (`dequantize`)
 
     @classmethod
     def accepts(cls, qweight, scheme, device):

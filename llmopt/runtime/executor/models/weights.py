@@ -97,7 +97,7 @@ def checkpoint_weights(path, dtype: torch.dtype, device: torch.device | str, mak
         if shard is not None and (tensor := shard(name, tensor)) is None:
             continue
         yield name, (tensor.to(dtype) if tensor.is_floating_point() else tensor).to(device).contiguous()
-    for name, qweight in contents.qweights.items():
+    for name, qweight in contents.linears().items():
         if shard is not None and (qweight := shard(name, qweight)) is None:
             continue
         yield name, make_linear_for(qweight)

@@ -63,6 +63,13 @@ at::Tensor int8_matmul_tiled(const at::Tensor& x, const at::Tensor& codes, const
                              const std::optional<at::Tensor>& shift, int64_t tile_bytes);
 }  // namespace llmopt_cpu::int8
 
+namespace llmopt_cpu::sparse24 {
+at::Tensor sparse24_matmul_rows(const at::Tensor& x, const at::Tensor& values, const at::Tensor& positions);
+at::Tensor sparse24_matmul_tiled(const at::Tensor& x, const at::Tensor& values, const at::Tensor& positions,
+                                 int64_t tile_bytes);
+void sparse24_decompress_out(const at::Tensor& values, const at::Tensor& positions, at::Tensor& out);
+}  // namespace llmopt_cpu::sparse24
+
 namespace llmopt_cpu::comm {
 int64_t shm_all_reduce_(at::Tensor& x, const at::Tensor& region, int64_t rank, int64_t world, int64_t seq,
                         int64_t buffer_bytes, double wait_s, bool published);

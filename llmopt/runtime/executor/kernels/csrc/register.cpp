@@ -39,6 +39,9 @@ LLMOPT_LIBRARY(LLMOPT_NS, m) {
   m.def("int8_matmul_panels(Tensor x, Tensor codes, Tensor scale, Tensor? shift) -> Tensor");
   m.def("int8_matmul_tiled(Tensor x, Tensor codes, Tensor scale, Tensor? shift, int tile_bytes) -> Tensor");
   m.def("int8_gemv_rows(Tensor x, Tensor weight, Tensor weight_scale, Tensor weight_sum, ScalarType dtype) -> Tensor");
+  m.def("sparse24_matmul_rows(Tensor x, Tensor values, Tensor positions) -> Tensor");
+  m.def("sparse24_matmul_tiled(Tensor x, Tensor values, Tensor positions, int tile_bytes) -> Tensor");
+  m.def("sparse24_decompress_out(Tensor values, Tensor positions, Tensor(a!) out) -> ()");
   m.def("shm_all_reduce_(Tensor(a!) x, Tensor region, int rank, int world, int seq, int buffer_bytes, float wait_s, "
         "bool published) -> int");
 }
@@ -68,5 +71,8 @@ LLMOPT_LIBRARY_IMPL(LLMOPT_NS, CPU, m) {
   m.impl("int8_matmul_panels", int8::int8_matmul_panels);
   m.impl("int8_matmul_tiled", int8::int8_matmul_tiled);
   m.impl("int8_gemv_rows", int8::int8_gemv_rows);
+  m.impl("sparse24_matmul_rows", sparse24::sparse24_matmul_rows);
+  m.impl("sparse24_matmul_tiled", sparse24::sparse24_matmul_tiled);
+  m.impl("sparse24_decompress_out", sparse24::sparse24_decompress_out);
   m.impl("shm_all_reduce_", comm::shm_all_reduce_);
 }

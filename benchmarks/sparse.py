@@ -1,0 +1,101 @@
+"""Does a 2:4 model stored compressed run faster than the dense one? Batch-1 TPOT and 64-client throughput of
+SmolLM2-135M pruned 2:4 and stored as compressed-tensors' sparse-24-bitmask (run by the sparse24-cpu linear
+method), against fp32 dense and against the same 2:4 weights stored dense (zeros in place: what llmopt did
+before, a control that the time saved is the layout's, not the zeros'). All variants in one run, alternating within
+each round; each ratio is the median over rounds. Which weights a pruning method keeps does not change the bytes
+or the kernel, so any 2:4 artifact measures the same speed (magnitude is the quickest to make).
+
+    llmopt prune smollm2-135m --method magnitude --pattern 2:4 -o /tmp/sp24
+    llmopt prune smollm2-135m --method magnitude --pattern 2:4 --save-dense -o /tmp/sp24-dense
+    python benchmarks/sparse.py --sparse /tmp/sp24 --sparse-dense /tmp/sp24-dense --json docs/results/data/sparse.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+
+from llmopt.core.hardware import cpu_line
+from llmopt.eval.speed import BenchConfig, bench_runtime
+from llmopt.eval.workloads import WorkloadSpec
+from llmopt.runtime.engine.config import EngineConfig
+from rows import emit, save_rows
+
+DENSE = "smollm2-135m"
+TPOT_TARGET = 0.65  # batch-1 TPOT of 2:4 (fp32 values) / dense fp32, at most
+THROUGHPUT_TARGET = 1.0  # 64 x 128/128 output tok/s of 2:4 / dense, at least
+
+
+def parse_args():
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--sparse", required=True, help="a 2:4 artifact of SmolLM2-135M stored compressed")
+    parser.add_argument("--sparse-dense", default=None, help="the same 2:4 model stored dense (--save-dense)")
+    parser.add_argument("--dtype", default="float32")
+    parser.add_argument("--concurrency", default="1,64")
+    parser.add_argument("--input-len", type=int, default=128)
+    parser.add_argument("--output-len", type=int, default=128)
+    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--json", default="docs/results/data/sparse.json")
+    parser.add_argument("--markdown", default=None)
+    return parser.parse_args()
+
+
+def one_run(model: str, concurrency: int, args) -> dict:
+    spec = WorkloadSpec("random", num_requests=max(4, concurrency), input_len=args.input_len,
+                        output_len=args.output_len)
+    engine = EngineConfig(max_num_seqs=concurrency, kv_cache_bytes=1 << 30)
+    run = bench_runtime(model, model, spec, BenchConfig(dtype=args.dtype, engine=engine, max_concurrency=concurrency))
+    return {"model": model, "concurrency": concurrency, "output_throughput": run.metrics["output_throughput"],
+            "median_tpot_ms": run.metrics["median_tpot_ms"], "mean_ttft_ms": run.metrics["mean_ttft_ms"],
+            "linear_paths": run.config["numerics"]["linear_paths"]}
+
+
+def median_of(rows: list[dict], variant: str, level: int, key: str) -> float:
+    return statistics.median(r[key] for r in rows if r["variant"] == variant and r["concurrency"] == level)
+
+
+def table(rows: list[dict], variants: list[str], levels: list[int]) -> str:
+    lines = [f"CPU: {cpu_line()}", "",
+             "| concurrency | variant | out tok/s | x dense | median TPOT ms | x dense | mean TTFT ms |",
+             "|---:|---|---:|---:|---:|---:|---:|"]
+    for level in levels:
+        dense_tput, dense_tpot = (median_of(rows, "dense", level, k) for k in ("output_throughput", "median_tpot_ms"))
+        for variant in variants:
+            tput, tpot, ttft = (median_of(rows, variant, level, k)
+                                for k in ("output_throughput", "median_tpot_ms", "mean_ttft_ms"))
+            lines.append(f"| {level} | {variant} | {tput:.1f} | {tput / dense_tput:.2f} | {tpot:.2f} | "
+                         f"{tpot / dense_tpot:.2f} | {ttft:.1f} |")
+    lines.append("")
+    ratio = median_of(rows, "sparse24", levels[0], "median_tpot_ms") / median_of(rows, "dense", levels[0],
+                                                                                  "median_tpot_ms")
+    lines.append(f"- batch-{levels[0]} TPOT 2:4 / dense: {ratio:.2f} (target <= {TPOT_TARGET}: "
+                 f"{'met' if ratio <= TPOT_TARGET else '**missed**'})")
+    if len(levels) > 1:
+        ratio = median_of(rows, "sparse24", levels[-1], "output_throughput") / median_of(
+            rows, "dense", levels[-1], "output_throughput")
+        lines.append(f"- {levels[-1]} clients throughput 2:4 / dense: {ratio:.2f} (target >= {THROUGHPUT_TARGET}: "
+                     f"{'met' if ratio >= THROUGHPUT_TARGET else '**missed**'})")
+    return "\n".join(lines)
+
+
+def main() -> None:
+    args = parse_args()
+    variants = {"dense": DENSE, "sparse24": args.sparse}
+    if args.sparse_dense:
+        variants["sparse24 stored dense"] = args.sparse_dense
+    levels = [int(c) for c in args.concurrency.split(",")]
+    rows = []
+    for round_index in range(args.rounds):
+        for level in levels:
+            order = list(variants) if round_index % 2 == 0 else list(reversed(variants))
+            for variant in order:
+                row = {"variant": variant, "round": round_index, **one_run(variants[variant], level, args)}
+                rows.append(row)
+                print(f"round {round_index} concurrency {level} {variant}: {row['output_throughput']:.1f} tok/s, "
+                      f"TPOT {row['median_tpot_ms']:.2f} ms", flush=True)
+                save_rows(args.json, {"cpu": cpu_line(), "dtype": args.dtype, "rows": rows})
+    emit(table(rows, list(variants), levels), args.markdown)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,216 @@
+// 2:4 sparse weights (half of every group of 4 input columns kept; core/contract/sparse24.py):
+//   values [N, K/2]: the kept values of each row in column order (fp32, bf16 or fp16: the compute dtype);
+//   positions [N, K/32] int32: bits 2i..2i+1 of word j = the column within its group of 4 of value 16j + i.
+// A chunk of 32 input columns holds 16 kept values and one position word.
+// - sparse24_matmul_rows, few rows (decode, speculative verification): y[m, n] = sum_j values[n, j] x[m, col(j)].
+//   The values and positions are read once per call for all rows (the step is bound by reading the weight: half
+//   the values plus 4 bits per group instead of every value), and for each chunk the inputs the 16 values meet
+//   are picked out of the chunk's 32 inputs in registers: one two-source permute on AVX-512, two permutes and a
+//   blend on AVX2;
+// - sparse24_decompress_out: W dense [N, K] (zeros in place) into a caller's buffer, for the dense GEMM;
+// - sparse24_matmul_tiled, batched rows: W decompressed one L2-sized tile at a time, each tile multiplied by
+//   all rows with the BLAS GEMM (tiled_gemm.h).
+// Shapes: x [M, K] in the values' dtype; y [M, N] in x's dtype; K a multiple of 32.
+#include <ATen/ATen.h>
+#include <ATen/Parallel.h>
+
+#include <cstring>
+#include <vector>
+
+#include "ops.h"
+#include "simd.h"
+#include "tiled_gemm.h"
+
+namespace llmopt_cpu::sparse24 {
+
+using namespace llmopt_cpu;
+
+constexpr int64_t CHUNK = 32;  // input columns per position word (16 kept values)
+
+// The inputs [M, K] in fp32, once per call.
+template <typename T>
+void inputs_fp32(const at::Tensor& x, std::vector<float>& xf) {
+  const int64_t n = x.numel();
+  const T* xp = x.data_ptr<T>();
+  xf.resize(n);
+  for (int64_t i = 0; i < n; ++i) xf[i] = to_float(xp[i]);
+}
+
+#if defined(__AVX512F__)
+constexpr int RB = 4, NB = 2;  // rows x outputs per pass: 8 accumulators
+// the 16 values' columns within the chunk's 32 inputs
+struct Columns {
+  __m512i idx;
+};
+inline Columns columns_of(uint32_t word) {
+  const __m512i shifts = _mm512_setr_epi32(0, 2, 4, 6, 8, 10, 12, 14, 16, 18, 20, 22, 24, 26, 28, 30);
+  const __m512i base = _mm512_setr_epi32(0, 0, 4, 4, 8, 8, 12, 12, 16, 16, 20, 20, 24, 24, 28, 28);
+  const __m512i within = _mm512_and_si512(_mm512_srlv_epi32(_mm512_set1_epi32(static_cast<int>(word)), shifts),
+                                          _mm512_set1_epi32(3));
+  return {_mm512_add_epi32(within, base)};
+}
+// the 16 inputs of a chunk (x: its 32 inputs) that its 16 values multiply
+inline Vec picked(const float* x, const Columns& c) {
+  return {_mm512_permutex2var_ps(_mm512_loadu_ps(x), c.idx, _mm512_loadu_ps(x + 16))};
+}
+#elif defined(LLMOPT_VEC)
+constexpr int RB = 2, NB = 2;  // AVX2: 4 two-register accumulators
+struct Columns {
+  __m256i lo, hi;  // values 0-7 pick from inputs 0-15, values 8-15 from inputs 16-31
+};
+inline Columns columns_of(uint32_t word) {
+  const __m256i base = _mm256_setr_epi32(0, 0, 4, 4, 8, 8, 12, 12);
+  const __m256i three = _mm256_set1_epi32(3);
+  const __m256i w = _mm256_set1_epi32(static_cast<int>(word));
+  const __m256i lo = _mm256_srlv_epi32(w, _mm256_setr_epi32(0, 2, 4, 6, 8, 10, 12, 14));
+  const __m256i hi = _mm256_srlv_epi32(w, _mm256_setr_epi32(16, 18, 20, 22, 24, 26, 28, 30));
+  return {_mm256_add_epi32(_mm256_and_si256(lo, three), base), _mm256_add_epi32(_mm256_and_si256(hi, three), base)};
+}
+// 8 of 16 inputs: the permute reads the index's low 3 bits from each half; bit 3 (moved to the sign) chooses
+inline __m256 pick8(const float* x, __m256i idx) {
+  const __m256 a = _mm256_permutevar8x32_ps(_mm256_loadu_ps(x), idx);
+  const __m256 b = _mm256_permutevar8x32_ps(_mm256_loadu_ps(x + 8), idx);
+  return _mm256_blendv_ps(a, b, _mm256_castsi256_ps(_mm256_slli_epi32(idx, 28)));
+}
+inline Vec picked(const float* x, const Columns& c) { return {pick8(x, c.lo), pick8(x + 16, c.hi)}; }
+#else
+constexpr int RB = 2, NB = 1;
+#endif
+
+// rows x[0..MB) (fp32, row stride K) against outputs n..n+NBB; y row stride N
+template <typename T, int MB, int NBB>
+inline void sparse_outputs(const float* x, const T* values, const int32_t* positions, float* y, int64_t N,
+                           int64_t K, int64_t n) {
+  const int64_t chunks = K / CHUNK;
+#if defined(LLMOPT_VEC)
+  Vec acc[MB][NBB];
+  for (int m = 0; m < MB; ++m)
+    for (int j = 0; j < NBB; ++j) acc[m][j] = vzero();
+  for (int64_t c = 0; c < chunks; ++c) {
+    Vec w[NBB];
+    Columns cols[NBB];
+    for (int j = 0; j < NBB; ++j) {
+      w[j] = load16(values + (n + j) * (K / 2) + c * 16);
+      cols[j] = columns_of(static_cast<uint32_t>(positions[(n + j) * chunks + c]));
+    }
+    for (int m = 0; m < MB; ++m)
+      for (int j = 0; j < NBB; ++j) acc[m][j] = vfma(picked(x + m * K + c * CHUNK, cols[j]), w[j], acc[m][j]);
+  }
+  for (int m = 0; m < MB; ++m)
+    for (int j = 0; j < NBB; ++j) y[m * N + n + j] = reduce_add(acc[m][j]);
+#else
+  for (int m = 0; m < MB; ++m)
+    for (int j = 0; j < NBB; ++j) {
+      float sum = 0.f;
+      for (int64_t c = 0; c < chunks; ++c) {
+        const uint32_t word = static_cast<uint32_t>(positions[(n + j) * chunks + c]);
+        for (int i = 0; i < 16; ++i) {
+          const int64_t col = c * CHUNK + (i / 2) * 4 + ((word >> (2 * i)) & 3);
+          sum += to_float(values[(n + j) * (K / 2) + c * 16 + i]) * x[m * K + col];
+        }
+      }
+      y[m * N + n + j] = sum;
+    }
+#endif
+}
+
+constexpr int64_t OUTPUT_BLOCK = 16;  // outputs whose values stay in cache while every row chunk reads them
+
+template <typename T>
+void rows_impl(const at::Tensor& x, const at::Tensor& values, const at::Tensor& positions, at::Tensor& y) {
+  const int64_t M = x.size(0), K = x.size(1), N = values.size(0);
+  std::vector<float> xf;
+  inputs_fp32<T>(x, xf);
+  const T* vp = values.data_ptr<T>();
+  const int32_t* pp = positions.data_ptr<int32_t>();
+  std::vector<float> out(M * N);
+  at::parallel_for(0, (N + OUTPUT_BLOCK - 1) / OUTPUT_BLOCK, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t b = begin; b < end; ++b) {
+      const int64_t n0 = b * OUTPUT_BLOCK, n1 = std::min(N, n0 + OUTPUT_BLOCK);
+      row_chunks<RB>(M, [&](auto rows, int64_t m) {
+        constexpr int MB = decltype(rows)::value;
+        int64_t n = n0;
+        for (; n + NB <= n1; n += NB)
+          sparse_outputs<T, MB, NB>(xf.data() + m * K, vp, pp, out.data() + m * N, N, K, n);
+        for (; n < n1; ++n) sparse_outputs<T, MB, 1>(xf.data() + m * K, vp, pp, out.data() + m * N, N, K, n);
+      });
+    }
+  });
+  T* yp = y.data_ptr<T>();
+  for (int64_t i = 0; i < M * N; ++i) yp[i] = from_float<T>(out[i]);
+}
+
+// W's rows n0..n1 into dense [n1 - n0, K] (zeros in place)
+template <typename T>
+void decompress_rows(const T* values, const int32_t* positions, T* dense, int64_t K, int64_t n0, int64_t n1) {
+  const int64_t chunks = K / CHUNK;
+  std::memset(static_cast<void*>(dense), 0, sizeof(T) * (n1 - n0) * K);
+  for (int64_t n = n0; n < n1; ++n) {
+    const T* v = values + n * (K / 2);
+    const int32_t* p = positions + n * chunks;
+    T* o = dense + (n - n0) * K;
+    for (int64_t c = 0; c < chunks; ++c) {
+      const uint32_t word = static_cast<uint32_t>(p[c]);
+      T* group = o + c * CHUNK;
+      for (int i = 0; i < 16; ++i) group[(i / 2) * 4 + ((word >> (2 * i)) & 3)] = v[c * 16 + i];
+    }
+  }
+}
+
+void check_operands(const at::Tensor& values, const at::Tensor& positions) {
+  TORCH_CHECK(values.dim() == 2 && positions.dim() == 2 && positions.scalar_type() == at::kInt,
+              "values [N, K/2] and positions [N, K/32] int32 expected");
+  TORCH_CHECK(positions.size(0) == values.size(0) && values.size(1) == positions.size(1) * 16,
+              "positions [N, K/32] must match values [N, K/2]");
+}
+
+at::Tensor sparse24_op(const at::Tensor& x, const at::Tensor& values, const at::Tensor& positions,
+                       int64_t tile_bytes) {
+  check_operands(values, positions);
+  const int64_t N = values.size(0), K = values.size(1) * 2;
+  TORCH_CHECK(x.dim() == 2 && x.size(1) == K, "x [M, K] expected, K = 2 x the values' columns");
+  TORCH_CHECK(x.scalar_type() == values.scalar_type(), "x and values must share a dtype");
+  const at::Tensor xc = x.contiguous(), vc = values.contiguous(), pc = positions.contiguous();
+  at::Tensor y = at::empty({x.size(0), N}, x.options());
+  LLMOPT_DISPATCH(xc, [&] {
+    if (tile_bytes == 0) {
+      rows_impl<scalar_t>(xc, vc, pc, y);
+    } else {
+      const scalar_t* vp = vc.data_ptr<scalar_t>();
+      const int32_t* pp = pc.data_ptr<int32_t>();
+      tiled_matmul<scalar_t>(xc, y, tile_bytes, [&](scalar_t* tile, int64_t n0, int64_t n1) {
+        decompress_rows<scalar_t>(vp, pp, tile, K, n0, n1);
+      });
+    }
+  });
+  return y;
+}
+
+at::Tensor sparse24_matmul_rows(const at::Tensor& x, const at::Tensor& values, const at::Tensor& positions) {
+  return sparse24_op(x, values, positions, 0);
+}
+
+at::Tensor sparse24_matmul_tiled(const at::Tensor& x, const at::Tensor& values, const at::Tensor& positions,
+                                 int64_t tile_bytes) {
+  TORCH_CHECK(tile_bytes > 0, "tile_bytes must be positive");
+  return sparse24_op(x, values, positions, tile_bytes);
+}
+
+void sparse24_decompress_out(const at::Tensor& values, const at::Tensor& positions, at::Tensor& out) {
+  check_operands(values, positions);
+  const int64_t N = values.size(0), K = values.size(1) * 2;
+  TORCH_CHECK(out.dim() == 2 && out.size(0) == N && out.size(1) == K && out.is_contiguous() &&
+                  out.scalar_type() == values.scalar_type(),
+              "out [N, K] contiguous in the values' dtype expected");
+  const at::Tensor vc = values.contiguous(), pc = positions.contiguous();
+  LLMOPT_DISPATCH(vc, [&] {
+    const scalar_t* vp = vc.data_ptr<scalar_t>();
+    const int32_t* pp = pc.data_ptr<int32_t>();
+    scalar_t* op = out.data_ptr<scalar_t>();
+    at::parallel_for(0, N, 64, [&](int64_t begin, int64_t end) {
+      decompress_rows<scalar_t>(vp, pp, op + begin * K, K, begin, end);
+    });
+  });
+}
+
+}  // namespace llmopt_cpu::sparse24

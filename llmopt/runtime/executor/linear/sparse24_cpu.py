@@ -1,0 +1,85 @@
+"""2:4 sparse weights on CPU, from the compressed layout (core/contract/sparse24.py): the kept values in the
+compute dtype and 2 bits of position per value — 0.53x of fp32's bytes, 0.56x of bf16's. Paths (row_paths.py,
+chosen per step's row count by measurement): "rows", the compiled kernel that reads the values and positions once
+for all rows and picks each value's input in registers (decode, speculative verification:
+kernels/csrc/sparse24_cpu.cpp); "tiled", an L2-sized tile decompressed at a time and multiplied by all rows with
+the dense GEMM; "decompress", the whole weight decompressed into a reused buffer before the dense GEMM (prefill).
+Without the compiled kernels each product decompresses the weight with torch."""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from llmopt.core.contract.sparse24 import Sparse24Weight
+from llmopt.runtime.executor.kernels.cpu_ops import cpu_ops
+from llmopt.runtime.executor.linear.base import LinearMethod, dequantize_buffer, new_stacked, register_linear_method
+from llmopt.runtime.executor.linear.row_paths import TILE_BYTES, RowPathsMixin
+
+CHUNK = 32  # input columns per position word (16 kept values)
+
+
+@register_linear_method
+class Sparse24Linear(RowPathsMixin, LinearMethod):
+    name, priority = "sparse24-cpu", 10
+    weight_type = Sparse24Weight
+    rows_max = 16  # the few-row kernel is timed up to this many rows (each row re-reads the inputs, not W)
+
+    def __init__(self, weight: Sparse24Weight, dtype, device="cpu"):
+        super().__init__(weight, dtype, device)
+        self.register_buffer("values", weight.values.to(dtype).contiguous())  # [N, K/2]
+        self.register_buffer("positions", weight.positions_2of4())  # [N, K/32] int32
+
+    @classmethod
+    def accepts(cls, weight, scheme, device):
+        return (device.type == "cpu" and scheme.input_activations is None and weight.pattern == "2:4"
+                and weight.shape[1] % CHUNK == 0)
+
+    @staticmethod
+    def can_stack(parts) -> bool:
+        first = parts[0]
+        return all(type(p) is Sparse24Linear and p.in_features == first.in_features and p.dtype == first.dtype
+                   for p in parts)
+
+    @classmethod
+    def stack(cls, parts: list[Sparse24Linear]) -> Sparse24Linear:
+        """One layer computing cat([part(x) for part in parts], -1) (q/k/v, gate/up): the rows stacked (exact)."""
+        fused = new_stacked(cls, parts[0], sum(p.out_features for p in parts), parts)
+        fused.register_buffer("values", torch.cat([p.values for p in parts]))
+        fused.register_buffer("positions", torch.cat([p.positions for p in parts]))
+        return fused
+
+    def decompress(self) -> torch.Tensor:
+        """[N, K] the dense weight, torch only (the reference the kernels are tested against)."""
+        n, k = self.out_features, self.in_features
+        words = self.positions.to(torch.int64) & 0xFFFFFFFF  # [N, K/32]
+        within = (words.unsqueeze(-1) >> (2 * torch.arange(16))) & 3  # [N, K/32, 16]
+        groups = torch.arange(k // 4).reshape(k // CHUNK, 8).repeat_interleave(2, dim=1)  # [K/32, 16]
+        columns = (groups * 4 + within).reshape(n, k // 2)
+        return torch.zeros(n, k, dtype=self.dtype).scatter_(1, columns, self.values)
+
+    # --- paths (row_paths.py) --------------------------------------------------------------------------------
+    def row_paths(self) -> dict[str, int | None]:
+        if cpu_ops() is None:
+            return {"torch": None}
+        return {"rows": self.rows_max, "tiled": None, "decompress": None}
+
+    def default_path(self, rows: int) -> str:
+        if cpu_ops() is None:
+            return "torch"
+        return "rows" if rows <= 8 else "decompress"
+
+    def _path_rows(self, x2d):
+        return cpu_ops().sparse24_matmul_rows(x2d, self.values, self.positions)
+
+    def _path_tiled(self, x2d):
+        return cpu_ops().sparse24_matmul_tiled(x2d, self.values, self.positions, TILE_BYTES)
+
+    def _path_decompress(self, x2d):
+        weight = dequantize_buffer(self.out_features * self.in_features, self.dtype)
+        weight = weight.view(self.out_features, self.in_features)
+        cpu_ops().sparse24_decompress_out(self.values, self.positions, weight)
+        return F.linear(x2d, weight)
+
+    def _path_torch(self, x2d):
+        return F.linear(x2d, self.decompress())

@@ -1,0 +1,92 @@
+"""The 2:4 sparse linear method (runtime/executor/linear/sparse24_cpu.py) and its compiled kernels
+(kernels/csrc/sparse24_cpu.cpp) against the dense weight with zeros in place, in every kernel build this CPU runs
+(scalar, avx2, avx512, avx512_bf16), at 1, 3, 8 and 512 rows (decode, speculative verification, prefill)."""
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from llmopt.core.contract.sparse24 import Sparse24Weight
+from llmopt.core.hardware import supported_kernel_isas
+from llmopt.runtime.executor.kernels.cpu_ops import cpu_ops
+from llmopt.runtime.executor.linear import make_linear
+from llmopt.runtime.executor.linear.dense import fuse_linears
+from llmopt.runtime.executor.linear.row_paths import measure_plan
+from llmopt.runtime.executor.linear.sparse24_cpu import Sparse24Linear
+
+
+def sparse_2of4(n: int, k: int, seed: int = 0, dtype=torch.float32) -> torch.Tensor:
+    """[N, K] with exactly two non-zeros in every group of 4 columns, at random places."""
+    g = torch.Generator().manual_seed(seed)
+    keep = torch.rand(n, k // 4, 4, generator=g).argsort(-1)[..., :2]
+    mask = torch.zeros(n, k // 4, 4, dtype=torch.bool).scatter_(-1, keep, True).reshape(n, k)
+    return (torch.randn(n, k, generator=g) * mask).to(dtype)
+
+
+@pytest.fixture(params=supported_kernel_isas())
+def ops(request):
+    built = cpu_ops(request.param)
+    assert built is not None, f"the {request.param} kernels failed to build"
+    return built
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("n,k", [(48, 64), (37, 576), (96, 1536)])  # odd N: the one-output tail
+@pytest.mark.parametrize("rows", [1, 3, 8, 512])
+def test_kernels_match_the_dense_weight(ops, dtype, n, k, rows):
+    weight = sparse_2of4(n, k, seed=n + k, dtype=dtype)
+    stored = Sparse24Weight.from_dense(weight)
+    values, positions = stored.values, stored.positions_2of4()
+    x = torch.randn(rows, k, generator=torch.Generator().manual_seed(rows)).to(dtype)
+    expected = x.double() @ weight.double().T
+    tol = 1e-4 if dtype == torch.float32 else 3e-2
+    scale = expected.abs().max().item()
+    for name, out in (("rows", ops.sparse24_matmul_rows(x, values, positions)),
+                      ("tiled", ops.sparse24_matmul_tiled(x, values, positions, 64 << 10))):
+        assert out.dtype == dtype and out.shape == (rows, n), name
+        assert (out.double() - expected).abs().max().item() <= tol * scale, name
+    dense = torch.empty(n, k, dtype=dtype)
+    ops.sparse24_decompress_out(values, positions, dense)
+    assert torch.equal(dense, weight)
+
+
+@pytest.mark.parametrize("compiled", [True, False])
+def test_every_path_of_the_method_matches_the_dense_linear(monkeypatch, compiled):
+    if not compiled:
+        monkeypatch.setenv("LLMOPT_CPU_KERNELS", "0")
+        cpu_ops.cache_clear()
+    try:
+        weight, bias = sparse_2of4(80, 128, seed=3), torch.randn(80)
+        layer = make_linear(Sparse24Weight.from_dense(weight, bias=bias), torch.float32)
+        assert isinstance(layer, Sparse24Linear)
+        assert torch.equal(layer.decompress(), weight)
+        x = torch.randn(9, 128)
+        expected = F.linear(x, weight, bias)
+        for path in layer.row_paths():
+            torch.testing.assert_close(layer.run_path(path, x) + bias, expected, rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(layer(x), expected, rtol=1e-5, atol=1e-5)
+        plan, times = measure_plan(layer, buckets=(1, 16))
+        assert set(times[1]) == set(layer.row_paths()) and plan.path(1) in layer.row_paths()
+    finally:
+        cpu_ops.cache_clear()
+
+
+def test_stacked_parts_equal_each_part():
+    parts = [make_linear(Sparse24Weight.from_dense(sparse_2of4(n, 64, seed=n)), torch.float32) for n in (64, 32, 32)]
+    fused = fuse_linears(parts, prepack=True)
+    assert isinstance(fused, Sparse24Linear) and fused.out_features == 128
+    x = torch.randn(3, 64)
+    torch.testing.assert_close(fused(x), torch.cat([p(x) for p in parts], dim=-1), rtol=0, atol=0)
+
+
+def test_weights_the_kernels_cannot_hold_run_dense():
+    """4:8 (positions of 3 bits) and in_features that are no multiple of 32: the dense fallback, decompressed."""
+    from llmopt.runtime.executor.linear.dense import DequantizedLinear
+
+    weight = sparse_2of4(16, 64, seed=1).reshape(16, 8, 8)[..., [0, 1, 4, 5, 2, 3, 6, 7]].reshape(16, 64)
+    four_of_eight = Sparse24Weight.from_dense(weight, "4:8")
+    narrow = Sparse24Weight.from_dense(sparse_2of4(16, 48, seed=2))
+    for stored in (four_of_eight, narrow):
+        layer = make_linear(stored, torch.float32)
+        assert isinstance(layer, torch.nn.Linear) and DequantizedLinear.accepts(stored, None, torch.device("cpu"))
+        assert torch.equal(layer.weight, stored.decompress())
