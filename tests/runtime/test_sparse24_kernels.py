@@ -36,17 +36,17 @@ def ops(request):
 def test_kernels_match_the_dense_weight(ops, dtype, n, k, rows):
     weight = sparse_2of4(n, k, seed=n + k, dtype=dtype)
     stored = Sparse24Weight.from_dense(weight)
-    values, positions = stored.values, stored.positions_2of4()
+    values, positions, bitmask = stored.values, stored.positions_2of4(), stored.bitmask
     x = torch.randn(rows, k, generator=torch.Generator().manual_seed(rows)).to(dtype)
     expected = x.double() @ weight.double().T
     tol = 1e-4 if dtype == torch.float32 else 3e-2
     scale = expected.abs().max().item()
     for name, out in (("rows", ops.sparse24_matmul_rows(x, values, positions)),
-                      ("tiled", ops.sparse24_matmul_tiled(x, values, positions, 64 << 10))):
+                      ("tiled", ops.sparse24_matmul_tiled(x, values, positions, bitmask, 64 << 10))):
         assert out.dtype == dtype and out.shape == (rows, n), name
         assert (out.double() - expected).abs().max().item() <= tol * scale, name
     dense = torch.empty(n, k, dtype=dtype)
-    ops.sparse24_decompress_out(values, positions, dense)
+    ops.sparse24_decompress_out(values, positions, bitmask, dense)
     assert torch.equal(dense, weight)
 
 

@@ -1,5 +1,6 @@
 """2:4 sparse weights on CPU, from the compressed layout (core/contract/sparse24.py): the kept values in the
-compute dtype and 2 bits of position per value — 0.53x of fp32's bytes, 0.56x of bf16's. Paths (row_paths.py,
+compute dtype and 2 bits of position per value — 0.53x of fp32's bytes, 0.56x of bf16's (and the stored bitmask,
+another 1/32, which only the prefill paths read). Paths (row_paths.py,
 chosen per step's row count by measurement): "rows", the compiled kernel that reads the values and positions once
 for all rows and picks each value's input in registers (decode, speculative verification:
 kernels/csrc/sparse24_cpu.cpp); "tiled", an L2-sized tile decompressed at a time and multiplied by all rows with
@@ -22,13 +23,15 @@ CHUNK = 32  # input columns per position word (16 kept values)
 @register_linear_method
 class Sparse24Linear(RowPathsMixin, LinearMethod):
     name, priority = "sparse24-cpu", 10
+    prefill_only_buffers = ("bitmask",)  # (eval.speed.model_cost: a decode step reads the values and positions)
     weight_type = Sparse24Weight
-    rows_max = 16  # the few-row kernel is timed up to this many rows (each row re-reads the inputs, not W)
+    rows_max = 32  # the few-row kernel is timed up to this many rows (each row re-reads the inputs, not W)
 
     def __init__(self, weight: Sparse24Weight, dtype, device="cpu"):
         super().__init__(weight, dtype, device)
         self.register_buffer("values", weight.values.to(dtype).contiguous())  # [N, K/2]
         self.register_buffer("positions", weight.positions_2of4())  # [N, K/32] int32
+        self.register_buffer("bitmask", weight.bitmask)  # [N, K/8] uint8, as stored: the prefill paths expand it
 
     @classmethod
     def accepts(cls, weight, scheme, device):
@@ -47,6 +50,7 @@ class Sparse24Linear(RowPathsMixin, LinearMethod):
         fused = new_stacked(cls, parts[0], sum(p.out_features for p in parts), parts)
         fused.register_buffer("values", torch.cat([p.values for p in parts]))
         fused.register_buffer("positions", torch.cat([p.positions for p in parts]))
+        fused.register_buffer("bitmask", torch.cat([p.bitmask for p in parts]))
         return fused
 
     def decompress(self) -> torch.Tensor:
@@ -73,12 +77,12 @@ class Sparse24Linear(RowPathsMixin, LinearMethod):
         return cpu_ops().sparse24_matmul_rows(x2d, self.values, self.positions)
 
     def _path_tiled(self, x2d):
-        return cpu_ops().sparse24_matmul_tiled(x2d, self.values, self.positions, TILE_BYTES)
+        return cpu_ops().sparse24_matmul_tiled(x2d, self.values, self.positions, self.bitmask, TILE_BYTES)
 
     def _path_decompress(self, x2d):
         weight = dequantize_buffer(self.out_features * self.in_features, self.dtype)
         weight = weight.view(self.out_features, self.in_features)
-        cpu_ops().sparse24_decompress_out(self.values, self.positions, weight)
+        cpu_ops().sparse24_decompress_out(self.values, self.positions, self.bitmask, weight)
         return F.linear(x2d, weight)
 
     def _path_torch(self, x2d):

@@ -66,8 +66,9 @@ at::Tensor int8_matmul_tiled(const at::Tensor& x, const at::Tensor& codes, const
 namespace llmopt_cpu::sparse24 {
 at::Tensor sparse24_matmul_rows(const at::Tensor& x, const at::Tensor& values, const at::Tensor& positions);
 at::Tensor sparse24_matmul_tiled(const at::Tensor& x, const at::Tensor& values, const at::Tensor& positions,
-                                 int64_t tile_bytes);
-void sparse24_decompress_out(const at::Tensor& values, const at::Tensor& positions, at::Tensor& out);
+                                 const at::Tensor& bitmask, int64_t tile_bytes);
+void sparse24_decompress_out(const at::Tensor& values, const at::Tensor& positions, const at::Tensor& bitmask,
+                             at::Tensor& out);
 }  // namespace llmopt_cpu::sparse24
 
 namespace llmopt_cpu::comm {

@@ -40,8 +40,8 @@ LLMOPT_LIBRARY(LLMOPT_NS, m) {
   m.def("int8_matmul_tiled(Tensor x, Tensor codes, Tensor scale, Tensor? shift, int tile_bytes) -> Tensor");
   m.def("int8_gemv_rows(Tensor x, Tensor weight, Tensor weight_scale, Tensor weight_sum, ScalarType dtype) -> Tensor");
   m.def("sparse24_matmul_rows(Tensor x, Tensor values, Tensor positions) -> Tensor");
-  m.def("sparse24_matmul_tiled(Tensor x, Tensor values, Tensor positions, int tile_bytes) -> Tensor");
-  m.def("sparse24_decompress_out(Tensor values, Tensor positions, Tensor(a!) out) -> ()");
+  m.def("sparse24_matmul_tiled(Tensor x, Tensor values, Tensor positions, Tensor bitmask, int tile_bytes) -> Tensor");
+  m.def("sparse24_decompress_out(Tensor values, Tensor positions, Tensor bitmask, Tensor(a!) out) -> ()");
   m.def("shm_all_reduce_(Tensor(a!) x, Tensor region, int rank, int world, int seq, int buffer_bytes, float wait_s, "
         "bool published) -> int");
 }
