@@ -3,8 +3,9 @@
 Rows (each written to the JSON as it finishes; --resume skips finished rows):
   teacher, mlp-25 (structured MLP pruning, 25%), mlp-25 + KD (--minutes of distillation from the teacher on c4),
   mlp-25 + CE (the same time of plain next-token fine-tuning on the same data), gptq-w4g64, gptq-w4g64 + KD
-  (scales and zero points trained); each with wikitext2 and pystdlib perplexity; then the trainer's student tokens/s
-  against a bare PyTorch loop doing the same forward/backward/step on the same student and teacher.
+  (scales and zero points trained), sparse-24 (SparseGPT 2:4, stored compressed), sparse-24 + KD (its zeros
+  fixed, written compressed again); each with wikitext2 and pystdlib perplexity; then the trainer's student
+  tokens/s against a bare PyTorch loop doing the same forward/backward/step on the same student and teacher.
 
     python benchmarks/distill.py --minutes 15 --json docs/results/data/distill.json
 """
@@ -14,6 +15,7 @@ from __future__ import annotations
 import argparse
 import time
 from pathlib import Path
+from typing import Callable
 
 import torch
 
@@ -97,6 +99,17 @@ def throughput_row(pruned: str, steps: int, batch_size: int, seqlen: int, run_di
             "ratio": round(sum(trainer) / sum(bare), 4), "peak_rss_bytes": peak_rss_bytes()}
 
 
+def made(path: Path, make: Callable[[Path], object]) -> Callable[[], Path]:
+    """A function giving `path`, made by make(path) the first time it is asked for (rows that need it)."""
+
+    def get() -> Path:
+        if not (path / "llmopt.json").is_file():
+            make(path)
+        return path
+
+    return get
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--json", default="docs/results/data/distill.json")
@@ -115,24 +128,27 @@ def main() -> None:
     work.mkdir(parents=True, exist_ok=True)
     rows = load_rows(args.json, args.resume) or []
     done = {r["name"] for r in rows}
-    pruned, gptq = work / "mlp-25", work / "gptq-w4g64"
-    if not (pruned / "llmopt.json").is_file():
-        prune_to_artifact(MODEL, pruned, prune_config({"structured": "mlp", "ratio": 0.25, "num_samples": 32}),
-                          overwrite=True)
-    if not (gptq / "llmopt.json").is_file():
-        quantize_to_artifact(MODEL, gptq, quantize_configs("gptq", {"bits": 4, "group_size": 64}), overwrite=True)
+    pruned = made(work / "mlp-25", lambda out: prune_to_artifact(
+        MODEL, out, prune_config({"structured": "mlp", "ratio": 0.25, "num_samples": 32}), overwrite=True))
+    gptq = made(work / "gptq-w4g64", lambda out: quantize_to_artifact(
+        MODEL, out, quantize_configs("gptq", {"bits": 4, "group_size": 64}), overwrite=True))
+    sparse = made(work / "sparse-24", lambda out: prune_to_artifact(
+        MODEL, out, prune_config({"method": "sparsegpt", "pattern": "2:4"}), overwrite=True))
     common = dict(seqlen=args.seqlen, batch_size=args.batch_size, eval_windows=8)
     plan = {
         "teacher": lambda: ppl_row("teacher", MODEL, args.eval_tokens),
-        "mlp-25": lambda: ppl_row("mlp-25", str(pruned), args.eval_tokens),
-        "mlp-25+kd": lambda: distill_row("mlp-25+kd", str(pruned), work / "mlp-25-kd", args.minutes,
+        "mlp-25": lambda: ppl_row("mlp-25", str(pruned()), args.eval_tokens),
+        "mlp-25+kd": lambda: distill_row("mlp-25+kd", str(pruned()), work / "mlp-25-kd", args.minutes,
                                          args.eval_tokens, lr=args.lr, **common),
-        "mlp-25+ce": lambda: distill_row("mlp-25+ce", str(pruned), work / "mlp-25-ce", args.minutes,
+        "mlp-25+ce": lambda: distill_row("mlp-25+ce", str(pruned()), work / "mlp-25-ce", args.minutes,
                                          args.eval_tokens, lr=args.lr, alpha=0.0, **common),
-        "gptq-w4g64": lambda: ppl_row("gptq-w4g64", str(gptq), args.eval_tokens),
-        "gptq-w4g64+kd": lambda: distill_row("gptq-w4g64+kd", str(gptq), work / "gptq-kd", args.minutes,
+        "gptq-w4g64": lambda: ppl_row("gptq-w4g64", str(gptq()), args.eval_tokens),
+        "gptq-w4g64+kd": lambda: distill_row("gptq-w4g64+kd", str(gptq()), work / "gptq-kd", args.minutes,
                                              args.eval_tokens, lr=args.qat_lr, **common),
-        "throughput": lambda: throughput_row(str(pruned), args.throughput_steps, args.batch_size, args.seqlen,
+        "sparse-24": lambda: ppl_row("sparse-24", str(sparse()), args.eval_tokens),
+        "sparse-24+kd": lambda: distill_row("sparse-24+kd", str(sparse()), work / "sparse-24-kd", args.minutes,
+                                            args.eval_tokens, lr=args.lr, **common),
+        "throughput": lambda: throughput_row(str(pruned()), args.throughput_steps, args.batch_size, args.seqlen,
                                              work / "throughput-run"),
     }
     only = set(args.only.split(",")) if args.only else set(plan)
@@ -160,7 +176,8 @@ def summarize(rows: list[dict]) -> None:
         gap = by[start]["ppl_wikitext2"] - by[reference]["ppl_wikitext2"]
         return (by[start]["ppl_wikitext2"] - by[student]["ppl_wikitext2"]) / gap
 
-    for student, start in (("mlp-25+kd", "mlp-25"), ("mlp-25+ce", "mlp-25"), ("gptq-w4g64+kd", "gptq-w4g64")):
+    for student, start in (("mlp-25+kd", "mlp-25"), ("mlp-25+ce", "mlp-25"), ("gptq-w4g64+kd", "gptq-w4g64"),
+                           ("sparse-24+kd", "sparse-24")):
         value = recovered(student, start)
         if value is not None:
             print(f"{student}: recovers {value:.1%} of the wikitext2 gap of {start}")

@@ -1,13 +1,18 @@
 """Does a 2:4 model stored compressed run faster than the dense one? Batch-1 TPOT and 64-client throughput of
 SmolLM2-135M pruned 2:4 and stored as compressed-tensors' sparse-24-bitmask (run by the sparse24-cpu linear
 method), against fp32 dense and against the same 2:4 weights stored dense (zeros in place: what llmopt did
-before, a control that the time saved is the layout's, not the zeros'). All variants in one run, alternating within
-each round; each ratio is the median over rounds. Which weights a pruning method keeps does not change the bytes
-or the kernel, so any 2:4 artifact measures the same speed (magnitude is the quickest to make).
+before, a control that the time saved is the layout's, not the zeros'); and, given int4 artifacts, 2:4 + int4
+codes (sparse24-int4-cpu) against the int4 codes of the dense model (int4-cpu). All variants in one run,
+alternating within each round; each ratio is the median over rounds. Which weights a method keeps, and how the
+codes were found, change neither the bytes nor the kernel, so magnitude pruning and RTN (the quickest to make)
+measure the speed of SparseGPT and GPTQ artifacts of the same shapes.
 
     llmopt prune smollm2-135m --method magnitude --pattern 2:4 -o /tmp/sp24
     llmopt prune smollm2-135m --method magnitude --pattern 2:4 --save-dense -o /tmp/sp24-dense
-    python benchmarks/sparse.py --sparse /tmp/sp24 --sparse-dense /tmp/sp24-dense --json docs/results/data/sparse.json
+    llmopt quantize smollm2-135m --method rtn --bits 4 --group-size 64 -o /tmp/int4
+    llmopt quantize /tmp/sp24 --method rtn --bits 4 --group-size 64 -o /tmp/sp24-int4
+    python benchmarks/sparse.py --sparse /tmp/sp24 --sparse-dense /tmp/sp24-dense --int4 /tmp/int4 \
+        --sparse-int4 /tmp/sp24-int4 --json docs/results/data/sparse.json
 """
 
 from __future__ import annotations
@@ -24,12 +29,17 @@ from rows import emit, save_rows
 DENSE = "smollm2-135m"
 TPOT_TARGET = 0.65  # batch-1 TPOT of 2:4 (fp32 values) / dense fp32, at most
 THROUGHPUT_TARGET = 1.0  # 64 x 128/128 output tok/s of 2:4 / dense, at least
+INT4_TPOT_TARGET = 0.8  # batch-1 TPOT of 2:4 + int4 / int4 alone, at most
+BASELINE = {"dense": "dense", "sparse24": "dense", "sparse24 stored dense": "dense", "int4": "dense",
+            "sparse24 int4": "int4"}  # each variant's ratio is against this one
 
 
 def parse_args():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--sparse", required=True, help="a 2:4 artifact of SmolLM2-135M stored compressed")
     parser.add_argument("--sparse-dense", default=None, help="the same 2:4 model stored dense (--save-dense)")
+    parser.add_argument("--int4", default=None, help="SmolLM2-135M quantized to int4 (compressed-tensors)")
+    parser.add_argument("--sparse-int4", default=None, help="the 2:4 model quantized the same way")
     parser.add_argument("--dtype", default="float32")
     parser.add_argument("--concurrency", default="1,64")
     parser.add_argument("--input-len", type=int, default=128)
@@ -54,27 +64,35 @@ def median_of(rows: list[dict], variant: str, level: int, key: str) -> float:
     return statistics.median(r[key] for r in rows if r["variant"] == variant and r["concurrency"] == level)
 
 
+def verdict(ratio: float, target: float, at_most: bool) -> str:
+    met = ratio <= target if at_most else ratio >= target
+    return f"target {'<=' if at_most else '>='} {target}: {'met' if met else '**missed**'}"
+
+
 def table(rows: list[dict], variants: list[str], levels: list[int]) -> str:
     lines = [f"CPU: {cpu_line()}", "",
-             "| concurrency | variant | out tok/s | x dense | median TPOT ms | x dense | mean TTFT ms |",
-             "|---:|---|---:|---:|---:|---:|---:|"]
+             "| concurrency | variant | out tok/s | median TPOT ms | mean TTFT ms | vs | tok/s ratio | TPOT ratio |",
+             "|---:|---|---:|---:|---:|---|---:|---:|"]
+    ratios = {}
     for level in levels:
-        dense_tput, dense_tpot = (median_of(rows, "dense", level, k) for k in ("output_throughput", "median_tpot_ms"))
         for variant in variants:
             tput, tpot, ttft = (median_of(rows, variant, level, k)
                                 for k in ("output_throughput", "median_tpot_ms", "mean_ttft_ms"))
-            lines.append(f"| {level} | {variant} | {tput:.1f} | {tput / dense_tput:.2f} | {tpot:.2f} | "
-                         f"{tpot / dense_tpot:.2f} | {ttft:.1f} |")
+            base = BASELINE[variant]
+            base_tput, base_tpot = (median_of(rows, base, level, k) for k in ("output_throughput", "median_tpot_ms"))
+            ratios[variant, level] = (tput / base_tput, tpot / base_tpot)
+            lines.append(f"| {level} | {variant} | {tput:.1f} | {tpot:.2f} | {ttft:.1f} | {base} | "
+                         f"{tput / base_tput:.2f} | {tpot / base_tpot:.2f} |")
     lines.append("")
-    ratio = median_of(rows, "sparse24", levels[0], "median_tpot_ms") / median_of(rows, "dense", levels[0],
-                                                                                  "median_tpot_ms")
-    lines.append(f"- batch-{levels[0]} TPOT 2:4 / dense: {ratio:.2f} (target <= {TPOT_TARGET}: "
-                 f"{'met' if ratio <= TPOT_TARGET else '**missed**'})")
-    if len(levels) > 1:
-        ratio = median_of(rows, "sparse24", levels[-1], "output_throughput") / median_of(
-            rows, "dense", levels[-1], "output_throughput")
-        lines.append(f"- {levels[-1]} clients throughput 2:4 / dense: {ratio:.2f} (target >= {THROUGHPUT_TARGET}: "
-                     f"{'met' if ratio >= THROUGHPUT_TARGET else '**missed**'})")
+    first, last = levels[0], levels[-1]
+    lines.append(f"- batch-{first} TPOT 2:4 / dense: {ratios['sparse24', first][1]:.2f} "
+                 f"({verdict(ratios['sparse24', first][1], TPOT_TARGET, True)})")
+    if ("sparse24 int4", first) in ratios:
+        lines.append(f"- batch-{first} TPOT 2:4 + int4 / int4: {ratios['sparse24 int4', first][1]:.2f} "
+                     f"({verdict(ratios['sparse24 int4', first][1], INT4_TPOT_TARGET, True)})")
+    if last != first:
+        lines.append(f"- {last} clients throughput 2:4 / dense: {ratios['sparse24', last][0]:.2f} "
+                     f"({verdict(ratios['sparse24', last][0], THROUGHPUT_TARGET, False)})")
     return "\n".join(lines)
 
 
@@ -83,6 +101,8 @@ def main() -> None:
     variants = {"dense": DENSE, "sparse24": args.sparse}
     if args.sparse_dense:
         variants["sparse24 stored dense"] = args.sparse_dense
+    if args.int4 and args.sparse_int4:
+        variants.update({"int4": args.int4, "sparse24 int4": args.sparse_int4})
     levels = [int(c) for c in args.concurrency.split(",")]
     rows = []
     for round_index in range(args.rounds):

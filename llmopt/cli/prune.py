@@ -32,8 +32,8 @@ def prune(
         f"{STRUCTURED_NUM_SAMPLES} for structured).")] = None,
     save_compressed: Annotated[bool, typer.Option(
         "--save-compressed/--save-dense",
-        help="2:4 and 4:8: store the kept values and a bitmask (compressed-tensors' sparse-24-bitmask; 0.53x of "
-        "fp32), or the dense weights with zeros in place.")] = True,
+        help="Store the kept values and a bitmask (compressed-tensors' sparse-24-bitmask for 2:4 and 4:8, "
+        "sparse-bitmask for unstructured; 0.53x of fp32 at 50%), or the dense weights with zeros in place.")] = True,
     max_memory: MaxMemoryOpt = None,
     overwrite: OverwriteOpt = False,
     as_json: JsonOpt = False,

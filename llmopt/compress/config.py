@@ -250,8 +250,9 @@ class SparsityConfig(BaseModel):
     damp: float = Field(SPARSEGPT_DAMP, gt=0, description="SparseGPT dampening, fraction of the Hessian's mean "
                         "diagonal")
     block_size: int = Field(128, ge=1)
-    save_compressed: bool = Field(True, description="2:4 and 4:8: store the kept values and a bitmask "
-                                  "(compressed-tensors' sparse-24-bitmask) instead of the dense weights")
+    save_compressed: bool = Field(True, description="store the kept values and a bitmask (compressed-tensors' "
+                                  "sparse-24-bitmask for 2:4 / 4:8, sparse-bitmask for unstructured) instead of the "
+                                  "dense weights")
     calibration: CalibrationConfig = Field(default_factory=CalibrationConfig)
 
     @model_validator(mode="after")

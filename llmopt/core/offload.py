@@ -65,10 +65,13 @@ class SafetensorsWeights:
                     self.entries[key] = (file, data_start, meta)
 
     def _decompressed(self, module: str, dtype: torch.dtype | None) -> torch.Tensor:
-        from llmopt.core.contract.sparse24 import COMPRESSED_SUFFIXES, Sparse24Weight
+        from llmopt.core.contract import sparse24, sparse_bitmask
 
-        parts = {suffix: self.get(f"{module}.{suffix}") for suffix in COMPRESSED_SUFFIXES}
-        return Sparse24Weight.from_tensors(parts).decompress(dtype)
+        unstructured = f"{module}.row_offsets" in self.entries
+        kind = sparse_bitmask.BitmaskWeight if unstructured else sparse24.Sparse24Weight
+        suffixes = sparse_bitmask.SUFFIXES if unstructured else sparse24.COMPRESSED_SUFFIXES
+        parts = {suffix: self.get(f"{module}.{suffix}") for suffix in suffixes}
+        return kind.from_tensors(parts).decompress(dtype)
 
     def get(self, key: str, dtype: torch.dtype | None = None) -> torch.Tensor:
         """The tensor `key`, floats in `dtype` (None: as stored), in memory of its own (a linear's `.weight`
@@ -76,7 +79,7 @@ class SafetensorsWeights:
         of CHUNK_BYTES: reading a large tensor (the embeddings) into another dtype never holds both copies."""
         if key not in self.entries:
             module = key.removesuffix(".weight")
-            if key.endswith(".weight") and f"{module}.bitmask" in self.entries:  # stored compressed (2:4, 4:8)
+            if key.endswith(".weight") and f"{module}.bitmask" in self.entries:  # stored compressed (sparse)
                 return self._decompressed(module, dtype)
             raise ModelLoadError(f"{self.path} lacks tensor {key}: the checkpoint is incomplete")
         file, data_start, meta = self.entries[key]

@@ -22,7 +22,7 @@ class Student:
     teacher_layers: list[int] | None  # the teacher layer each student layer was copied from, when known
     masks: dict[str, torch.Tensor] = field(default_factory=dict)  # parameter name -> bool [N, K], True = kept
     quantization_config: dict | None = None  # the input artifact's, written back unchanged
-    compressed_pattern: str | None = None  # the input's linears stored compressed (2:4, 4:8): so is the output
+    compressed_pattern: str | None = None  # the input's linears stored compressed: so are the output's
     format_name: str | None = None
     facts: dict = field(default_factory=dict)
 

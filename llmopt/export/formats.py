@@ -11,6 +11,7 @@ import torch
 
 from llmopt.core.contract import QuantizedWeight, QuantRecord, QuantScheme, default_g_idx
 from llmopt.core.contract.fp4 import e8m0_decode, pack_nibbles, scale_bytes, unpack_nibbles
+from llmopt.core.contract.sparse24 import unpack_mask
 from llmopt.core.errors import ArtifactError
 from llmopt.core.registry import Registry
 from llmopt.export.packing import deinterleave_awq, interleave_awq, pack_int32, unpack_int32
@@ -173,7 +174,9 @@ class AWQFormat(Format):
 class CompressedTensorsFormat(Format):
     """compressed-tensors, two of its formats:
     - pack-quantized (weight-only): weight_packed [N, ceil(K*b/32)] of q + 2^(b-1) (signed q), packed along K;
-      weight_scale [N, G]; weight_zero_point [ceil(N*b/32), G] packed along N (asymmetric only);
+      weight_scale [N, G]; weight_zero_point [ceil(N*b/32), G] packed along N (asymmetric only); a 2:4 weight
+      stored compressed (llmopt's extension, with the config's sparsity_config) packs only its kept codes
+      ([N, K/2] before packing) and adds `bitmask` [N, K/8] uint8 (core.contract.sparse24's);
     - int-quantized (W8A8: 8-bit weights with quantized input activations): weight [N, K] int8 (signed q),
       weight_scale [N, G], weight_zero_point [N, G] int8 (asymmetric only); the config group's
       input_activations says how the inputs are quantized at run time (dynamic per token);
@@ -221,14 +224,18 @@ class CompressedTensorsFormat(Format):
         n, k = qweight.shape
         b = qweight.scheme.bits
         # Our unsigned codes already equal signed q + 2^(b-1), the stored value; zp_signed + 2^(b-1) = z.
+        codes, sparse = qweight.q, {}
+        if qweight.keep is not None:  # 2:4 stored compressed: the kept codes only, and where they go
+            codes = qweight.q[unpack_mask(qweight.keep, k)].reshape(n, k // 2)
+            sparse = {"bitmask": qweight.keep.contiguous()}
         out = {
-            "weight_packed": pack_int32(qweight.q, b, dim=-1),
+            "weight_packed": pack_int32(codes, b, dim=-1),
             "weight_scale": qweight.scales.to(SCALE_DTYPE).contiguous(),
             "weight_shape": torch.tensor([n, k], dtype=torch.int64),
         }
         if not qweight.scheme.sym:
             out["weight_zero_point"] = pack_int32(qweight.zeros, b, dim=0)
-        return {**out, **self._g_idx_and_bias(qweight)}
+        return {**out, **sparse, **self._g_idx_and_bias(qweight)}
 
     @staticmethod
     def _g_idx_and_bias(qweight) -> dict[str, torch.Tensor]:
@@ -296,7 +303,6 @@ class CompressedTensorsFormat(Format):
             return self._unpack_int(tensors, scheme)
         n, k = (int(v) for v in tensors["weight_shape"])
         b = scheme.bits
-        q = unpack_int32(tensors["weight_packed"], b, k, dim=-1)
         scales = tensors["weight_scale"].float()
         if "weight_zero_point" in tensors:
             zeros = unpack_int32(tensors["weight_zero_point"], b, n, dim=0)
@@ -304,7 +310,14 @@ class CompressedTensorsFormat(Format):
             zeros = torch.full_like(scales, 2 ** (b - 1), dtype=torch.int64)
         g_idx = tensors.get("weight_g_idx")
         g_idx = default_g_idx(k, scheme) if g_idx is None else g_idx.to(torch.int32)
-        return QuantizedWeight(q.to(torch.uint8), scales, zeros.to(torch.int32), g_idx, scheme, _bias(tensors))
+        keep = tensors.get("bitmask")
+        if keep is None:
+            q = unpack_int32(tensors["weight_packed"], b, k, dim=-1)
+        else:  # 2:4 stored compressed: the kept codes into their columns, the zero point (weight 0) elsewhere
+            q = zeros[:, g_idx.long()].clone()
+            q[unpack_mask(keep, k)] = unpack_int32(tensors["weight_packed"], b, k // 2, dim=-1).reshape(-1).to(q.dtype)
+        return QuantizedWeight(q.to(torch.uint8), scales, zeros.to(torch.int32), g_idx, scheme, _bias(tensors),
+                               keep=keep)
 
     def _unpack_int(self, tensors, scheme):
         offset = 2 ** (scheme.bits - 1)

@@ -12,7 +12,8 @@ from safetensors import safe_open
 from llmopt.core.contract import QuantizedWeight, QuantScheme
 from llmopt.core.contract.activations import InputQuantizedLinear
 from llmopt.core.contract.sparse24 import Sparse24Weight
-from llmopt.core.contract.sparsity import compressed_sparsity, held_dense, quantizes
+from llmopt.core.contract.sparse_bitmask import BitmaskWeight
+from llmopt.core.contract.sparsity import UNSTRUCTURED_FORMAT, compressed_sparsity, held_dense, quantizes
 from llmopt.core.errors import ArtifactError, ModelLoadError
 from llmopt.core.io import read_json
 from llmopt.core.models import rebuild_meta_buffers
@@ -27,9 +28,9 @@ class ArtifactContents:
     fmt: Format | None
     scheme: QuantScheme | None
     manifest: dict
-    sparse: dict[str, Sparse24Weight] = field(default_factory=dict)  # module path -> compressed 2:4 / 4:8 weight
+    sparse: dict = field(default_factory=dict)  # module path -> compressed sparse weight (Sparse24 / Bitmask)
 
-    def linears(self) -> dict[str, QuantizedWeight | Sparse24Weight]:
+    def linears(self) -> dict:
         """Every linear stored in a form of its own (quantized or compressed), by module path."""
         return {**self.qweights, **self.sparse}
 
@@ -55,12 +56,10 @@ def read_artifact(path: str | Path) -> ArtifactContents:
     manifest = read_json(path / "llmopt.json") if (path / "llmopt.json").exists() else {}
     tensors = _load_tensors(path)
     qcfg = config.get("quantization_config")
-    sparse = _take_sparse(path, tensors, compressed_sparsity(qcfg))
     if not quantizes(qcfg):
+        sparse = _take_sparse(path, tensors, compressed_sparsity(qcfg))
         return ArtifactContents(config, tensors, {}, None, None, manifest, sparse)
-    if sparse:
-        raise ArtifactError(f"{path}: sparse-24-bitmask linears stacked on quantized ones are not readable yet: "
-                            "store the quantized model dense (or the sparse one unquantized)")
+    # (quantized 2:4 linears stored compressed keep their bitmask among their own tensors: export.formats)
     fmt = format_for_config(qcfg)
     scheme = fmt.scheme_from_config(qcfg)
     input_activations = fmt.input_activations_from_config(qcfg)
@@ -77,17 +76,20 @@ def read_artifact(path: str | Path) -> ArtifactContents:
     return ArtifactContents(config, tensors, qweights, fmt, scheme, manifest)
 
 
-def _take_sparse(path: Path, tensors: dict[str, torch.Tensor], sparsity: dict | None) -> dict[str, Sparse24Weight]:
-    """The compressed linears (marked by `.bitmask`), their tensors taken out of `tensors`."""
+def _take_sparse(path: Path, tensors: dict[str, torch.Tensor], sparsity: dict | None) -> dict:
+    """The compressed linears (marked by `.bitmask`: Sparse24Weight or BitmaskWeight, as the sparsity_config's
+    format says), their tensors taken out of `tensors`."""
     if sparsity is None:
         return {}
     pattern = sparsity.get("sparsity_structure") or "2:4"
+    unstructured = sparsity["format"] == UNSTRUCTURED_FORMAT
     marker = ".bitmask"
     sparse = {}
     for prefix in sorted(k[: -len(marker)] for k in tensors if k.endswith(marker)):
         own = {k[len(prefix) + 1:]: tensors.pop(k) for k in list(tensors) if k.startswith(prefix + ".")}
         try:
-            sparse[prefix] = Sparse24Weight.from_tensors(own, pattern)
+            sparse[prefix] = (BitmaskWeight.from_tensors(own) if unstructured
+                              else Sparse24Weight.from_tensors(own, pattern))
         except KeyError as e:
             raise ArtifactError(f"{path}: {prefix} lacks tensor {e}: the checkpoint is incomplete") from None
     return sparse

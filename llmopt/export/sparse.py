@@ -1,7 +1,8 @@
-"""Half-sparse (2:4, 4:8) linears written compressed: compressed-tensors' `sparse-24-bitmask` (the layout:
-core/contract/sparse24.py), recorded in config.json as that library records it — a `sparsity_config` inside a
+"""Pruned linears written compressed: half-sparse ones (2:4, 4:8) in compressed-tensors' `sparse-24-bitmask`
+(core/contract/sparse24.py), unstructured ones in its `sparse-bitmask` (core/contract/sparse_bitmask.py); recorded in config.json as that library records it — a `sparsity_config` inside a
 `quantization_config` of quant_method compressed-tensors, with no quantization groups when the values stay in
-floating point.
+floating point. 2:4 linears quantized to integer codes in pack-quantized store only their kept codes and the
+bitmask (`compress_quantized_codes`; export.formats).
 
     "quantization_config": {"quant_method": "compressed-tensors", "format": "dense", "quantization_status":
       "compressed", "sparsity_config": {"format": "sparse-24-bitmask", "sparsity_structure": "2:4",
@@ -14,13 +15,15 @@ from typing import Iterable
 
 import torch
 
-from llmopt.core.contract.sparse24 import HALF_PATTERNS, Sparse24Weight
-from llmopt.core.contract.sparsity import COMPRESSED_FORMAT
+from llmopt.core.contract.sparse24 import HALF_PATTERNS, half_mask, is_half_sparse, pack_mask
+from llmopt.core.contract.sparse_bitmask import compressed_weight
+from llmopt.core.contract.sparsity import compressed_format
 
 
 def stores_compressed(structure: str) -> bool:
-    """Whether a model pruned to `structure` has a compressed layout (half of every group kept)."""
-    return structure in HALF_PATTERNS
+    """Whether a model pruned to `structure` has a compressed layout: half of every group kept (2:4, 4:8:
+    sparse-24-bitmask) or unstructured (sparse-bitmask); other N:M patterns stay dense."""
+    return structure in HALF_PATTERNS or structure == "unstructured"
 
 
 def compress_linears(tensors: dict[str, torch.Tensor], linears: Iterable[str], pattern: str) -> dict[str, torch.Tensor]:
@@ -29,7 +32,7 @@ def compress_linears(tensors: dict[str, torch.Tensor], linears: Iterable[str], p
     out = dict(tensors)
     for name in linears:
         weight = out.pop(f"{name}.weight")
-        stored = Sparse24Weight.from_dense(weight, pattern, name=name).to_tensors()
+        stored = compressed_weight(weight, pattern, name=name).to_tensors()
         out.update({f"{name}.{suffix}": tensor for suffix, tensor in stored.items()})
     return out
 
@@ -40,8 +43,32 @@ def sparsity_quantization_config(pattern: str, suffixes: list[str], ignore: list
     return {
         "quant_method": "compressed-tensors", "format": "dense", "quantization_status": "compressed",
         "config_groups": {},
-        "sparsity_config": {"format": COMPRESSED_FORMAT, "sparsity_structure": pattern, "targets": targets,
-                            "ignore": ["lm_head", *ignore], "global_sparsity": round(measured, 6),
+        "sparsity_config": {"format": compressed_format(pattern), "sparsity_structure": pattern, "targets": targets,
+                            "ignore": list(dict.fromkeys(["lm_head", *ignore])), "global_sparsity": round(measured, 6),
                             "registry_requires_subclass": False},
     }
 
+
+
+def compress_quantized_codes(qweights: dict, sparsity_record: dict | None, fmt_name: str) -> dict | None:
+    """A 2:4 model quantized into compressed-tensors' pack-quantized (integer weight-only codes): mark each 2:4
+    linear's kept codes (QuantizedWeight.keep) so the format stores only those, and return the `sparsity_config`
+    its quantization_config records. None (nothing marked) for other models, formats and schemes."""
+    structure = (sparsity_record or {}).get("sparsity_structure")
+    if structure != "2:4" or fmt_name != "compressed-tensors":
+        return None
+    marked = []
+    for name, qweight in qweights.items():
+        scheme = qweight.scheme
+        if scheme.type != "int" or qweight.input_activations is not None or scheme.scale_format is not None:
+            continue
+        nonzero = qweight.q != qweight.zeros[:, qweight.g_idx.long()]
+        if not is_half_sparse(nonzero, structure):
+            continue  # (a linear left dense by --ignore)
+        qweight.keep = pack_mask(half_mask(nonzero, structure))
+        marked.append(name)
+    if not marked:
+        return None
+    suffixes = sorted({name.split(".", 3)[-1] for name in marked})
+    return sparsity_quantization_config(structure, suffixes, sparsity_record.get("ignore", []),
+                                        sparsity_record.get("global_sparsity", 0.5))["sparsity_config"]

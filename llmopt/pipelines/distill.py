@@ -10,7 +10,7 @@ from typing import Callable
 
 import torch
 
-from llmopt.core.contract.sparsity import COMPRESSED_FORMAT
+from llmopt.core.contract.sparsity import compressed_format
 from llmopt.core.errors import ConfigError
 from llmopt.core.io import check_output_free
 from llmopt.core.models import resolve_model
@@ -193,7 +193,8 @@ def _write_student(output: Path, student: Student, model, tokenizer, manifest: d
     if student.compressed_pattern is not None:  # the masks held: the linears are as sparse as they were stored
         tensors = compress_linears(tensors, [name.removesuffix(".weight") for name in student.masks],
                                    student.compressed_pattern)
-        config_dict["sparsity_config"] = {**config_dict["sparsity_config"], "format": COMPRESSED_FORMAT}
+        config_dict["sparsity_config"] = {**config_dict["sparsity_config"],
+                                          "format": compressed_format(student.compressed_pattern)}
     write_artifact(output, tensors, config_dict, tokenizer, {}, None, None, manifest,
                    generation_config=getattr(model, "generation_config", None), overwrite=overwrite,
                    quantization_config=student.quantization_config if student.compressed_pattern else None)

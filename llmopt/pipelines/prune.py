@@ -1,6 +1,7 @@
-"""prune MODEL -> artifact: sparse models are written dense (zeros in place) with a sparsity_config, except 2:4 and
-4:8 ones, whose pruned linears are stored compressed (export.sparse: compressed-tensors' sparse-24-bitmask) unless
-asked otherwise; structured ones as ordinary smaller checkpoints. All carry llmopt.json."""
+"""prune MODEL -> artifact: sparse models with a sparsity_config, their pruned linears stored compressed
+(export.sparse: compressed-tensors' sparse-24-bitmask for 2:4 and 4:8, sparse-bitmask for unstructured; other N:M
+patterns, or --save-dense, dense with zeros in place); structured ones as ordinary smaller checkpoints. All carry
+llmopt.json."""
 
 from __future__ import annotations
 
@@ -17,7 +18,7 @@ from llmopt.compress.api import (
 from llmopt.compress.config import StructuredConfig
 from llmopt.compress.defaults import SCORES_FILE
 from llmopt.compress.structured import prune_structured
-from llmopt.core.contract.sparsity import COMPRESSED_FORMAT
+from llmopt.core.contract.sparsity import compressed_format
 from llmopt.core.io import check_output_free
 from llmopt.export.artifact import dense_state_dict, write_artifact
 from llmopt.export.load import load_model
@@ -100,18 +101,18 @@ def prune_to_artifact(
 
 @dataclass
 class SparseStorage:
-    """How a sparsity-pruned model's linears are stored: compressed (2:4 / 4:8 unless asked for dense weights) or
-    dense, zeros in place."""
+    """How a sparsity-pruned model's linears are stored: compressed (2:4 / 4:8 / unstructured, unless asked for
+    dense weights) or dense, zeros in place."""
 
-    pattern: str | None = None  # None: dense
+    pattern: str | None = None  # the structure they are compressed for; None: dense
 
     @classmethod
     def of(cls, config) -> SparseStorage:
-        return cls(config.pattern if config.save_compressed and stores_compressed(config.structure) else None)
+        return cls(config.structure if config.save_compressed and stores_compressed(config.structure) else None)
 
     @property
     def format(self) -> str:
-        return "dense" if self.pattern is None else COMPRESSED_FORMAT
+        return "dense" if self.pattern is None else compressed_format(self.pattern)
 
     def compress(self, tensors: dict[str, torch.Tensor], linears) -> dict[str, torch.Tensor]:
         """`tensors` with the pruned `linears` (names) compressed, when this storage compresses."""

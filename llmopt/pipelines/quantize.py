@@ -110,9 +110,9 @@ def quantize_to_artifact(
             qweight.input_activations = config.input_activations
         num_quantized = len(result.qweights)
         _drop_quantized_weights(model, result.qweights)
-        packed, fp16 = quantized_bytes(result.qweights, fmt_name)
         write_model_artifact(output, model, tokenizer, result.qweights, fmt_name, config.record(),
                              make_manifest(result, num_quantized), result.extra_tensors, overwrite=overwrite)
+        packed, fp16 = quantized_bytes(result.qweights, fmt_name)  # (as written: 2:4 codes marked compressed)
     return {
         "output": str(output), "method": method, "format": fmt_name, "bits": config.bits,
         "group_size": config.group_size, "sym": config.sym,

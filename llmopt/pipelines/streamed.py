@@ -21,6 +21,7 @@ from llmopt.core.offload import (
 from llmopt.compress.defaults import SEARCH_FILE
 from llmopt.export.artifact import ShardWriter, write_artifact_files
 from llmopt.export.formats import FORMATS
+from llmopt.export.sparse import compress_quantized_codes
 
 DENSE_DTYPE = torch.float16  # what the quantized artifact stores its dense tensors in (as write_model_artifact)
 PRUNED_DTYPE = torch.float32  # what a pruned artifact stores every tensor in (as pipelines.prune)
@@ -180,11 +181,16 @@ def quantize_streamed(
     config, fmt = configs[-1], FORMATS.get(fmt_name)
     layers_prefix = adapter_for(streamed.model).layers + "."
     tally = StreamedTally()
+    sparsity_record = getattr(streamed.model.config, "sparsity_config", None)
+    stored_sparse = []  # each layer's sparsity_config where its 2:4 codes are stored compressed
 
     def layer_tensors(index: int, layer: torch.nn.Module, qweights: dict, masks: dict) -> dict:
         tensors = {}
-        for name, qweight in qweights.items():
+        for qweight in qweights.values():
             qweight.input_activations = config.input_activations
+        if (sparsity := compress_quantized_codes(qweights, sparsity_record, fmt_name)) is not None:
+            stored_sparse.append(sparsity)
+        for name, qweight in qweights.items():
             packed = fmt.pack(qweight)
             tensors.update({f"{name}.{suffix}": t for suffix, t in packed.items()})
             tally.packed_bytes += sum(t.numel() * t.element_size() for t in packed.values())
@@ -194,8 +200,14 @@ def quantize_streamed(
         return {**tensors, **dense_layer_tensors(index, layer, layers_prefix, DENSE_DTYPE, quantized)}
 
     def make_meta(result: CompressResult) -> ArtifactMeta:
-        return ArtifactMeta(streamed.model.config.to_dict(), fmt_name, config.record(),
-                            make_manifest(result, tally.num_quantized), result.extra_tensors)
+        config_dict, qcfg = streamed.model.config.to_dict(), None
+        if stored_sparse:  # (the in-memory pipeline's records: export.artifact.sparse_codes_config)
+            targets = sorted({target for sparsity in stored_sparse for target in sparsity["targets"]})
+            qcfg = {**fmt.quantization_config(config.record()),
+                    "sparsity_config": {**stored_sparse[0], "targets": targets}}
+            config_dict["sparsity_config"] = {**config_dict["sparsity_config"], "format": stored_sparse[0]["format"]}
+        return ArtifactMeta(config_dict, fmt_name, config.record(), make_manifest(result, tally.num_quantized),
+                            result.extra_tensors, quantization_config=qcfg)
 
     result = compress_streamed(streamed, output, configs, max_memory, DENSE_DTYPE, layer_tensors, make_meta,
                                overwrite=overwrite, progress=progress)

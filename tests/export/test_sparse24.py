@@ -144,9 +144,13 @@ def test_compressed_input_quantizes_and_streams(pruned, tmp_path):
         out = tmp_path / f"q{len(extra)}"
         result = run("quantize", compressed, "--method", "rtn", "--group-size", 32, *extra, "-o", out)
         assert result.exit_code == 0, result.output
-        config = json.loads((out / "config.json").read_text())
-        assert config["sparsity_config"]["format"] == "dense"  # codes with zeros in place
-        assert config["quantization_config"]["quant_method"] == "compressed-tensors"
+        contents = read_artifact(out)
+        assert contents.config["quantization_config"]["quant_method"] == "compressed-tensors"
+        # ... and its 2:4 codes are stored compressed again (RTN writes compressed-tensors)
+        assert contents.config["sparsity_config"]["format"] == "sparse-24-bitmask"
+        assert all(q.keep is not None for q in contents.qweights.values())
+        assert torch.all(contents.qweights["model.layers.1.mlp.up_proj"].dequantize()[dense[name] == 0] == 0)
+    assert read_artifact(tmp_path / "q0").qweights.keys() == read_artifact(tmp_path / "q2").qweights.keys()
 
 
 def test_four_of_eight_is_stored_compressed_and_runs_dense(tiny_llama_dir, tmp_path):
@@ -158,7 +162,77 @@ def test_four_of_eight_is_stored_compressed_and_runs_dense(tiny_llama_dir, tmp_p
     assert result.exit_code == 0, result.output
 
 
-def test_unstructured_sparsity_stays_dense(tiny_llama_dir, tmp_path):
-    out = tmp_path / "u"
-    assert run("prune", tiny_llama_dir, "--method", "magnitude", "--sparsity", "0.5", "-o", out).exit_code == 0
-    assert not read_artifact(out).sparse
+def test_unstructured_sparsity_is_stored_as_sparse_bitmask_and_runs(tiny_llama_dir, tmp_path):
+    from llmopt.core.contract.sparse_bitmask import BitmaskWeight
+    from llmopt.runtime.executor.linear.sparse_bitmask_cpu import SparseBitmaskLinear
+    from llmopt.runtime.executor.loader import load_runtime_model
+
+    texts = []
+    for storage in ("--save-compressed", "--save-dense"):
+        out = tmp_path / storage
+        assert run("prune", tiny_llama_dir, "--method", "wanda", "--sparsity", "0.6", storage, *CALIB,
+                   "-o", out).exit_code == 0
+        result = run("generate", out, "--prompt", "def main():", "--max-tokens", 16, "--temperature", 0,
+                     "--dtype", "float32", "--json")
+        assert result.exit_code == 0, result.output
+        texts.append(json.loads(result.stdout)["outputs"][0]["text"])
+    contents = read_artifact(tmp_path / "--save-compressed")
+    assert contents.config["quantization_config"]["sparsity_config"]["format"] == "sparse-bitmask"
+    assert len(contents.sparse) == 14 and all(isinstance(w, BitmaskWeight) for w in contents.sparse.values())
+    dense = read_artifact(tmp_path / "--save-dense").dense
+    for name, stored in contents.sparse.items():
+        assert torch.equal(stored.decompress(), dense[f"{name}.weight"])
+    checkpoint, _, _ = load_runtime_model(str(tmp_path / "--save-compressed"), dtype="float32")
+    assert sum(isinstance(m, SparseBitmaskLinear) for m in checkpoint.modules()) > 0
+    assert texts[0] == texts[1]
+
+
+def test_quantized_2of4_codes_are_stored_compressed(pruned, tmp_path):
+    """GPTQ on a 2:4 model into compressed-tensors stores only the kept codes and the bitmask; the GPTQ format
+    keeps every code. Same codes, the same greedy tokens through the runtime (sparse24-int4-cpu vs int4-cpu)."""
+    from llmopt.runtime.executor.linear.sparse24_int4_cpu import Sparse24Int4Linear
+    from llmopt.runtime.executor.loader import load_runtime_model
+
+    outputs = {}
+    for fmt in ("compressed-tensors", "gptq"):
+        out = tmp_path / fmt
+        result = run("quantize", pruned["compressed"][0], "--method", "gptq", "--group-size", 32, "--sym",
+                     "--format", fmt, *CALIB, "-o", out, "--json")
+        assert result.exit_code == 0, result.output
+        outputs[fmt] = (out, json.loads(result.stdout))
+    compressed, gptq = read_artifact(outputs["compressed-tensors"][0]), read_artifact(outputs["gptq"][0])
+    qcfg = compressed.config["quantization_config"]
+    assert qcfg["sparsity_config"]["format"] == "sparse-24-bitmask" and qcfg["format"] == "pack-quantized"
+    assert compressed.config["sparsity_config"]["format"] == "sparse-24-bitmask"
+    assert gptq.config["sparsity_config"]["format"] == "dense"
+    assert len(compressed.qweights) == 14
+    for name, qweight in compressed.qweights.items():
+        assert qweight.keep is not None
+        assert torch.equal(qweight.dequantize(), gptq.qweights[name].dequantize()), name
+    packed = outputs["compressed-tensors"][1]["quantized_linear_bytes"]
+    assert packed < 0.85 * outputs["gptq"][1]["quantized_linear_bytes"]
+    checkpoint, _, _ = load_runtime_model(str(outputs["compressed-tensors"][0]), dtype="float32")
+    assert sum(isinstance(m, Sparse24Int4Linear) for m in checkpoint.modules()) > 0
+    texts = []
+    for fmt in outputs:
+        result = run("generate", outputs[fmt][0], "--prompt", "def main():", "--max-tokens", 16, "--temperature", 0,
+                     "--dtype", "float32", "--json")
+        assert result.exit_code == 0, result.output
+        texts.append(json.loads(result.stdout)["outputs"][0]["text"])
+    assert texts[0] == texts[1]
+
+
+def test_unstructured_layout_is_compressed_tensors_sparse_bitmask():
+    from llmopt.core.contract.sparse_bitmask import BitmaskWeight
+
+    weight = torch.randn(6, 20) * (torch.rand(6, 20) > 0.6)
+    weight[2] = 0
+    stored = BitmaskWeight.from_dense(weight)
+    mask = weight != 0
+    assert torch.equal(stored.values, weight[mask])
+    np.testing.assert_array_equal(stored.bitmask.numpy(), np.packbits(mask.numpy(), axis=-1, bitorder="little"))
+    counts = mask.sum(-1)
+    assert torch.equal(stored.row_offsets, torch.cumsum(counts, 0) - counts)
+    assert torch.equal(BitmaskWeight.from_tensors(stored.to_tensors()).decompress(), weight)
+    with pytest.raises(ArtifactError, match="set bits"):
+        BitmaskWeight.from_tensors({**stored.to_tensors(), "compressed": stored.values[:-1]})

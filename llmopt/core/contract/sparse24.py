@@ -82,14 +82,29 @@ class Sparse24Weight:
         return cls(values, bitmask, (n, k), pattern, tensors.get("bias"))
 
     def positions_2of4(self) -> torch.Tensor:
-        """[N, K/32] int32: each kept value's column within its group of 4, 2 bits per value, 16 per word (the
-        runtime's 2:4 kernel layout). K must be a multiple of 32."""
-        n, k = self.shape
-        if self.pattern != "2:4" or k % 32:
-            raise ValueError("2:4 positions need a 2:4 weight with in_features a multiple of 32")
-        columns = self.mask().reshape(n, k // 4, 4).nonzero()[:, 2].reshape(n, k // 32, 16).to(torch.int64)
-        words = (columns << (2 * torch.arange(16))).sum(-1)  # [N, K/32], < 2^32
-        return torch.where(words >= 2**31, words - 2**32, words).to(torch.int32)  # the same 32 bits, signed
+        """The runtime's 2:4 kernel layout of this weight's positions (`positions_2of4`)."""
+        if self.pattern != "2:4":
+            raise ValueError("2:4 positions need a 2:4 weight")
+        return positions_2of4(self.mask())
+
+
+def positions_2of4(mask: torch.Tensor) -> torch.Tensor:
+    """[N, K] bool with exactly two kept per group of 4 -> [N, K/32] int32: each kept value's column within its
+    group, 2 bits per value, 16 per word. K must be a multiple of 32."""
+    n, k = mask.shape
+    if k % 32:
+        raise ValueError("2:4 positions need in_features a multiple of 32")
+    columns = mask.reshape(n, k // 4, 4).nonzero()[:, 2].reshape(n, k // 32, 16).to(torch.int64)
+    words = (columns << (2 * torch.arange(16))).sum(-1)  # [N, K/32], < 2^32
+    return torch.where(words >= 2**31, words - 2**32, words).to(torch.int32)  # the same 32 bits, signed
+
+
+def columns_of(positions: torch.Tensor, k: int) -> torch.Tensor:
+    """positions_2of4's words [N, K/32] -> [N, K/2] int64: each kept value's column (its inverse)."""
+    words = positions.to(torch.int64) & 0xFFFFFFFF
+    within = (words.unsqueeze(-1) >> (2 * torch.arange(16))) & 3  # [N, K/32, 16]
+    groups = torch.arange(k // 4).reshape(k // 32, 8).repeat_interleave(2, dim=1)  # [K/32, 16]
+    return (groups * 4 + within).reshape(positions.shape[0], k // 2)
 
 
 def half_mask(weight: torch.Tensor, pattern: str, name: str = "weight") -> torch.Tensor:

@@ -1,12 +1,14 @@
 """How sparsity is recorded in a model's config: `sparsity_config` (`sparsity_entry`) gives the structure
 ("unstructured" or an N:M pattern along the input dimension), the method, the targets and the measured fraction of
-zeros. The weights stay dense with zeros in place, except half-sparse ones (2:4, 4:8) written compressed: those
-also carry compressed-tensors' record of them, a `sparsity_config` inside `quantization_config`
-(`compressed_sparsity`; the layout: sparse24.py)."""
+zeros. Pruned linears are written compressed unless asked otherwise (2:4 and 4:8: sparse24.py; unstructured:
+sparse_bitmask.py), and such a model also carries compressed-tensors' record of them, a `sparsity_config` inside
+`quantization_config` (`compressed_sparsity`)."""
 
 from __future__ import annotations
 
 COMPRESSED_FORMAT = "sparse-24-bitmask"  # compressed-tensors' name for the half-sparse layout (sparse24.py)
+UNSTRUCTURED_FORMAT = "sparse-bitmask"  # ... and for the unstructured one (sparse_bitmask.py)
+COMPRESSED_FORMATS = (COMPRESSED_FORMAT, UNSTRUCTURED_FORMAT)
 
 
 def parse_nm(pattern: str) -> tuple[int, int]:
@@ -30,9 +32,15 @@ def sparsity_entry(structure: str, method: str, target: float, ignore: list[str]
 
 
 def compressed_sparsity(qcfg) -> dict | None:
-    """A quantization_config's sparsity_config when its linears are stored in sparse-24-bitmask, else None."""
+    """A quantization_config's sparsity_config when its linears are stored compressed (sparse-24-bitmask or
+    sparse-bitmask), else None."""
     sparsity = _as_dict(qcfg).get("sparsity_config") or {}
-    return sparsity if sparsity.get("format") == COMPRESSED_FORMAT else None
+    return sparsity if sparsity.get("format") in COMPRESSED_FORMATS else None
+
+
+def compressed_format(structure: str) -> str:
+    """The compressed layout of a model pruned to `structure`."""
+    return UNSTRUCTURED_FORMAT if structure == "unstructured" else COMPRESSED_FORMAT
 
 
 def quantizes(qcfg) -> bool:
@@ -57,5 +65,5 @@ def held_dense(config) -> None:
     if compressed_sparsity(getattr(config, "quantization_config", None)) is not None:
         del config.quantization_config
     record = getattr(config, "sparsity_config", None)
-    if record and record.get("format") == COMPRESSED_FORMAT:
+    if record and record.get("format") in COMPRESSED_FORMATS:
         config.sparsity_config = {**record, "format": "dense"}

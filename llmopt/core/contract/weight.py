@@ -29,6 +29,8 @@ class QuantizedWeight:
     input_activations: the scheme its inputs are quantized with at run time (W8A8), None for weight-only
     global_scale: [1] float32, NVFP4's per-tensor divisor of every block scale (w = v * s / global), else None
     input_global_scale: [1] float32, the calibrated global scale of NVFP4 inputs (nvfp4-a4), else None
+    keep:   [N, ceil(K/8)] uint8, for a 2:4 sparse weight stored compressed: the bitmask of kept positions (bit j of
+            byte b = column 8b + j; core.contract.sparse24); q still holds every code, the zero point at the others
     """
 
     q: torch.Tensor
@@ -40,6 +42,7 @@ class QuantizedWeight:
     input_activations: QuantScheme | None = None
     global_scale: torch.Tensor | None = None
     input_global_scale: torch.Tensor | None = None
+    keep: torch.Tensor | None = None
 
     @property
     def shape(self) -> tuple[int, int]:
@@ -72,7 +75,8 @@ class QuantizedWeight:
         rows = torch.cat([torch.arange(a, b) for a, b in ranges])
         bias = None if self.bias is None else self.bias[rows]
         return QuantizedWeight(self.q[rows], self.scales[rows], self.zeros[rows], self.g_idx, self.scheme, bias,
-                               self.input_activations, self.global_scale, self.input_global_scale)
+                               self.input_activations, self.global_scale, self.input_global_scale,
+                               None if self.keep is None else self.keep[rows])
 
     def narrow_columns(self, start: int, stop: int, keep_bias: bool) -> QuantizedWeight:
         """Input features [start, stop) with their groups: a row-parallel linear's share. The cut must fall on
@@ -90,9 +94,10 @@ class QuantizedWeight:
                                   "another --tensor-parallel-size or an artifact with static groups")
             group_cols = slice(start // width, stop // width)
             g_idx = self.g_idx[start:stop] - start // width
+        keep = None if self.keep is None or start % 8 else self.keep[:, start // 8: (stop + 7) // 8]
         return QuantizedWeight(self.q[:, start:stop], self.scales[:, group_cols], self.zeros[:, group_cols], g_idx,
                                self.scheme, self.bias if keep_bias else None, self.input_activations,
-                               self.global_scale, self.input_global_scale)
+                               self.global_scale, self.input_global_scale, keep)
 
     def signed_codes(self) -> torch.Tensor:
         """[N, K] int8: the integer codes less 2^(bits-1), the symmetric zero point (compressed-tensors' stored

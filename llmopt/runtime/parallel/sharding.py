@@ -23,6 +23,7 @@ import torch
 from llmopt.core.adapters import attention_geometry
 from llmopt.core.contract import QuantizedWeight
 from llmopt.core.contract.sparse24 import Sparse24Weight
+from llmopt.core.contract.sparse_bitmask import BitmaskWeight, compressed_weight
 from llmopt.core.errors import ConfigError
 
 # the widths the MLP's split may fall on, widest first: quantization groups are powers of two up to 128
@@ -224,9 +225,9 @@ class ShardPlan:
             if columns is not None:
                 return value.narrow_columns(*columns, keep_bias=self.rank == 0)
             return value
-        if isinstance(value, Sparse24Weight):  # compressed 2:4: the dense weight's share, compressed again
+        if isinstance(value, (Sparse24Weight, BitmaskWeight)):  # compressed: the dense share, compressed again
             bias = None if value.bias is None else self.shard(f"{name}.bias", value.bias)
-            return Sparse24Weight.from_dense(self.shard(f"{name}.weight", value.decompress()), value.pattern, bias)
+            return compressed_weight(self.shard(f"{name}.weight", value.decompress()), value.pattern, bias)
         module, _, kind = name.rpartition(".")
         if kind not in ("weight", "bias"):
             return value

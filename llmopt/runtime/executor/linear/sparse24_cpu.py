@@ -12,7 +12,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from llmopt.core.contract.sparse24 import Sparse24Weight
+from llmopt.core.contract.sparse24 import Sparse24Weight, columns_of
 from llmopt.runtime.executor.kernels.cpu_ops import cpu_ops
 from llmopt.runtime.executor.linear.base import LinearMethod, dequantize_buffer, new_stacked, register_linear_method
 from llmopt.runtime.executor.linear.row_paths import TILE_BYTES, RowPathsMixin
@@ -56,11 +56,7 @@ class Sparse24Linear(RowPathsMixin, LinearMethod):
     def decompress(self) -> torch.Tensor:
         """[N, K] the dense weight, torch only (the reference the kernels are tested against)."""
         n, k = self.out_features, self.in_features
-        words = self.positions.to(torch.int64) & 0xFFFFFFFF  # [N, K/32]
-        within = (words.unsqueeze(-1) >> (2 * torch.arange(16))) & 3  # [N, K/32, 16]
-        groups = torch.arange(k // 4).reshape(k // CHUNK, 8).repeat_interleave(2, dim=1)  # [K/32, 16]
-        columns = (groups * 4 + within).reshape(n, k // 2)
-        return torch.zeros(n, k, dtype=self.dtype).scatter_(1, columns, self.values)
+        return torch.zeros(n, k, dtype=self.dtype).scatter_(1, columns_of(self.positions, k), self.values)
 
     # --- paths (row_paths.py) --------------------------------------------------------------------------------
     def row_paths(self) -> dict[str, int | None]:

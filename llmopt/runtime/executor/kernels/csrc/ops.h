@@ -69,7 +69,23 @@ at::Tensor sparse24_matmul_tiled(const at::Tensor& x, const at::Tensor& values, 
                                  const at::Tensor& bitmask, int64_t tile_bytes);
 void sparse24_decompress_out(const at::Tensor& values, const at::Tensor& positions, const at::Tensor& bitmask,
                              at::Tensor& out);
+at::Tensor sparse24_int4_matmul_rows(const at::Tensor& x, const at::Tensor& codes, const at::Tensor& positions,
+                                     const at::Tensor& scale, const at::Tensor& offset, int64_t group);
+at::Tensor sparse24_int4_matmul_tiled(const at::Tensor& x, const at::Tensor& codes, const at::Tensor& positions,
+                                      const at::Tensor& scale, const at::Tensor& offset, int64_t group,
+                                      int64_t tile_bytes);
+void sparse24_int4_decompress_out(const at::Tensor& codes, const at::Tensor& positions, const at::Tensor& scale,
+                                  const at::Tensor& offset, int64_t group, at::Tensor& out);
 }  // namespace llmopt_cpu::sparse24
+
+namespace llmopt_cpu::sparse_bitmask {
+at::Tensor bitmask_matmul_rows(const at::Tensor& x, const at::Tensor& values, const at::Tensor& bitmask,
+                               const at::Tensor& row_offsets);
+at::Tensor bitmask_matmul_tiled(const at::Tensor& x, const at::Tensor& values, const at::Tensor& bitmask,
+                                const at::Tensor& row_offsets, int64_t tile_bytes);
+void bitmask_decompress_out(const at::Tensor& values, const at::Tensor& bitmask, const at::Tensor& row_offsets,
+                            at::Tensor& out);
+}  // namespace llmopt_cpu::sparse_bitmask
 
 namespace llmopt_cpu::comm {
 int64_t shm_all_reduce_(at::Tensor& x, const at::Tensor& region, int64_t rank, int64_t world, int64_t seq,

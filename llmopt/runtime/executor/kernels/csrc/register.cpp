@@ -42,6 +42,15 @@ LLMOPT_LIBRARY(LLMOPT_NS, m) {
   m.def("sparse24_matmul_rows(Tensor x, Tensor values, Tensor positions) -> Tensor");
   m.def("sparse24_matmul_tiled(Tensor x, Tensor values, Tensor positions, Tensor bitmask, int tile_bytes) -> Tensor");
   m.def("sparse24_decompress_out(Tensor values, Tensor positions, Tensor bitmask, Tensor(a!) out) -> ()");
+  m.def("sparse24_int4_matmul_rows(Tensor x, Tensor codes, Tensor positions, Tensor scale, Tensor offset, "
+        "int group) -> Tensor");
+  m.def("sparse24_int4_matmul_tiled(Tensor x, Tensor codes, Tensor positions, Tensor scale, Tensor offset, "
+        "int group, int tile_bytes) -> Tensor");
+  m.def("sparse24_int4_decompress_out(Tensor codes, Tensor positions, Tensor scale, Tensor offset, int group, "
+        "Tensor(a!) out) -> ()");
+  m.def("bitmask_matmul_rows(Tensor x, Tensor values, Tensor bitmask, Tensor row_offsets) -> Tensor");
+  m.def("bitmask_matmul_tiled(Tensor x, Tensor values, Tensor bitmask, Tensor row_offsets, int tile_bytes) -> Tensor");
+  m.def("bitmask_decompress_out(Tensor values, Tensor bitmask, Tensor row_offsets, Tensor(a!) out) -> ()");
   m.def("shm_all_reduce_(Tensor(a!) x, Tensor region, int rank, int world, int seq, int buffer_bytes, float wait_s, "
         "bool published) -> int");
 }
@@ -74,5 +83,11 @@ LLMOPT_LIBRARY_IMPL(LLMOPT_NS, CPU, m) {
   m.impl("sparse24_matmul_rows", sparse24::sparse24_matmul_rows);
   m.impl("sparse24_matmul_tiled", sparse24::sparse24_matmul_tiled);
   m.impl("sparse24_decompress_out", sparse24::sparse24_decompress_out);
+  m.impl("sparse24_int4_matmul_rows", sparse24::sparse24_int4_matmul_rows);
+  m.impl("sparse24_int4_matmul_tiled", sparse24::sparse24_int4_matmul_tiled);
+  m.impl("sparse24_int4_decompress_out", sparse24::sparse24_int4_decompress_out);
+  m.impl("bitmask_matmul_rows", sparse_bitmask::bitmask_matmul_rows);
+  m.impl("bitmask_matmul_tiled", sparse_bitmask::bitmask_matmul_tiled);
+  m.impl("bitmask_decompress_out", sparse_bitmask::bitmask_decompress_out);
   m.impl("shm_all_reduce_", comm::shm_all_reduce_);
 }

@@ -245,6 +245,36 @@ inline Vec scale_by_pow2(Vec p, Vec n) { return {_mm256_mul_ps(p.lo, pow2_8(n.lo
 
 #if defined(LLMOPT_VEC)
 
+#if defined(__AVX2__) && !defined(__AVX512F__)
+// AVX2 has no expand instruction: per mask byte, each lane's index among the kept values and whether it is kept
+// (the sparse kernels' expansion of 8 columns from their packed values).
+struct LaneTable {
+  alignas(32) int32_t idx[256][8];
+  alignas(32) int32_t keep[256][8];
+  LaneTable() {
+    for (int b = 0; b < 256; ++b) {
+      int next = 0;
+      for (int j = 0; j < 8; ++j) {
+        const bool kept = (b >> j) & 1;
+        idx[b][j] = kept ? next : 0;
+        keep[b][j] = kept ? -1 : 0;
+        next += kept;
+      }
+    }
+  }
+};
+inline const LaneTable& lane_table() {
+  static const LaneTable table;
+  return table;
+}
+// lane j takes the next of `packed`'s values where bit j of `byte` is set, zero elsewhere
+inline __m256 expand8(__m256 packed, uint32_t byte) {
+  const LaneTable& table = lane_table();
+  const __m256 spread = _mm256_permutevar8x32_ps(packed, _mm256_load_si256(reinterpret_cast<const __m256i*>(table.idx[byte])));
+  return _mm256_and_ps(spread, _mm256_load_ps(reinterpret_cast<const float*>(table.keep[byte])));
+}
+#endif
+
 // Rounds through the storage dtype, as a torch op that returns that dtype would.
 template <typename T>
 inline Vec round_to(Vec v) {

@@ -12,7 +12,8 @@
 //   all rows with the BLAS GEMM (tiled_gemm.h).
 // The decompressing ones also take the bitmask as stored ([N, K/8] uint8, bit j of byte b = column 8b + j kept:
 // 1/32 of fp32's bytes more, read by prefill only): fp32 values expand into their columns straight from it.
-// Shapes: x [M, K] in the values' dtype; y [M, N] in x's dtype; K a multiple of 32.
+// Shapes: x [M, K] in the values' dtype; y [M, N] in x's dtype; K a multiple of 32. The same three for 2:4 weights
+// whose kept values are 4-bit codes with group scales (sparse24_int4_*, below).
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 
@@ -165,30 +166,7 @@ void decompress_rows_scalar(const T* values, const int32_t* positions, T* dense,
 }
 
 // fp32 from the bitmask (bit j of byte b = column 8b + j kept; exactly 4 of every 8 in 2:4): the kept values
-// expanded into their columns, zeros elsewhere, 16 columns (AVX-512) or 8 (AVX2, a table of lane indices per
-// mask byte) per instruction
-#if defined(__AVX2__) && !defined(__AVX512F__)
-struct ExpandTable {
-  alignas(32) int32_t idx[256][8];
-  alignas(32) int32_t keep[256][8];
-  ExpandTable() {
-    for (int b = 0; b < 256; ++b) {
-      int next = 0;
-      for (int j = 0; j < 8; ++j) {
-        const bool kept = (b >> j) & 1;
-        idx[b][j] = kept ? next : 0;
-        keep[b][j] = kept ? -1 : 0;
-        next += kept;
-      }
-    }
-  }
-};
-const ExpandTable& expand_table() {
-  static const ExpandTable table;
-  return table;
-}
-#endif
-
+// expanded into their columns, zeros elsewhere, 16 columns (AVX-512) or 8 (AVX2, simd.h's expand8) at a time
 void decompress_rows_fp32(const float* values, const uint8_t* bitmask, const int32_t* positions, float* dense,
                           int64_t K, int64_t n0, int64_t n1) {
 #if defined(__AVX512F__)
@@ -204,17 +182,12 @@ void decompress_rows_fp32(const float* values, const uint8_t* bitmask, const int
   }
 #elif defined(__AVX2__)
   (void)positions;
-  const ExpandTable& table = expand_table();
   for (int64_t n = n0; n < n1; ++n) {
     const float* v = values + n * (K / 2);
     const uint8_t* b = bitmask + n * (K / 8);
     float* o = dense + (n - n0) * K;
-    for (int64_t k = 0; k < K; k += 8, v += 4) {
-      const uint8_t m = b[k / 8];
-      const __m256 four = _mm256_castps128_ps256(_mm_loadu_ps(v));
-      const __m256 spread = _mm256_permutevar8x32_ps(four, _mm256_load_si256(reinterpret_cast<const __m256i*>(table.idx[m])));
-      _mm256_storeu_ps(o + k, _mm256_and_ps(spread, _mm256_load_ps(reinterpret_cast<const float*>(table.keep[m]))));
-    }
+    for (int64_t k = 0; k < K; k += 8, v += 4)  // (4 kept of every 8: exactly 4 values read)
+      _mm256_storeu_ps(o + k, expand8(_mm256_castps128_ps256(_mm_loadu_ps(v)), b[k / 8]));
   }
 #else
   (void)bitmask;
@@ -294,6 +267,171 @@ void sparse24_decompress_out(const at::Tensor& values, const at::Tensor& positio
     scalar_t* op = out.data_ptr<scalar_t>();
     at::parallel_for(0, N, 64, [&](int64_t begin, int64_t end) {
       decompress_rows<scalar_t>(vp, bp, pp, op + begin * K, K, begin, end);
+    });
+  });
+}
+
+// ---- 2:4 with 4-bit codes ----------------------------------------------------------------------------------
+// codes [N, K/4] uint8: the kept values' codes, two per byte (value 2j in the low nibble of byte j, 2j + 1 in the
+// high one), in the values' order; positions as above; scale and offset [N, G] fp32 per group of `group`
+// columns (a multiple of 32): w = code * scale + offset (offset = -zero * scale). 16 codes are widened and scaled
+// in registers per chunk, then meet their picked inputs as the fp32 values do.
+
+// the 16 codes of a chunk (8 bytes), in order, as floats
+#if defined(__AVX512F__)
+inline Vec codes16(const uint8_t* p) {
+  const __m128i b = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(p));
+  const __m128i low = _mm_and_si128(b, _mm_set1_epi8(0x0F)), high = _mm_and_si128(_mm_srli_epi16(b, 4), _mm_set1_epi8(0x0F));
+  return {_mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_unpacklo_epi8(low, high)))};
+}
+#elif defined(LLMOPT_VEC)
+inline Vec codes16(const uint8_t* p) {
+  const __m128i b = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(p));
+  const __m128i low = _mm_and_si128(b, _mm_set1_epi8(0x0F)), high = _mm_and_si128(_mm_srli_epi16(b, 4), _mm_set1_epi8(0x0F));
+  const __m128i ordered = _mm_unpacklo_epi8(low, high);
+  return {_mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(ordered)), _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_srli_si128(ordered, 8)))};
+}
+#endif
+
+inline float code_at(const uint8_t* chunk, int i) { return static_cast<float>((chunk[i / 2] >> (4 * (i % 2))) & 15); }
+
+template <int MB, int NBB>
+inline void int4_outputs(const float* x, const uint8_t* codes, const int32_t* positions, const float* scale,
+                         const float* offset, int64_t groups, int64_t group, float* y, int64_t N, int64_t K, int64_t n) {
+  const int64_t chunks = K / CHUNK, per_group = group / CHUNK;
+#if defined(LLMOPT_VEC)
+  Vec acc[MB][NBB];
+  for (int m = 0; m < MB; ++m)
+    for (int j = 0; j < NBB; ++j) acc[m][j] = vzero();
+  for (int64_t c = 0; c < chunks; ++c) {
+    Vec w[NBB];
+    Columns cols[NBB];
+    const int64_t g = c / per_group;
+    for (int j = 0; j < NBB; ++j) {
+      const uint8_t* row = codes + (n + j) * (K / 4);
+      _mm_prefetch(reinterpret_cast<const char*>(row + 2 * NBB * (K / 4) + c * 8), _MM_HINT_T0);  // (as above)
+      w[j] = vfma(codes16(row + c * 8), vset1(scale[(n + j) * groups + g]), vset1(offset[(n + j) * groups + g]));
+      cols[j] = columns_of(static_cast<uint32_t>(positions[(n + j) * chunks + c]));
+    }
+    for (int m = 0; m < MB; ++m)
+      for (int j = 0; j < NBB; ++j) acc[m][j] = vfma(picked(x + m * K + c * CHUNK, cols[j]), w[j], acc[m][j]);
+  }
+  for (int m = 0; m < MB; ++m)
+    for (int j = 0; j < NBB; ++j) y[m * N + n + j] = reduce_add(acc[m][j]);
+#else
+  for (int m = 0; m < MB; ++m)
+    for (int j = 0; j < NBB; ++j) {
+      float sum = 0.f;
+      for (int64_t c = 0; c < chunks; ++c) {
+        const uint32_t word = static_cast<uint32_t>(positions[(n + j) * chunks + c]);
+        const int64_t g = c / per_group;
+        const float s = scale[(n + j) * groups + g], o = offset[(n + j) * groups + g];
+        for (int i = 0; i < 16; ++i) {
+          const int64_t col = c * CHUNK + (i / 2) * 4 + ((word >> (2 * i)) & 3);
+          sum += std::fma(code_at(codes + (n + j) * (K / 4) + c * 8, i), s, o) * x[m * K + col];
+        }
+      }
+      y[m * N + n + j] = sum;
+    }
+#endif
+}
+
+// W's rows n0..n1 dense [n1 - n0, K] in T (zeros in place): w = code * scale + offset rounded once to T
+template <typename T>
+void int4_decompress_rows(const uint8_t* codes, const int32_t* positions, const float* scale, const float* offset,
+                          int64_t groups, int64_t group, T* dense, int64_t K, int64_t n0, int64_t n1) {
+  const int64_t chunks = K / CHUNK, per_group = group / CHUNK;
+  std::memset(static_cast<void*>(dense), 0, sizeof(T) * (n1 - n0) * K);
+  for (int64_t n = n0; n < n1; ++n) {
+    T* o = dense + (n - n0) * K;
+    for (int64_t c = 0; c < chunks; ++c) {
+      const uint32_t word = static_cast<uint32_t>(positions[n * chunks + c]);
+      const float s = scale[n * groups + c / per_group], b = offset[n * groups + c / per_group];
+      const uint8_t* chunk = codes + n * (K / 4) + c * 8;
+      for (int i = 0; i < 16; ++i)
+        o[c * CHUNK + (i / 2) * 4 + ((word >> (2 * i)) & 3)] = from_float<T>(std::fma(code_at(chunk, i), s, b));
+    }
+  }
+}
+
+void check_int4_operands(const at::Tensor& codes, const at::Tensor& positions, const at::Tensor& scale,
+                         const at::Tensor& offset, int64_t group) {
+  TORCH_CHECK(codes.dim() == 2 && codes.scalar_type() == at::kByte, "codes [N, K/4] uint8 expected");
+  TORCH_CHECK(positions.dim() == 2 && positions.scalar_type() == at::kInt && positions.size(0) == codes.size(0) &&
+                  codes.size(1) == positions.size(1) * 8,
+              "positions [N, K/32] int32 matching codes [N, K/4] expected");
+  const int64_t K = codes.size(1) * 4;
+  TORCH_CHECK(group > 0 && group % CHUNK == 0 && K % group == 0, "group must be a multiple of 32 dividing K");
+  for (const at::Tensor* t : {&scale, &offset})
+    TORCH_CHECK(t->scalar_type() == at::kFloat && t->dim() == 2 && t->size(0) == codes.size(0) &&
+                    t->size(1) == K / group,
+                "scale and offset [N, K / group] float32 expected");
+}
+
+at::Tensor sparse24_int4_op(const at::Tensor& x, const at::Tensor& codes, const at::Tensor& positions,
+                            const at::Tensor& scale, const at::Tensor& offset, int64_t group, int64_t tile_bytes) {
+  check_int4_operands(codes, positions, scale, offset, group);
+  const int64_t N = codes.size(0), K = codes.size(1) * 4, M = x.size(0), groups = K / group;
+  TORCH_CHECK(x.dim() == 2 && x.size(1) == K, "x [M, K] expected, K = 4 x the codes' columns");
+  const at::Tensor xc = x.contiguous(), cc = codes.contiguous(), pc = positions.contiguous();
+  const at::Tensor sc = scale.contiguous(), oc = offset.contiguous();
+  const uint8_t* cp = cc.data_ptr<uint8_t>();
+  const int32_t* pp = pc.data_ptr<int32_t>();
+  const float *sp = sc.data_ptr<float>(), *op = oc.data_ptr<float>();
+  at::Tensor y = at::empty({M, N}, x.options());
+  LLMOPT_DISPATCH(xc, [&] {
+    if (tile_bytes > 0) {
+      tiled_matmul<scalar_t>(xc, y, tile_bytes, [&](scalar_t* tile, int64_t n0, int64_t n1) {
+        int4_decompress_rows<scalar_t>(cp, pp, sp, op, groups, group, tile, K, n0, n1);
+      });
+      return;
+    }
+    std::vector<float> xf;
+    inputs_fp32<scalar_t>(xc, xf);
+    std::vector<float> out(M * N);
+    at::parallel_for(0, (N + OUTPUT_BLOCK - 1) / OUTPUT_BLOCK, 1, [&](int64_t begin, int64_t end) {
+      for (int64_t b = begin; b < end; ++b) {
+        const int64_t n0 = b * OUTPUT_BLOCK, n1 = std::min(N, n0 + OUTPUT_BLOCK);
+        row_chunks<RB>(M, [&](auto rows, int64_t m) {
+          constexpr int MB = decltype(rows)::value;
+          const float* xm = xf.data() + m * K;
+          float* ym = out.data() + m * N;
+          int64_t n = n0;
+          for (; n + NB <= n1; n += NB) int4_outputs<MB, NB>(xm, cp, pp, sp, op, groups, group, ym, N, K, n);
+          for (; n < n1; ++n) int4_outputs<MB, 1>(xm, cp, pp, sp, op, groups, group, ym, N, K, n);
+        });
+      }
+    });
+    scalar_t* yp = y.data_ptr<scalar_t>();
+    for (int64_t i = 0; i < M * N; ++i) yp[i] = from_float<scalar_t>(out[i]);
+  });
+  return y;
+}
+
+at::Tensor sparse24_int4_matmul_rows(const at::Tensor& x, const at::Tensor& codes, const at::Tensor& positions,
+                                     const at::Tensor& scale, const at::Tensor& offset, int64_t group) {
+  return sparse24_int4_op(x, codes, positions, scale, offset, group, 0);
+}
+
+at::Tensor sparse24_int4_matmul_tiled(const at::Tensor& x, const at::Tensor& codes, const at::Tensor& positions,
+                                      const at::Tensor& scale, const at::Tensor& offset, int64_t group,
+                                      int64_t tile_bytes) {
+  TORCH_CHECK(tile_bytes > 0, "tile_bytes must be positive");
+  return sparse24_int4_op(x, codes, positions, scale, offset, group, tile_bytes);
+}
+
+void sparse24_int4_decompress_out(const at::Tensor& codes, const at::Tensor& positions, const at::Tensor& scale,
+                                  const at::Tensor& offset, int64_t group, at::Tensor& out) {
+  check_int4_operands(codes, positions, scale, offset, group);
+  const int64_t N = codes.size(0), K = codes.size(1) * 4;
+  TORCH_CHECK(out.dim() == 2 && out.size(0) == N && out.size(1) == K && out.is_contiguous(),
+              "out [N, K] contiguous expected");
+  const at::Tensor cc = codes.contiguous(), pc = positions.contiguous(), sc = scale.contiguous(), oc = offset.contiguous();
+  LLMOPT_DISPATCH(out, [&] {
+    scalar_t* dp = out.data_ptr<scalar_t>();
+    at::parallel_for(0, N, 64, [&](int64_t begin, int64_t end) {
+      int4_decompress_rows<scalar_t>(cc.data_ptr<uint8_t>(), pc.data_ptr<int32_t>(), sc.data_ptr<float>(),
+                                     oc.data_ptr<float>(), K / group, group, dp + begin * K, K, begin, end);
     });
   });
 }
