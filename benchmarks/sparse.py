@@ -2,7 +2,8 @@
 SmolLM2-135M pruned 2:4 and stored as compressed-tensors' sparse-24-bitmask (run by the sparse24-cpu linear
 method), against fp32 dense and against the same 2:4 weights stored dense (zeros in place: what llmopt did
 before, a control that the time saved is the layout's, not the zeros'); and, given int4 artifacts, 2:4 + int4
-codes (sparse24-int4-cpu) against the int4 codes of the dense model (int4-cpu). All variants in one run,
+codes (sparse24-int4-cpu) against the int4 codes of the dense model (int4-cpu); and unstructured 50% / 70%
+sparsity stored as sparse-bitmask (sparse-bitmask-cpu) against dense. All variants in one run,
 alternating within each round; each ratio is the median over rounds. Which weights a method keeps, and how the
 codes were found, change neither the bytes nor the kernel, so magnitude pruning and RTN (the quickest to make)
 measure the speed of SparseGPT and GPTQ artifacts of the same shapes.
@@ -11,8 +12,10 @@ measure the speed of SparseGPT and GPTQ artifacts of the same shapes.
     llmopt prune smollm2-135m --method magnitude --pattern 2:4 --save-dense -o /tmp/sp24-dense
     llmopt quantize smollm2-135m --method rtn --bits 4 --group-size 64 -o /tmp/int4
     llmopt quantize /tmp/sp24 --method rtn --bits 4 --group-size 64 -o /tmp/sp24-int4
+    llmopt prune smollm2-135m --method magnitude --sparsity 0.5 -o /tmp/u50   # (and 0.7 -o /tmp/u70)
     python benchmarks/sparse.py --sparse /tmp/sp24 --sparse-dense /tmp/sp24-dense --int4 /tmp/int4 \
-        --sparse-int4 /tmp/sp24-int4 --json docs/results/data/sparse.json
+        --sparse-int4 /tmp/sp24-int4 --unstructured-50 /tmp/u50 --unstructured-70 /tmp/u70 \
+        --json docs/results/data/sparse.json
 """
 
 from __future__ import annotations
@@ -31,7 +34,8 @@ TPOT_TARGET = 0.65  # batch-1 TPOT of 2:4 (fp32 values) / dense fp32, at most
 THROUGHPUT_TARGET = 1.0  # 64 x 128/128 output tok/s of 2:4 / dense, at least
 INT4_TPOT_TARGET = 0.8  # batch-1 TPOT of 2:4 + int4 / int4 alone, at most
 BASELINE = {"dense": "dense", "sparse24": "dense", "sparse24 stored dense": "dense", "int4": "dense",
-            "sparse24 int4": "int4"}  # each variant's ratio is against this one
+            "sparse24 int4": "int4", "unstructured 50%": "dense",
+            "unstructured 70%": "dense"}  # each variant's ratio is against this one
 
 
 def parse_args():
@@ -40,6 +44,8 @@ def parse_args():
     parser.add_argument("--sparse-dense", default=None, help="the same 2:4 model stored dense (--save-dense)")
     parser.add_argument("--int4", default=None, help="SmolLM2-135M quantized to int4 (compressed-tensors)")
     parser.add_argument("--sparse-int4", default=None, help="the 2:4 model quantized the same way")
+    parser.add_argument("--unstructured-50", default=None, help="SmolLM2-135M pruned to 50%% unstructured")
+    parser.add_argument("--unstructured-70", default=None, help="... and to 70%%")
     parser.add_argument("--dtype", default="float32")
     parser.add_argument("--concurrency", default="1,64")
     parser.add_argument("--input-len", type=int, default=128)
@@ -103,6 +109,9 @@ def main() -> None:
         variants["sparse24 stored dense"] = args.sparse_dense
     if args.int4 and args.sparse_int4:
         variants.update({"int4": args.int4, "sparse24 int4": args.sparse_int4})
+    for share, path in (("50%", args.unstructured_50), ("70%", args.unstructured_70)):
+        if path:
+            variants[f"unstructured {share}"] = path
     levels = [int(c) for c in args.concurrency.split(",")]
     rows = []
     for round_index in range(args.rounds):
