@@ -34,3 +34,35 @@ def emit(table: str, markdown_path: str | None) -> None:
     print(table)
     if markdown_path:
         write_text(markdown_path, table + "\n")
+
+
+def concurrency_run(model: str, concurrency: int, input_len: int, output_len: int, dtype: str,
+                    linear_kernels: str = "measured") -> dict:
+    """One `llmopt bench`-style run of `model` with `concurrency` clients (random prompts, EOS ignored): throughput,
+    TPOT, TTFT and the kernels each linear shape chose per row bucket."""
+    from llmopt.eval.speed import BenchConfig, bench_runtime
+    from llmopt.eval.workloads import WorkloadSpec
+    from llmopt.runtime.engine.config import EngineConfig
+
+    spec = WorkloadSpec("random", num_requests=max(4, concurrency), input_len=input_len, output_len=output_len)
+    engine = EngineConfig(max_num_seqs=concurrency, kv_cache_bytes=1 << 30, linear_kernels=linear_kernels)
+    run = bench_runtime(model, model, spec, BenchConfig(dtype=dtype, engine=engine, max_concurrency=concurrency))
+    return {"model": model, "concurrency": concurrency, "output_throughput": run.metrics["output_throughput"],
+            "median_tpot_ms": run.metrics["median_tpot_ms"], "mean_ttft_ms": run.metrics["mean_ttft_ms"],
+            "linear_paths": run.config["numerics"]["linear_paths"]}
+
+
+def alternating_rounds(variants: dict[str, str], levels: list[int], rounds: int, measure, save) -> list[dict]:
+    """measure(model, level) for every variant at every level, `rounds` times, the variants' order reversed every
+    other round (the machine's drift falls on each alike); save(rows) after each row."""
+    rows = []
+    for round_index in range(rounds):
+        for level in levels:
+            order = list(variants) if round_index % 2 == 0 else list(reversed(variants))
+            for variant in order:
+                row = {"variant": variant, "round": round_index, **measure(variants[variant], level)}
+                rows.append(row)
+                print(f"round {round_index} concurrency {level} {variant}: {row['output_throughput']:.1f} tok/s, "
+                      f"TPOT {row['median_tpot_ms']:.2f} ms", flush=True)
+                save(rows)
+    return rows

@@ -24,10 +24,7 @@ import argparse
 import statistics
 
 from llmopt.core.hardware import cpu_line
-from llmopt.eval.speed import BenchConfig, bench_runtime
-from llmopt.eval.workloads import WorkloadSpec
-from llmopt.runtime.engine.config import EngineConfig
-from rows import emit, save_rows
+from rows import alternating_rounds, concurrency_run, emit, save_rows
 
 DENSE = "smollm2-135m"
 TPOT_TARGET = 0.65  # batch-1 TPOT of 2:4 (fp32 values) / dense fp32, at most
@@ -54,16 +51,6 @@ def parse_args():
     parser.add_argument("--json", default="docs/results/data/sparse.json")
     parser.add_argument("--markdown", default=None)
     return parser.parse_args()
-
-
-def one_run(model: str, concurrency: int, args) -> dict:
-    spec = WorkloadSpec("random", num_requests=max(4, concurrency), input_len=args.input_len,
-                        output_len=args.output_len)
-    engine = EngineConfig(max_num_seqs=concurrency, kv_cache_bytes=1 << 30)
-    run = bench_runtime(model, model, spec, BenchConfig(dtype=args.dtype, engine=engine, max_concurrency=concurrency))
-    return {"model": model, "concurrency": concurrency, "output_throughput": run.metrics["output_throughput"],
-            "median_tpot_ms": run.metrics["median_tpot_ms"], "mean_ttft_ms": run.metrics["mean_ttft_ms"],
-            "linear_paths": run.config["numerics"]["linear_paths"]}
 
 
 def median_of(rows: list[dict], variant: str, level: int, key: str) -> float:
@@ -113,16 +100,14 @@ def main() -> None:
         if path:
             variants[f"unstructured {share}"] = path
     levels = [int(c) for c in args.concurrency.split(",")]
-    rows = []
-    for round_index in range(args.rounds):
-        for level in levels:
-            order = list(variants) if round_index % 2 == 0 else list(reversed(variants))
-            for variant in order:
-                row = {"variant": variant, "round": round_index, **one_run(variants[variant], level, args)}
-                rows.append(row)
-                print(f"round {round_index} concurrency {level} {variant}: {row['output_throughput']:.1f} tok/s, "
-                      f"TPOT {row['median_tpot_ms']:.2f} ms", flush=True)
-                save_rows(args.json, {"cpu": cpu_line(), "dtype": args.dtype, "rows": rows})
+
+    def measure(model: str, level: int) -> dict:
+        return concurrency_run(model, level, args.input_len, args.output_len, args.dtype)
+
+    def save(rows: list[dict]) -> None:
+        save_rows(args.json, {"cpu": cpu_line(), "dtype": args.dtype, "rows": rows})
+
+    rows = alternating_rounds(variants, levels, args.rounds, measure, save)
     emit(table(rows, list(variants), levels), args.markdown)
 
 

@@ -61,7 +61,7 @@ def test_every_path_of_the_method_matches_the_dense_linear(monkeypatch, compiled
         weight, bias = sparse_2of4(80, 128, seed=3), torch.randn(80)
         layer = make_linear(Sparse24Weight.from_dense(weight, bias=bias), torch.float32)
         assert isinstance(layer, Sparse24Linear)
-        assert torch.equal(layer.decompress(), weight)
+        assert torch.equal(layer.dense_weight(), weight)
         x = torch.randn(9, 128)
         expected = F.linear(x, weight, bias)
         for path in layer.row_paths():
@@ -125,15 +125,17 @@ def test_int4_kernels_match_the_dequantized_weight(ops, dtype, n, k, group, rows
     expected = x.double() @ weight.T
     tol = 1e-4 if dtype == torch.float32 else 3e-2
     scale = expected.abs().max().item()
-    operands = (layer.codes, layer.positions, layer.scale, layer.offset, layer.group)
-    for name, out in (("rows", ops.sparse24_int4_matmul_rows(x, *operands)),
-                      ("tiled", ops.sparse24_int4_matmul_tiled(x, *operands, 64 << 10))):
+    operands = (layer.codes, layer.positions, layer.scale, layer.offset)
+    with_mask = (*operands, layer.bitmask, layer.group)
+    for name, out in (("rows", ops.sparse24_int4_matmul_rows(x, *operands, layer.group)),
+                      ("tiled", ops.sparse24_int4_matmul_tiled(x, *with_mask, 64 << 10))):
         assert out.dtype == dtype and out.shape == (rows, n), name
         assert (out.double() - expected).abs().max().item() <= tol * scale, name
-    dense = torch.empty(n, k, dtype=torch.float32)
-    ops.sparse24_int4_decompress_out(*operands, dense)
-    torch.testing.assert_close(dense.double(), weight, rtol=1e-6, atol=1e-6)
-    torch.testing.assert_close(layer.dequantize().double(), weight, rtol=tol, atol=tol * weight.abs().max().item())
+    for out_dtype in (torch.float32, torch.bfloat16):  # (fp32 expands from the bitmask, others scatter)
+        dense = torch.empty(n, k, dtype=out_dtype)
+        ops.sparse24_int4_decompress_out(*with_mask, dense)
+        torch.testing.assert_close(dense.double(), weight.to(out_dtype).double(), rtol=tol, atol=tol)
+    torch.testing.assert_close(layer.dense_weight().double(), weight, rtol=tol, atol=tol * weight.abs().max().item())
 
 
 def test_int4_method_is_chosen_for_compressed_codes_and_stacks():
@@ -178,7 +180,7 @@ def test_unstructured_kernels_match_the_dense_weight(ops, dtype, n, k, sparsity,
         assert (out.double() - expected).abs().max().item() <= tol * scale, name
     dense = torch.empty(n, k, dtype=dtype)
     ops.bitmask_decompress_out(*operands, dense)
-    assert torch.equal(dense, weight) and torch.equal(layer.decompress(), weight)
+    assert torch.equal(dense, weight) and torch.equal(layer.dense_weight(), weight)
 
 
 def test_unstructured_method_paths_and_stacking():
@@ -190,6 +192,6 @@ def test_unstructured_method_paths_and_stacking():
     fused = fuse_linears(parts, prepack=True)
     assert isinstance(fused, SparseBitmaskLinear)
     x = torch.randn(9, 64)
-    expected = torch.cat([F.linear(x, p.decompress()) for p in parts], dim=-1)
+    expected = torch.cat([F.linear(x, p.dense_weight()) for p in parts], dim=-1)
     for path in fused.row_paths():
         torch.testing.assert_close(fused.run_path(path, x), expected, rtol=1e-5, atol=1e-5)

@@ -10,22 +10,21 @@ Without the compiled kernels each product decompresses the weight with torch."""
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 
 from llmopt.core.contract.sparse24 import Sparse24Weight, columns_of
 from llmopt.runtime.executor.kernels.cpu_ops import cpu_ops
-from llmopt.runtime.executor.linear.base import LinearMethod, dequantize_buffer, new_stacked, register_linear_method
-from llmopt.runtime.executor.linear.row_paths import TILE_BYTES, RowPathsMixin
+from llmopt.runtime.executor.linear.base import LinearMethod, new_stacked, register_linear_method
+from llmopt.runtime.executor.linear.row_paths import TILE_BYTES
+from llmopt.runtime.executor.linear.sparse_paths import SparsePathsMixin
 
 CHUNK = 32  # input columns per position word (16 kept values)
 
 
 @register_linear_method
-class Sparse24Linear(RowPathsMixin, LinearMethod):
+class Sparse24Linear(SparsePathsMixin, LinearMethod):
     name, priority = "sparse24-cpu", 10
     prefill_only_buffers = ("bitmask",)  # (eval.speed.model_cost: a decode step reads the values and positions)
     weight_type = Sparse24Weight
-    rows_max = 32  # the few-row kernel is timed up to this many rows (each row re-reads the inputs, not W)
 
     def __init__(self, weight: Sparse24Weight, dtype, device="cpu"):
         super().__init__(weight, dtype, device)
@@ -53,33 +52,17 @@ class Sparse24Linear(RowPathsMixin, LinearMethod):
         fused.register_buffer("bitmask", torch.cat([p.bitmask for p in parts]))
         return fused
 
-    def decompress(self) -> torch.Tensor:
+    def dense_weight(self) -> torch.Tensor:
         """[N, K] the dense weight, torch only (the reference the kernels are tested against)."""
         n, k = self.out_features, self.in_features
         return torch.zeros(n, k, dtype=self.dtype).scatter_(1, columns_of(self.positions, k), self.values)
 
-    # --- paths (row_paths.py) --------------------------------------------------------------------------------
-    def row_paths(self) -> dict[str, int | None]:
-        if cpu_ops() is None:
-            return {"torch": None}
-        return {"rows": self.rows_max, "tiled": None, "decompress": None}
-
-    def default_path(self, rows: int) -> str:
-        if cpu_ops() is None:
-            return "torch"
-        return "rows" if rows <= 8 else "decompress"
-
+    # --- paths (sparse_paths.py) ----------------------------------------------------------------------------
     def _path_rows(self, x2d):
         return cpu_ops().sparse24_matmul_rows(x2d, self.values, self.positions)
 
     def _path_tiled(self, x2d):
         return cpu_ops().sparse24_matmul_tiled(x2d, self.values, self.positions, self.bitmask, TILE_BYTES)
 
-    def _path_decompress(self, x2d):
-        weight = dequantize_buffer(self.out_features * self.in_features, self.dtype)
-        weight = weight.view(self.out_features, self.in_features)
-        cpu_ops().sparse24_decompress_out(self.values, self.positions, self.bitmask, weight)
-        return F.linear(x2d, weight)
-
-    def _path_torch(self, x2d):
-        return F.linear(x2d, self.decompress())
+    def decompress_into(self, out):
+        cpu_ops().sparse24_decompress_out(self.values, self.positions, self.bitmask, out)

@@ -13,17 +13,17 @@ import torch.nn.functional as F
 
 from llmopt.core.contract.sparse_bitmask import BitmaskWeight
 from llmopt.runtime.executor.kernels.cpu_ops import cpu_ops
-from llmopt.runtime.executor.linear.base import LinearMethod, dequantize_buffer, new_stacked, register_linear_method
-from llmopt.runtime.executor.linear.row_paths import TILE_BYTES, RowPathsMixin
+from llmopt.runtime.executor.linear.base import LinearMethod, new_stacked, register_linear_method
+from llmopt.runtime.executor.linear.row_paths import TILE_BYTES
+from llmopt.runtime.executor.linear.sparse_paths import SparsePathsMixin
 
 PAD = 16  # values past a row's last that the kernels' vector loads may read
 
 
 @register_linear_method
-class SparseBitmaskLinear(RowPathsMixin, LinearMethod):
+class SparseBitmaskLinear(SparsePathsMixin, LinearMethod):
     name, priority = "sparse-bitmask-cpu", 10
     weight_type = BitmaskWeight
-    rows_max = 32
 
     def __init__(self, weight: BitmaskWeight, dtype, device="cpu"):
         super().__init__(weight, dtype, device)
@@ -53,34 +53,18 @@ class SparseBitmaskLinear(RowPathsMixin, LinearMethod):
         fused.register_buffer("row_offsets", torch.cat([p.row_offsets + s for p, s in zip(parts, starts)]))
         return fused
 
-    def decompress(self) -> torch.Tensor:
+    def dense_weight(self) -> torch.Tensor:
         """[N, K] the dense weight, torch only (the reference the kernels are tested against)."""
         weight = BitmaskWeight(self.values[: self.nnz], self.bitmask, self.row_offsets,
                                (self.out_features, self.in_features))
-        return weight.decompress()
+        return weight.decompress().to(self.dtype)
 
-    # --- paths (row_paths.py) --------------------------------------------------------------------------------
-    def row_paths(self) -> dict[str, int | None]:
-        if cpu_ops() is None:
-            return {"torch": None}
-        return {"rows": self.rows_max, "tiled": None, "decompress": None}
-
-    def default_path(self, rows: int) -> str:
-        if cpu_ops() is None:
-            return "torch"
-        return "rows" if rows <= 8 else "decompress"
-
+    # --- paths (sparse_paths.py) ----------------------------------------------------------------------------
     def _path_rows(self, x2d):
         return cpu_ops().bitmask_matmul_rows(x2d, self.values, self.bitmask, self.row_offsets)
 
     def _path_tiled(self, x2d):
         return cpu_ops().bitmask_matmul_tiled(x2d, self.values, self.bitmask, self.row_offsets, TILE_BYTES)
 
-    def _path_decompress(self, x2d):
-        weight = dequantize_buffer(self.out_features * self.in_features, self.dtype)
-        weight = weight.view(self.out_features, self.in_features)
-        cpu_ops().bitmask_decompress_out(self.values, self.bitmask, self.row_offsets, weight)
-        return F.linear(x2d, weight)
-
-    def _path_torch(self, x2d):
-        return F.linear(x2d, self.decompress())
+    def decompress_into(self, out):
+        cpu_ops().bitmask_decompress_out(self.values, self.bitmask, self.row_offsets, out)

@@ -72,10 +72,10 @@ void sparse24_decompress_out(const at::Tensor& values, const at::Tensor& positio
 at::Tensor sparse24_int4_matmul_rows(const at::Tensor& x, const at::Tensor& codes, const at::Tensor& positions,
                                      const at::Tensor& scale, const at::Tensor& offset, int64_t group);
 at::Tensor sparse24_int4_matmul_tiled(const at::Tensor& x, const at::Tensor& codes, const at::Tensor& positions,
-                                      const at::Tensor& scale, const at::Tensor& offset, int64_t group,
-                                      int64_t tile_bytes);
+                                      const at::Tensor& scale, const at::Tensor& offset, const at::Tensor& bitmask,
+                                      int64_t group, int64_t tile_bytes);
 void sparse24_int4_decompress_out(const at::Tensor& codes, const at::Tensor& positions, const at::Tensor& scale,
-                                  const at::Tensor& offset, int64_t group, at::Tensor& out);
+                                  const at::Tensor& offset, const at::Tensor& bitmask, int64_t group, at::Tensor& out);
 }  // namespace llmopt_cpu::sparse24
 
 namespace llmopt_cpu::sparse_bitmask {

@@ -45,9 +45,9 @@ LLMOPT_LIBRARY(LLMOPT_NS, m) {
   m.def("sparse24_int4_matmul_rows(Tensor x, Tensor codes, Tensor positions, Tensor scale, Tensor offset, "
         "int group) -> Tensor");
   m.def("sparse24_int4_matmul_tiled(Tensor x, Tensor codes, Tensor positions, Tensor scale, Tensor offset, "
-        "int group, int tile_bytes) -> Tensor");
-  m.def("sparse24_int4_decompress_out(Tensor codes, Tensor positions, Tensor scale, Tensor offset, int group, "
-        "Tensor(a!) out) -> ()");
+        "Tensor bitmask, int group, int tile_bytes) -> Tensor");
+  m.def("sparse24_int4_decompress_out(Tensor codes, Tensor positions, Tensor scale, Tensor offset, Tensor bitmask, "
+        "int group, Tensor(a!) out) -> ()");
   m.def("bitmask_matmul_rows(Tensor x, Tensor values, Tensor bitmask, Tensor row_offsets) -> Tensor");
   m.def("bitmask_matmul_tiled(Tensor x, Tensor values, Tensor bitmask, Tensor row_offsets, int tile_bytes) -> Tensor");
   m.def("bitmask_decompress_out(Tensor values, Tensor bitmask, Tensor row_offsets, Tensor(a!) out) -> ()");

@@ -32,15 +32,6 @@ using namespace llmopt_cpu;
 
 constexpr int64_t CHUNK = 32;  // input columns per position word (16 kept values)
 
-// The inputs [M, K] in fp32, once per call.
-template <typename T>
-void inputs_fp32(const at::Tensor& x, std::vector<float>& xf) {
-  const int64_t n = x.numel();
-  const T* xp = x.data_ptr<T>();
-  xf.resize(n);
-  for (int64_t i = 0; i < n; ++i) xf[i] = to_float(xp[i]);
-}
-
 #if defined(__AVX512F__)
 constexpr int RB = 4, NB = 2;  // rows x outputs per pass: 8 accumulators
 // the 16 values' columns within the chunk's 32 inputs
@@ -82,9 +73,10 @@ inline Vec picked(const float* x, const Columns& c) { return {pick8(x, c.lo), pi
 constexpr int RB = 2, NB = 1;
 #endif
 
-// rows x[0..MB) (fp32, row stride K) against outputs n..n+NBB; y row stride N
-template <typename T, int MB, int NBB>
-inline void sparse_outputs(const float* x, const T* values, const int32_t* positions, float* y, int64_t N,
+// rows x[0..MB) (fp32, row stride K) against outputs n..n+NBB; y row stride N. `weights` gives a chunk's 16 kept
+// weights of an output: vec(n, c) as a vector (and prefetches ahead), at(n, c, i) one at a time (scalar build).
+template <int MB, int NBB, typename Weights>
+inline void picked_outputs(const float* x, const int32_t* positions, const Weights& weights, float* y, int64_t N,
                            int64_t K, int64_t n) {
   const int64_t chunks = K / CHUNK;
 #if defined(LLMOPT_VEC)
@@ -95,10 +87,7 @@ inline void sparse_outputs(const float* x, const T* values, const int32_t* posit
     Vec w[NBB];
     Columns cols[NBB];
     for (int j = 0; j < NBB; ++j) {
-      // the outputs two passes ahead: with the hardware prefetcher alone each core streamed ~20% slower than the
-      // dense GEMV (SmolLM2's linears, batch 1: 0.65x of dense fp32's time, 0.55x with this; 0.53x of the bytes)
-      _mm_prefetch(reinterpret_cast<const char*>(values + (n + j + 2 * NBB) * (K / 2) + c * 16), _MM_HINT_T0);
-      w[j] = load16(values + (n + j) * (K / 2) + c * 16);
+      w[j] = weights.vec(n + j, c, 2 * NBB);
       cols[j] = columns_of(static_cast<uint32_t>(positions[(n + j) * chunks + c]));
     }
     for (int m = 0; m < MB; ++m)
@@ -112,40 +101,38 @@ inline void sparse_outputs(const float* x, const T* values, const int32_t* posit
       float sum = 0.f;
       for (int64_t c = 0; c < chunks; ++c) {
         const uint32_t word = static_cast<uint32_t>(positions[(n + j) * chunks + c]);
-        for (int i = 0; i < 16; ++i) {
-          const int64_t col = c * CHUNK + (i / 2) * 4 + ((word >> (2 * i)) & 3);
-          sum += to_float(values[(n + j) * (K / 2) + c * 16 + i]) * x[m * K + col];
-        }
+        for (int i = 0; i < 16; ++i)
+          sum += weights.at(n + j, c, i) * x[m * K + c * CHUNK + (i / 2) * 4 + ((word >> (2 * i)) & 3)];
       }
       y[m * N + n + j] = sum;
     }
 #endif
 }
 
-constexpr int64_t OUTPUT_BLOCK = 16;  // outputs whose values stay in cache while every row chunk reads them
-
+// the kept values as stored (fp32, bf16 or fp16)
 template <typename T>
-void rows_impl(const at::Tensor& x, const at::Tensor& values, const at::Tensor& positions, at::Tensor& y) {
-  const int64_t M = x.size(0), K = x.size(1), N = values.size(0);
-  std::vector<float> xf;
-  inputs_fp32<T>(x, xf);
-  const T* vp = values.data_ptr<T>();
-  const int32_t* pp = positions.data_ptr<int32_t>();
-  std::vector<float> out(M * N);
-  at::parallel_for(0, (N + OUTPUT_BLOCK - 1) / OUTPUT_BLOCK, 1, [&](int64_t begin, int64_t end) {
-    for (int64_t b = begin; b < end; ++b) {
-      const int64_t n0 = b * OUTPUT_BLOCK, n1 = std::min(N, n0 + OUTPUT_BLOCK);
-      row_chunks<RB>(M, [&](auto rows, int64_t m) {
-        constexpr int MB = decltype(rows)::value;
-        int64_t n = n0;
-        for (; n + NB <= n1; n += NB)
-          sparse_outputs<T, MB, NB>(xf.data() + m * K, vp, pp, out.data() + m * N, N, K, n);
-        for (; n < n1; ++n) sparse_outputs<T, MB, 1>(xf.data() + m * K, vp, pp, out.data() + m * N, N, K, n);
-      });
-    }
+struct ValueWeights {
+  const T* values;  // [N, K/2]
+  int64_t half;  // K/2
+#if defined(LLMOPT_VEC)
+  // `ahead` outputs on, the prefetch: with the hardware prefetcher alone each core streamed ~20% slower than the
+  // dense GEMV (SmolLM2's linears, batch 1: 0.65x of dense fp32's time, 0.55x with it; 0.53x of the bytes)
+  Vec vec(int64_t n, int64_t c, int ahead) const {
+    _mm_prefetch(reinterpret_cast<const char*>(values + (n + ahead) * half + c * 16), _MM_HINT_T0);
+    return load16(values + n * half + c * 16);
+  }
+#endif
+  float at(int64_t n, int64_t c, int i) const { return to_float(values[n * half + c * 16 + i]); }
+};
+
+template <typename Weights>
+void picked_rows(const at::Tensor& x, const int32_t* positions, const Weights& weights, at::Tensor& y) {
+  const int64_t K = x.size(1), N = y.size(1);
+  LLMOPT_DISPATCH(x, [&] {
+    few_rows_by_output_blocks<scalar_t, RB, NB>(x, y, [&](auto rows, auto outs, const float* xm, float* ym, int64_t n) {
+      picked_outputs<decltype(rows)::value, decltype(outs)::value>(xm, positions, weights, ym, N, K, n);
+    });
   });
-  T* yp = y.data_ptr<T>();
-  for (int64_t i = 0; i < M * N; ++i) yp[i] = from_float<T>(out[i]);
 }
 
 // W's rows n0..n1 into dense [n1 - n0, K] (zeros in place), from the positions (any dtype, any build)
@@ -227,11 +214,11 @@ at::Tensor sparse24_op(const at::Tensor& x, const at::Tensor& values, const at::
   const at::Tensor xc = x.contiguous(), vc = values.contiguous(), pc = positions.contiguous();
   at::Tensor y = at::empty({x.size(0), N}, x.options());
   LLMOPT_DISPATCH(xc, [&] {
+    const scalar_t* vp = vc.data_ptr<scalar_t>();
+    const int32_t* pp = pc.data_ptr<int32_t>();
     if (!bitmask.has_value()) {
-      rows_impl<scalar_t>(xc, vc, pc, y);
+      picked_rows(xc, pp, ValueWeights<scalar_t>{vp, K / 2}, y);
     } else {
-      const scalar_t* vp = vc.data_ptr<scalar_t>();
-      const int32_t* pp = pc.data_ptr<int32_t>();
       const at::Tensor bc = bitmask->contiguous();
       const uint8_t* bp = bc.data_ptr<uint8_t>();
       tiled_matmul<scalar_t>(xc, y, tile_bytes, [&](scalar_t* tile, int64_t n0, int64_t n1) {
@@ -274,7 +261,8 @@ void sparse24_decompress_out(const at::Tensor& values, const at::Tensor& positio
 // ---- 2:4 with 4-bit codes ----------------------------------------------------------------------------------
 // codes [N, K/4] uint8: the kept values' codes, two per byte (value 2j in the low nibble of byte j, 2j + 1 in the
 // high one), in the values' order; positions as above; scale and offset [N, G] fp32 per group of `group`
-// columns (a multiple of 32): w = code * scale + offset (offset = -zero * scale). 16 codes are widened and scaled
+// columns (a multiple of 32): w = code * scale + offset (offset = -zero * scale); the decompressing ones also take
+// the bitmask as stored. 16 codes are widened and scaled
 // in registers per chunk, then meet their picked inputs as the fp32 values do.
 
 // the 16 codes of a chunk (8 bytes), in order, as floats
@@ -295,67 +283,69 @@ inline Vec codes16(const uint8_t* p) {
 
 inline float code_at(const uint8_t* chunk, int i) { return static_cast<float>((chunk[i / 2] >> (4 * (i % 2))) & 15); }
 
-template <int MB, int NBB>
-inline void int4_outputs(const float* x, const uint8_t* codes, const int32_t* positions, const float* scale,
-                         const float* offset, int64_t groups, int64_t group, float* y, int64_t N, int64_t K, int64_t n) {
-  const int64_t chunks = K / CHUNK, per_group = group / CHUNK;
+// the kept values' 4-bit codes with their group's scale and offset
+struct CodeWeights {
+  const uint8_t* codes;  // [N, K/4]
+  const float *scale, *offset;  // [N, G]
+  int64_t quarter, groups, per_group;  // K/4, G, chunks per group
 #if defined(LLMOPT_VEC)
-  Vec acc[MB][NBB];
-  for (int m = 0; m < MB; ++m)
-    for (int j = 0; j < NBB; ++j) acc[m][j] = vzero();
-  for (int64_t c = 0; c < chunks; ++c) {
-    Vec w[NBB];
-    Columns cols[NBB];
-    const int64_t g = c / per_group;
-    for (int j = 0; j < NBB; ++j) {
-      const uint8_t* row = codes + (n + j) * (K / 4);
-      _mm_prefetch(reinterpret_cast<const char*>(row + 2 * NBB * (K / 4) + c * 8), _MM_HINT_T0);  // (as above)
-      w[j] = vfma(codes16(row + c * 8), vset1(scale[(n + j) * groups + g]), vset1(offset[(n + j) * groups + g]));
-      cols[j] = columns_of(static_cast<uint32_t>(positions[(n + j) * chunks + c]));
-    }
-    for (int m = 0; m < MB; ++m)
-      for (int j = 0; j < NBB; ++j) acc[m][j] = vfma(picked(x + m * K + c * CHUNK, cols[j]), w[j], acc[m][j]);
+  Vec vec(int64_t n, int64_t c, int ahead) const {
+    _mm_prefetch(reinterpret_cast<const char*>(codes + (n + ahead) * quarter + c * 8), _MM_HINT_T0);  // (as above)
+    const int64_t g = n * groups + c / per_group;
+    return vfma(codes16(codes + n * quarter + c * 8), vset1(scale[g]), vset1(offset[g]));
   }
-  for (int m = 0; m < MB; ++m)
-    for (int j = 0; j < NBB; ++j) y[m * N + n + j] = reduce_add(acc[m][j]);
-#else
-  for (int m = 0; m < MB; ++m)
-    for (int j = 0; j < NBB; ++j) {
-      float sum = 0.f;
-      for (int64_t c = 0; c < chunks; ++c) {
-        const uint32_t word = static_cast<uint32_t>(positions[(n + j) * chunks + c]);
-        const int64_t g = c / per_group;
-        const float s = scale[(n + j) * groups + g], o = offset[(n + j) * groups + g];
-        for (int i = 0; i < 16; ++i) {
-          const int64_t col = c * CHUNK + (i / 2) * 4 + ((word >> (2 * i)) & 3);
-          sum += std::fma(code_at(codes + (n + j) * (K / 4) + c * 8, i), s, o) * x[m * K + col];
-        }
-      }
-      y[m * N + n + j] = sum;
-    }
 #endif
-}
+  float at(int64_t n, int64_t c, int i) const {
+    const int64_t g = n * groups + c / per_group;
+    return std::fma(code_at(codes + n * quarter + c * 8, i), scale[g], offset[g]);
+  }
+};
 
-// W's rows n0..n1 dense [n1 - n0, K] in T (zeros in place): w = code * scale + offset rounded once to T
+// W's rows n0..n1 dense [n1 - n0, K] in T (zeros in place): w = code * scale + offset rounded once to T. fp32
+// expands each chunk's 16 scaled codes into its 32 columns from the bitmask (as decompress_rows_fp32), other
+// dtypes scatter them by position.
 template <typename T>
-void int4_decompress_rows(const uint8_t* codes, const int32_t* positions, const float* scale, const float* offset,
-                          int64_t groups, int64_t group, T* dense, int64_t K, int64_t n0, int64_t n1) {
-  const int64_t chunks = K / CHUNK, per_group = group / CHUNK;
+void int4_decompress_rows(const CodeWeights& weights, const int32_t* positions, const uint8_t* bitmask, T* dense,
+                          int64_t K, int64_t n0, int64_t n1) {
+  const int64_t chunks = K / CHUNK;
+#if defined(LLMOPT_VEC)
+  if constexpr (std::is_same_v<T, float>) {
+    for (int64_t n = n0; n < n1; ++n) {
+      float* o = dense + (n - n0) * K;
+      const uint8_t* b = bitmask + n * (K / 8);
+      for (int64_t c = 0; c < chunks; ++c, o += CHUNK, b += 4) {
+        const Vec w = weights.vec(n, c, 0);
+#if defined(__AVX512F__)
+        _mm512_storeu_ps(o, _mm512_maskz_expand_ps(static_cast<__mmask16>(b[0] | (b[1] << 8)), w.v));
+        _mm512_storeu_ps(o + 16, _mm512_maskz_expand_ps(static_cast<__mmask16>(b[2] | (b[3] << 8)),
+                                                        _mm512_castps256_ps512(_mm512_extractf32x8_ps(w.v, 1))));
+#else
+        _mm256_storeu_ps(o, expand8(w.lo, b[0]));  // (4 values per 8 columns)
+        _mm256_storeu_ps(o + 8, expand8(_mm256_permute2f128_ps(w.lo, w.lo, 1), b[1]));
+        _mm256_storeu_ps(o + 16, expand8(w.hi, b[2]));
+        _mm256_storeu_ps(o + 24, expand8(_mm256_permute2f128_ps(w.hi, w.hi, 1), b[3]));
+#endif
+      }
+    }
+    return;
+  }
+#endif
+  (void)bitmask;
   std::memset(static_cast<void*>(dense), 0, sizeof(T) * (n1 - n0) * K);
   for (int64_t n = n0; n < n1; ++n) {
     T* o = dense + (n - n0) * K;
     for (int64_t c = 0; c < chunks; ++c) {
       const uint32_t word = static_cast<uint32_t>(positions[n * chunks + c]);
-      const float s = scale[n * groups + c / per_group], b = offset[n * groups + c / per_group];
-      const uint8_t* chunk = codes + n * (K / 4) + c * 8;
-      for (int i = 0; i < 16; ++i)
-        o[c * CHUNK + (i / 2) * 4 + ((word >> (2 * i)) & 3)] = from_float<T>(std::fma(code_at(chunk, i), s, b));
+      for (int i = 0; i < 16; ++i) o[c * CHUNK + (i / 2) * 4 + ((word >> (2 * i)) & 3)] = from_float<T>(weights.at(n, c, i));
     }
   }
 }
 
 void check_int4_operands(const at::Tensor& codes, const at::Tensor& positions, const at::Tensor& scale,
-                         const at::Tensor& offset, int64_t group) {
+                         const at::Tensor& offset, int64_t group, const std::optional<at::Tensor>& bitmask) {
+  TORCH_CHECK(!bitmask.has_value() || (bitmask->scalar_type() == at::kByte && bitmask->dim() == 2 &&
+                                       bitmask->size(0) == codes.size(0) && bitmask->size(1) == codes.size(1) / 2),
+              "bitmask [N, K/8] uint8 expected");
   TORCH_CHECK(codes.dim() == 2 && codes.scalar_type() == at::kByte, "codes [N, K/4] uint8 expected");
   TORCH_CHECK(positions.dim() == 2 && positions.scalar_type() == at::kInt && positions.size(0) == codes.size(0) &&
                   codes.size(1) == positions.size(1) * 8,
@@ -369,8 +359,9 @@ void check_int4_operands(const at::Tensor& codes, const at::Tensor& positions, c
 }
 
 at::Tensor sparse24_int4_op(const at::Tensor& x, const at::Tensor& codes, const at::Tensor& positions,
-                            const at::Tensor& scale, const at::Tensor& offset, int64_t group, int64_t tile_bytes) {
-  check_int4_operands(codes, positions, scale, offset, group);
+                            const at::Tensor& scale, const at::Tensor& offset, const std::optional<at::Tensor>& bitmask,
+                            int64_t group, int64_t tile_bytes) {
+  check_int4_operands(codes, positions, scale, offset, group, bitmask);
   const int64_t N = codes.size(0), K = codes.size(1) * 4, M = x.size(0), groups = K / group;
   TORCH_CHECK(x.dim() == 2 && x.size(1) == K, "x [M, K] expected, K = 4 x the codes' columns");
   const at::Tensor xc = x.contiguous(), cc = codes.contiguous(), pc = positions.contiguous();
@@ -379,59 +370,48 @@ at::Tensor sparse24_int4_op(const at::Tensor& x, const at::Tensor& codes, const 
   const int32_t* pp = pc.data_ptr<int32_t>();
   const float *sp = sc.data_ptr<float>(), *op = oc.data_ptr<float>();
   at::Tensor y = at::empty({M, N}, x.options());
+  const CodeWeights weights{cp, sp, op, K / 4, groups, group / CHUNK};
+  if (!bitmask.has_value()) {
+    picked_rows(xc, pp, weights, y);
+    return y;
+  }
+  const at::Tensor bc = bitmask->contiguous();
+  const uint8_t* bp = bc.data_ptr<uint8_t>();
   LLMOPT_DISPATCH(xc, [&] {
-    if (tile_bytes > 0) {
-      tiled_matmul<scalar_t>(xc, y, tile_bytes, [&](scalar_t* tile, int64_t n0, int64_t n1) {
-        int4_decompress_rows<scalar_t>(cp, pp, sp, op, groups, group, tile, K, n0, n1);
-      });
-      return;
-    }
-    std::vector<float> xf;
-    inputs_fp32<scalar_t>(xc, xf);
-    std::vector<float> out(M * N);
-    at::parallel_for(0, (N + OUTPUT_BLOCK - 1) / OUTPUT_BLOCK, 1, [&](int64_t begin, int64_t end) {
-      for (int64_t b = begin; b < end; ++b) {
-        const int64_t n0 = b * OUTPUT_BLOCK, n1 = std::min(N, n0 + OUTPUT_BLOCK);
-        row_chunks<RB>(M, [&](auto rows, int64_t m) {
-          constexpr int MB = decltype(rows)::value;
-          const float* xm = xf.data() + m * K;
-          float* ym = out.data() + m * N;
-          int64_t n = n0;
-          for (; n + NB <= n1; n += NB) int4_outputs<MB, NB>(xm, cp, pp, sp, op, groups, group, ym, N, K, n);
-          for (; n < n1; ++n) int4_outputs<MB, 1>(xm, cp, pp, sp, op, groups, group, ym, N, K, n);
-        });
-      }
+    tiled_matmul<scalar_t>(xc, y, tile_bytes, [&](scalar_t* tile, int64_t n0, int64_t n1) {
+      int4_decompress_rows<scalar_t>(weights, pp, bp, tile, K, n0, n1);
     });
-    scalar_t* yp = y.data_ptr<scalar_t>();
-    for (int64_t i = 0; i < M * N; ++i) yp[i] = from_float<scalar_t>(out[i]);
   });
   return y;
 }
 
 at::Tensor sparse24_int4_matmul_rows(const at::Tensor& x, const at::Tensor& codes, const at::Tensor& positions,
                                      const at::Tensor& scale, const at::Tensor& offset, int64_t group) {
-  return sparse24_int4_op(x, codes, positions, scale, offset, group, 0);
+  return sparse24_int4_op(x, codes, positions, scale, offset, std::nullopt, group, 0);
 }
 
 at::Tensor sparse24_int4_matmul_tiled(const at::Tensor& x, const at::Tensor& codes, const at::Tensor& positions,
-                                      const at::Tensor& scale, const at::Tensor& offset, int64_t group,
-                                      int64_t tile_bytes) {
+                                      const at::Tensor& scale, const at::Tensor& offset, const at::Tensor& bitmask,
+                                      int64_t group, int64_t tile_bytes) {
   TORCH_CHECK(tile_bytes > 0, "tile_bytes must be positive");
-  return sparse24_int4_op(x, codes, positions, scale, offset, group, tile_bytes);
+  return sparse24_int4_op(x, codes, positions, scale, offset, bitmask, group, tile_bytes);
 }
 
 void sparse24_int4_decompress_out(const at::Tensor& codes, const at::Tensor& positions, const at::Tensor& scale,
-                                  const at::Tensor& offset, int64_t group, at::Tensor& out) {
-  check_int4_operands(codes, positions, scale, offset, group);
+                                  const at::Tensor& offset, const at::Tensor& bitmask, int64_t group, at::Tensor& out) {
+  check_int4_operands(codes, positions, scale, offset, group, bitmask);
   const int64_t N = codes.size(0), K = codes.size(1) * 4;
   TORCH_CHECK(out.dim() == 2 && out.size(0) == N && out.size(1) == K && out.is_contiguous(),
               "out [N, K] contiguous expected");
   const at::Tensor cc = codes.contiguous(), pc = positions.contiguous(), sc = scale.contiguous(), oc = offset.contiguous();
+  const at::Tensor bc = bitmask.contiguous();
+  const CodeWeights weights{cc.data_ptr<uint8_t>(), sc.data_ptr<float>(), oc.data_ptr<float>(), K / 4, K / group,
+                            group / CHUNK};
   LLMOPT_DISPATCH(out, [&] {
     scalar_t* dp = out.data_ptr<scalar_t>();
     at::parallel_for(0, N, 64, [&](int64_t begin, int64_t end) {
-      int4_decompress_rows<scalar_t>(cc.data_ptr<uint8_t>(), pc.data_ptr<int32_t>(), sc.data_ptr<float>(),
-                                     oc.data_ptr<float>(), K / group, group, dp + begin * K, K, begin, end);
+      int4_decompress_rows<scalar_t>(weights, pc.data_ptr<int32_t>(), bc.data_ptr<uint8_t>(), dp + begin * K, K, begin,
+                                     end);
     });
   });
 }

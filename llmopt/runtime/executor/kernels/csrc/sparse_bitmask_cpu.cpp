@@ -92,33 +92,6 @@ inline void bitmask_outputs(const float* x, const T* values, const uint8_t* bitm
 #endif
 }
 
-constexpr int64_t OUTPUT_BLOCK = 16;
-
-template <typename T>
-void rows_impl(const at::Tensor& x, const T* values, const uint8_t* bitmask, const int64_t* offsets, int64_t N,
-               at::Tensor& y) {
-  const int64_t M = x.size(0), K = x.size(1);
-  std::vector<float> xf(M * K);
-  const T* xp = x.data_ptr<T>();
-  for (int64_t i = 0; i < M * K; ++i) xf[i] = to_float(xp[i]);
-  std::vector<float> out(M * N);
-  at::parallel_for(0, (N + OUTPUT_BLOCK - 1) / OUTPUT_BLOCK, 1, [&](int64_t begin, int64_t end) {
-    for (int64_t b = begin; b < end; ++b) {
-      const int64_t n0 = b * OUTPUT_BLOCK, n1 = std::min(N, n0 + OUTPUT_BLOCK);
-      row_chunks<RB>(M, [&](auto rows, int64_t m) {
-        constexpr int MB = decltype(rows)::value;
-        int64_t n = n0;
-        for (; n + NB <= n1; n += NB)
-          bitmask_outputs<T, MB, NB>(xf.data() + m * K, values, bitmask, offsets, out.data() + m * N, N, K, n);
-        for (; n < n1; ++n)
-          bitmask_outputs<T, MB, 1>(xf.data() + m * K, values, bitmask, offsets, out.data() + m * N, N, K, n);
-      });
-    }
-  });
-  T* yp = y.data_ptr<T>();
-  for (int64_t i = 0; i < M * N; ++i) yp[i] = from_float<T>(out[i]);
-}
-
 template <typename T>
 void decompress_rows(const T* values, const uint8_t* bitmask, const int64_t* offsets, T* dense, int64_t K,
                      int64_t n0, int64_t n1) {
@@ -155,7 +128,9 @@ at::Tensor bitmask_op(const at::Tensor& x, const at::Tensor& values, const at::T
   LLMOPT_DISPATCH(xc, [&] {
     const scalar_t* vp = vc.data_ptr<scalar_t>();
     if (tile_bytes == 0) {
-      rows_impl<scalar_t>(xc, vp, bp, op, N, y);
+      few_rows_by_output_blocks<scalar_t, RB, NB>(xc, y, [&](auto rows, auto outs, const float* xm, float* ym, int64_t n) {
+        bitmask_outputs<scalar_t, decltype(rows)::value, decltype(outs)::value>(xm, vp, bp, op, ym, N, K, n);
+      });
     } else {
       tiled_matmul<scalar_t>(xc, y, tile_bytes, [&](scalar_t* tile, int64_t n0, int64_t n1) {
         decompress_rows<scalar_t>(vp, bp, op, tile, K, n0, n1);

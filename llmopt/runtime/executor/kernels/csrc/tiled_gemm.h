@@ -11,6 +11,8 @@
 #include <ATen/Parallel.h>
 #include <c10/core/InferenceMode.h>
 
+#include "simd.h"  // to_float, from_float
+
 #include <algorithm>
 #include <climits>
 #include <type_traits>
@@ -86,6 +88,34 @@ inline void row_chunks(int64_t M, const Run& run, int64_t first = 0) {
     for (; m + MB <= M; m += MB) run(std::integral_constant<int, MB>{}, m);
     if (m < M) row_chunks<MB - 1>(M, run, m);
   }
+}
+
+// The few-row kernels' loop over outputs (the sparse ones): the inputs widened to fp32 once, blocks of
+// OUTPUT_BLOCK outputs spread over the threads (a block's weights stay in cache while each chunk of rows reads
+// them), rows MB at a time (row_chunks<RB>), outputs NB at a time with a tail of one.
+// outputs(rows, count, x_rows, y_rows, n) computes rows x_rows.. (fp32, stride K) of outputs n..n + count into
+// y_rows (fp32, stride N), `rows` and `count` as std::integral_constant; y [M, N] gets the results in its dtype.
+constexpr int64_t OUTPUT_BLOCK = 16;
+
+template <typename T, int RB, int NB, typename Outputs>
+void few_rows_by_output_blocks(const at::Tensor& x, at::Tensor& y, const Outputs& outputs) {
+  const int64_t M = x.size(0), K = x.size(1), N = y.size(1);
+  std::vector<float> xf(M * K);
+  const T* xp = x.data_ptr<T>();
+  for (int64_t i = 0; i < M * K; ++i) xf[i] = to_float(xp[i]);
+  std::vector<float> out(M * N);
+  at::parallel_for(0, (N + OUTPUT_BLOCK - 1) / OUTPUT_BLOCK, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t b = begin; b < end; ++b) {
+      const int64_t n0 = b * OUTPUT_BLOCK, n1 = std::min(N, n0 + OUTPUT_BLOCK);
+      row_chunks<RB>(M, [&](auto rows, int64_t m) {
+        int64_t n = n0;
+        for (; n + NB <= n1; n += NB) outputs(rows, std::integral_constant<int, NB>{}, xf.data() + m * K, out.data() + m * N, n);
+        for (; n < n1; ++n) outputs(rows, std::integral_constant<int, 1>{}, xf.data() + m * K, out.data() + m * N, n);
+      });
+    }
+  });
+  T* yp = y.data_ptr<T>();
+  for (int64_t i = 0; i < M * N; ++i) yp[i] = from_float<T>(out[i]);
 }
 
 }  // namespace
