@@ -236,3 +236,22 @@ def test_unstructured_layout_is_compressed_tensors_sparse_bitmask():
     assert torch.equal(BitmaskWeight.from_tensors(stored.to_tensors()).decompress(), weight)
     with pytest.raises(ArtifactError, match="set bits"):
         BitmaskWeight.from_tensors({**stored.to_tensors(), "compressed": stored.values[:-1]})
+
+
+def test_compressed_artifact_serves_the_openai_api(pruned):
+    """`llmopt serve` of a compressed 2:4 artifact, through the official client: the same greedy completion as
+    the model stored dense."""
+    import openai
+
+    from llmopt.runtime.engine.config import EngineConfig
+    from llmopt.runtime.executor.loader import load_runtime_model
+    from llmopt.serve.launch import in_thread, server_for
+
+    texts = []
+    for storage in ("compressed", "dense"):
+        model, tokenizer, _ = load_runtime_model(str(pruned[storage][0]), dtype="float32")
+        with in_thread(server_for(model, tokenizer, "sparse", EngineConfig(block_size=4))) as base:
+            client = openai.OpenAI(base_url=base, api_key="none", max_retries=0, timeout=120)
+            texts.append(client.completions.create(model="sparse", prompt="def main():", max_tokens=12,
+                                                   temperature=0).choices[0].text)
+    assert texts[0] == texts[1] and texts[0]
