@@ -32,7 +32,7 @@ def ops(request):
     return built
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])  # (fp16 takes the bf16 code paths)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])  # (fp16 differs only in load/store conversions)
 @pytest.mark.parametrize("n,k", [(48, 64), (37, 576), (96, 1536)])  # odd N: the one-output tail
 @pytest.mark.parametrize("rows", [1, 3, 8, 512])
 def test_kernels_match_the_dense_weight(ops, dtype, n, k, rows):
@@ -160,7 +160,7 @@ def unstructured(n: int, k: int, sparsity: float, seed: int = 0, dtype=torch.flo
     return (weight * (torch.rand(n, k, generator=g) >= sparsity)).to(dtype)
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])  # (fp16 takes the bf16 code paths)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])  # (fp16 differs only in load/store conversions)
 @pytest.mark.parametrize("n,k,sparsity", [(48, 64, 0.5), (37, 576, 0.7), (96, 1536, 0.5), (16, 32, 0.0)])
 @pytest.mark.parametrize("rows", [1, 3, 8, 512])
 def test_unstructured_kernels_match_the_dense_weight(ops, dtype, n, k, sparsity, rows):
