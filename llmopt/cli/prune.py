@@ -59,7 +59,8 @@ def prune(
         if ratio is not None or scores is not None:
             raise ConfigError("--ratio and --scores apply to --structured pruning only")
         settings = dict(method=method.value, sparsity=sparsity, pattern=pattern, ignore=ignore or [], damp=damp,
-                        save_compressed=save_compressed, num_samples=num_samples or CALIBRATION["num_samples"], **calibration)
+                        save_compressed=save_compressed, num_samples=num_samples or CALIBRATION["num_samples"],
+                        **calibration)
     with progress_bar(f"pruning layers ({calib_dtype_label(calibration)} forwards)") as update:
         facts = prune_to_artifact(model, output, prune_config(settings), overwrite, trust_remote_code, update,
                                   parse_memory(max_memory) if max_memory is not None else None)

@@ -279,7 +279,8 @@ def measure_sparsity(model) -> dict:
             "linear_sparsity": linear_zeros / linear_params if linear_params else 0.0}
 
 
-def sparsity_config_entry(config: SparsityConfig, measured: float, targets: list[str], storage: str = "dense") -> dict:
+def sparsity_config_entry(config: SparsityConfig, measured: float, targets: list[str],
+                          storage: str = "dense") -> dict:
     """What config.json records about a model pruned by `config` (storage: "dense" or the compressed format)."""
     return sparsity_entry(config.structure, config.method, config.target_sparsity, config.ignore, measured,
                           targets, storage)

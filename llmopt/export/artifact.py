@@ -13,7 +13,7 @@ from llmopt.core.contract import QuantizedWeight, QuantRecord
 from llmopt.core.environment import package_versions
 from llmopt.core.io import atomic_output_dir, save_tensors, write_json
 from llmopt.export.formats import FORMATS
-from llmopt.export.sparse import compress_quantized_codes
+from llmopt.export.sparse import kept_codes_records, mark_kept_codes
 
 WEIGHTS_FILE = "model.safetensors"
 MANIFEST_FILE = "llmopt.json"
@@ -166,22 +166,13 @@ class ShardWriter:
 def write_model_artifact(out, model, tokenizer, qweights, fmt_name, record, manifest, extra_tensors=None,
                          dense_dtype: torch.dtype = torch.float16, overwrite: bool = False) -> Path:
     """write_artifact for an in-memory model whose quantized linears are described by `qweights` (those of a 2:4
-    model stored compressed where the format can: export.sparse.compress_quantized_codes)."""
+    model stored compressed where the format can: export.sparse.mark_kept_codes)."""
     skip = {f"{name}.weight" for name in qweights} | {f"{name}.bias" for name in qweights}
     dense = dense_state_dict(model, skip, dense_dtype)
-    config, qcfg = sparse_codes_config(model.config.to_dict(), qweights, fmt_name, record)
+    config, qcfg = model.config.to_dict(), None
+    if fmt_name is not None:
+        marked = mark_kept_codes(qweights, config.get("sparsity_config"), fmt_name)
+        config, qcfg = kept_codes_records(config, marked, FORMATS.get(fmt_name).quantization_config(record))
     return write_artifact(out, dense, config, tokenizer, qweights, fmt_name, record, manifest,
                           extra_tensors, getattr(model, "generation_config", None), overwrite,
                           quantization_config=qcfg)
-
-
-def sparse_codes_config(config: dict, qweights: dict, fmt_name: str | None, record) -> tuple[dict, dict | None]:
-    """(config.json dict, quantization_config or None for the format's own) for `qweights`: when the model is 2:4
-    and the format stores kept codes only, the linears are marked so and both records say so."""
-    if fmt_name is None:
-        return config, None
-    sparsity = compress_quantized_codes(qweights, config.get("sparsity_config"), fmt_name)
-    if sparsity is None:
-        return config, None
-    config = {**config, "sparsity_config": {**config["sparsity_config"], "format": sparsity["format"]}}
-    return config, {**FORMATS.get(fmt_name).quantization_config(record), "sparsity_config": sparsity}

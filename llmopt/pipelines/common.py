@@ -37,10 +37,9 @@ def resolve_input(model_name: str, output: str | Path):
 def refuse_quantized_input(source, action: str, trust_remote_code: bool = False) -> None:
     """Quantizing or pruning an already quantized model would dequantize and re-quantize it silently (its codes
     rounded twice, its first stage lost from the record): refuse, naming the model it came from."""
+    from llmopt.core.contract.sparsity import quantizes
     from llmopt.core.errors import ArtifactError
     from llmopt.core.models import load_config
-
-    from llmopt.core.contract.sparsity import quantizes
 
     quantization = getattr(load_config(source, trust_remote_code), "quantization_config", None)
     if not quantizes(quantization):  # (compressed 2:4 weights alone are not quantized)

@@ -197,4 +197,4 @@ def _write_student(output: Path, student: Student, model, tokenizer, manifest: d
                                           "format": compressed_format(student.compressed_pattern)}
     write_artifact(output, tensors, config_dict, tokenizer, {}, None, None, manifest,
                    generation_config=getattr(model, "generation_config", None), overwrite=overwrite,
-                   quantization_config=student.quantization_config if student.compressed_pattern else None)
+                   quantization_config=student.quantization_config)  # (a compressed student's, else None)

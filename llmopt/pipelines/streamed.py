@@ -21,7 +21,7 @@ from llmopt.core.offload import (
 from llmopt.compress.defaults import SEARCH_FILE
 from llmopt.export.artifact import ShardWriter, write_artifact_files
 from llmopt.export.formats import FORMATS
-from llmopt.export.sparse import compress_quantized_codes
+from llmopt.export.sparse import kept_codes_records, mark_kept_codes
 
 DENSE_DTYPE = torch.float16  # what the quantized artifact stores its dense tensors in (as write_model_artifact)
 PRUNED_DTYPE = torch.float32  # what a pruned artifact stores every tensor in (as pipelines.prune)
@@ -182,14 +182,13 @@ def quantize_streamed(
     layers_prefix = adapter_for(streamed.model).layers + "."
     tally = StreamedTally()
     sparsity_record = getattr(streamed.model.config, "sparsity_config", None)
-    stored_sparse = []  # each layer's sparsity_config where its 2:4 codes are stored compressed
+    marked = []  # the linears whose 2:4 codes are stored compressed
 
     def layer_tensors(index: int, layer: torch.nn.Module, qweights: dict, masks: dict) -> dict:
         tensors = {}
         for qweight in qweights.values():
             qweight.input_activations = config.input_activations
-        if (sparsity := compress_quantized_codes(qweights, sparsity_record, fmt_name)) is not None:
-            stored_sparse.append(sparsity)
+        marked.extend(mark_kept_codes(qweights, sparsity_record, fmt_name))
         for name, qweight in qweights.items():
             packed = fmt.pack(qweight)
             tensors.update({f"{name}.{suffix}": t for suffix, t in packed.items()})
@@ -200,12 +199,8 @@ def quantize_streamed(
         return {**tensors, **dense_layer_tensors(index, layer, layers_prefix, DENSE_DTYPE, quantized)}
 
     def make_meta(result: CompressResult) -> ArtifactMeta:
-        config_dict, qcfg = streamed.model.config.to_dict(), None
-        if stored_sparse:  # (the in-memory pipeline's records: export.artifact.sparse_codes_config)
-            targets = sorted({target for sparsity in stored_sparse for target in sparsity["targets"]})
-            qcfg = {**fmt.quantization_config(config.record()),
-                    "sparsity_config": {**stored_sparse[0], "targets": targets}}
-            config_dict["sparsity_config"] = {**config_dict["sparsity_config"], "format": stored_sparse[0]["format"]}
+        config_dict, qcfg = kept_codes_records(streamed.model.config.to_dict(), marked,
+                                               fmt.quantization_config(config.record()))
         return ArtifactMeta(config_dict, fmt_name, config.record(), make_manifest(result, tally.num_quantized),
                             result.extra_tensors, quantization_config=qcfg)
 

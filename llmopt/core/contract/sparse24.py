@@ -141,11 +141,3 @@ def unpack_mask(bitmask: torch.Tensor, k: int) -> torch.Tensor:
     bits = (bitmask.unsqueeze(-1) >> torch.arange(8, dtype=torch.uint8)) & 1
     return bits.reshape(bitmask.shape[0], -1)[:, :k].bool()
 
-
-def is_half_sparse(weight: torch.Tensor, pattern: str) -> bool:
-    """Whether every group of M columns of the [N, K] weight holds at most half non-zeros."""
-    try:
-        half_mask(weight, pattern)
-    except ArtifactError:
-        return False
-    return True

@@ -71,9 +71,10 @@ class BitmaskWeight:
             raise ArtifactError(f"sparse-bitmask weight of shape [{n}, {k}] with bitmask {list(bitmask.shape)} and "
                                 f"{offsets.numel()} row offsets: expected [{n}, {(k + 7) // 8}] and {n}")
         weight = cls(values, bitmask, offsets, (n, k), tensors.get("bias"))
-        if int(weight.mask().sum()) != values.numel():
-            raise ArtifactError(f"sparse-bitmask weight [{n}, {k}]: {values.numel()} values for "
-                                f"{int(weight.mask().sum())} set bits; re-create the artifact")
+        set_bits = int(weight.mask().sum())
+        if set_bits != values.numel():
+            raise ArtifactError(f"sparse-bitmask weight [{n}, {k}]: {values.numel()} values for {set_bits} set bits; "
+                                "re-create the artifact")
         return weight
 
 

@@ -24,8 +24,8 @@ def parse_nm(pattern: str) -> tuple[int, int]:
 
 def sparsity_entry(structure: str, method: str, target: float, ignore: list[str], measured: float,
                    targets: list[str], storage: str = "dense") -> dict:
-    """What config.json records about a sparse model (llmopt's `sparsity_config`); storage: "dense" or
-    COMPRESSED_FORMAT."""
+    """What config.json records about a sparse model (llmopt's `sparsity_config`); storage: "dense" or one of
+    COMPRESSED_FORMATS."""
     return {"format": storage, "sparsity_structure": structure, "method": method,
             "targets": targets, "ignore": ["lm_head", "model.embed_tokens", *ignore],
             "target_sparsity": round(target, 6), "global_sparsity": round(measured, 6)}

@@ -1,11 +1,8 @@
 """2:4 sparse weights on CPU, from the compressed layout (core/contract/sparse24.py): the kept values in the
 compute dtype and 2 bits of position per value — 0.53x of fp32's bytes, 0.56x of bf16's (and the stored bitmask,
-another 1/32, which only the prefill paths read). Paths (row_paths.py,
-chosen per step's row count by measurement): "rows", the compiled kernel that reads the values and positions once
-for all rows and picks each value's input in registers (decode, speculative verification:
-kernels/csrc/sparse24_cpu.cpp); "tiled", an L2-sized tile decompressed at a time and multiplied by all rows with
-the dense GEMM; "decompress", the whole weight decompressed into a reused buffer before the dense GEMM (prefill).
-Without the compiled kernels each product decompresses the weight with torch."""
+another 1/32, which only the prefill paths read). Its "rows" path reads the values and positions once for all
+rows and picks each value's input in registers (decode, speculative verification: kernels/csrc/sparse24_cpu.cpp);
+the prefill paths decompress (sparse_paths.py)."""
 
 from __future__ import annotations
 

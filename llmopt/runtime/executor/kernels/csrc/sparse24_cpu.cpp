@@ -125,188 +125,13 @@ struct ValueWeights {
   float at(int64_t n, int64_t c, int i) const { return to_float(values[n * half + c * 16 + i]); }
 };
 
-template <typename Weights>
-void picked_rows(const at::Tensor& x, const int32_t* positions, const Weights& weights, at::Tensor& y) {
-  const int64_t K = x.size(1), N = y.size(1);
-  LLMOPT_DISPATCH(x, [&] {
-    few_rows_by_output_blocks<scalar_t, RB, NB>(x, y, [&](auto rows, auto outs, const float* xm, float* ym, int64_t n) {
-      picked_outputs<decltype(rows)::value, decltype(outs)::value>(xm, positions, weights, ym, N, K, n);
-    });
-  });
-}
-
-// W's rows n0..n1 into dense [n1 - n0, K] (zeros in place), from the positions (any dtype, any build)
-template <typename T>
-void decompress_rows_scalar(const T* values, const int32_t* positions, T* dense, int64_t K, int64_t n0, int64_t n1) {
-  const int64_t chunks = K / CHUNK;
-  std::memset(static_cast<void*>(dense), 0, sizeof(T) * (n1 - n0) * K);
-  for (int64_t n = n0; n < n1; ++n) {
-    const T* v = values + n * (K / 2);
-    const int32_t* p = positions + n * chunks;
-    T* o = dense + (n - n0) * K;
-    for (int64_t c = 0; c < chunks; ++c) {
-      const uint32_t word = static_cast<uint32_t>(p[c]);
-      T* group = o + c * CHUNK;
-      for (int i = 0; i < 16; ++i) group[(i / 2) * 4 + ((word >> (2 * i)) & 3)] = v[c * 16 + i];
-    }
-  }
-}
-
-// fp32 from the bitmask (bit j of byte b = column 8b + j kept; exactly 4 of every 8 in 2:4): the kept values
-// expanded into their columns, zeros elsewhere, 16 columns (AVX-512) or 8 (AVX2, simd.h's expand8) at a time
-void decompress_rows_fp32(const float* values, const uint8_t* bitmask, const int32_t* positions, float* dense,
-                          int64_t K, int64_t n0, int64_t n1) {
-#if defined(__AVX512F__)
-  (void)positions;
-  for (int64_t n = n0; n < n1; ++n) {
-    const float* v = values + n * (K / 2);
-    const uint8_t* b = bitmask + n * (K / 8);
-    float* o = dense + (n - n0) * K;
-    for (int64_t k = 0; k < K; k += 16, v += 8) {
-      const __mmask16 keep = static_cast<__mmask16>(b[k / 8] | (b[k / 8 + 1] << 8));
-      _mm512_storeu_ps(o + k, _mm512_maskz_expandloadu_ps(keep, v));  // reads only the 8 kept values
-    }
-  }
-#elif defined(__AVX2__)
-  (void)positions;
-  for (int64_t n = n0; n < n1; ++n) {
-    const float* v = values + n * (K / 2);
-    const uint8_t* b = bitmask + n * (K / 8);
-    float* o = dense + (n - n0) * K;
-    for (int64_t k = 0; k < K; k += 8, v += 4)  // (4 kept of every 8: exactly 4 values read)
-      _mm256_storeu_ps(o + k, expand8(_mm256_castps128_ps256(_mm_loadu_ps(v)), b[k / 8]));
-  }
-#else
-  (void)bitmask;
-  decompress_rows_scalar<float>(values, positions, dense, K, n0, n1);
-#endif
-}
-
-template <typename T>
-void decompress_rows(const T* values, const uint8_t* bitmask, const int32_t* positions, T* dense, int64_t K,
+// W's rows n0..n1 into dense [n1 - n0, K] in T (zeros in place), each kept weight rounded once to T. fp32
+// expands each chunk's 16 weights into its 32 columns from the bitmask (bit j of byte b = column 8b + j kept;
+// exactly 8 of every 16): 16 columns per expand on AVX-512, 8 on AVX2 (simd.h's expand8); other dtypes and the
+// scalar build scatter them by position.
+template <typename T, typename Weights>
+void decompress_rows(const Weights& weights, const int32_t* positions, const uint8_t* bitmask, T* dense, int64_t K,
                      int64_t n0, int64_t n1) {
-  if constexpr (std::is_same_v<T, float>) {
-    decompress_rows_fp32(values, bitmask, positions, dense, K, n0, n1);
-  } else {
-    (void)bitmask;
-    decompress_rows_scalar<T>(values, positions, dense, K, n0, n1);
-  }
-}
-
-void check_operands(const at::Tensor& values, const at::Tensor& positions,
-                    const std::optional<at::Tensor>& bitmask = std::nullopt) {
-  TORCH_CHECK(values.dim() == 2 && positions.dim() == 2 && positions.scalar_type() == at::kInt,
-              "values [N, K/2] and positions [N, K/32] int32 expected");
-  TORCH_CHECK(positions.size(0) == values.size(0) && values.size(1) == positions.size(1) * 16,
-              "positions [N, K/32] must match values [N, K/2]");
-  TORCH_CHECK(!bitmask.has_value() || (bitmask->scalar_type() == at::kByte && bitmask->dim() == 2 &&
-                                       bitmask->size(0) == values.size(0) && bitmask->size(1) == values.size(1) / 4),
-              "bitmask [N, K/8] uint8 expected");
-}
-
-// checks, then y [M, N] in x's dtype; no bitmask: the few-row kernel, else W decompressed tile by tile
-at::Tensor sparse24_op(const at::Tensor& x, const at::Tensor& values, const at::Tensor& positions,
-                       const std::optional<at::Tensor>& bitmask, int64_t tile_bytes) {
-  check_operands(values, positions, bitmask);
-  const int64_t N = values.size(0), K = values.size(1) * 2;
-  TORCH_CHECK(x.dim() == 2 && x.size(1) == K, "x [M, K] expected, K = 2 x the values' columns");
-  TORCH_CHECK(x.scalar_type() == values.scalar_type(), "x and values must share a dtype");
-  const at::Tensor xc = x.contiguous(), vc = values.contiguous(), pc = positions.contiguous();
-  at::Tensor y = at::empty({x.size(0), N}, x.options());
-  LLMOPT_DISPATCH(xc, [&] {
-    const scalar_t* vp = vc.data_ptr<scalar_t>();
-    const int32_t* pp = pc.data_ptr<int32_t>();
-    if (!bitmask.has_value()) {
-      picked_rows(xc, pp, ValueWeights<scalar_t>{vp, K / 2}, y);
-    } else {
-      const at::Tensor bc = bitmask->contiguous();
-      const uint8_t* bp = bc.data_ptr<uint8_t>();
-      tiled_matmul<scalar_t>(xc, y, tile_bytes, [&](scalar_t* tile, int64_t n0, int64_t n1) {
-        decompress_rows<scalar_t>(vp, bp, pp, tile, K, n0, n1);
-      });
-    }
-  });
-  return y;
-}
-
-at::Tensor sparse24_matmul_rows(const at::Tensor& x, const at::Tensor& values, const at::Tensor& positions) {
-  return sparse24_op(x, values, positions, std::nullopt, 0);
-}
-
-at::Tensor sparse24_matmul_tiled(const at::Tensor& x, const at::Tensor& values, const at::Tensor& positions,
-                                 const at::Tensor& bitmask, int64_t tile_bytes) {
-  TORCH_CHECK(tile_bytes > 0, "tile_bytes must be positive");
-  return sparse24_op(x, values, positions, bitmask, tile_bytes);
-}
-
-void sparse24_decompress_out(const at::Tensor& values, const at::Tensor& positions, const at::Tensor& bitmask,
-                             at::Tensor& out) {
-  check_operands(values, positions, bitmask);
-  const int64_t N = values.size(0), K = values.size(1) * 2;
-  TORCH_CHECK(out.dim() == 2 && out.size(0) == N && out.size(1) == K && out.is_contiguous() &&
-                  out.scalar_type() == values.scalar_type(),
-              "out [N, K] contiguous in the values' dtype expected");
-  const at::Tensor vc = values.contiguous(), pc = positions.contiguous(), bc = bitmask.contiguous();
-  LLMOPT_DISPATCH(vc, [&] {
-    const scalar_t* vp = vc.data_ptr<scalar_t>();
-    const int32_t* pp = pc.data_ptr<int32_t>();
-    const uint8_t* bp = bc.data_ptr<uint8_t>();
-    scalar_t* op = out.data_ptr<scalar_t>();
-    at::parallel_for(0, N, 64, [&](int64_t begin, int64_t end) {
-      decompress_rows<scalar_t>(vp, bp, pp, op + begin * K, K, begin, end);
-    });
-  });
-}
-
-// ---- 2:4 with 4-bit codes ----------------------------------------------------------------------------------
-// codes [N, K/4] uint8: the kept values' codes, two per byte (value 2j in the low nibble of byte j, 2j + 1 in the
-// high one), in the values' order; positions as above; scale and offset [N, G] fp32 per group of `group`
-// columns (a multiple of 32): w = code * scale + offset (offset = -zero * scale); the decompressing ones also take
-// the bitmask as stored. 16 codes are widened and scaled
-// in registers per chunk, then meet their picked inputs as the fp32 values do.
-
-// the 16 codes of a chunk (8 bytes), in order, as floats
-#if defined(__AVX512F__)
-inline Vec codes16(const uint8_t* p) {
-  const __m128i b = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(p));
-  const __m128i low = _mm_and_si128(b, _mm_set1_epi8(0x0F)), high = _mm_and_si128(_mm_srli_epi16(b, 4), _mm_set1_epi8(0x0F));
-  return {_mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_unpacklo_epi8(low, high)))};
-}
-#elif defined(LLMOPT_VEC)
-inline Vec codes16(const uint8_t* p) {
-  const __m128i b = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(p));
-  const __m128i low = _mm_and_si128(b, _mm_set1_epi8(0x0F)), high = _mm_and_si128(_mm_srli_epi16(b, 4), _mm_set1_epi8(0x0F));
-  const __m128i ordered = _mm_unpacklo_epi8(low, high);
-  return {_mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(ordered)), _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_srli_si128(ordered, 8)))};
-}
-#endif
-
-inline float code_at(const uint8_t* chunk, int i) { return static_cast<float>((chunk[i / 2] >> (4 * (i % 2))) & 15); }
-
-// the kept values' 4-bit codes with their group's scale and offset
-struct CodeWeights {
-  const uint8_t* codes;  // [N, K/4]
-  const float *scale, *offset;  // [N, G]
-  int64_t quarter, groups, per_group;  // K/4, G, chunks per group
-#if defined(LLMOPT_VEC)
-  Vec vec(int64_t n, int64_t c, int ahead) const {
-    _mm_prefetch(reinterpret_cast<const char*>(codes + (n + ahead) * quarter + c * 8), _MM_HINT_T0);  // (as above)
-    const int64_t g = n * groups + c / per_group;
-    return vfma(codes16(codes + n * quarter + c * 8), vset1(scale[g]), vset1(offset[g]));
-  }
-#endif
-  float at(int64_t n, int64_t c, int i) const {
-    const int64_t g = n * groups + c / per_group;
-    return std::fma(code_at(codes + n * quarter + c * 8, i), scale[g], offset[g]);
-  }
-};
-
-// W's rows n0..n1 dense [n1 - n0, K] in T (zeros in place): w = code * scale + offset rounded once to T. fp32
-// expands each chunk's 16 scaled codes into its 32 columns from the bitmask (as decompress_rows_fp32), other
-// dtypes scatter them by position.
-template <typename T>
-void int4_decompress_rows(const CodeWeights& weights, const int32_t* positions, const uint8_t* bitmask, T* dense,
-                          int64_t K, int64_t n0, int64_t n1) {
   const int64_t chunks = K / CHUNK;
 #if defined(LLMOPT_VEC)
   if constexpr (std::is_same_v<T, float>) {
@@ -336,21 +161,143 @@ void int4_decompress_rows(const CodeWeights& weights, const int32_t* positions, 
     T* o = dense + (n - n0) * K;
     for (int64_t c = 0; c < chunks; ++c) {
       const uint32_t word = static_cast<uint32_t>(positions[n * chunks + c]);
-      for (int i = 0; i < 16; ++i) o[c * CHUNK + (i / 2) * 4 + ((word >> (2 * i)) & 3)] = from_float<T>(weights.at(n, c, i));
+      for (int i = 0; i < 16; ++i)
+        o[c * CHUNK + (i / 2) * 4 + ((word >> (2 * i)) & 3)] = from_float<T>(weights.at(n, c, i));
     }
   }
 }
 
+// y [M, N] = x @ W^T for the 2:4 W that `weights` and `positions` give: without a bitmask the few-row kernel,
+// with one W decompressed an L2 tile at a time (tiled_gemm.h)
+template <typename T, typename Weights>
+void sparse_product(const at::Tensor& x, const int32_t* positions, const Weights& weights, const uint8_t* bitmask,
+                    int64_t tile_bytes, at::Tensor& y) {
+  const int64_t K = x.size(1), N = y.size(1);
+  if (bitmask == nullptr) {
+    few_rows_by_output_blocks<T, RB, NB>(x, y, [&](auto rows, auto outs, const float* xm, float* ym, int64_t n) {
+      picked_outputs<decltype(rows)::value, decltype(outs)::value>(xm, positions, weights, ym, N, K, n);
+    });
+    return;
+  }
+  tiled_matmul<T>(x, y, tile_bytes, [&](T* tile, int64_t n0, int64_t n1) {
+    decompress_rows<T>(weights, positions, bitmask, tile, K, n0, n1);
+  });
+}
+
+// the whole W into out [N, K] (the "decompress" path's buffer)
+template <typename T, typename Weights>
+void decompress_all(const Weights& weights, const int32_t* positions, const uint8_t* bitmask, at::Tensor& out) {
+  const int64_t K = out.size(1);
+  T* dp = out.data_ptr<T>();
+  at::parallel_for(0, out.size(0), 64, [&](int64_t begin, int64_t end) {
+    decompress_rows<T>(weights, positions, bitmask, dp + begin * K, K, begin, end);
+  });
+}
+
+// bitmask [N, K/8] uint8 where given
+void check_bitmask(const std::optional<at::Tensor>& bitmask, int64_t N, int64_t K) {
+  TORCH_CHECK(!bitmask.has_value() || (bitmask->scalar_type() == at::kByte && bitmask->dim() == 2 &&
+                                       bitmask->size(0) == N && bitmask->size(1) == K / 8),
+              "bitmask [N, K/8] uint8 expected");
+}
+
+void check_operands(const at::Tensor& values, const at::Tensor& positions,
+                    const std::optional<at::Tensor>& bitmask = std::nullopt) {
+  TORCH_CHECK(values.dim() == 2 && positions.dim() == 2 && positions.scalar_type() == at::kInt,
+              "values [N, K/2] and positions [N, K/32] int32 expected");
+  TORCH_CHECK(positions.size(0) == values.size(0) && values.size(1) == positions.size(1) * 16,
+              "positions [N, K/32] must match values [N, K/2]");
+  check_bitmask(bitmask, values.size(0), values.size(1) * 2);
+}
+
+// checks, then y [M, N] in x's dtype; no bitmask: the few-row kernel, else W decompressed tile by tile
+at::Tensor sparse24_op(const at::Tensor& x, const at::Tensor& values, const at::Tensor& positions,
+                       const std::optional<at::Tensor>& bitmask, int64_t tile_bytes) {
+  check_operands(values, positions, bitmask);
+  const int64_t N = values.size(0), K = values.size(1) * 2;
+  TORCH_CHECK(x.dim() == 2 && x.size(1) == K, "x [M, K] expected, K = 2 x the values' columns");
+  TORCH_CHECK(x.scalar_type() == values.scalar_type(), "x and values must share a dtype");
+  const at::Tensor xc = x.contiguous(), vc = values.contiguous(), pc = positions.contiguous();
+  const at::Tensor bc = bitmask.has_value() ? bitmask->contiguous() : at::Tensor();
+  at::Tensor y = at::empty({x.size(0), N}, x.options());
+  LLMOPT_DISPATCH(xc, [&] {
+    sparse_product<scalar_t>(xc, pc.data_ptr<int32_t>(), ValueWeights<scalar_t>{vc.data_ptr<scalar_t>(), K / 2},
+                             bc.defined() ? bc.data_ptr<uint8_t>() : nullptr, tile_bytes, y);
+  });
+  return y;
+}
+
+at::Tensor sparse24_matmul_rows(const at::Tensor& x, const at::Tensor& values, const at::Tensor& positions) {
+  return sparse24_op(x, values, positions, std::nullopt, 0);
+}
+
+at::Tensor sparse24_matmul_tiled(const at::Tensor& x, const at::Tensor& values, const at::Tensor& positions,
+                                 const at::Tensor& bitmask, int64_t tile_bytes) {
+  TORCH_CHECK(tile_bytes > 0, "tile_bytes must be positive");
+  return sparse24_op(x, values, positions, bitmask, tile_bytes);
+}
+
+void check_out(const at::Tensor& out, int64_t N, int64_t K) {
+  TORCH_CHECK(out.dim() == 2 && out.size(0) == N && out.size(1) == K && out.is_contiguous(),
+              "out [N, K] contiguous expected");
+}
+
+void sparse24_decompress_out(const at::Tensor& values, const at::Tensor& positions, const at::Tensor& bitmask,
+                             at::Tensor& out) {
+  check_operands(values, positions, bitmask);
+  const int64_t K = values.size(1) * 2;
+  check_out(out, values.size(0), K);
+  TORCH_CHECK(out.scalar_type() == values.scalar_type(), "out in the values' dtype expected");
+  const at::Tensor vc = values.contiguous(), pc = positions.contiguous(), bc = bitmask.contiguous();
+  LLMOPT_DISPATCH(vc, [&] {
+    decompress_all<scalar_t>(ValueWeights<scalar_t>{vc.data_ptr<scalar_t>(), K / 2}, pc.data_ptr<int32_t>(),
+                             bc.data_ptr<uint8_t>(), out);
+  });
+}
+
+// ---- 2:4 with 4-bit codes ----------------------------------------------------------------------------------
+// codes [N, K/4] uint8: the kept values' codes, two per byte (value 2j in the low nibble of byte j, 2j + 1 in the
+// high one), in the values' order; positions as above; scale and offset [N, G] fp32 per group of `group`
+// columns (a multiple of 32): w = code * scale + offset (offset = -zero * scale); the decompressing ones also take
+// the bitmask as stored. 16 codes are widened and scaled in registers per chunk, then meet their picked inputs as
+// the fp32 values do.
+
+#if defined(LLMOPT_VEC)
+// the 16 codes of a chunk (8 bytes), in order, as floats
+inline Vec codes16(const uint8_t* p) {
+  const __m128i b = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(p)), nibble = _mm_set1_epi8(0x0F);
+  return from_bytes(_mm_unpacklo_epi8(_mm_and_si128(b, nibble), _mm_and_si128(_mm_srli_epi16(b, 4), nibble)));
+}
+#endif
+
+inline float code_at(const uint8_t* chunk, int i) { return static_cast<float>((chunk[i / 2] >> (4 * (i % 2))) & 15); }
+
+// the kept values' 4-bit codes with their group's scale and offset
+struct CodeWeights {
+  const uint8_t* codes;  // [N, K/4]
+  const float *scale, *offset;  // [N, G]
+  int64_t quarter, groups, per_group;  // K/4, G, chunks per group
+#if defined(LLMOPT_VEC)
+  Vec vec(int64_t n, int64_t c, int ahead) const {
+    _mm_prefetch(reinterpret_cast<const char*>(codes + (n + ahead) * quarter + c * 8), _MM_HINT_T0);  // (as above)
+    const int64_t g = n * groups + c / per_group;
+    return vfma(codes16(codes + n * quarter + c * 8), vset1(scale[g]), vset1(offset[g]));
+  }
+#endif
+  float at(int64_t n, int64_t c, int i) const {
+    const int64_t g = n * groups + c / per_group;
+    return std::fma(code_at(codes + n * quarter + c * 8, i), scale[g], offset[g]);
+  }
+};
+
 void check_int4_operands(const at::Tensor& codes, const at::Tensor& positions, const at::Tensor& scale,
                          const at::Tensor& offset, int64_t group, const std::optional<at::Tensor>& bitmask) {
-  TORCH_CHECK(!bitmask.has_value() || (bitmask->scalar_type() == at::kByte && bitmask->dim() == 2 &&
-                                       bitmask->size(0) == codes.size(0) && bitmask->size(1) == codes.size(1) / 2),
-              "bitmask [N, K/8] uint8 expected");
   TORCH_CHECK(codes.dim() == 2 && codes.scalar_type() == at::kByte, "codes [N, K/4] uint8 expected");
   TORCH_CHECK(positions.dim() == 2 && positions.scalar_type() == at::kInt && positions.size(0) == codes.size(0) &&
                   codes.size(1) == positions.size(1) * 8,
               "positions [N, K/32] int32 matching codes [N, K/4] expected");
   const int64_t K = codes.size(1) * 4;
+  check_bitmask(bitmask, codes.size(0), K);
   TORCH_CHECK(group > 0 && group % CHUNK == 0 && K % group == 0, "group must be a multiple of 32 dividing K");
   for (const at::Tensor* t : {&scale, &offset})
     TORCH_CHECK(t->scalar_type() == at::kFloat && t->dim() == 2 && t->size(0) == codes.size(0) &&
@@ -358,29 +305,27 @@ void check_int4_operands(const at::Tensor& codes, const at::Tensor& positions, c
                 "scale and offset [N, K / group] float32 expected");
 }
 
+// the weights of contiguous codes, scale and offset
+CodeWeights code_weights(const at::Tensor& codes, const at::Tensor& scale, const at::Tensor& offset, int64_t group) {
+  const int64_t K = codes.size(1) * 4;
+  return {codes.data_ptr<uint8_t>(), scale.data_ptr<float>(), offset.data_ptr<float>(), K / 4, K / group,
+          group / CHUNK};
+}
+
 at::Tensor sparse24_int4_op(const at::Tensor& x, const at::Tensor& codes, const at::Tensor& positions,
                             const at::Tensor& scale, const at::Tensor& offset, const std::optional<at::Tensor>& bitmask,
                             int64_t group, int64_t tile_bytes) {
   check_int4_operands(codes, positions, scale, offset, group, bitmask);
-  const int64_t N = codes.size(0), K = codes.size(1) * 4, M = x.size(0), groups = K / group;
+  const int64_t K = codes.size(1) * 4;
   TORCH_CHECK(x.dim() == 2 && x.size(1) == K, "x [M, K] expected, K = 4 x the codes' columns");
-  const at::Tensor xc = x.contiguous(), cc = codes.contiguous(), pc = positions.contiguous();
-  const at::Tensor sc = scale.contiguous(), oc = offset.contiguous();
-  const uint8_t* cp = cc.data_ptr<uint8_t>();
-  const int32_t* pp = pc.data_ptr<int32_t>();
-  const float *sp = sc.data_ptr<float>(), *op = oc.data_ptr<float>();
-  at::Tensor y = at::empty({M, N}, x.options());
-  const CodeWeights weights{cp, sp, op, K / 4, groups, group / CHUNK};
-  if (!bitmask.has_value()) {
-    picked_rows(xc, pp, weights, y);
-    return y;
-  }
-  const at::Tensor bc = bitmask->contiguous();
-  const uint8_t* bp = bc.data_ptr<uint8_t>();
+  const at::Tensor cc = codes.contiguous(), sc = scale.contiguous(), oc = offset.contiguous();
+  const CodeWeights weights = code_weights(cc, sc, oc, group);
+  const at::Tensor xc = x.contiguous(), pc = positions.contiguous();
+  const at::Tensor bc = bitmask.has_value() ? bitmask->contiguous() : at::Tensor();
+  at::Tensor y = at::empty({x.size(0), codes.size(0)}, x.options());
   LLMOPT_DISPATCH(xc, [&] {
-    tiled_matmul<scalar_t>(xc, y, tile_bytes, [&](scalar_t* tile, int64_t n0, int64_t n1) {
-      int4_decompress_rows<scalar_t>(weights, pp, bp, tile, K, n0, n1);
-    });
+    sparse_product<scalar_t>(xc, pc.data_ptr<int32_t>(), weights, bc.defined() ? bc.data_ptr<uint8_t>() : nullptr,
+                             tile_bytes, y);
   });
   return y;
 }
@@ -400,19 +345,12 @@ at::Tensor sparse24_int4_matmul_tiled(const at::Tensor& x, const at::Tensor& cod
 void sparse24_int4_decompress_out(const at::Tensor& codes, const at::Tensor& positions, const at::Tensor& scale,
                                   const at::Tensor& offset, const at::Tensor& bitmask, int64_t group, at::Tensor& out) {
   check_int4_operands(codes, positions, scale, offset, group, bitmask);
-  const int64_t N = codes.size(0), K = codes.size(1) * 4;
-  TORCH_CHECK(out.dim() == 2 && out.size(0) == N && out.size(1) == K && out.is_contiguous(),
-              "out [N, K] contiguous expected");
-  const at::Tensor cc = codes.contiguous(), pc = positions.contiguous(), sc = scale.contiguous(), oc = offset.contiguous();
-  const at::Tensor bc = bitmask.contiguous();
-  const CodeWeights weights{cc.data_ptr<uint8_t>(), sc.data_ptr<float>(), oc.data_ptr<float>(), K / 4, K / group,
-                            group / CHUNK};
+  check_out(out, codes.size(0), codes.size(1) * 4);
+  const at::Tensor cc = codes.contiguous(), sc = scale.contiguous(), oc = offset.contiguous();
+  const CodeWeights weights = code_weights(cc, sc, oc, group);
+  const at::Tensor pc = positions.contiguous(), bc = bitmask.contiguous();
   LLMOPT_DISPATCH(out, [&] {
-    scalar_t* dp = out.data_ptr<scalar_t>();
-    at::parallel_for(0, N, 64, [&](int64_t begin, int64_t end) {
-      int4_decompress_rows<scalar_t>(weights, pc.data_ptr<int32_t>(), bc.data_ptr<uint8_t>(), dp + begin * K, K, begin,
-                                     end);
-    });
+    decompress_all<scalar_t>(weights, pc.data_ptr<int32_t>(), bc.data_ptr<uint8_t>(), out);
   });
 }
 
