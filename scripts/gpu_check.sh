@@ -3,7 +3,8 @@
 # vs int4 (W4A16 Triton) on a random model with SmolLM2-135M's shape (the weights' values do not change
 # speed, and the GPU machine has no model files), the 8-bit KV cache's kernels and a long-context bench against
 # the fp16 cache, then the low-precision GEMM rates at 4096^3 (llmopt's Triton
-# W8A8 int8 / FP8 and FP8 / NVFP4-weight kernels vs torch._int_mm / _scaled_mm), and the tensor-parallel
+# W8A8 int8 / FP8 and FP8 / NVFP4-weight kernels vs torch._int_mm / _scaled_mm), 2:4 sparse linears at 4096 x 4096
+# (fp16 and int4, batch 1 and 512, vs dense), and the tensor-parallel
 # collectives over NCCL with one rank. Prints everything; paste the
 # output into docs/results/gpu.md.
 #   bash scripts/gpu_check.sh            (needs python with torch+CUDA and triton; installs llmopt --no-deps)
@@ -44,3 +45,5 @@ echo "== parallel engines: the NCCL path with one rank (a TP group's all-reduce 
 timeout 120 $PY -m pytest -q -p no:cacheprovider tests/runtime/test_tensor_parallel.py -k nccl
 echo "== low-precision GEMMs at 4096^3: llmopt's Triton kernels vs torch's _int_mm / _scaled_mm"
 timeout 120 $PY benchmarks/lowprec_gpu.py --json /tmp/llmopt-gpu/lowprec_gpu.json
+echo "== 2:4 sparse linears at 4096 x 4096, 1 and 512 rows: fp16 and int4, each vs its dense kind"
+timeout 120 $PY benchmarks/sparse_gpu.py --json /tmp/llmopt-gpu/sparse_gpu.json

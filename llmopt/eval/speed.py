@@ -223,7 +223,7 @@ def bench_runtime(name: str, model_name: str, spec: WorkloadSpec, config: BenchC
                   progress: ProgressFn | None = None) -> RunResult:
     """One measured runtime run."""
     from llmopt.core.models import DTYPES
-    from llmopt.runtime.parallel.data_parallel import create_engine
+    from llmopt.runtime.parallel.engines import create_engine
 
     config = _resolved(config)
     engine = create_engine(model_name, config.engine, dtype=config.dtype, device=config.device)

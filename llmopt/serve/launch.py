@@ -7,7 +7,7 @@ from typing import Iterator
 
 from llmopt.runtime.engine.config import EngineConfig
 from llmopt.runtime.engine.engine import Engine
-from llmopt.runtime.parallel.data_parallel import create_engine
+from llmopt.runtime.parallel.engines import create_engine
 from llmopt.serve.app import DEFAULT_MAX_BODY_BYTES, Server, build_app
 from llmopt.serve.async_engine import AsyncEngine
 

@@ -13,8 +13,9 @@ from llmopt.runtime.engine.engine import Engine
 from llmopt.runtime.engine.sampling import SamplingParams
 from llmopt.runtime.executor.loader import load_runtime_model
 from llmopt.runtime.parallel.data_parallel import (
-    AFFINITY_SLACK_TOKENS, DataParallelEngine, PrefixMemory, Replica, block_hashes, create_engine,
+    AFFINITY_SLACK_TOKENS, DataParallelEngine, PrefixMemory, Replica, block_hashes,
 )
+from llmopt.runtime.parallel.engines import create_engine
 
 PARAMS = SamplingParams(max_tokens=10, ignore_eos=True)
 

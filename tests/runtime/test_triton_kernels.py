@@ -152,3 +152,57 @@ def test_float_weight_triton_matches_the_dequantized_weight(rows, scheme, dtype)
     y = _linear(TritonFloatWeightLinear, qweight, dtype)(x.to(DEVICE)).float().cpu()
     tol = 1e-4 if dtype == torch.float32 else 1e-2
     torch.testing.assert_close(y, expected, rtol=tol, atol=tol * expected.abs().max().item())
+
+
+@pytest.mark.parametrize("rows", [1, 3, 8, 512])
+@pytest.mark.parametrize("n,k", [(48, 64), (37, 160), (64, 576)])  # odd N and K not a multiple of the K step
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+def test_sparse24_triton_matches_the_dense_weight(rows, n, k, dtype):
+    from llmopt.core.contract.sparse24 import Sparse24Weight
+    from llmopt.runtime.executor.linear.triton_sparse24 import TritonSparse24Linear
+    from tests.runtime.test_sparse24_kernels import sparse_2of4
+
+    weight = Sparse24Weight.from_dense(sparse_2of4(n, k, seed=n + k))
+    x = torch.randn(rows, k, generator=torch.Generator().manual_seed(rows)).to(dtype)
+    expected = x.double() @ weight.decompress().double().t()
+    layer = _linear(TritonSparse24Linear, weight, dtype)
+    assert layer.semi_structured is None or CUDA
+    y = layer(x.to(DEVICE)).double().cpu()
+    tol = 1e-4 if dtype == torch.float32 else 1e-2
+    torch.testing.assert_close(y, expected, rtol=tol, atol=tol * expected.abs().max().item())
+
+
+@pytest.mark.parametrize("rows", [1, 3, 8, 512])
+@pytest.mark.parametrize("n,k,group", [(48, 64, 32), (37, 576, 64), (64, 256, 128), (32, 96, -1)])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+def test_sparse24_int4_triton_matches_the_dequantized_weight(rows, n, k, group, dtype):
+    from llmopt.runtime.executor.linear.triton_sparse24 import TritonSparse24Int4Linear
+    from tests.runtime.test_sparse24_kernels import quantized_2of4
+
+    qweight = quantized_2of4(n, k, group, seed=n + k, sym=group != 64)
+    x = torch.randn(rows, k, generator=torch.Generator().manual_seed(rows)).to(dtype)
+    expected = x.double() @ qweight.dequantize(torch.float64).t()
+    layer = _linear(TritonSparse24Int4Linear, qweight, dtype)
+    assert layer.codes.numel() * 8 == qweight.q.numel() // 2  # the kept codes only: 8 per int32 word
+    y = layer(x.to(DEVICE)).double().cpu()
+    tol = 1e-4 if dtype == torch.float32 else 1e-2
+    torch.testing.assert_close(y, expected, rtol=tol, atol=tol * expected.abs().max().item())
+
+
+def test_cuda_methods_are_chosen_for_compressed_2of4_weights(monkeypatch):
+    """On a CUDA device the compressed weights go to the 2:4 Triton methods, not the dense or dense-int4 ones."""
+    from llmopt.core.contract import LinearScheme
+    from llmopt.core.contract.sparse24 import Sparse24Weight
+    from llmopt.runtime.executor.kernels import attention
+    from llmopt.runtime.executor.linear import select_linear_method
+    from tests.runtime.test_sparse24_kernels import quantized_2of4, sparse_2of4
+
+    monkeypatch.setattr(attention, "triton_available", lambda: True)
+    cuda = torch.device("cuda")
+    qweight = quantized_2of4(64, 128, 64)
+    assert select_linear_method(qweight, LinearScheme(qweight.scheme), cuda).name == "sparse24-int4-triton"
+    qweight.keep = None
+    assert select_linear_method(qweight, LinearScheme(qweight.scheme), cuda).name == "w4a16-triton"
+    weight = Sparse24Weight.from_dense(sparse_2of4(64, 128))
+    assert select_linear_method(weight, LinearScheme(None), cuda).name == "sparse24-cuda"
+    assert select_linear_method(weight, LinearScheme(None), torch.device("cpu")).name == "sparse24-cpu"

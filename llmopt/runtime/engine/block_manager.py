@@ -122,6 +122,16 @@ class BlockManager:
         self.num_hit_tokens += seq.num_cached_tokens
         self._grow(seq, seq.num_blocks(self.block_size, num_tokens))
 
+    def allocate_fresh(self, seq: Sequence) -> bool:
+        """Blocks for all of a sequence's tokens, none from the prefix cache (their contents come from elsewhere:
+        a prefill engine's, under disaggregation); False when they cannot be had now."""
+        assert not seq.block_table, "sequence already has blocks"
+        needed = seq.num_blocks(self.block_size)
+        if needed > self.num_free_blocks and needed > self.num_available_blocks:
+            return False
+        self._grow(seq, needed)
+        return True
+
     def can_grow(self, seq: Sequence, num_tokens: int) -> bool:
         """Whether the sequence can hold `num_tokens` tokens in total."""
         needed = seq.num_blocks(self.block_size, num_tokens) - len(seq.block_table)

@@ -134,6 +134,13 @@ class EngineConfig:
         "request to the least loaded replica or to one holding its prompt's prefix.")
     dp_cores: Optional[str] = option(
         None, "CPU cores of each data-parallel replica, ';'-separated lists. Default: an even split.")
+    disaggregate: Optional[str] = option(
+        None, "Prefill/decode disaggregation P:D (serve and bench), e.g. 1:1: P prefill workers compute each prompt's "
+        "KV and hand it over (torch.distributed, gloo) to one of D decode workers, which only decode; each worker "
+        "a process on its own cores. Default: colocated (chunked prefill shares steps with decodes).")
+    pd_cores: Optional[str] = option(
+        None, "CPU cores of each disaggregated worker, prefill workers first, ';'-separated lists. Default: an "
+        "even split.")
     speculative: Optional[SpeculativeConfig] = None  # its own options (cli.options.SPECULATIVE_OPTIONS)
 
     def __post_init__(self):
@@ -153,6 +160,8 @@ class EngineConfig:
         if not 0 < self.kv_cache_memory_fraction <= KV_CACHE_MAX_FRACTION:
             raise ConfigError(f"--kv-cache-memory-fraction {self.kv_cache_memory_fraction}: give a fraction in "
                               f"(0, {KV_CACHE_MAX_FRACTION}]", param="kv_cache_memory_fraction")
+        if self.disaggregate is not None:
+            self._check_disaggregation()
         # (attention_backend: checked against the backends' registry when the engine starts)
         for name, allowed in (("policy", ("continuous", "static")), ("kv_cache_dtype", KV_CACHE_DTYPES),
                               ("activations", ACTIVATION_MODES), ("linear_kernels", LINEAR_KERNEL_MODES)):
@@ -160,6 +169,27 @@ class EngineConfig:
                 flag = engine_flag(name)
                 raise ConfigError(f"--{flag} must be one of {', '.join(allowed)} (got {getattr(self, name)!r})",
                                   param=name)
+
+    @property
+    def disaggregation(self) -> tuple[int, int] | None:
+        """(prefill workers, decode workers) under --disaggregate P:D, else None."""
+        if self.disaggregate is None:
+            return None
+        prefill, _, decode = self.disaggregate.partition(":")
+        return int(prefill), int(decode)
+
+    def _check_disaggregation(self) -> None:
+        prefill, sep, decode = self.disaggregate.partition(":")
+        if not (sep and prefill.isdigit() and decode.isdigit() and int(prefill) >= 1 and int(decode) >= 1):
+            raise ConfigError(f"--disaggregate {self.disaggregate!r}: give prefill:decode worker counts, e.g. 1:1",
+                              param="disaggregate")
+        for name, flag in (("data_parallel_size", "data-parallel-size"), ("tensor_parallel_size",
+                           "tensor-parallel-size"), ("pipeline_parallel_size", "pipeline-parallel-size")):
+            if getattr(self, name) > 1:
+                raise ConfigError(f"--disaggregate runs one engine per worker: drop --{flag}", param="disaggregate")
+        if self.speculative is not None:
+            raise ConfigError("--disaggregate does not speculate (the decode workers have no draft state for the "
+                              "handed-over prompts): drop --speculative", param="disaggregate")
 
     @property
     def quantized_kv_cache(self) -> bool:

@@ -12,7 +12,8 @@ requests come through.
 from __future__ import annotations
 
 import time
-from typing import Iterator
+from collections import deque
+from typing import Callable, Iterator
 
 from llmopt.core.errors import ConfigError
 from llmopt.runtime.engine.block_manager import BlockManager
@@ -57,7 +58,7 @@ class Engine:
         self.tokenizer = tokenizer
         if self.config.data_parallel_size > 1:
             raise ConfigError("an Engine is one replica: --data-parallel-size is for serve and bench (the "
-                              "replicas are built by runtime.parallel.data_parallel.create_engine)",
+                              "replicas are built by runtime.parallel.engines.create_engine)",
                               param="data_parallel_size")
         if self.config.tensor_parallel_size > 1 or self.config.pipeline_parallel_size > 1:
             from llmopt.runtime.parallel.workers import parallel_runner
@@ -76,6 +77,11 @@ class Engine:
         self._stats = EngineStats()
         # per-step records for benchmarks; a server that runs for days turns them off to keep memory flat
         self.record_steps = record_steps
+        # prefill/decode disaggregation (runtime.parallel.disaggregated): a prefill worker's engine hands each
+        # prompt's KV over when its last chunk is computed (before the blocks are freed); a decode worker's engine
+        # adopts handed-over requests (prompt, first token, KV) as soon as blocks and the sequence cap allow
+        self.on_prefilled: Callable[[Sequence], None] | None = None
+        self._handed_over: deque[tuple[Sequence, list]] = deque()
         self.speculator = None
         if self.config.speculative is not None:
             from llmopt.runtime.spec_decode.speculator import Speculator
@@ -94,6 +100,43 @@ class Engine:
         self.outputs.add(seq)
         return seq.seq_id
 
+    def add_prefilled(self, prompt_token_ids: list[int], first_token: int, params: SamplingParams,
+                      kv_blocks: list, arrival_time: float | None = None, num_cached_tokens: int = 0) -> int:
+        """Queue a request whose prompt another engine computed: its first sampled token and its prompt's KV as
+        that engine's cache held it (`kv_blocks`: runner.read_kv_blocks of its first ceil(prompt / block_size)
+        blocks). It decodes from the second token on; its first output reports the first token."""
+        check_request(prompt_token_ids, params, self.tokenizer is not None, self.vocab_size, self.max_context)
+        seq = Sequence(prompt_token_ids, params, arrival_time=arrival_time)
+        seq.num_cached_tokens = num_cached_tokens  # (served by the prefill side's prefix cache)
+        needed = seq.num_blocks(self.block_manager.block_size, seq.num_prompt_tokens + params.max_tokens)
+        if needed > self.block_manager.num_blocks:
+            raise ConfigError(f"request needs {needed} KV blocks but the decode cache has "
+                              f"{self.block_manager.num_blocks}: raise --kv-cache-bytes or lower max_tokens")
+        seq.append_token(first_token)
+        self._live[seq.seq_id] = seq
+        self.outputs.add(seq)
+        self._handed_over.append((seq, kv_blocks))
+        return seq.seq_id
+
+    def _adopt_handed_over(self) -> list[int]:
+        """Move handed-over requests into the running batch while blocks and the sequence cap allow (oldest
+        first): their KV written into fresh blocks, the first token's KV computed by the next step. Returns the
+        ids adopted (each reports its first token this step) or finished at once (a stop string in it)."""
+        adopted = []
+        while self._handed_over:
+            seq, kv_blocks = self._handed_over[0]
+            if self.outputs.update(seq.seq_id, None):  # the first token's text already holds a stop string
+                self._handed_over.popleft()
+                seq.finish_reason = "stop"
+                adopted.append(seq.seq_id)
+                continue
+            if not self.scheduler.adopt(seq, seq.num_prompt_tokens):
+                break
+            self._handed_over.popleft()
+            self.runner.write_kv_blocks(seq.block_table[:len(kv_blocks[0])], kv_blocks)
+            adopted.append(seq.seq_id)
+        return adopted
+
     def check_token_ids(self, token_ids, param: str) -> None:
         """Refuse token ids outside the vocabulary (the embedding lookup would fail deep inside a step)."""
         check_token_ids(token_ids, self.vocab_size, param)
@@ -102,6 +145,10 @@ class Engine:
         """Stop a request; its final output (finish_reason "abort") comes from the next step()."""
         self.runner.release(request_id)
         aborted = self.scheduler.abort(request_id)
+        waiting = [item for item in self._handed_over if item[0].seq_id == request_id]  # handed over, not adopted
+        if waiting:
+            self._handed_over = deque(item for item in self._handed_over if item[0].seq_id != request_id)
+            waiting[0][0].finish_reason, aborted = "abort", True
         if aborted:
             self._aborted.add(request_id)
         return aborted
@@ -127,6 +174,7 @@ class Engine:
     def step(self) -> list[RequestOutput]:
         """Run one scheduled batch; one RequestOutput per request that produced a token or finished."""
         started = time.perf_counter()
+        adopted = self._adopt_handed_over() if self._handed_over else []
         if self.speculator is not None:
             self.speculator.propose(self.scheduler.running, self.max_context)
         out = self.scheduler.schedule()
@@ -135,6 +183,10 @@ class Engine:
             stats = step_stats(out, 0.0, 0.0) if self.record_steps else None  # read before postprocess
             executed = time.perf_counter()
             result = self.runner.execute(out)
+            if self.on_prefilled is not None:
+                for item in out.scheduled:  # a prompt whose last chunk ran: its KV is complete, its blocks held
+                    if item.samples and item.seq.num_output_tokens == 0:
+                        self.on_prefilled(item.seq)
             if self.speculator is not None:
                 self.speculator.observe(out, result.accepted, time.perf_counter() - executed)
             for seq_id, (first, entries) in result.prompt_logprobs.items():
@@ -148,7 +200,8 @@ class Engine:
                 stats.duration, stats.kv_usage = time.perf_counter() - started, self.block_manager.usage
                 self._stats.steps.append(stats)
         # aborted requests report once, even in a step that ran nothing for them
-        changed = [*sampled, *(i for i in self._aborted if i not in sampled)]
+        changed = [*adopted, *(i for i in sampled if i not in adopted)]
+        changed += [i for i in self._aborted if i not in sampled and i not in adopted]
         self._aborted.clear()
         return [self._report(seq_id) for seq_id in changed]
 

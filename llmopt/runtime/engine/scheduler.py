@@ -78,6 +78,17 @@ class Scheduler:
                     return True
         return False
 
+    def adopt(self, seq: Sequence, num_computed_tokens: int) -> bool:
+        """Run a sequence whose first `num_computed_tokens` tokens' KV another engine computed (prefill/decode
+        disaggregation): fresh blocks for all its tokens, then the running batch; False (nothing changed) while
+        the blocks or the sequence cap do not allow it."""
+        if len(self.running) >= self.config.max_num_seqs or not self.block_manager.allocate_fresh(seq):
+            return False
+        seq.num_computed_tokens = num_computed_tokens
+        seq.status = SequenceStatus.RUNNING
+        self.running.append(seq)
+        return True
+
     @property
     def has_unfinished(self) -> bool:
         return bool(self.waiting or self.running)

@@ -346,6 +346,18 @@ class ModelRunner:
             generator = self.generators[seq.seq_id] = torch.Generator().manual_seed(seq.params.seed)
         return generator
 
+    def read_kv_blocks(self, block_ids: list[int]) -> list[torch.Tensor]:
+        """The contents of these cache blocks, as stored (8-bit codes and their scales in an 8-bit cache): one
+        tensor [len(block_ids), block_size, ...] per cache tensor, layer by layer (a KV hand-over's payload)."""
+        index = torch.tensor(block_ids, dtype=torch.long, device=self.device)
+        return [t.index_select(0, index) for layer in self.kv_cache for t in layer]
+
+    def write_kv_blocks(self, block_ids: list[int], contents: list[torch.Tensor]) -> None:
+        """Store read_kv_blocks' tensors (another engine's, same model and cache dtype) into these blocks."""
+        index = torch.tensor(block_ids, dtype=torch.long, device=self.device)
+        for t, part in zip((t for layer in self.kv_cache for t in layer), contents, strict=True):
+            t.index_copy_(0, index, part.to(t.device))
+
     def release(self, seq_id: int) -> None:
         self.generators.pop(seq_id, None)
         self.prompt_scores.release(seq_id)

@@ -158,6 +158,7 @@ class Replica:
     prefixes: PrefixMemory = dataclasses.field(default_factory=PrefixMemory)
     restarts: int = 0
     stats: EngineStats | None = None
+    role: str = "replica"  # (prefill / decode under disaggregation)
 
 
 class _Usage:
@@ -193,9 +194,7 @@ class DataParallelEngine:
         self.load_args = dict(name=model_name, dtype=dtype, device=device, trust_remote_code=trust_remote_code)
         self.replica_config = dataclasses.replace(config, data_parallel_size=1)
         self.record_steps = record_steps
-        world = config.data_parallel_size
-        cores = rank_cores(config.dp_cores, world, param="dp_cores")
-        self.replicas = [Replica(i, c) for i, c in enumerate(cores)]
+        self.replicas = self._make_replicas()
         self._context = mp.get_context("spawn")
         self._lock = threading.RLock()  # one reader of the replicas' pipes at a time
         self._requests: dict[int, tuple[int, int]] = {}  # front id -> (replica, outstanding tokens)
@@ -216,11 +215,23 @@ class DataParallelEngine:
             raise
 
     # --- replicas -------------------------------------------------------------------------------
+    def _make_replicas(self) -> list[Replica]:
+        cores = rank_cores(self.config.dp_cores, self.config.data_parallel_size, param="dp_cores")
+        return [Replica(i, c) for i, c in enumerate(cores)]
+
+    def _describe(self, replica: Replica) -> str:
+        """How messages name a replica."""
+        return f"data-parallel replica {replica.index}"
+
+    def _process(self, replica: Replica, connection) -> tuple:
+        """(target, process name, args) of a replica's process."""
+        return (replica_main, f"llmopt-dp-replica{replica.index}",
+                (replica.index, self.load_args, self.replica_config, replica.cores, self.record_steps, connection))
+
     def _start(self, replica: Replica) -> None:
         ours, theirs = self._context.Pipe()
-        replica.process = self._context.Process(
-            target=replica_main, name=f"llmopt-dp-replica{replica.index}",
-            args=(replica.index, self.load_args, self.replica_config, replica.cores, self.record_steps, theirs))
+        target, name, args = self._process(replica, theirs)
+        replica.process = self._context.Process(target=target, name=name, args=args)
         replica.process.start()
         theirs.close()
         replica.connection, replica.ready, replica.status = ours, False, {}
@@ -230,9 +241,9 @@ class DataParallelEngine:
         while not all(r.ready for r in self.replicas):
             self._receive(0.2)
             if self._start_failure is not None:
-                raise ParallelError(f"a data-parallel replica failed to start: {self._start_failure}")
+                raise ParallelError(f"a worker failed to start: {self._start_failure}")
             if time.monotonic() > deadline:
-                raise ParallelError(f"the data-parallel replicas did not start within {START_TIMEOUT_S:.0f} s")
+                raise ParallelError(f"the engine's workers did not start within {START_TIMEOUT_S:.0f} s")
 
     def _receive(self, timeout: float) -> None:
         """Read every message the replicas have sent (waiting up to `timeout` for the first)."""
@@ -277,7 +288,7 @@ class DataParallelEngine:
         for front_id in lost:
             self._requests.pop(front_id, None)
         replica.requests, replica.outstanding, replica.prefixes = set(), 0, PrefixMemory()
-        message = (f"data-parallel replica {replica.index} (pid {replica.process.pid}) died ({cause}); "
+        message = (f"{self._describe(replica)} (pid {replica.process.pid}) died ({cause}); "
                    f"its {len(lost)} request(s) failed")
         log.error(message)
         if not replica.ready:
@@ -303,9 +314,10 @@ class DataParallelEngine:
         self._requests[front_id] = (replica.index, cost)
         return front_id
 
-    def _route(self, prompt: list[int]) -> Replica:
-        """The least loaded ready replica, or one close to it that holds a longer prefix of the prompt."""
-        ready = [r for r in self.replicas if r.ready and r.connection is not None]
+    def _route(self, prompt: list[int], pool: list[Replica] | None = None) -> Replica:
+        """The least loaded ready replica (of `pool`, default all), or one close to it that holds a longer prefix
+        of the prompt."""
+        ready = [r for r in (self.replicas if pool is None else pool) if r.ready and r.connection is not None]
         if not ready:
             raise ParallelError("no data-parallel replica is running (each died more than "
                                 f"{MAX_RESTARTS} times, or all are restarting)")
@@ -440,14 +452,3 @@ class DataParallelEngine:
             if replica.connection is not None:
                 replica.connection.close()
                 replica.connection = None
-
-
-def create_engine(model_name: str, config: EngineConfig, dtype: str = "float32", device: str = "cpu",
-                  trust_remote_code: bool = False, record_steps: bool = True):
-    """The engine for MODEL: one Engine (its model loaded here; under tensor parallelism this process's share),
-    or with config.data_parallel_size > 1 the DataParallelEngine of that many replicas."""
-    if config.data_parallel_size > 1:
-        return DataParallelEngine(model_name, config, dtype, device, trust_remote_code, record_steps)
-    model, tokenizer, _ = load_for_engine(model_name, config, dtype=dtype, device=device,
-                                          trust_remote_code=trust_remote_code)
-    return Engine(model, tokenizer, config, record_steps=record_steps)

@@ -1,0 +1,97 @@
+"""2:4 sparse matmul on NVIDIA GPUs (Triton): y = x @ W^T with W stored compressed — half its values (float, or
+4-bit codes with group scales) and 2 bits of position each — read once and expanded to the dense tile in registers,
+fp32 accumulation. At decode a step reads the weight at memory bandwidth, so the bytes set the time: 2:4 fp16 is
+0.56x of dense fp16's, 2:4 + int4 0.75x of dense int4's codes (3 bits per weight against 4).
+
+Layout (made at load by `pack_sparse24`), for W [N, K], K % 32 == 0, value v of a row = the v-th kept value in
+column order (two per group of 4 columns: values 2g and 2g + 1 belong to group g):
+- positions [K / 32, N] int32: bits 2 (v % 16) .. +1 of word v // 16 give value v's column within its group;
+- values: float [K / 2, N] in the activation dtype, or (int4) codes [K / 16, N] int32 with value v's code in bits
+  4 (v % 8) of word v // 8, plus scales and zeros [K / G, N] (zero = code offset; a value's group is its column's).
+Shapes: x [M, K]; y [M, N]. Reference: the dense weight (core.contract.sparse24 / QuantizedWeight.dequantize).
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from llmopt.runtime.executor.kernels.triton_w4a16 import tile_offsets
+
+CHUNK = 32  # columns per position word
+
+
+@triton.jit
+def _sparse24_kernel(x_ptr, pos_ptr, val_ptr, scales_ptr, zeros_ptr, y_ptr, M, N, K,
+                     stride_xm, stride_pk, stride_vk, stride_sg, stride_ym,
+                     QUANTIZED: tl.constexpr, GROUP: tl.constexpr,
+                     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+    offs_m, offs_n, offs_k, m_mask, n_mask = tile_offsets(M, N, BLOCK_M, BLOCK_N, BLOCK_K)
+    acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
+    for k0 in range(0, K, BLOCK_K):
+        k = k0 + offs_k  # [BLOCK_K] dense columns of this step
+        k_mask = k < K
+        kn_mask = k_mask[:, None] & n_mask[None, :]
+        x = tl.load(x_ptr + offs_m[:, None] * stride_xm + k[None, :], mask=m_mask[:, None] & k_mask[None, :],
+                    other=0.0)
+        first = (k // 4) * 2  # [BLOCK_K] the first of the two kept values of each column's group
+        words = tl.load(pos_ptr + (first // 16)[:, None] * stride_pk + offs_n[None, :], mask=kn_mask, other=0)
+        pos0 = (words >> ((first % 16) * 2)[:, None]) & 3  # [BLOCK_K, BLOCK_N]
+        pos1 = (words >> ((first % 16) * 2 + 2)[:, None]) & 3
+        if QUANTIZED:
+            packed = tl.load(val_ptr + (first // 8)[:, None] * stride_vk + offs_n[None, :], mask=kn_mask, other=0)
+            group = k // GROUP
+            scale = tl.load(scales_ptr + group[:, None] * stride_sg + offs_n[None, :], mask=kn_mask,
+                            other=0.0).to(tl.float32)
+            zero = tl.load(zeros_ptr + group[:, None] * stride_sg + offs_n[None, :], mask=kn_mask,
+                           other=0.0).to(tl.float32)
+            v0 = (((packed >> ((first % 8) * 4)[:, None]) & 0xF).to(tl.float32) - zero) * scale
+            v1 = (((packed >> ((first % 8) * 4 + 4)[:, None]) & 0xF).to(tl.float32) - zero) * scale
+        else:
+            v0 = tl.load(val_ptr + first[:, None] * stride_vk + offs_n[None, :], mask=kn_mask, other=0.0)
+            v1 = tl.load(val_ptr + (first + 1)[:, None] * stride_vk + offs_n[None, :], mask=kn_mask, other=0.0)
+        column = (k % 4)[:, None]
+        w = tl.where(column == pos0, v0, tl.where(column == pos1, v1, 0.0)).to(x.dtype)  # [BLOCK_K, BLOCK_N]
+        acc += tl.dot(x, w, input_precision="ieee")
+    tl.store(y_ptr + offs_m[:, None] * stride_ym + offs_n[None, :], acc.to(y_ptr.dtype.element_ty),
+             mask=m_mask[:, None] & n_mask[None, :])
+
+
+def pack_positions(positions: torch.Tensor) -> torch.Tensor:
+    """The runtime's 2-bit positions [N, K/32] int32 (core.contract.sparse24.positions_2of4) -> [K/32, N]."""
+    return positions.t().contiguous()
+
+
+def pack_values(values: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """Kept values [N, K/2] -> [K/2, N] in the compute dtype."""
+    return values.t().to(dtype).contiguous()
+
+
+def pack_kept_codes(kept: torch.Tensor) -> torch.Tensor:
+    """Kept 4-bit codes [N, K/2] (one per element) -> [K/16, N] int32, eight per word, value v in bits 4 (v % 8)."""
+    n, half = kept.shape
+    codes = kept.t().to(torch.int64).reshape(half // 8, 8, n)
+    shifts = (torch.arange(8, dtype=torch.int64, device=kept.device) * 4).view(1, 8, 1)
+    words = (codes << shifts).sum(dim=1)  # [K/16, N], up to 32 bits
+    return torch.where(words >= 2**31, words - 2**32, words).to(torch.int32).contiguous()
+
+
+def sparse24_matmul(x: torch.Tensor, positions: torch.Tensor, values: torch.Tensor,
+                    scales: torch.Tensor | None = None, zeros: torch.Tensor | None = None,
+                    group_size: int = CHUNK) -> torch.Tensor:
+    """x [M, K] @ W^T for W in the packed layout above: float values, or int4 codes when scales are given."""
+    m, k = x.shape
+    n = positions.shape[1]
+    quantized = scales is not None
+    x = x.contiguous()
+    y = torch.empty(m, n, dtype=x.dtype, device=x.device)
+    block_m = 16 if m <= 16 else 64
+    block_k = min(128, group_size & -group_size) if quantized else 64  # a power of 2 within one scale group
+    grid = (triton.cdiv(m, block_m), triton.cdiv(n, 64))
+    scales_arg = scales if quantized else values  # (unused operands: any pointer)
+    zeros_arg = zeros if quantized else values
+    _sparse24_kernel[grid](x, positions, values, scales_arg, zeros_arg, y, m, n, k, x.stride(0), positions.stride(0),
+                           values.stride(0), scales_arg.stride(0), y.stride(0), QUANTIZED=quantized,
+                           GROUP=group_size, BLOCK_M=block_m, BLOCK_N=64, BLOCK_K=block_k)
+    return y

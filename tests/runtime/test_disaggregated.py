@@ -1,0 +1,181 @@
+"""Prefill/decode disaggregation: the KV hand-over between two engines (exact), and P:D workers in their own
+processes behind one front: the tokens of one engine, prefix-cache hits on the prefill side, a killed decode worker
+failing only its requests while the front stays up, and the OpenAI server on top."""
+
+import math
+import os
+import signal
+import time
+
+import pytest
+import torch
+
+from llmopt.core.errors import ConfigError, RequestsFailed
+from llmopt.runtime.engine.config import EngineConfig
+from llmopt.runtime.engine.engine import Engine
+from llmopt.runtime.engine.sampling import SamplingParams
+from llmopt.runtime.executor.loader import load_runtime_model
+from llmopt.runtime.parallel.disaggregated import kv_layout, pack_kv, unpack_kv
+from llmopt.runtime.parallel.engines import create_engine
+
+PARAMS = SamplingParams(max_tokens=12, ignore_eos=True)
+
+
+def prompts(n: int) -> list[list[int]]:
+    return [[(7 * i + j) % 250 + 1 for j in range(5 + 9 * i)] for i in range(n)]
+
+
+# --- the hand-over between two engines (one process) -----------------------------------------------------------
+@pytest.fixture(scope="module")
+def tiny(tiny_llama_dir):
+    model, tokenizer, _ = load_runtime_model(str(tiny_llama_dir))
+    return model, tokenizer
+
+
+def prefill_then_decode(tiny, kv_dtype: str, prompt: list[int], params: SamplingParams):
+    """Engine A computes the prompt and its first token, engine B takes its KV and decodes the rest; returns
+    (B's output, A's handed-over blocks, A's engine)."""
+    model, tokenizer = tiny
+    config = EngineConfig(block_size=4, kv_cache_bytes=1 << 20, kv_cache_dtype=kv_dtype)
+    prefill, decode = Engine(model, tokenizer, config), Engine(model, tokenizer, config)
+    captured = {}
+
+    def capture(seq):
+        blocks = seq.block_table[:math.ceil(seq.num_prompt_tokens / 4)]
+        captured["kv"] = prefill.runner.read_kv_blocks(blocks)
+
+    prefill.on_prefilled = capture
+    first = prefill.generate([prompt], SamplingParams(max_tokens=1, ignore_eos=True))[0]
+    layout = kv_layout(decode.runner)
+    kv = unpack_kv(pack_kv(captured["kv"]), layout, len(captured["kv"][0]))  # through the wire format
+    decode.add_prefilled(prompt, first.token_ids[0], params, kv)
+    outputs = list(decode.stream())
+    assert outputs[0].new_token_ids[0] == first.token_ids[0]  # the first output reports the first token
+    return outputs[-1], captured["kv"], prefill
+
+
+@pytest.mark.parametrize("kv_dtype", ["float32", "int8"])
+def test_handed_over_kv_continues_as_one_engine_would(tiny, kv_dtype):
+    model, tokenizer = tiny
+    prompt = prompts(4)[3]
+    config = EngineConfig(block_size=4, kv_cache_bytes=1 << 20, kv_cache_dtype=kv_dtype)
+    colocated = Engine(model, tokenizer, config)
+    expected = colocated.generate([prompt], PARAMS)[0]
+    got, _, _ = prefill_then_decode(tiny, kv_dtype, prompt, PARAMS)
+    assert got.token_ids == expected.token_ids and got.text == expected.text and got.finish_reason == "length"
+
+
+def test_the_transferred_kv_is_what_the_decode_side_would_compute(tiny):
+    """fp32: the blocks handed over equal, bit for bit, the blocks an engine that computes the prompt itself holds."""
+    model, tokenizer = tiny
+    prompt = prompts(5)[4]
+    _, handed, _ = prefill_then_decode(tiny, "float32", prompt, SamplingParams(max_tokens=2, ignore_eos=True))
+    own = Engine(model, tokenizer, EngineConfig(block_size=4, kv_cache_bytes=1 << 20, enable_prefix_cache=False))
+    seq_blocks = {}
+    own.on_prefilled = lambda seq: seq_blocks.setdefault("ids", list(seq.block_table))
+    own.generate([prompt], SamplingParams(max_tokens=1, ignore_eos=True))
+    computed = own.runner.read_kv_blocks(seq_blocks["ids"][:len(handed[0])])
+    rows = len(prompt)  # the last block's slots past the prompt hold nothing meaningful
+    for a, b in zip(handed, computed, strict=True):
+        assert torch.equal(a.flatten(0, 1)[:rows], b.flatten(0, 1)[:rows])
+
+
+def test_a_handed_over_request_waits_for_blocks_and_can_be_aborted(tiny):
+    model, tokenizer = tiny
+    prompt = prompts(3)[2]
+    prefill = Engine(model, tokenizer, EngineConfig(block_size=4, kv_cache_bytes=1 << 20))
+    kv = {}
+    prefill.on_prefilled = lambda seq: kv.setdefault("kv", prefill.runner.read_kv_blocks(seq.block_table[:6]))
+    first = prefill.generate([prompt], SamplingParams(max_tokens=1, ignore_eos=True))[0].token_ids[0]
+    decode = Engine(model, tokenizer, EngineConfig(block_size=4, kv_cache_bytes=1 << 20, max_num_seqs=1))
+    busy = decode.add_request([1, 2, 3], SamplingParams(max_tokens=3, ignore_eos=True))
+    decode.step()
+    waiting = decode.add_prefilled(prompt, first, PARAMS, kv["kv"])
+    outputs = decode.step()  # the sequence cap holds it back
+    assert [o.request_id for o in outputs] == [busy] and decode.num_running == 1
+    assert decode.abort(waiting)
+    finished = {o.request_id: o for o in decode.stream() if o.finished}
+    assert finished[waiting].finish_reason == "abort" and finished[busy].finish_reason == "length"
+
+
+def test_disaggregation_options_are_checked():
+    with pytest.raises(ConfigError, match="prefill:decode"):
+        EngineConfig(disaggregate="2")
+    with pytest.raises(ConfigError, match="data-parallel-size"):
+        EngineConfig(disaggregate="1:1", data_parallel_size=2)
+    assert EngineConfig(disaggregate="2:3").disaggregation == (2, 3)
+
+
+# --- workers in their own processes --------------------------------------------------------------------------------
+@pytest.fixture(scope="module")
+def front(tiny_llama_dir):
+    engine = create_engine(str(tiny_llama_dir), EngineConfig(disaggregate="1:1", max_num_seqs=8))
+    yield engine
+    engine.close()
+    assert all(r.process.exitcode is not None for r in engine.replicas)  # no worker left behind
+
+
+def test_prefill_and_decode_workers_give_the_tokens_of_one_engine(front, tiny):
+    model, tokenizer = tiny
+    expected = Engine(model, tokenizer).generate(prompts(6), PARAMS)
+    one_token = SamplingParams(max_tokens=1, ignore_eos=True)  # ends on the prefill worker: no hand-over
+    front.reset_stats()
+    got = front.generate(prompts(6) + [[5, 6, 7]], [PARAMS] * 6 + [one_token])
+    assert [o.token_ids for o in got[:6]] == [o.token_ids for o in expected]
+    assert [o.text for o in got[:6]] == [o.text for o in expected]
+    assert len(got[6].token_ids) == 1 and got[6].finish_reason == "length"
+    stats = front.stats()
+    assert stats.num_finished == 7 and stats.finish_reasons == {"length": 7}
+    assert front.numerics()["disaggregate"] == "1:1" and "1 prefill + 1 decode" in front.kv_cache_info()["summary"]
+
+
+def test_prefix_cache_hits_on_the_prefill_side_skip_prefill(front):
+    shared = [(3 * j) % 200 + 1 for j in range(64)]
+    front.reset_stats(clear_prefix_cache=True)
+    first = front.generate([shared + [5, 6]], PARAMS)[0]
+    again = front.generate([shared + [7, 8, 9]], PARAMS)[0]
+    assert first.num_cached_tokens == 0 and again.num_cached_tokens == 64  # the whole blocks of the shared prefix
+    assert front.stats().prefix_cache_hits == 64
+
+
+def test_a_killed_decode_worker_fails_its_requests_and_the_front_stays_up(front):
+    long = SamplingParams(max_tokens=400, ignore_eos=True)
+    ids = [front.add_request(p, long) for p in prompts(3)]
+    decode = front.replicas[1]
+    seen = set()
+    deadline = time.monotonic() + 120
+    while len(seen) < 3 and time.monotonic() < deadline:  # every request is decoding
+        seen |= {o.request_id for o in front.step()}
+    os.kill(decode.process.pid, signal.SIGKILL)
+    failed = {}
+    while front.has_unfinished() and time.monotonic() < deadline:
+        try:
+            assert not any(o.finished for o in front.step())
+        except RequestsFailed as e:
+            failed.update(e.errors)
+    assert set(failed) == set(ids)
+    assert all("decode worker 0" in str(err) and "died" in str(err) for err in failed.values())
+    while not decode.ready and time.monotonic() < deadline:  # restarted, linked to the prefill worker again
+        front._receive(0.2)
+    assert decode.ready and decode.restarts == 1
+    assert [len(o.token_ids) for o in front.generate(prompts(2), PARAMS)] == [12, 12]
+
+
+def test_served_disaggregated_over_the_openai_api(tiny_llama_dir, tiny):
+    import openai
+
+    from llmopt.serve.launch import in_thread, start_server
+
+    model, tokenizer = tiny
+    expected = Engine(model, tokenizer).generate([tokenizer("def f(x):")["input_ids"]], PARAMS)[0].text
+    _, server = start_server(str(tiny_llama_dir), EngineConfig(disaggregate="1:1"), "float32",
+                             served_model_name="tiny")
+    with in_thread(server) as url:
+        client = openai.OpenAI(base_url=url, api_key="none", max_retries=0)
+        texts = [client.completions.create(model="tiny", prompt="def f(x):", max_tokens=12, temperature=0,
+                                           extra_body={"ignore_eos": True}).choices[0].text for _ in range(2)]
+        stream = client.completions.create(model="tiny", prompt="def f(x):", max_tokens=12, temperature=0,
+                                           stream=True, extra_body={"ignore_eos": True})
+        streamed = "".join(chunk.choices[0].text for chunk in stream if chunk.choices)
+    server.engine.engine.close()
+    assert texts == [expected] * 2 and streamed == expected
