@@ -91,7 +91,7 @@ def main() -> None:
     parser.add_argument("--long-len", type=int, default=2048)
     parser.add_argument("--long-out", type=int, default=16)
     parser.add_argument("--num-long", type=int, default=6)
-    parser.add_argument("--interval", type=float, default=2.5, help="seconds between long prompts")
+    parser.add_argument("--interval", type=float, default=3.0, help="seconds between long prompts")
     parser.add_argument("--delay", type=float, default=2.0, help="seconds before the first long prompt")
     parser.add_argument("--json", default=None)
     args = parser.parse_args()

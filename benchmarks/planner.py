@@ -33,6 +33,7 @@ CONFIGS = {
     "fp32-tp2-b1": ("dense", "float32", {"tensor_parallel_size": 2}, BATCH1, 1, "fp32"),
     "fp32-tp2-b64": ("dense", "float32", {"tensor_parallel_size": 2}, BATCH64, 64, "fp32"),
     "fp32-dp2-b64": ("dense", "float32", {"data_parallel_size": 2}, BATCH64, 64, "fp32"),
+    "fp32-pd11-b64": ("dense", "float32", {"disaggregate": "1:1"}, BATCH64, 64, "fp32"),
 }
 
 
@@ -51,7 +52,9 @@ def prediction(model: str, name: str) -> dict:
     hardware = hardware.model_copy(update={"activation_dtype": "fp32" if dtype == "float32" else "bf16"})
     kv = settings.get("kv_cache_dtype", "fp32" if dtype == "float32" else "bf16")
     dp = settings.get("data_parallel_size", 1)
-    deployment = Deployment(scheme, kv, tp=settings.get("tensor_parallel_size", 1), dp=dp, batch=concurrency // dp)
+    pd = EngineConfig(**settings).disaggregation  # (prefill, decode) workers; the decode one holds the batch
+    deployment = Deployment(scheme, kv, tp=settings.get("tensor_parallel_size", 1), dp=dp,
+                            batch=concurrency // (pd[1] if pd else dp), pd=pd)
     workload = PlanWorkload(name, spec.input_len, spec.output_len, concurrency, burst=concurrency > 1)
     p = predict(model_shape(model), hardware, workload, Slo(), deployment)
     return {"tpot_ms": p.tpot_ms, "ttft_ms": p.ttft_ms, "output_tok_s": p.output_tok_s}

@@ -229,9 +229,10 @@ def bench_runtime(name: str, model_name: str, spec: WorkloadSpec, config: BenchC
     engine = create_engine(model_name, config.engine, dtype=config.dtype, device=config.device)
     requests = build_workload(spec, engine.tokenizer, engine.vocab_size)
     # (under tensor or pipeline parallelism rank 0's decoder holds its share only, and data-parallel replicas
-    # keep theirs in their own processes: no MBU / MFU from them)
+    # keep theirs in their own processes, as disaggregated workers do: no MBU / MFU from them)
     parallel = config.engine
-    single = parallel.tensor_parallel_size == parallel.pipeline_parallel_size == parallel.data_parallel_size == 1
+    single = (parallel.tensor_parallel_size == parallel.pipeline_parallel_size == parallel.data_parallel_size == 1
+              and parallel.disaggregation is None)
     try:
         warm_up(engine, requests)
         records, duration = run_engine(engine, requests, config.max_concurrency, progress)

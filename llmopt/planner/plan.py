@@ -7,7 +7,8 @@ hand each prompt's KV cache to decode instances over the link). In steady state 
 slots serves one request after another: a request's TTFT is its prefill plus a decode step (colocated) or its
 prefill plus the KV hand-over (PD); colocated decode steps also carry the prefills of the requests that arrive
 (B prompts every `output` steps), PD decode steps carry none. A burst workload (every request at once, as a
-benchmark sends them) prefills all prompts first, then decodes the batch."""
+benchmark sends them) prefills all prompts first, then decodes the batch; under PD each prefill instance computes
+its share of the prompts while the decode instances start on the first ones."""
 
 from __future__ import annotations
 
@@ -143,9 +144,17 @@ def predict(model: ModelShape, hardware: HardwareSpec, workload: PlanWorkload, s
     if d.pd:
         prefills, decodes = d.pd
         handover = hardware.link_latency_us * 1e-6 + instance.kv_memory(n) * instance.ranks / (hardware.link_gb_s * 1e9)
-        ttft, tpot = prefill + handover, step
-        decode_rps = decodes * batch / (out * tpot)
-        rps = min(decode_rps, prefills / prefill)
+        if workload.burst and batch > 1:
+            # every prompt at once: each prefill instance computes its share of them (the median request's first
+            # token once half are done) while the decode instances take them as they come, then decode
+            share = decodes * batch / prefills
+            everyone = instance.step_time(share * n, share, n / 2)
+            ttft, tpot = instance.step_time(share * n / 2, share / 2, n / 2) + handover, step
+            rps = decodes * batch / (everyone + handover + out * step)
+        else:
+            ttft, tpot = prefill + handover, step
+            decode_rps = decodes * batch / (out * tpot)
+            rps = min(decode_rps, prefills / prefill)
     elif workload.burst and batch > 1:
         # every prompt first (chunked prefill in steps of many tokens), then `out` decode steps of the whole batch:
         # the median request has its first token once half the prompts are done

@@ -179,3 +179,13 @@ def test_served_disaggregated_over_the_openai_api(tiny_llama_dir, tiny):
         streamed = "".join(chunk.choices[0].text for chunk in stream if chunk.choices)
     server.engine.engine.close()
     assert texts == [expected] * 2 and streamed == expected
+
+
+def test_bench_runs_disaggregated(tiny_llama_dir):
+    """`llmopt bench --disaggregate 1:1`: every request completes, the workers' steps reach the metrics."""
+    from llmopt.eval.speed import BenchConfig, WorkloadSpec, bench_runtime
+
+    spec = WorkloadSpec(num_requests=8, input_len=16, output_len=6)
+    result = bench_runtime("pd", str(tiny_llama_dir), spec, BenchConfig(engine=EngineConfig(disaggregate="1:1")))
+    assert result.metrics["completed"] == 8 and result.metrics["num_steps"] > 0
+    assert result.config["numerics"]["disaggregate"] == "1:1"
