@@ -1,0 +1,259 @@
+"""llmopt against llama.cpp on the same weights and machine: batch-1 decode and a 512-token prompt's TTFT, int4 and
+fp32, plus where the time of llmopt's batch-1 decode step goes.
+
+Weights: an int4 artifact of --model (RTN w4 g32 asymmetric: the layout of llama.cpp's Q4_1, so `llmopt export
+--format gguf` writes the very same codes; GPTQ codes share the layout and so the speed) run by llmopt's runtime,
+and its GGUF export run by llama.cpp; fp32: the model run by llmopt in fp32 and its F32 GGUF export by llama.cpp.
+llama.cpp runs in its own process (llama-cpp-python, `Llama.generate` greedy, n_threads = --threads), so neither
+runtime's thread pool spins beside the other's; llmopt runs its Engine in this one (`--dtype auto` for the int4
+row's activations, what `llmopt bench` uses). Each round measures every row in turn (medians over --rounds):
+- batch-1 TPOT: --requests prompts of 128 random tokens, 128 tokens generated each, one at a time (EOS ignored);
+- TTFT of a 512-token prompt (a fresh cache each time, the prompt never seen before).
+Then the profile of 16 int4 batch-1 decode steps (torch.profiler): the linears' kernels, attention, the lm_head,
+the other ops, and the rest of the step's wall time (Python, dispatch). With --llama-server (the path of
+llama.cpp's `llama-server`, built from source here), serving: `llmopt serve` on the int4 artifact against
+`llama-server -np C -cb` on its GGUF export, C = 8 and 64 clients streaming 128/128 completions (2 C requests),
+both driven by `llmopt bench --base-url`'s client (`llmopt.eval.speed.bench_http`).
+
+    python benchmarks/peers.py --json docs/results/data/peers.json [--model smollm2-135m] [--rounds 3]
+        [--llama-server PATH]
+"""
+
+from __future__ import annotations
+
+import argparse
+import multiprocessing as mp
+import random
+import socket
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+VOCAB_LOW, VOCAB_HIGH = 200, 40000  # random prompt tokens: ordinary ids of SmolLM2's vocabulary
+PRODUCT_OPS = ("mm", "gemv", "matmul", "linear", "int4", "panel", "sparse24", "int8")  # ops that are a linear
+
+
+def prompts(count: int, length: int, seed: int) -> list[list[int]]:
+    rng = random.Random(seed)
+    return [[rng.randrange(VOCAB_LOW, VOCAB_HIGH) for _ in range(length)] for _ in range(count)]
+
+
+# --- llama.cpp (in its own process) --------------------------------------------------------------------------------
+def llamacpp_run(gguf: str, threads: int, decode_prompts: list[list[int]], out_tokens: int,
+                 long_prompt: list[int], result) -> None:
+    import llama_cpp
+
+    llm = llama_cpp.Llama(gguf, n_ctx=1024, n_batch=512, n_ubatch=512, n_threads=threads, n_threads_batch=threads,
+                          verbose=False)
+
+    def generate(prompt: list[int], n: int) -> list[float]:
+        llm.reset()
+        times = [time.perf_counter()]
+        for i, _ in enumerate(llm.generate(prompt, temp=0.0, reset=True)):
+            times.append(time.perf_counter())
+            if i + 1 >= n:
+                break
+        return times
+
+    generate(decode_prompts[0][:32], 4)  # warm-up: weights paged in, threads started
+    tpots = []
+    for prompt in decode_prompts:
+        t = generate(prompt, out_tokens)
+        tpots.append((t[-1] - t[1]) / (len(t) - 2))
+    t = generate(long_prompt, 1)
+    result.put({"tpot_ms": statistics.median(tpots) * 1e3, "ttft512_ms": (t[1] - t[0]) * 1e3})
+
+
+def llamacpp(gguf: str, args, decode_prompts, long_prompt) -> dict:
+    context = mp.get_context("spawn")
+    result = context.Queue()
+    process = context.Process(target=llamacpp_run, args=(gguf, args.threads, decode_prompts, args.output_len,
+                                                         long_prompt, result))
+    process.start()
+    out = result.get(timeout=600)
+    process.join(timeout=60)
+    return out
+
+
+# --- llmopt (this process) -----------------------------------------------------------------------------------------
+def llmopt_engine(model: str, dtype: str):
+    from llmopt.runtime.engine.config import EngineConfig
+    from llmopt.runtime.parallel.engines import create_engine
+
+    return create_engine(model, EngineConfig(max_num_seqs=8), dtype=dtype)
+
+
+def llmopt_run(engine, args, decode_prompts, long_prompt) -> dict:
+    from llmopt.runtime.engine.sampling import SamplingParams
+
+    engine.generate([decode_prompts[0][:32]], SamplingParams(max_tokens=4, ignore_eos=True))  # warm-up
+    tpots = []
+    for prompt in decode_prompts:
+        out = engine.generate([prompt], SamplingParams(max_tokens=args.output_len, ignore_eos=True))[0]
+        t = out.token_times
+        tpots.append((t[-1] - t[0]) / (len(t) - 1))
+    engine.reset_stats(clear_prefix_cache=True)
+    start = time.perf_counter()
+    out = engine.generate([long_prompt], SamplingParams(max_tokens=1, ignore_eos=True))[0]
+    return {"tpot_ms": statistics.median(tpots) * 1e3, "ttft512_ms": (out.token_times[0] - start) * 1e3}
+
+
+def step_profile(engine, steps: int = 16) -> dict:
+    """Where a batch-1 decode step's time goes: ms per step by kind of op, and the wall time no op accounts for."""
+    from torch.profiler import ProfilerActivity, profile
+
+    from llmopt.runtime.engine.sampling import SamplingParams
+
+    vocab = engine.vocab_size
+    engine.add_request(prompts(1, 128, 99)[0], SamplingParams(max_tokens=steps + 8, ignore_eos=True))
+    while not any(o.new_token_ids for o in engine.step()):
+        pass
+    engine.step()
+    with profile(activities=[ProfilerActivity.CPU], record_shapes=True) as prof:
+        start = time.perf_counter()
+        for _ in range(steps):
+            engine.step()
+        wall = (time.perf_counter() - start) * 1e3 / steps
+    while engine.has_unfinished():
+        engine.step()
+    split = {"linears": 0.0, "attention": 0.0, "lm_head": 0.0, "other ops": 0.0}
+    for event in prof.key_averages(group_by_input_shape=True):
+        ms = event.self_cpu_time_total / 1e3 / steps
+        name = event.key.lower().rsplit("::", 1)[-1]
+        product = any(word in name for word in PRODUCT_OPS)
+        if "attention" in name:
+            split["attention"] += ms
+        elif product and str(vocab) in str(event.input_shapes):
+            split["lm_head"] += ms
+        elif product:
+            split["linears"] += ms
+        else:
+            split["other ops"] += ms
+    split = {k: round(v, 3) for k, v in split.items()}
+    split["python and dispatch"] = round(wall - sum(split.values()), 3)
+    split["step wall ms (profiled)"] = round(wall, 3)
+    return split
+
+
+# --- serving -------------------------------------------------------------------------------------------------------
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def started(command: list[str], port: int) -> subprocess.Popen:
+    """A server process, once its /health answers (both servers have one)."""
+    import httpx
+
+    process = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    deadline = time.time() + 300
+    while time.time() < deadline:
+        try:
+            if httpx.get(f"http://127.0.0.1:{port}/health", timeout=5).status_code == 200:
+                return process
+        except httpx.HTTPError:
+            pass
+        if process.poll() is not None:
+            raise SystemExit(f"{command[0]} exited with {process.returncode}")
+        time.sleep(0.5)
+    process.kill()
+    raise SystemExit(f"{command[0]} did not answer /health within 300 s")
+
+
+def served_tok_s(model: str, command: list[str], port: int, clients: int) -> dict:
+    from llmopt.eval.speed import BenchConfig, HttpTarget, WorkloadSpec, bench_http
+
+    process = started(command, port)
+    try:
+        spec = WorkloadSpec(num_requests=2 * clients, input_len=128, output_len=128)
+        result = bench_http("served", model, spec, BenchConfig(max_concurrency=clients),
+                            HttpTarget(f"http://127.0.0.1:{port}/v1", model="served"))
+        m = result.metrics
+        return {"output_tok_s": m["output_throughput"], "median_ttft_ms": m["median_ttft_ms"],
+                "median_tpot_ms": m["median_tpot_ms"], "completed": m["completed"]}
+    finally:
+        process.kill()
+        process.wait(timeout=30)
+
+
+def serving(args, int4: Path, gguf: Path, clients: int) -> dict:
+    port = free_port()
+    context = clients * (128 + 128 + 16)
+    theirs = served_tok_s(args.model, [args.llama_server, "-m", str(gguf), "-np", str(clients), "-cb", "-t",
+                                       str(args.threads), "-tb", str(args.threads), "-c", str(context), "--host",
+                                       "127.0.0.1", "--port", str(port), "-a", "served"], port, clients)
+    port = free_port()
+    ours = served_tok_s(args.model, [sys.executable, "-m", "llmopt", "serve", str(int4), "--port", str(port),
+                                     "--served-model-name", "served", "--max-num-seqs", str(max(clients, 8))],
+                        port, clients)
+    return {"llmopt": ours, "llama-server": theirs, "ratio": ours["output_tok_s"] / theirs["output_tok_s"]}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--model", default="smollm2-135m")
+    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--requests", type=int, default=4)
+    parser.add_argument("--output-len", type=int, default=128)
+    parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--llama-server", default=None, help="llama.cpp's llama-server binary: adds the serving rows")
+    parser.add_argument("--clients", default="8,64")
+    parser.add_argument("--work", default=None, help="where the artifacts and GGUF files go (default: a temp dir)")
+    parser.add_argument("--json", default=None)
+    args = parser.parse_args()
+
+    from llmopt.compress.api import make_config
+    from llmopt.core.hardware import cpu_line
+    from llmopt.core.io import write_json
+    from llmopt.core.models import resolve_model
+    from llmopt.export.gguf import export_gguf
+    from llmopt.pipelines.quantize import quantize_to_artifact
+
+    print(cpu_line(), flush=True)
+    work = Path(args.work or tempfile.mkdtemp(prefix="llmopt-peers-"))
+    int4 = work / "rtn-w4g32-asym"
+    if not (int4 / "llmopt.json").is_file():
+        quantize_to_artifact(args.model, int4, [make_config("rtn", bits=4, group_size=32, sym=False)],
+                             overwrite=True)
+    ggufs = {"int4": work / "int4-q4_1.gguf", "fp32": work / "f32.gguf"}
+    for kind, source in (("int4", int4), ("fp32", resolve_model(args.model).path)):
+        if not ggufs[kind].is_file():
+            export_gguf(source, ggufs[kind])
+    decode_prompts = prompts(args.requests, 128, 0)
+    long_prompt = prompts(1, 512, 1)[0]
+    pairs = {"int4": (str(int4), "auto"), "fp32": (args.model, "float32")}
+    rows = {f"{kind} {who}": [] for kind in pairs for who in ("llmopt", "llama.cpp")}
+    for round_index in range(args.rounds):
+        for kind, (model, dtype) in pairs.items():
+            engine = llmopt_engine(model, dtype)
+            rows[f"{kind} llmopt"].append(llmopt_run(engine, args, decode_prompts, long_prompt))
+            del engine
+            rows[f"{kind} llama.cpp"].append(llamacpp(str(ggufs[kind]), args, decode_prompts, long_prompt))
+            print(f"round {round_index} {kind}: llmopt {rows[f'{kind} llmopt'][-1]}, llama.cpp "
+                  f"{rows[f'{kind} llama.cpp'][-1]}", flush=True)
+    medians = {name: {k: statistics.median(r[k] for r in runs) for k in runs[0]} for name, runs in rows.items()}
+    profile_split = step_profile(llmopt_engine(str(int4), "auto"))
+    print("\n| row | llmopt | llama.cpp | llmopt / llama.cpp |\n|---|---:|---:|---:|")
+    for kind in pairs:
+        ours, theirs = medians[f"{kind} llmopt"], medians[f"{kind} llama.cpp"]
+        for key, label in (("tpot_ms", "batch-1 TPOT ms"), ("ttft512_ms", "TTFT of a 512-token prompt, ms")):
+            print(f"| {kind} {label} | {ours[key]:.1f} | {theirs[key]:.1f} | {ours[key] / theirs[key]:.2f}x |")
+    print("\nllmopt int4 batch-1 decode step, ms per step by part:", profile_split)
+    served = {}
+    if args.llama_server:
+        for clients in (int(c) for c in args.clients.split(",")):
+            served[clients] = serving(args, int4, ggufs["int4"], clients)
+            print(f"| {clients} clients, 128/128, output tok/s | {served[clients]['llmopt']['output_tok_s']:.1f} | "
+                  f"{served[clients]['llama-server']['output_tok_s']:.1f} | {served[clients]['ratio']:.2f}x |",
+                  flush=True)
+    if args.json:
+        write_json(args.json, {"cpu": cpu_line(), "model": args.model, "settings": vars(args), "rounds": rows,
+                               "median": medians, "int4_step_profile": profile_split, "serving": served}, indent=1)
+
+
+if __name__ == "__main__":
+    main()
