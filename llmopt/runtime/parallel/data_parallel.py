@@ -385,7 +385,10 @@ class DataParallelEngine:
     def _broadcast(self, command) -> None:
         for replica in self.replicas:
             if replica.connection is not None:
-                replica.connection.send(command)
+                try:
+                    replica.connection.send(command)
+                except OSError:  # it exited (a signal to the whole group): the next receive reports it
+                    pass
 
     def stats(self) -> EngineStats:
         """Every replica's counters, added (their step records concatenated)."""
