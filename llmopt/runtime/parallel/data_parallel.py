@@ -74,37 +74,55 @@ class PrefixMemory:
             self.hashes.popitem(last=False)
 
 
-def replica_main(index: int, load_args: dict, config: EngineConfig, cores: list[int], record_steps: bool,
-                 connection) -> None:
-    """A replica's process: its engine, fed by the front's commands, its outputs sent back with global ids."""
-    try:
-        pin(cores)
-        model, tokenizer, _ = load_for_engine(config=config, **load_args)
-        engine = Engine(model, tokenizer, config, record_steps=record_steps)
-        connection.send(("ready", {"kv_cache_info": engine.kv_cache_info(), "numerics": engine.numerics(),
-                                   "pid": os.getpid()}))
-        ids: dict[int, int] = {}  # local request id -> the front's
-        local: dict[int, int] = {}
+class ReplicaLoop:
+    """A replica process's loop: the front's commands between engine steps, its outputs sent back with the front's
+    request ids. Disaggregated workers extend it (runtime.parallel.disaggregated)."""
+
+    def __init__(self, engine: Engine, connection):
+        self.engine, self.connection = engine, connection
+        self.ids: dict[int, int] = {}  # local request id -> the front's
+        self.local: dict[int, int] = {}
+
+    def run(self) -> None:
         while True:
-            if not engine.has_unfinished():
-                connection.poll(None)  # idle: block until a command (or EOF: the front is gone)
-            while connection.poll():
-                command = connection.recv()
+            if not self.engine.has_unfinished():
+                self.connection.poll(None)  # idle: block until a command (or EOF: the front is gone)
+            while self.connection.poll():
+                command = self.connection.recv()
                 if command is None:
                     return
-                _handle(engine, command, ids, local, connection)
-            if engine.has_unfinished():
-                outputs = engine.step()
-                sent = []
-                for output in outputs:
-                    front_id = ids.get(output.request_id)
-                    if front_id is None:
-                        continue
-                    if output.finished:
-                        del ids[output.request_id]
-                        del local[front_id]
-                    sent.append(dataclasses.replace(output, request_id=front_id))
-                connection.send(("outputs", sent, _status(engine)))
+                self.handle(command)
+            if self.engine.has_unfinished():
+                self.report(self.engine.step())
+
+    def handle(self, command: tuple) -> None:
+        _handle(self.engine, command, self.ids, self.local, self.connection)
+
+    def forget(self, output: RequestOutput) -> int | None:
+        """The front's id of an output's request (None: not the front's), forgotten once it finished."""
+        front_id = self.ids.get(output.request_id)
+        if front_id is not None and output.finished:
+            del self.ids[output.request_id]
+            del self.local[front_id]
+        return front_id
+
+    def report(self, outputs: list[RequestOutput]) -> None:
+        sent = [dataclasses.replace(o, request_id=front_id) for o in outputs
+                if (front_id := self.forget(o)) is not None]
+        self.connection.send(("outputs", sent, _status(self.engine)))
+
+
+def run_replica(connection, cores: list[int], start) -> None:
+    """A replica process's life: pinned to its cores, `start()` builds its ReplicaLoop (the model load), "ready" to
+    the front, then the loop. A closed pipe ends it quietly; any failure goes to the front in one line (the front
+    restarts it)."""
+    try:
+        pin(cores)
+        loop = start()
+        engine = loop.engine
+        connection.send(("ready", {"kv_cache_info": engine.kv_cache_info(), "numerics": engine.numerics(),
+                                   "pid": os.getpid()}))
+        loop.run()
     except (EOFError, BrokenPipeError, KeyboardInterrupt):
         return
     except BaseException as e:  # noqa: BLE001 (one line to the front, which restarts the replica)
@@ -113,6 +131,17 @@ def replica_main(index: int, load_args: dict, config: EngineConfig, cores: list[
         except OSError:
             pass
         raise SystemExit(1) from None
+
+
+def replica_main(index: int, load_args: dict, config: EngineConfig, cores: list[int], record_steps: bool,
+                 connection) -> None:
+    """A data-parallel replica's process: its engine, fed by the front's commands."""
+
+    def start() -> ReplicaLoop:
+        model, tokenizer, _ = load_for_engine(config=config, **load_args)
+        return ReplicaLoop(Engine(model, tokenizer, config, record_steps=record_steps), connection)
+
+    run_replica(connection, cores, start)
 
 
 def _status(engine: Engine) -> dict:

@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import dataclasses
 import math
-import os
 import threading
 import time
 from datetime import timedelta
@@ -31,8 +30,8 @@ from llmopt.runtime.engine.engine import Engine, check_request
 from llmopt.runtime.engine.output import RequestOutput
 from llmopt.runtime.engine.sampling import SamplingParams
 from llmopt.runtime.executor.loader import load_for_engine
-from llmopt.runtime.parallel.data_parallel import DataParallelEngine, Replica, _handle, _status
-from llmopt.runtime.parallel.workers import pin, rank_cores
+from llmopt.runtime.parallel.data_parallel import DataParallelEngine, Replica, ReplicaLoop, _status, run_replica
+from llmopt.runtime.parallel.workers import rank_cores
 
 PAIR_TIMEOUT_S = 60.0  # a pair's rendezvous, and one hand-over's transfer, wait this long at most
 TAG_MODULO = 1 << 30  # gloo tags are ints: a request's tag is its front id modulo this
@@ -103,44 +102,18 @@ class PairLinks:
 
 
 # --- the workers ---------------------------------------------------------------------------------------------------
-class _Worker:
-    """One worker's loop: the front's commands between engine steps, the outputs sent back with front ids."""
+class _Worker(ReplicaLoop):
+    """A disaggregated worker's loop: the replica's, with its links to the other role's workers."""
 
     def __init__(self, engine: Engine, links: PairLinks, connection):
-        self.engine, self.links, self.connection = engine, links, connection
-        self.ids: dict[int, int] = {}  # local request id -> the front's
-        self.local: dict[int, int] = {}
-
-    def run(self) -> None:
-        while True:
-            if not self.engine.has_unfinished():
-                self.connection.poll(None)  # idle: block until a command (or EOF: the front is gone)
-            while self.connection.poll():
-                command = self.connection.recv()
-                if command is None:
-                    return
-                self.handle(command)
-            if self.engine.has_unfinished():
-                self.report(self.engine.step())
+        super().__init__(engine, connection)
+        self.links = links
 
     def handle(self, command: tuple) -> None:
         if command[0] == "connect":
             self.links.connect(command[1], command[2])
         else:
-            _handle(self.engine, command, self.ids, self.local, self.connection)
-
-    def forget(self, output: RequestOutput) -> int | None:
-        """The front's id of an output's request (None: not the front's), forgotten once it finished."""
-        front_id = self.ids.get(output.request_id)
-        if front_id is not None and output.finished:
-            del self.ids[output.request_id]
-            del self.local[front_id]
-        return front_id
-
-    def report(self, outputs: list[RequestOutput]) -> None:
-        sent = [dataclasses.replace(o, request_id=front_id) for o in outputs
-                if (front_id := self.forget(o)) is not None]
-        self.connection.send(("outputs", sent, _status(self.engine)))
+            super().handle(command)
 
 
 class PrefillWorker(_Worker):
@@ -231,25 +204,15 @@ def worker_main(role: str, load_args: dict, config: EngineConfig, cores: list[in
                 store_port: int, peers: dict[int, str], connection) -> None:
     """A worker's process: its links to the other role's workers (rendezvous in the background), its engine,
     then the loop."""
-    try:
-        pin(cores)
+
+    def start() -> _Worker:
         links = PairLinks(store_port, 0 if role == PREFILL else 1)
         for peer, key in peers.items():
             links.connect(peer, key)
         model, tokenizer, _ = load_for_engine(config=config, **load_args)
-        engine = Engine(model, tokenizer, config, record_steps=record_steps)
-        worker = WORKERS[role](engine, links, connection)
-        connection.send(("ready", {"kv_cache_info": engine.kv_cache_info(), "numerics": engine.numerics(),
-                                   "pid": os.getpid()}))
-        worker.run()
-    except (EOFError, BrokenPipeError, KeyboardInterrupt):
-        return
-    except BaseException as e:  # noqa: BLE001 (one line to the front, which restarts the worker)
-        try:
-            connection.send(("error", f"{type(e).__name__}: {str(e).strip().splitlines()[0] if str(e) else ''}"))
-        except OSError:
-            pass
-        raise SystemExit(1) from None
+        return WORKERS[role](Engine(model, tokenizer, config, record_steps=record_steps), links, connection)
+
+    run_replica(connection, cores, start)
 
 
 # --- the front -----------------------------------------------------------------------------------------------------
