@@ -24,13 +24,13 @@ from __future__ import annotations
 import argparse
 import multiprocessing as mp
 import random
-import socket
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
 from pathlib import Path
+
+from serve import free_port, started  # (benchmarks/serve.py: a server subprocess, once its /health answers)
 
 VOCAB_LOW, VOCAB_HIGH = 200, 40000  # random prompt tokens: ordinary ids of SmolLM2's vocabulary
 PRODUCT_OPS = ("mm", "gemv", "matmul", "linear", "int4", "panel", "sparse24", "int8")  # ops that are a linear
@@ -139,31 +139,6 @@ def step_profile(engine, steps: int = 16) -> dict:
 
 
 # --- serving -------------------------------------------------------------------------------------------------------
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def started(command: list[str], port: int) -> subprocess.Popen:
-    """A server process, once its /health answers (both servers have one)."""
-    import httpx
-
-    process = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    deadline = time.time() + 300
-    while time.time() < deadline:
-        try:
-            if httpx.get(f"http://127.0.0.1:{port}/health", timeout=5).status_code == 200:
-                return process
-        except httpx.HTTPError:
-            pass
-        if process.poll() is not None:
-            raise SystemExit(f"{command[0]} exited with {process.returncode}")
-        time.sleep(0.5)
-    process.kill()
-    raise SystemExit(f"{command[0]} did not answer /health within 300 s")
-
-
 def served_tok_s(model: str, command: list[str], port: int, clients: int) -> dict:
     from llmopt.eval.speed import BenchConfig, HttpTarget, WorkloadSpec, bench_http
 

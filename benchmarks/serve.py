@@ -41,19 +41,29 @@ def start_server(model: str, port: int, max_num_seqs: int | None = None, kv_cach
     """`llmopt serve MODEL` on the port, once /health answers; checkout: serve another checkout's llmopt."""
     options = [("--max-num-seqs", max_num_seqs), ("--kv-cache-bytes", kv_cache_bytes)]
     env = {**os.environ, "TOKENIZERS_PARALLELISM": "false", **({"PYTHONPATH": checkout} if checkout else {})}
+    return started([sys.executable, "-m", "llmopt", "serve", model, "--port", str(port),
+                    *(str(x) for flag, value in options if value is not None for x in (flag, value))],
+                   port, env=env, cwd=checkout, quiet=quiet)
+
+
+def started(command: list[str], port: int, env: dict | None = None, cwd: str | None = None,
+            quiet: bool = True) -> subprocess.Popen:
+    """A server process (llmopt's, or another with a /health route, as llama-server has), once /health answers
+    on the port; SystemExit if it exits first or does not answer within 300 s."""
     output = subprocess.DEVNULL if quiet else None
-    proc = subprocess.Popen([sys.executable, "-m", "llmopt", "serve", model, "--port", str(port),
-                             *(str(x) for flag, value in options if value is not None for x in (flag, value))],
-                            env=env, cwd=checkout, stdout=output, stderr=output)
+    process = subprocess.Popen(command, env=env, cwd=cwd, stdout=output, stderr=output)
     deadline = time.time() + 300
     while time.time() < deadline:
         try:
-            if httpx.get(f"http://127.0.0.1:{port}/health").status_code == 200:
-                return proc
+            if httpx.get(f"http://127.0.0.1:{port}/health", timeout=5).status_code == 200:
+                return process
         except httpx.HTTPError:
-            time.sleep(0.5)
-    proc.kill()
-    raise SystemExit("the server did not come up")
+            pass
+        if process.poll() is not None:
+            raise SystemExit(f"{command[0]} exited with {process.returncode}")
+        time.sleep(0.5)
+    process.kill()
+    raise SystemExit(f"{command[0]} did not answer /health within 300 s")
 
 
 def server_ttft(port: int) -> tuple[float, float]:

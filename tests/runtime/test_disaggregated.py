@@ -15,7 +15,7 @@ from llmopt.runtime.engine.config import EngineConfig
 from llmopt.runtime.engine.engine import Engine
 from llmopt.runtime.engine.sampling import SamplingParams
 from llmopt.runtime.executor.loader import load_runtime_model
-from llmopt.runtime.parallel.disaggregated import kv_layout, pack_kv, unpack_kv
+from llmopt.runtime.parallel.disaggregated import kv_layout, read_payload, unpack_kv
 from llmopt.runtime.parallel.engines import create_engine
 
 PARAMS = SamplingParams(max_tokens=12, ignore_eos=True)
@@ -39,19 +39,19 @@ def prefill_then_decode(tiny, kv_dtype: str, prompt: list[int], params: Sampling
     config = EngineConfig(block_size=4, kv_cache_bytes=1 << 20, kv_cache_dtype=kv_dtype)
     prefill, decode = Engine(model, tokenizer, config), Engine(model, tokenizer, config)
     captured = {}
+    layout = kv_layout(decode.runner)
+    num_blocks = math.ceil(len(prompt) / 4)
 
-    def capture(seq):
-        blocks = seq.block_table[:math.ceil(seq.num_prompt_tokens / 4)]
-        captured["kv"] = prefill.runner.read_kv_blocks(blocks)
+    def capture(seq):  # through the wire format: one flat payload
+        captured["payload"] = read_payload(prefill.runner, seq.block_table[:num_blocks], layout)
 
     prefill.on_prefilled = capture
     first = prefill.generate([prompt], SamplingParams(max_tokens=1, ignore_eos=True))[0]
-    layout = kv_layout(decode.runner)
-    kv = unpack_kv(pack_kv(captured["kv"]), layout, len(captured["kv"][0]))  # through the wire format
+    kv = unpack_kv(captured["payload"], layout, num_blocks)
     decode.add_prefilled(prompt, first.token_ids[0], params, kv)
     outputs = list(decode.stream())
     assert outputs[0].new_token_ids[0] == first.token_ids[0]  # the first output reports the first token
-    return outputs[-1], captured["kv"], prefill
+    return outputs[-1], kv, prefill
 
 
 @pytest.mark.parametrize("kv_dtype", ["float32", "int8"])

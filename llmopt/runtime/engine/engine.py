@@ -73,7 +73,9 @@ class Engine:
         self.max_context = getattr(hf_model.config, "max_position_embeddings", None)
         self.vocab_size = getattr(hf_model.config, "vocab_size", None)
         self._live: dict[int, Sequence] = {}  # requests not yet reported finished
-        self._aborted: set[int] = set()  # aborted since the last step: reported by the next one
+        # ended outside a step (aborted; a handed-over request whose first token reached a stop string): reported
+        # by the next step
+        self._ended: set[int] = set()
         self._stats = EngineStats()
         # per-step records for benchmarks; a server that runs for days turns them off to keep memory flat
         self.record_steps = record_steps
@@ -108,28 +110,24 @@ class Engine:
         check_request(prompt_token_ids, params, self.tokenizer is not None, self.vocab_size, self.max_context)
         seq = Sequence(prompt_token_ids, params, arrival_time=arrival_time)
         seq.num_cached_tokens = num_cached_tokens  # (served by the prefill side's prefix cache)
-        needed = seq.num_blocks(self.block_manager.block_size, seq.num_prompt_tokens + params.max_tokens)
-        if needed > self.block_manager.num_blocks:
-            raise ConfigError(f"request needs {needed} KV blocks but the decode cache has "
-                              f"{self.block_manager.num_blocks}: raise --kv-cache-bytes or lower max_tokens")
+        self.scheduler.check_fits(seq)
         seq.append_token(first_token)
         self._live[seq.seq_id] = seq
         self.outputs.add(seq)
-        self._handed_over.append((seq, kv_blocks))
+        if self.outputs.update(seq.seq_id, None):  # the first token's text already holds a stop string
+            seq.finish_reason = "stop"
+            self._ended.add(seq.seq_id)
+        else:
+            self._handed_over.append((seq, kv_blocks))
         return seq.seq_id
 
     def _adopt_handed_over(self) -> list[int]:
         """Move handed-over requests into the running batch while blocks and the sequence cap allow (oldest
         first): their KV written into fresh blocks, the first token's KV computed by the next step. Returns the
-        ids adopted (each reports its first token this step) or finished at once (a stop string in it)."""
+        ids adopted (each reports its first token this step)."""
         adopted = []
         while self._handed_over:
             seq, kv_blocks = self._handed_over[0]
-            if self.outputs.update(seq.seq_id, None):  # the first token's text already holds a stop string
-                self._handed_over.popleft()
-                seq.finish_reason = "stop"
-                adopted.append(seq.seq_id)
-                continue
             if not self.scheduler.adopt(seq, seq.num_prompt_tokens):
                 break
             self._handed_over.popleft()
@@ -150,7 +148,7 @@ class Engine:
             self._handed_over = deque(item for item in self._handed_over if item[0].seq_id != request_id)
             waiting[0][0].finish_reason, aborted = "abort", True
         if aborted:
-            self._aborted.add(request_id)
+            self._ended.add(request_id)
         return aborted
 
     def has_unfinished(self) -> bool:
@@ -199,10 +197,10 @@ class Engine:
             if stats is not None:
                 stats.duration, stats.kv_usage = time.perf_counter() - started, self.block_manager.usage
                 self._stats.steps.append(stats)
-        # aborted requests report once, even in a step that ran nothing for them
+        # requests ended outside a step report once, even in a step that ran nothing for them
         changed = [*adopted, *(i for i in sampled if i not in adopted)]
-        changed += [i for i in self._aborted if i not in sampled and i not in adopted]
-        self._aborted.clear()
+        changed += [i for i in self._ended if i not in sampled and i not in adopted]
+        self._ended.clear()
         return [self._report(seq_id) for seq_id in changed]
 
     def _stop_on_string(self, seq_id: int) -> None:
@@ -282,7 +280,7 @@ class Engine:
                                    eos_token_id=self.tokenizer.eos_token_id if self.tokenizer is not None else None)
         self.outputs = OutputProcessor(self.tokenizer)
         self._live.clear()
-        self._aborted.clear()
+        self._ended.clear()
 
     def close(self) -> None:
         """Stop the engine's other processes (tensor-parallel ranks); also at interpreter exit."""

@@ -57,13 +57,17 @@ class Scheduler:
     # --- requests -------------------------------------------------------------------------------
     def add(self, seq: Sequence) -> None:
         """Queue a request; one that could never fit in the whole KV cache is refused here."""
+        self.check_fits(seq)
+        self.waiting.append(seq)
+
+    def check_fits(self, seq: Sequence) -> None:
+        """Refuse a request that could never fit in the whole KV cache (its prompt and max_tokens new tokens)."""
         bm = self.block_manager
         needed = seq.num_blocks(bm.block_size, seq.num_prompt_tokens + seq.params.max_tokens)
         if needed > bm.num_blocks:
             raise ConfigError(
                 f"request needs {needed} KV blocks ({seq.num_prompt_tokens} prompt + {seq.params.max_tokens} new "
                 f"tokens) but the cache has {bm.num_blocks}: raise --kv-cache-bytes or lower max_tokens")
-        self.waiting.append(seq)
 
     def abort(self, seq_id: int) -> bool:
         return self.finish(seq_id, "abort")

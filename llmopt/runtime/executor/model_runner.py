@@ -346,11 +346,17 @@ class ModelRunner:
             generator = self.generators[seq.seq_id] = torch.Generator().manual_seed(seq.params.seed)
         return generator
 
-    def read_kv_blocks(self, block_ids: list[int]) -> list[torch.Tensor]:
+    def read_kv_blocks(self, block_ids: list[int], out: list[torch.Tensor] | None = None) -> list[torch.Tensor]:
         """The contents of these cache blocks, as stored (8-bit codes and their scales in an 8-bit cache): one
-        tensor [len(block_ids), block_size, ...] per cache tensor, layer by layer (a KV hand-over's payload)."""
+        tensor [len(block_ids), block_size, ...] per cache tensor, layer by layer (a KV hand-over's payload);
+        written into `out`'s tensors when given (views of one buffer: no second copy to pack them)."""
         index = torch.tensor(block_ids, dtype=torch.long, device=self.device)
-        return [t.index_select(0, index) for layer in self.kv_cache for t in layer]
+        tensors = [t for layer in self.kv_cache for t in layer]
+        if out is None:
+            return [t.index_select(0, index) for t in tensors]
+        for t, part in zip(tensors, out, strict=True):
+            torch.index_select(t, 0, index, out=part)
+        return out
 
     def write_kv_blocks(self, block_ids: list[int], contents: list[torch.Tensor]) -> None:
         """Store read_kv_blocks' tensors (another engine's, same model and cache dtype) into these blocks."""

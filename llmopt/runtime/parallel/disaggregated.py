@@ -38,8 +38,10 @@ TAG_MODULO = 1 << 30  # gloo tags are ints: a request's tag is its front id modu
 PREFILL, DECODE = "prefill", "decode"
 
 
-def pair_key(prefill: Replica, decode: Replica) -> str:
-    """The store prefix of one prefill-decode pair's group: a restarted worker (another generation) gets a new one."""
+def pair_key(one: Replica, other: Replica) -> str:
+    """The store prefix of the group of a prefill worker and a decode worker (either order): a restarted worker
+    (another generation) gets a new one."""
+    prefill, decode = (one, other) if one.role == PREFILL else (other, one)
     return f"llmopt-pd/{prefill.index}.{prefill.restarts}/{decode.index}.{decode.restarts}"
 
 
@@ -53,13 +55,16 @@ def block_bytes(layout) -> int:
     return sum(math.prod(shape) * dtype.itemsize for shape, dtype in layout)
 
 
-def pack_kv(blocks: list[torch.Tensor]) -> torch.Tensor:
-    """read_kv_blocks' tensors as one flat uint8 tensor (gloo sends one tensor per message)."""
-    return torch.cat([t.contiguous().view(-1).view(torch.uint8) for t in blocks])
+def read_payload(runner, block_ids: list[int], layout) -> torch.Tensor:
+    """These blocks' contents as one flat uint8 tensor (gloo sends one tensor per message), read straight into
+    it: the cache tensors' blocks one after another, as unpack_kv views them."""
+    payload = torch.empty(len(block_ids) * block_bytes(layout), dtype=torch.uint8, device=runner.device)
+    runner.read_kv_blocks(block_ids, out=unpack_kv(payload, layout, len(block_ids)))
+    return payload
 
 
 def unpack_kv(payload: torch.Tensor, layout, num_blocks: int) -> list[torch.Tensor]:
-    """pack_kv's inverse: views [num_blocks, *shape] of the payload, one per cache tensor."""
+    """Views [num_blocks, *shape] of a payload (read_payload's), one per cache tensor of `layout`."""
     parts, offset = [], 0
     for shape, dtype in layout:
         size = num_blocks * math.prod(shape) * dtype.itemsize
@@ -103,11 +108,14 @@ class PairLinks:
 
 # --- the workers ---------------------------------------------------------------------------------------------------
 class _Worker(ReplicaLoop):
-    """A disaggregated worker's loop: the replica's, with its links to the other role's workers."""
+    """A disaggregated worker's loop: the replica's, with its links to the other role's workers and the layout of
+    its cache's blocks (the hand-over's payload)."""
 
     def __init__(self, engine: Engine, links: PairLinks, connection):
         super().__init__(engine, connection)
         self.links = links
+        self.layout = kv_layout(engine.runner)
+        self.block_bytes = block_bytes(self.layout)
 
     def handle(self, command: tuple) -> None:
         if command[0] == "connect":
@@ -122,14 +130,14 @@ class PrefillWorker(_Worker):
     def __init__(self, engine: Engine, links: PairLinks, connection):
         super().__init__(engine, links, connection)
         self.decode_of: dict[int, int] = {}  # local id -> its decode worker, for requests that go on decoding
-        self.kv: dict[int, list[torch.Tensor]] = {}  # local id -> its prompt's KV blocks, read before they are freed
+        self.kv: dict[int, torch.Tensor] = {}  # local id -> its prompt's KV payload, read before the blocks are freed
         self.sending: list[tuple[object, torch.Tensor]] = []  # (gloo work, payload) in flight
         engine.on_prefilled = self.capture
 
     def capture(self, seq) -> None:
         if seq.seq_id in self.decode_of:
             num_blocks = math.ceil(seq.num_prompt_tokens / self.engine.block_manager.block_size)
-            self.kv[seq.seq_id] = self.engine.runner.read_kv_blocks(seq.block_table[:num_blocks])
+            self.kv[seq.seq_id] = read_payload(self.engine.runner, seq.block_table[:num_blocks], self.layout)
 
     def handle(self, command: tuple) -> None:
         if command[0] != "add":
@@ -161,25 +169,20 @@ class PrefillWorker(_Worker):
         self.sending = [(work, payload) for work, payload in self.sending if not work.is_completed()]
         self.connection.send(("outputs", final, _status(self.engine)))
 
-    def hand_over(self, front_id: int, output: RequestOutput, decode: int, kv: list[torch.Tensor]) -> None:
-        payload = pack_kv(kv)
+    def hand_over(self, front_id: int, output: RequestOutput, decode: int, payload: torch.Tensor) -> None:
         try:
             key, group = self.links.group(decode)
             self.sending.append((group.send([payload], 1, front_id % TAG_MODULO), payload))
         except (RuntimeError, ParallelError) as e:
             self.connection.send(("failed", front_id, f"the KV hand-over failed: {str(e).splitlines()[0]}"))
             return
-        self.connection.send(("prefilled", front_id, output.new_token_ids[0], len(kv[0]), output.num_cached_tokens,
+        num_blocks = payload.numel() // self.block_bytes
+        self.connection.send(("prefilled", front_id, output.new_token_ids[0], num_blocks, output.num_cached_tokens,
                               key))
 
 
 class DecodeWorker(_Worker):
     """Receives handed-over prompts' KV and decodes them."""
-
-    def __init__(self, engine: Engine, links: PairLinks, connection):
-        super().__init__(engine, links, connection)
-        self.layout = kv_layout(engine.runner)
-        self.block_bytes = block_bytes(self.layout)
 
     def handle(self, command: tuple) -> None:
         if command[0] != "adopt":
@@ -257,8 +260,7 @@ class DisaggregatedEngine(DataParallelEngine):
 
     def _process(self, replica: Replica, connection) -> tuple:
         other = DECODE if replica.role == PREFILL else PREFILL
-        peers = {p.index: pair_key(replica, p) if replica.role == PREFILL else pair_key(p, replica)
-                 for p in self._pool(other)}
+        peers = {p.index: pair_key(replica, p) for p in self._pool(other)}
         return (worker_main, f"llmopt-pd-{replica.role}{replica.index}",
                 (replica.role, self.load_args, self.worker_configs[replica.role], replica.cores, self.record_steps,
                  self.store.port, peers, connection))
@@ -319,8 +321,7 @@ class DisaggregatedEngine(DataParallelEngine):
         if replica.restarts != restarts:  # started again: a new generation, new pairs
             for peer in self._pool(DECODE if replica.role == PREFILL else PREFILL):
                 if peer.connection is not None:
-                    key = pair_key(replica, peer) if replica.role == PREFILL else pair_key(peer, replica)
-                    peer.connection.send(("connect", replica.index, key))
+                    peer.connection.send(("connect", replica.index, pair_key(replica, peer)))
 
     # --- the Engine interface ---------------------------------------------------------------------------
     def add_request(self, prompt_token_ids: list[int], params: SamplingParams | None = None,

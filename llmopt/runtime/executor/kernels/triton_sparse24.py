@@ -68,15 +68,6 @@ def pack_values(values: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     return values.t().to(dtype).contiguous()
 
 
-def pack_kept_codes(kept: torch.Tensor) -> torch.Tensor:
-    """Kept 4-bit codes [N, K/2] (one per element) -> [K/16, N] int32, eight per word, value v in bits 4 (v % 8)."""
-    n, half = kept.shape
-    codes = kept.t().to(torch.int64).reshape(half // 8, 8, n)
-    shifts = (torch.arange(8, dtype=torch.int64, device=kept.device) * 4).view(1, 8, 1)
-    words = (codes << shifts).sum(dim=1)  # [K/16, N], up to 32 bits
-    return torch.where(words >= 2**31, words - 2**32, words).to(torch.int32).contiguous()
-
-
 def sparse24_matmul(x: torch.Tensor, positions: torch.Tensor, values: torch.Tensor,
                     scales: torch.Tensor | None = None, zeros: torch.Tensor | None = None,
                     group_size: int = CHUNK) -> torch.Tensor:

@@ -47,15 +47,20 @@ def _w4a16_kernel(x_ptr, qw_ptr, scales_ptr, zeros_ptr, y_ptr, M, N, K,
              mask=m_mask[:, None] & n_mask[None, :])
 
 
+def pack_code_words(q: torch.Tensor) -> torch.Tensor:
+    """4-bit codes [N, K] (K % 8 == 0, one per element) -> [K/8, N] int32, code k of column n in bits 4 (k % 8) of
+    row k // 8."""
+    n, k = q.shape
+    codes = q.t().to(torch.int64).reshape(k // 8, 8, n)
+    shifts = (torch.arange(8, dtype=torch.int64, device=q.device) * 4).view(1, 8, 1)
+    words = (codes << shifts).sum(dim=1)  # [K/8, N], up to 32 bits
+    return torch.where(words >= 2**31, words - 2**32, words).to(torch.int32).contiguous()
+
+
 def pack_w4a16(q: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor, dtype: torch.dtype
                ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Codes [N, K] (K % 8 == 0), scales/zeros [N, G] -> (qweight [K/8, N] int32, scales [G, N], zeros [G, N])."""
-    n, k = q.shape
-    codes = q.t().to(torch.int32).reshape(k // 8, 8, n)
-    shifts = (torch.arange(8, dtype=torch.int32, device=q.device) * 4).view(1, 8, 1)
-    qweight = (codes << shifts).sum(dim=1, dtype=torch.int64)  # [K/8, N], up to 32 bits
-    qweight = torch.where(qweight >= 2**31, qweight - 2**32, qweight).to(torch.int32)
-    return qweight.contiguous(), scales.t().to(dtype).contiguous(), zeros.t().to(dtype).contiguous()
+    return pack_code_words(q), scales.t().to(dtype).contiguous(), zeros.t().to(dtype).contiguous()
 
 
 def w4a16_matmul(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor,

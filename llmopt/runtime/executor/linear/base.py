@@ -83,6 +83,13 @@ class LinearMethod(nn.Module):
         return f"in={self.in_features}, out={self.out_features}, method={self.name}"
 
 
+def triton_on(device: torch.device) -> bool:
+    """Whether the Triton methods can run on `device`: CUDA, with triton installed."""
+    from llmopt.runtime.executor.kernels.attention import triton_available
+
+    return device.type == "cuda" and triton_available()
+
+
 def select_linear_method(qweight: QuantizedWeight, scheme: LinearScheme, device: torch.device | str) -> type:
     """The registered method of highest priority that accepts this weight on this device."""
     device = torch.device(device)

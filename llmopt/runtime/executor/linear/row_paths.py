@@ -51,17 +51,17 @@ TILE_BYTES = tile_bytes()
 
 
 class RowPlan:
-    """bucket -> path name; `path(rows)` looks the choice up in a table indexed by row count (a list index per
-    call: it runs for every linear of every step)."""
+    """bucket -> path name; `path(rows)` looks the choice up in `by_rows`, a table indexed by row count (a list
+    index per call: it runs for every linear of every step; row counts past its end take its last entry)."""
 
     def __init__(self, choices: dict[int, str]):
         self.choices = dict(sorted((int(b), p) for b, p in choices.items()))  # (the JSON store's keys are text)
         buckets = list(self.choices)
-        self._table = [self.choices[next((b for b in buckets if b >= rows), buckets[-1])]
-                       for rows in range(buckets[-1] + 1)]
+        self.by_rows = [self.choices[next((b for b in buckets if b >= rows), buckets[-1])]
+                        for rows in range(buckets[-1] + 1)]
 
     def path(self, rows: int) -> str:
-        return self._table[rows] if rows < len(self._table) else self._table[-1]
+        return self.by_rows[rows] if rows < len(self.by_rows) else self.by_rows[-1]
 
     def to_json(self) -> dict[str, str]:
         return {str(b): p for b, p in self.choices.items()}
@@ -176,7 +176,7 @@ class RowPathsMixin:
         self._row_plan = plan
         # (every linear of every step looks its path up: one list index instead of a formatted name's lookup and
         # another call frame, x 120 linears per batch-1 decode step)
-        self._path_table = [getattr(self, f"_path_{name}") for name in plan._table]
+        self._path_table = [getattr(self, f"_path_{name}") for name in plan.by_rows]
 
     def row_plan_key(self) -> str:
         """What the timing depends on: method, dtype, shape, and the method's own details (`plan_key_detail`)."""

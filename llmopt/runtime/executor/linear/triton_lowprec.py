@@ -11,13 +11,7 @@ import torch
 from llmopt.core.contract import FP8_TOKEN_ACTIVATIONS, INT8_TOKEN_ACTIVATIONS, quantize_activations
 from llmopt.core.contract.activations import quantize_activations_fp8
 from llmopt.core.contract.fp4 import fp4_kernel_operands
-from llmopt.runtime.executor.linear.base import LinearMethod, register_linear_method
-
-
-def _triton_on(device: torch.device) -> bool:
-    from llmopt.runtime.executor.kernels.attention import triton_available
-
-    return device.type == "cuda" and triton_available()
+from llmopt.runtime.executor.linear.base import LinearMethod, register_linear_method, triton_on
 
 
 @register_linear_method
@@ -39,7 +33,7 @@ class TritonW8A8Linear(LinearMethod):
         w, acts = qweight.scheme, scheme.input_activations
         int8 = acts == INT8_TOKEN_ACTIVATIONS and w.type == "int" and w.bits == 8 and w.sym
         fp8 = acts == FP8_TOKEN_ACTIVATIONS and w.type == "float" and w.bits == 8
-        return ((int8 or fp8) and w.strategy == "channel" and qweight.has_trivial_g_idx and _triton_on(device))
+        return ((int8 or fp8) and w.strategy == "channel" and qweight.has_trivial_g_idx and triton_on(device))
 
     def _matmul(self, x2d):
         from llmopt.runtime.executor.kernels.triton_lowprec import scaled_matmul
@@ -69,7 +63,7 @@ class TritonFloatWeightLinear(LinearMethod):
     def accepts(cls, qweight, scheme, device):
         w = qweight.scheme
         return (scheme.input_activations is None and w.type == "float" and qweight.has_trivial_g_idx
-                and qweight.shape[1] % 16 == 0 and _triton_on(device))
+                and qweight.shape[1] % 16 == 0 and triton_on(device))
 
     def _matmul(self, x2d):
         from llmopt.runtime.executor.kernels.triton_lowprec import float_weight_matmul

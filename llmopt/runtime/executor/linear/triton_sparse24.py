@@ -13,18 +13,12 @@ import torch
 import torch.nn.functional as F
 
 from llmopt.core.contract.sparse24 import Sparse24Weight, positions_2of4, unpack_mask
-from llmopt.runtime.executor.linear.base import LinearMethod, register_linear_method
+from llmopt.runtime.executor.linear.base import LinearMethod, register_linear_method, triton_on
 
 CHUNK = 32  # columns per position word
 SEMI_STRUCTURED_ROWS = 16  # rows above which the sparse tensor cores take the product, where they can
 SEMI_STRUCTURED_DTYPES = (torch.float16, torch.bfloat16)
 SEMI_STRUCTURED_MULTIPLE = (32, 64)  # weight rows, columns: both backends' shape constraints for fp16/bf16
-
-
-def _triton_on(device: torch.device) -> bool:
-    from llmopt.runtime.executor.kernels.attention import triton_available
-
-    return device.type == "cuda" and triton_available()
 
 
 def semi_structured_weight(weight: Sparse24Weight, dtype: torch.dtype, device: torch.device):
@@ -56,7 +50,7 @@ class TritonSparse24Linear(LinearMethod):
 
     @classmethod
     def accepts(cls, weight, scheme, device):
-        return (_triton_on(device) and scheme.input_activations is None and weight.pattern == "2:4"
+        return (triton_on(device) and scheme.input_activations is None and weight.pattern == "2:4"
                 and weight.shape[1] % CHUNK == 0)
 
     def _matmul(self, x2d):
@@ -73,13 +67,14 @@ class TritonSparse24Int4Linear(LinearMethod):
 
     def __init__(self, qweight, dtype, device):
         super().__init__(qweight, dtype, device)
-        from llmopt.runtime.executor.kernels.triton_sparse24 import pack_kept_codes, pack_positions
+        from llmopt.runtime.executor.kernels.triton_sparse24 import pack_positions
+        from llmopt.runtime.executor.kernels.triton_w4a16 import pack_code_words
 
         n, k = qweight.shape
         mask = unpack_mask(qweight.keep, k)  # [N, K]
         self.group_size = qweight.scheme.group_width(k)
         self.register_buffer("positions", pack_positions(positions_2of4(mask)).to(device))  # [K/32, N]
-        self.register_buffer("codes", pack_kept_codes(qweight.q[mask].reshape(n, k // 2).to(device)))  # [K/16, N]
+        self.register_buffer("codes", pack_code_words(qweight.q[mask].reshape(n, k // 2).to(device)))  # [K/16, N]
         self.register_buffer("scales", qweight.scales.t().to(dtype).contiguous().to(device))  # [G, N]
         self.register_buffer("zeros", qweight.zeros.t().to(dtype).contiguous().to(device))  # [G, N]
 
@@ -87,7 +82,7 @@ class TritonSparse24Int4Linear(LinearMethod):
     def accepts(cls, qweight, scheme, device):
         k = qweight.shape[1]
         w = qweight.scheme
-        return (_triton_on(device) and scheme.input_activations is None and qweight.keep is not None
+        return (triton_on(device) and scheme.input_activations is None and qweight.keep is not None
                 and w.type == "int" and w.bits <= 4 and qweight.has_trivial_g_idx and k % CHUNK == 0
                 and w.group_width(k) % CHUNK == 0)
 

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from llmopt.runtime.executor.linear.base import LinearMethod, register_linear_method
+from llmopt.runtime.executor.linear.base import LinearMethod, register_linear_method, triton_on
 
 
 @register_linear_method
@@ -22,11 +22,9 @@ class TritonW4A16Linear(LinearMethod):
 
     @classmethod
     def accepts(cls, qweight, scheme, device):
-        from llmopt.runtime.executor.kernels.attention import triton_available
-
         w = qweight.scheme
-        return (device.type == "cuda" and scheme.input_activations is None and qweight.has_trivial_g_idx
-                and w.type == "int" and w.bits <= 4 and qweight.shape[1] % 8 == 0 and triton_available())
+        return (triton_on(device) and scheme.input_activations is None and qweight.has_trivial_g_idx
+                and w.type == "int" and w.bits <= 4 and qweight.shape[1] % 8 == 0)
 
     def _matmul(self, x2d):
         from llmopt.runtime.executor.kernels.triton_w4a16 import w4a16_matmul
