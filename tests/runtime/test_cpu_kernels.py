@@ -269,27 +269,53 @@ def test_exactly_narrowed_keeps_every_value():
     assert exactly_narrowed(full) is full
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
-@pytest.mark.parametrize("n,k,group,rows", [(48, 192, 64, 1), (37, 256, 128, 3), (16, 96, 32, 2)])
-def test_int4_matmul_rows_q8_is_exact_for_its_8_bit_inputs(ops, dtype, n, k, group, rows):
-    # activations rounded to 8 bits per (row, group), d = max|x| / 127; the integer products exact, the offsets'
-    # term on the unrounded inputs: the same arithmetic in float64 agrees to fp32 rounding. Groups of 32 take
-    # the scalar path (16 bytes), the others the vector path (32 bytes a step).
-    from llmopt.runtime.executor.kernels.quant_matmul import pack_nibbles
+def q8_reference(x, q, scales, zeros, group, act_group):
+    """int4_matmul_q8's arithmetic in float64: inputs rounded to int8 per (row, block of act_group) as the kernel
+    rounds them (fp32 x * (127 / max|x|), half to even), the integer products exact, the biases' term on the
+    rounded inputs too (the dequantized weight times the rounded inputs); scales and biases as the float16 the
+    layout keeps."""
+    rows, k = x.shape
+    xf = x.float().view(rows, k // act_group, act_group)
+    amax = xf.abs().amax(-1, keepdim=True)
+    # 127 / max|x| rounded once to fp32 (torch's fp32 division may differ by an ulp, which flips ties)
+    inv = torch.where(amax > 0, (127 / amax.double()).float(), torch.zeros_like(amax))
+    xq = (xf * inv).round().double() * (amax.double() / 127)  # (d = max|x| / 127 in fp32, as the kernel's)
+    scale = scales.half().double().repeat_interleave(group, 1)  # [N, K]
+    bias = (-zeros.float() * scales.float()).half().double().repeat_interleave(group, 1)
+    return xq.view(rows, k) @ (scale * q.double() + bias).t()
 
-    g = torch.Generator().manual_seed(n + k)
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("n,k,group,act_group", [(112, 192, 64, 32), (48, 256, 128, 64), (16, 96, 32, 32),
+                                                 (80, 384, 32, 32)])
+@pytest.mark.parametrize("rows", [1, 2, 3, 8, 9, 16])
+def test_int4_matmul_q8_is_exact_for_its_8_bit_inputs(ops, dtype, n, k, group, act_group, rows):
+    # 7 and 5 panels: the blocks of 4 (or 2) panels at one and two rows and the single panels after them
+    from llmopt.runtime.executor.kernels.quant_matmul import pack_int4_q8
+
+    g = torch.Generator().manual_seed(n + k + rows)
     q = torch.randint(0, 16, (n, k), generator=g)
-    so = torch.stack([torch.rand(k // group, n, generator=g) * 0.1, torch.randn(k // group, n, generator=g) * 0.1],
-                     dim=-1).to(dtype)
+    scales = torch.rand(n, k // group, generator=g) * 0.1 + 0.01
+    zeros = torch.randint(0, 16, (n, k // group), generator=g).float()
     x = torch.randn(rows, k, generator=g).to(dtype)
-    out = ops.int4_matmul_rows_q8(x, pack_nibbles(q), so, group)
-    xd, scale, offset = x.double(), so[..., 0].t().double(), so[..., 1].t().double()  # [N, G]
-    xg = xd.view(rows, k // group, group)
-    xq = (xg / (xg.abs().amax(-1, keepdim=True) / 127)).round() * (xg.abs().amax(-1, keepdim=True) / 127)
-    expected = (xq.view(rows, k) @ (scale.repeat_interleave(group, 1) * q.double()).t()
-                + xd @ (offset - 8 * scale).repeat_interleave(group, 1).t())
-    tol = 1e-5 if dtype == torch.float32 else 2e-3
+    x[0, :act_group] = 0  # an all-zero block: scale 0, no division by it
+    codes, scales_biases = pack_int4_q8(q, scales, zeros, group, group)
+    out = ops.int4_matmul_q8(x, codes, scales_biases, group, act_group)
+    expected = q8_reference(x, q, scales, zeros, group, act_group)
+    tol = {torch.float32: 1e-5, torch.float16: 2e-3, torch.bfloat16: 1e-2}[dtype]
+    assert out.dtype == dtype and out.shape == (rows, n)
     torch.testing.assert_close(out.double(), expected, rtol=tol, atol=tol * expected.abs().max().item())
+
+
+def test_int4_matmul_q8_refuses_what_its_layout_cannot_hold(ops):
+    from llmopt.runtime.executor.kernels.quant_matmul import pack_int4_q8
+
+    q, scales, zeros = torch.zeros(16, 64, dtype=torch.long), torch.ones(16, 2), torch.zeros(16, 2)
+    codes, scales_biases = pack_int4_q8(q, scales, zeros, 32, 32)
+    with pytest.raises(RuntimeError, match="at most 16 rows"):
+        ops.int4_matmul_q8(torch.randn(17, 64), codes, scales_biases, 32, 32)
+    with pytest.raises(RuntimeError, match="activation group"):
+        ops.int4_matmul_q8(torch.randn(1, 64), codes, scales_biases, 32, 48)
 
 
 @pytest.mark.parametrize("compiled", [False, True])

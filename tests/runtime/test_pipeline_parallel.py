@@ -84,7 +84,9 @@ def test_two_stages_of_two_ranks_each_give_the_tokens_of_one_process(tiny_gptq_a
     from tests.runtime.test_tensor_parallel import generate
 
     grid = dict(tensor_parallel_size=2, pipeline_parallel_size=2)
-    assert generate(tiny_gptq_artifact, **grid, pipeline_micro_batches=3) == generate(tiny_gptq_artifact)
+    # (float inputs: with 8-bit ones a tensor-parallel sum's rounding can flip an input's code, test_tensor_parallel)
+    assert (generate(tiny_gptq_artifact, **grid, pipeline_micro_batches=3, activations="float")
+            == generate(tiny_gptq_artifact, activations="float"))
 
 
 def test_a_stage_killed_mid_run_ends_the_engine_with_one_line(tiny_llama_dir):

@@ -155,7 +155,10 @@ def test_two_ranks_of_a_gptq_int4_artifact_run_its_packed_kernels(gptq_artifact)
     model, _, _ = load_runtime_model(str(gptq_artifact), shard=(1, 2))
     methods = {type(m).__name__ for m in model.linears}
     assert methods == {"Int4PackedLinear"}, methods  # each rank's share packed for the int4 kernel
-    assert generate(gptq_artifact, tensor_parallel_size=2) == generate(gptq_artifact)
+    # (float inputs: 8-bit ones, the default on CPU, are rounded from sums added in another order, so a rare
+    # input on a rounding boundary flips and the tokens may part)
+    assert (generate(gptq_artifact, tensor_parallel_size=2, activations="float")
+            == generate(gptq_artifact, activations="float"))
 
 
 def test_an_engine_needs_the_model_loaded_as_a_share(tiny_llama_dir):

@@ -300,6 +300,7 @@ class Engine:
         several kernels, the kernel each layer shape runs per row bucket (layer key -> {rows: path})."""
         decoder = self.runner.decoder
         return {**self.config.numerics(), "fast_path_resolved": decoder.fast,
+                "activations_resolved": self.runner.activations,
                 "attention_backend_resolved": decoder.attention.name,
                 "kv_cache_dtype_resolved": self.runner.kv_dtype_label,
                 "linear_methods": self.runner.linear_methods, "linear_paths": self.runner.linear_paths}

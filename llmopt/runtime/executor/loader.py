@@ -90,4 +90,4 @@ def load_for_engine(name: str, config, dtype: str = "float32", device: str = "cp
     tensor-parallel share)."""
     grid = ParallelGrid(config.tensor_parallel_size, config.pipeline_parallel_size)
     return load_runtime_model(name, dtype=dtype, device=device, trust_remote_code=trust_remote_code,
-                              activations=config.activations, **grid.share(launched_rank()))
+                              activations=config.activations_on(device), **grid.share(launched_rank()))

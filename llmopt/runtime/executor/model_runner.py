@@ -99,8 +99,9 @@ class ModelRunner:
         stages: this process's parallel.pipeline.PipelineStages when the model is one pipeline stage."""
         block_size, kv_cache_bytes = config.block_size, config.kv_cache_bytes
         kv_cache_memory_fraction, max_num_seqs = config.kv_cache_memory_fraction, config.max_num_seqs
-        loaded_with = getattr(hf_model, "llmopt_activations", "float")
-        if config.activations != loaded_with:
+        # (auto: whatever the model was loaded with; load_for_engine resolves it by device and fast path)
+        self.activations = loaded_with = getattr(hf_model, "llmopt_activations", "float")
+        if config.activations not in ("auto", loaded_with):
             raise ConfigError(f"the model's linears were built for --int4-activations {loaded_with}, the engine is "
                               f"configured for {config.activations}: load it with load_runtime_model(..., "
                               f"activations={config.activations!r})", param="activations")

@@ -91,7 +91,7 @@ def build_draft(config: SpeculativeConfig, hf_model, runner: ModelRunner, engine
     param = next(hf_model.parameters())
     dtype = str(param.dtype).removeprefix("torch.")
     draft_model, _, _ = load_runtime_model(config.model, dtype=dtype, device=str(param.device),
-                                           activations=engine_config.activations)
+                                           activations=runner.activations)
     return DraftProposer(draft_model, hf_model, runner, engine_config)
 
 

@@ -91,6 +91,27 @@ def pack_int4_panels(nibbles: torch.Tensor, scales_and_offsets: torch.Tensor, ke
     return codes, per_panel.reshape(k // kernel_group, 2, n // 16, 16).permute(2, 0, 1, 3).contiguous()
 
 
+def pack_int4_q8(q: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor, group_size: int, kernel_group: int
+                 ) -> tuple[torch.Tensor, torch.Tensor]:
+    """Codes [N, K] (< 16), scales / zeros [N, G] -> the layout of `int4_matmul_q8` (csrc/int4_q8_cpu.cpp): codes
+    [N/16, K/8, 64] (chunk c of panel p: bytes 4j..4j+3 are output 16p + j's columns 8c..8c+3 in the low nibbles
+    and 8c+4..8c+7 in the high ones) and per kernel group the panel's scales and biases (w = q * scale + bias,
+    bias = -zero * scale) as float16 [N/16, K/kernel_group, 2, 16]."""
+    n, k = q.shape
+    columns = q.to(torch.uint8).reshape(n // 16, 16, k // 8, 2, 4)  # [P, j, c, half, b]: column 8c + 4 half + b
+    codes = (columns[..., 0, :] | (columns[..., 1, :] << 4)).permute(0, 2, 1, 3).reshape(n // 16, k // 8, 64)
+    repeat = (k if group_size == -1 else group_size) // kernel_group
+    scale = scales.float().repeat_interleave(repeat, dim=1)  # [N, G']
+    bias = -zeros.float().repeat_interleave(repeat, dim=1) * scale
+    scales_biases = torch.stack([scale, bias], dim=1).reshape(n // 16, 16, 2, -1).permute(0, 3, 2, 1)
+    return codes.contiguous(), scales_biases.to(torch.float16).contiguous()
+
+
+def fits_float16(*tensors: torch.Tensor) -> bool:
+    """Whether every value is finite in float16 (int4_matmul_q8's scales and biases are stored in it)."""
+    return all(bool(t.float().abs().max() <= torch.finfo(torch.float16).max) for t in tensors if t.numel())
+
+
 def pack_int8(q: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor, dtype: torch.dtype
               ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
     """Per-channel 8-bit codes [N, K], scales/zeros [N, 1] -> (signed codes, scales [N], correction [N] or None).

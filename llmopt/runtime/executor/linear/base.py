@@ -110,7 +110,7 @@ def make_linear(qweight: QuantizedWeight, dtype: torch.dtype, device: torch.devi
     method = select_linear_method(qweight, scheme, device)
     if input_activations is not None and method.priority == FALLBACK_PRIORITY and qweight.input_activations is None:
         # quantized inputs are a request: a weight no kernel runs with them keeps inputs in the compute dtype
-        method = select_linear_method(qweight, LinearScheme(qweight.scheme), device)
+        method = select_linear_method(qweight, LinearScheme(getattr(qweight, "scheme", None)), device)
     return method.create(qweight, dtype, device)
 
 

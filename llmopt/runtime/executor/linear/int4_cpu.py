@@ -1,5 +1,6 @@
 """Codes of <= 4 bits on CPU: aten's int4 layout for bf16 decode, the compiled kernels (kernels/csrc/int4_cpu.cpp)
-for fp32 / fp16 rows and for dequantizing whole weights before a dense GEMM at prefill sizes."""
+for fp32 / fp16 rows and for dequantizing whole weights before a dense GEMM at prefill sizes; with 8-bit inputs
+at decode, the integer-dot kernel (kernels/csrc/int4_q8_cpu.cpp)."""
 
 from __future__ import annotations
 
@@ -8,7 +9,7 @@ import torch.nn.functional as F
 
 from llmopt.runtime.executor.kernels.cpu_ops import cpu_ops
 from llmopt.runtime.executor.kernels.quant_matmul import (
-    can_pack_int4, int4_dequantize, int4_group_size, int4_matmul, pack_int4, pack_int4_codes, pack_int4_panels,
+    can_pack_int4, fits_float16, int4_dequantize, int4_matmul, pack_int4, pack_int4_codes, pack_int4_panels, pack_int4_q8,
     pack_nibbles, unpack_nibbles,
 )
 from llmopt.runtime.executor.linear.base import LinearMethod, dequantize_buffer, new_stacked, register_linear_method
@@ -128,12 +129,25 @@ class Int4PackedLinear(RowPathsMixin, LinearMethod):
 
 @register_linear_method
 class Int4Q8Linear(Int4PackedLinear):
-    """The int4 layer with 8-bit inputs at few rows: each group of 64 inputs rounded to int8 with one symmetric
-    scale (dynamic, per row), integer dot products with the codes, as llama.cpp's Q8 activations do: ~1% relative
-    error per output for ~25% less time per token on AVX2 (docs/results/cpu.md). Chosen by the scheme
-    (`--int4-activations int8`: core.contract.INT8_GROUP_ACTIVATIONS), never by default."""
+    """The int4 layer with 8-bit inputs at few rows (decode), as llama.cpp multiplies its Q4 blocks: each block of
+    32 inputs rounded to int8 with one scale (dynamic, per row), the codes repacked at load so that one 64-byte
+    load serves 16 outputs and integer dot products (VNNI, else maddubs) sum 128 weights an instruction
+    (kernels/csrc/int4_q8_cpu.cpp, `int4_matmul_q8`): ~0.5-1% relative error per output, 2-3x less time
+    per token than aten's bf16 kernel (docs/results/peers.md). Chosen by the scheme (`--int4-activations int8`:
+    core.contract.INT8_GROUP_ACTIVATIONS); prefill-sized steps keep the parent's paths and the float inputs."""
 
     name, priority = "int4-q8-cpu", 20
+    q8_max_rows = 16  # the kernel's limit; more rows are a prefill chunk or a large batch (the GEMM paths)
+    q8_input_block = 32  # inputs per 8-bit scale (llama.cpp's Q8 block)
+    # a decode step reads the q8 layout; the others serve prefill (eval.speed.model_cost)
+    prefill_only_buffers = ("packed", "scales_and_offsets", "nibbles", "panel_codes", "panel_scales")
+
+    def __init__(self, qweight, dtype, device="cpu"):
+        super().__init__(qweight, dtype, device)
+        codes, scales_biases = pack_int4_q8(qweight.q, qweight.scales, qweight.zeros, qweight.scheme.group_size,
+                                            self.kernel_group)
+        self.register_buffer("q8_codes", codes)
+        self.register_buffer("q8_scales", scales_biases)
 
     @classmethod
     def accepts(cls, qweight, scheme, device):
@@ -141,16 +155,28 @@ class Int4Q8Linear(Int4PackedLinear):
         if acts is None or not (acts.type == "int" and acts.bits == 8 and acts.dynamic and acts.sym):
             return False
         plain = type(scheme)(scheme.weights, None)
-        if not Int4PackedLinear.accepts(qweight, plain, device):
-            return False
-        # the kernel's activation groups of 64 never straddle a kernel group
-        return int4_group_size(qweight.shape[1], qweight.scheme.group_size) % 64 == 0
+        # the scales and biases are kept in float16 (as GPTQ checkpoints store them)
+        return (Int4PackedLinear.accepts(qweight, plain, device)
+                and fits_float16(qweight.scales, qweight.scales * qweight.zeros))
 
-    def _path_rows(self, x2d):
-        return cpu_ops().int4_matmul_rows_q8(x2d, self.nibbles, self.scales_and_offsets, self.kernel_group)
+    @classmethod
+    def stack(cls, parts):
+        fused = super().stack(parts)
+        fused.register_buffer("q8_codes", torch.cat([p.q8_codes for p in parts]))
+        fused.register_buffer("q8_scales", torch.cat([p.q8_scales for p in parts]))
+        return fused
+
+    def row_paths(self):
+        paths = super().row_paths()
+        if cpu_ops() is not None:
+            paths["q8"] = self.q8_max_rows
+        return paths
+
+    def _path_q8(self, x2d):
+        return cpu_ops().int4_matmul_q8(x2d, self.q8_codes, self.q8_scales, self.kernel_group, self.q8_input_block)
 
     def default_path(self, rows: int) -> str:
-        """The 8-bit inputs' kernel for fewer than 16 fp32 / fp16 rows, as asked; the parent's choice beyond."""
-        if cpu_ops() is not None and self.dtype != torch.bfloat16 and rows < self.compiled_dequantize_min_rows:
-            return "rows"
+        """The 8-bit inputs' kernel up to 16 rows, as asked; the parent's choice beyond."""
+        if cpu_ops() is not None and rows <= self.q8_max_rows:
+            return "q8"
         return super().default_path(rows)

@@ -267,128 +267,7 @@ at::Tensor int4_matmul_panels(const at::Tensor& x, const at::Tensor& codes, cons
   return y;
 }
 
-// The same product with the activations quantized to 8 bits, as llama.cpp multiplies its Q4 weights: per row
-// and group, d = max|x| / 127 and xq = round(x / d) in [-127, 127]; then
-//   y += scale * d * sum_k q_k xq_k + (offset - 8 * scale) * sum_k x_k
-// where the first sum is exact integer arithmetic (vpdpbusd with AVX512_VNNI, else maddubs + madd on AVX2) and
-// the second uses the fp32 inputs. The codes' low nibbles meet the even columns of xq and the high nibbles the
-// odd ones, 32 bytes (64 weights) per step: groups of 64, 128, ... . The 8-bit rounding of x adds a relative
-// error of ~0.4% per input (far below the 4-bit weights' own), for ~3x less work per weight than widening
-// every code to fp32.
-struct Q8Rows {
-  std::vector<int8_t> even, odd;  // [M, K/2]
-  std::vector<float> d, xsum;  // [M, groups]
-};
-
-template <typename T>
-Q8Rows quantize_rows_q8(const T* x, int64_t M, int64_t K, int64_t group) {
-  const int64_t groups = K / group, half = K / 2;
-  Q8Rows q{std::vector<int8_t>(M * half), std::vector<int8_t>(M * half), std::vector<float>(M * groups),
-           std::vector<float>(M * groups)};
-  for (int64_t m = 0; m < M; ++m)
-    for (int64_t g = 0; g < groups; ++g) {
-      float amax = 0.f, sum = 0.f;
-      for (int64_t k = g * group; k < (g + 1) * group; ++k) {
-        const float v = to_float(x[m * K + k]);
-        amax = std::max(amax, std::fabs(v));
-        sum += v;
-      }
-      const float d = amax / 127.f, inv = amax > 0.f ? 127.f / amax : 0.f;
-      q.d[m * groups + g] = d;
-      q.xsum[m * groups + g] = sum;
-      for (int64_t k = g * group; k < (g + 1) * group; k += 2) {
-        q.even[m * half + k / 2] = static_cast<int8_t>(std::nearbyint(to_float(x[m * K + k]) * inv));
-        q.odd[m * half + k / 2] = static_cast<int8_t>(std::nearbyint(to_float(x[m * K + k + 1]) * inv));
-      }
-    }
-  return q;
-}
-
-// sum over 32 bytes of codes (64 weights) of q * xq: low nibbles with e (even columns), high with o (odd)
-#if defined(LLMOPT_VEC)
-inline __m256i dot_q4_q8(__m256i acc, __m256i codes, __m256i e, __m256i o) {
-  const __m256i mask = _mm256_set1_epi8(0x0F);
-  const __m256i lo = _mm256_and_si256(codes, mask), hi = _mm256_and_si256(_mm256_srli_epi16(codes, 4), mask);
-#if defined(__AVX512VNNI__) && defined(__AVX512VL__)
-  return _mm256_dpbusd_epi32(_mm256_dpbusd_epi32(acc, lo, e), hi, o);
-#else
-  // u8 x s8 pairs summed into s16 (at most 2 * 15 * 127 per pair, twice: no saturation), then into s32
-  const __m256i pairs = _mm256_add_epi16(_mm256_maddubs_epi16(lo, e), _mm256_maddubs_epi16(hi, o));
-  return _mm256_add_epi32(acc, _mm256_madd_epi16(pairs, _mm256_set1_epi16(1)));
-#endif
-}
-#endif
-
-// NB outputs of one row: per group the inputs are loaded once for all NB, the integer sums scaled by s * d into
-// fp32 vector accumulators (one horizontal sum per output at the end).
-template <typename T, int NB>
-inline void int4_q8_outputs(const Q8Rows& q, int64_t m, const uint8_t* nibbles, const T* so, float* y, int64_t N,
-                            int64_t K, int64_t group, int64_t n) {
-  const int64_t groups = K / group, half = K / 2, gbytes = group / 2;
-  const int8_t* xe = q.even.data() + m * half;
-  const int8_t* xo = q.odd.data() + m * half;
-  float out[NB] = {};
-#if defined(LLMOPT_VEC)
-  __m256 total[NB];
-  for (int j = 0; j < NB; ++j) total[j] = _mm256_setzero_ps();
-#endif
-  for (int64_t g = 0; g < groups; ++g) {
-    const float d = q.d[m * groups + g], xs = q.xsum[m * groups + g];
-    float sd[NB];
-    for (int j = 0; j < NB; ++j) {
-      const float scale = to_float(so[(g * N + n + j) * 2]), offset = to_float(so[(g * N + n + j) * 2 + 1]);
-      sd[j] = scale * d;
-      out[j] += (offset - 8.f * scale) * xs;
-    }
-    int64_t b = g * gbytes;
-#if defined(LLMOPT_VEC)
-    if (gbytes % 32 == 0) {
-      __m256i acc[NB];
-      for (int j = 0; j < NB; ++j) acc[j] = _mm256_setzero_si256();
-      for (; b < (g + 1) * gbytes; b += 32) {
-        const __m256i e = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xe + b));
-        const __m256i o = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xo + b));
-        for (int j = 0; j < NB; ++j)
-          acc[j] = dot_q4_q8(acc[j], _mm256_loadu_si256(reinterpret_cast<const __m256i*>(nibbles + (n + j) * half + b)),
-                             e, o);
-      }
-      for (int j = 0; j < NB; ++j) total[j] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(acc[j]), _mm256_set1_ps(sd[j]), total[j]);
-    }
-#endif
-    for (int j = 0; j < NB; ++j) {  // groups of 32 (16 bytes) and the scalar build
-      const uint8_t* row = nibbles + (n + j) * half;
-      int32_t dot = 0;
-      for (int64_t bb = b; bb < (g + 1) * gbytes; ++bb) dot += (row[bb] & 0xF) * xe[bb] + (row[bb] >> 4) * xo[bb];
-      out[j] += sd[j] * static_cast<float>(dot);
-    }
-  }
-  for (int j = 0; j < NB; ++j) {
-#if defined(LLMOPT_VEC)
-    out[j] += hsum8(total[j]);
-#endif
-    y[n + j] = out[j];
-  }
-}
-
-template <typename T>
-void int4_q8_impl(const at::Tensor& x, const at::Tensor& nibbles, const at::Tensor& so, int64_t group, at::Tensor& y) {
-  const int64_t M = x.size(0), K = x.size(1), N = nibbles.size(0);
-  const Q8Rows q = quantize_rows_q8(x.data_ptr<T>(), M, K, group);
-  const uint8_t* np = nibbles.data_ptr<uint8_t>();
-  const T* sp = so.data_ptr<T>();
-  std::vector<float> out(M * N);
-  at::parallel_for(0, N, 32, [&](int64_t begin, int64_t end) {
-    for (int64_t m = 0; m < M; ++m) {
-      int64_t n = begin;
-      for (; n + 4 <= end; n += 4) int4_q8_outputs<T, 4>(q, m, np, sp, out.data() + m * N, N, K, group, n);
-      for (; n < end; ++n) int4_q8_outputs<T, 1>(q, m, np, sp, out.data() + m * N, N, K, group, n);
-    }
-  });
-  write_rows<T>(out, y);
-}
-
-
-// The checks and dtype dispatch of both few-row products: x [M, K] -> y [M, N] in x's dtype.
+// The checks and dtype dispatch of the few-row and tiled products: x [M, K] -> y [M, N] in x's dtype.
 template <template <typename> class Impl>
 at::Tensor int4_rows_op(const at::Tensor& x, const at::Tensor& nibbles, const at::Tensor& scales_and_offsets,
                         int64_t group, int64_t tile_bytes = 0) {
@@ -413,14 +292,6 @@ struct WidenedCodes {
     int4_rows_impl<T>(x, n, so, g, y);
   }
 };
-template <typename T>
-struct Int8Inputs {
-  static void run(const at::Tensor& x, const at::Tensor& n, const at::Tensor& so, int64_t g, at::Tensor& y,
-                  int64_t) {
-    int4_q8_impl<T>(x, n, so, g, y);
-  }
-};
-
 // x [M, K] @ dequant(W)^T at batched row counts (tiled_gemm.h): the weight dequantized tile by tile, each tile
 // multiplied by all rows while it is in L2.
 template <typename T>
@@ -438,10 +309,6 @@ struct DequantizedTiles {
 
 at::Tensor int4_matmul_rows(const at::Tensor& x, const at::Tensor& nibbles, const at::Tensor& so, int64_t group) {
   return int4_rows_op<WidenedCodes>(x, nibbles, so, group);
-}
-
-at::Tensor int4_matmul_rows_q8(const at::Tensor& x, const at::Tensor& nibbles, const at::Tensor& so, int64_t group) {
-  return int4_rows_op<Int8Inputs>(x, nibbles, so, group);
 }
 
 at::Tensor int4_matmul_tiled(const at::Tensor& x, const at::Tensor& nibbles, const at::Tensor& so, int64_t group,

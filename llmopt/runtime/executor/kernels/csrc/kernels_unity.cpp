@@ -5,6 +5,7 @@
 // ::sparse_bitmask, ::comm).
 #include "fused_cpu.cpp"
 #include "int4_cpu.cpp"
+#include "int4_q8_cpu.cpp"
 #include "int8_cpu.cpp"
 #include "int8_weight_cpu.cpp"
 #include "fp4_cpu.cpp"

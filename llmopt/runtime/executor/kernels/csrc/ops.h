@@ -35,7 +35,8 @@ namespace llmopt_cpu::int4 {
 void int4_dequantize_out(const at::Tensor& nibbles, const at::Tensor& scales_and_offsets, int64_t group,
                          at::Tensor& out);
 at::Tensor int4_matmul_rows(const at::Tensor& x, const at::Tensor& nibbles, const at::Tensor& so, int64_t group);
-at::Tensor int4_matmul_rows_q8(const at::Tensor& x, const at::Tensor& nibbles, const at::Tensor& so, int64_t group);
+at::Tensor int4_matmul_q8(const at::Tensor& x, const at::Tensor& codes, const at::Tensor& scales_biases,
+                          int64_t group, int64_t act_group);
 at::Tensor int4_matmul_panels(const at::Tensor& x, const at::Tensor& codes, const at::Tensor& scales_biases,
                               int64_t group);
 at::Tensor int4_matmul_tiled(const at::Tensor& x, const at::Tensor& nibbles, const at::Tensor& so, int64_t group,

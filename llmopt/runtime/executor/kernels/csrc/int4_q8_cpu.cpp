@@ -1,0 +1,280 @@
+// int4 weights times 8-bit activations with integer dot products, for decode at 1-16 rows: the weight read once per
+// call, ~3 instructions per 128 weights (llama.cpp's Q4 x Q8 scheme, on a layout repacked at load).
+//
+// Layout (quant_matmul.pack_int4_q8): the outputs in panels of 16, the columns in chunks of 8. codes [N/16, K/8, 64]
+// uint8: in chunk c of panel p, bytes 4j..4j+3 belong to output 16p + j, byte 4j + b holding column 8c + b in its
+// low nibble and column 8c + 4 + b in its high one; so one 64-byte load gives every output of the panel a 32-bit
+// lane of 4 low and 4 high codes, and one broadcast of 4 input bytes feeds all 16 lanes (vpdpbusd, or maddubs +
+// madd without VNNI): no shuffles, no horizontal sums. scales_biases [N/16, K/group, 2, 16] fp16: per group the
+// panel's 16 scales and 16 biases, w = q * scale + bias (the GPTQ / Q4_1 parametrisation, the checkpoint's fp16).
+//
+// Activations: per row and block of `act_group` columns (a multiple of 32), d = max|x| / 127 and xq = round(x / d).
+// Per row, output and 32-column block, the sum of q * xq is exact in int32 (at most 32 * 15 * 127); then
+//   y = sum_blocks scale * d * sum(q * xq) + sum_groups bias * sum_blocks d * sum(xq),
+// exactly the dequantized weight's dot product with the rounded inputs (llama.cpp's Q8_1 keeps the same sum).
+#include <ATen/ATen.h>
+#include <ATen/Parallel.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstring>
+#include <vector>
+
+#include "ops.h"
+#include "simd.h"
+
+namespace llmopt_cpu::int4 {
+
+using namespace llmopt_cpu;
+
+constexpr int64_t Q8_BLOCK = 32;  // columns per exact integer sum
+constexpr int64_t Q8_MAX_ROWS = 16;  // the call's row limit (decode steps; more rows belong to the GEMM paths)
+
+// The 8-bit inputs of M rows: xq [M, K] in column order, d [M, K / act_group], xsum [M, K / group].
+struct Q8Inputs {
+  std::vector<int8_t> xq;
+  std::vector<float> d, xsum;
+  int64_t K, act_groups, groups;
+};
+
+template <typename T>
+Q8Inputs quantize_inputs(const T* x, int64_t M, int64_t K, int64_t group, int64_t act_group) {
+  Q8Inputs q{std::vector<int8_t>(M * K), std::vector<float>(M * (K / act_group)), std::vector<float>(M * (K / group)),
+             K, K / act_group, K / group};
+  for (int64_t m = 0; m < M; ++m) {
+    const T* row = x + m * K;
+    for (int64_t a = 0; a < q.act_groups; ++a) {
+      int64_t k = a * act_group;
+      float amax = 0.f;
+#if defined(LLMOPT_VEC)
+      Vec vmaxabs = vzero();
+      for (; k + 16 <= (a + 1) * act_group; k += 16) vmaxabs = vmax(vmaxabs, vabs(load16(row + k)));
+      amax = reduce_max(vmaxabs);
+#endif
+      for (; k < (a + 1) * act_group; ++k) amax = std::max(amax, std::fabs(to_float(row[k])));
+      const float inv = amax > 0.f ? 127.f / amax : 0.f;
+      q.d[m * q.act_groups + a] = amax / 127.f;
+      int8_t* out = q.xq.data() + m * K;
+      k = a * act_group;
+#if defined(LLMOPT_VEC)
+      for (; k + 16 <= (a + 1) * act_group; k += 16) store16_i8(out + k, round_half_even(load16(row + k) * vset1(inv)));
+#endif
+      for (; k < (a + 1) * act_group; ++k) out[k] = static_cast<int8_t>(std::nearbyint(to_float(row[k]) * inv));
+    }
+    // per weight group, the rounded inputs' sum: the biases then meet the same inputs as the codes, so y is the
+    // dequantized weight's dot product with the rounded inputs, whose error scales with w (centred), not with
+    // the codes q (all positive)
+    const int8_t* xq = q.xq.data() + m * K;
+    for (int64_t g = 0; g < q.groups; ++g) {
+      float sum = 0.f;
+      for (int64_t blk = g * group / Q8_BLOCK; blk < (g + 1) * group / Q8_BLOCK; ++blk) {
+        int32_t isum = 0;
+        for (int64_t k = blk * Q8_BLOCK; k < (blk + 1) * Q8_BLOCK; ++k) isum += xq[k];
+        sum += q.d[m * q.act_groups + blk * Q8_BLOCK / act_group] * static_cast<float>(isum);
+      }
+      q.xsum[m * q.groups + g] = sum;
+    }
+  }
+  return q;
+}
+
+// 16 int32 lanes, one per output of a panel
+#if defined(__AVX512F__)
+struct IVec {
+  __m512i v;
+};
+inline IVec izero() { return {_mm512_setzero_si512()}; }
+inline void split_codes(const uint8_t* p, IVec& lo, IVec& hi) {  // 64 bytes -> low and high nibbles, one per byte
+  const __m512i v = _mm512_loadu_si512(p), mask = _mm512_set1_epi8(0x0F);
+  lo = {_mm512_and_si512(v, mask)};
+  hi = {_mm512_and_si512(_mm512_srli_epi16(v, 4), mask)};
+}
+// per lane: a += dot(lo's 4 codes, xl's 4 bytes); b += dot(hi's, xh's)
+inline void dot8(IVec& a, IVec& b, IVec lo, IVec hi, int32_t xl, int32_t xh) {
+#if defined(__AVX512VNNI__)
+  a = {_mm512_dpbusd_epi32(a.v, lo.v, _mm512_set1_epi32(xl))};
+  b = {_mm512_dpbusd_epi32(b.v, hi.v, _mm512_set1_epi32(xh))};
+#else  // u8 x s8 pairs into s16 (at most 4 * 15 * 127: no saturation), then into s32
+  const __m512i pairs = _mm512_add_epi16(_mm512_maddubs_epi16(lo.v, _mm512_set1_epi32(xl)),
+                                         _mm512_maddubs_epi16(hi.v, _mm512_set1_epi32(xh)));
+  a = {_mm512_add_epi32(a.v, _mm512_madd_epi16(pairs, _mm512_set1_epi16(1)))};
+  (void)b;
+#endif
+}
+inline Vec to_vec(IVec a, IVec b) { return {_mm512_cvtepi32_ps(_mm512_add_epi32(a.v, b.v))}; }
+#elif defined(LLMOPT_VEC)
+struct IVec {
+  __m256i lo, hi;
+};
+inline IVec izero() { return {_mm256_setzero_si256(), _mm256_setzero_si256()}; }
+inline void split_codes(const uint8_t* p, IVec& lo, IVec& hi) {
+  const __m256i mask = _mm256_set1_epi8(0x0F);
+  const __m256i a = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
+  const __m256i b = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p + 32));
+  lo = {_mm256_and_si256(a, mask), _mm256_and_si256(b, mask)};
+  hi = {_mm256_and_si256(_mm256_srli_epi16(a, 4), mask), _mm256_and_si256(_mm256_srli_epi16(b, 4), mask)};
+}
+inline __m256i dot8_half(__m256i acc, __m256i lo, __m256i hi, __m256i xl, __m256i xh) {
+  const __m256i pairs = _mm256_add_epi16(_mm256_maddubs_epi16(lo, xl), _mm256_maddubs_epi16(hi, xh));
+  return _mm256_add_epi32(acc, _mm256_madd_epi16(pairs, _mm256_set1_epi16(1)));
+}
+inline void dot8(IVec& a, IVec&, IVec lo, IVec hi, int32_t xl, int32_t xh) {
+  const __m256i l = _mm256_set1_epi32(xl), h = _mm256_set1_epi32(xh);
+  a = {dot8_half(a.lo, lo.lo, hi.lo, l, h), dot8_half(a.hi, lo.hi, hi.hi, l, h)};
+}
+inline Vec to_vec(IVec a, IVec b) {
+  return {_mm256_cvtepi32_ps(_mm256_add_epi32(a.lo, b.lo)), _mm256_cvtepi32_ps(_mm256_add_epi32(a.hi, b.hi))};
+}
+#endif
+
+inline int32_t four_bytes(const int8_t* p) {
+  int32_t v;
+  std::memcpy(&v, p, 4);
+  return v;
+}
+
+#if defined(LLMOPT_VEC)
+// NP panels from panel p, rows m0..m0+MB: fp32 results into y (row stride N)
+template <int MB, int NP>
+void q8_panels(const Q8Inputs& q, int64_t m0, const uint8_t* codes, const at::Half* sb, int64_t group,
+               int64_t act_group, int64_t p, float* y, int64_t N) {
+  const int64_t K = q.K, groups = K / group, chunks = K / 8;
+  Vec total[NP][MB];
+  for (int i = 0; i < NP; ++i)
+    for (int m = 0; m < MB; ++m) total[i][m] = vzero();
+  for (int64_t g = 0; g < groups; ++g) {
+    Vec scale[NP];
+    for (int i = 0; i < NP; ++i) {
+      const at::Half* s = sb + ((p + i) * groups + g) * 32;
+      scale[i] = load16(s);
+      const Vec bias = load16(s + 16);
+      for (int m = 0; m < MB; ++m) total[i][m] = vfma(bias, vset1(q.xsum[(m0 + m) * groups + g]), total[i][m]);
+    }
+    for (int64_t blk = g * group / Q8_BLOCK; blk < (g + 1) * group / Q8_BLOCK; ++blk) {
+      IVec a[NP][MB], b[NP][MB];
+      for (int i = 0; i < NP; ++i)
+        for (int m = 0; m < MB; ++m) a[i][m] = b[i][m] = izero();
+      for (int64_t c = blk * 4; c < blk * 4 + 4; ++c) {
+        IVec lo[NP], hi[NP];
+        for (int i = 0; i < NP; ++i) split_codes(codes + ((p + i) * chunks + c) * 64, lo[i], hi[i]);
+        for (int m = 0; m < MB; ++m) {
+          const int8_t* x = q.xq.data() + (m0 + m) * K + c * 8;
+          const int32_t xl = four_bytes(x), xh = four_bytes(x + 4);
+          for (int i = 0; i < NP; ++i) dot8(a[i][m], b[i][m], lo[i], hi[i], xl, xh);
+        }
+      }
+      for (int m = 0; m < MB; ++m) {
+        const Vec d = vset1(q.d[(m0 + m) * q.act_groups + blk * Q8_BLOCK / act_group]);
+        for (int i = 0; i < NP; ++i) total[i][m] = vfma(to_vec(a[i][m], b[i][m]), scale[i] * d, total[i][m]);
+      }
+    }
+  }
+  for (int i = 0; i < NP; ++i)
+    for (int m = 0; m < MB; ++m) store16(y + (m0 + m) * N + (p + i) * 16, total[i][m]);
+}
+#endif
+
+// The plain loops over the same layout (the scalar build)
+inline void q8_panel_scalar(const Q8Inputs& q, int64_t m, const uint8_t* codes, const at::Half* sb, int64_t group,
+                            int64_t act_group, int64_t p, float* y, int64_t N) {
+  const int64_t K = q.K, groups = K / group, chunks = K / 8;
+  for (int j = 0; j < 16; ++j) {
+    float out = 0.f;
+    for (int64_t g = 0; g < groups; ++g) {
+      const at::Half* s = sb + (p * groups + g) * 32;
+      const float scale = static_cast<float>(s[j]), bias = static_cast<float>(s[16 + j]);
+      out += bias * q.xsum[m * groups + g];
+      for (int64_t blk = g * group / Q8_BLOCK; blk < (g + 1) * group / Q8_BLOCK; ++blk) {
+        int32_t dot = 0;
+        for (int64_t c = blk * 4; c < blk * 4 + 4; ++c) {
+          const uint8_t* lane = codes + (p * chunks + c) * 64 + 4 * j;
+          const int8_t* x = q.xq.data() + m * K + c * 8;
+          for (int b = 0; b < 4; ++b) dot += (lane[b] & 0xF) * x[b] + (lane[b] >> 4) * x[4 + b];
+        }
+        out += scale * q.d[m * q.act_groups + blk * Q8_BLOCK / act_group] * static_cast<float>(dot);
+      }
+    }
+    y[m * N + p * 16 + j] = out;
+  }
+}
+
+// rows m0.. of panels [begin, end): row tiles of up to 4, panels in blocks (more independent chains at few rows)
+inline void q8_rows(const Q8Inputs& q, int64_t M, const uint8_t* codes, const at::Half* sb, int64_t group,
+                    int64_t act_group, int64_t begin, int64_t end, float* y, int64_t N) {
+#if defined(LLMOPT_VEC)
+#if defined(__AVX512F__)
+  constexpr int NP1 = 4, NP2 = 2;  // 32 vector registers
+#else
+  constexpr int NP1 = 2, NP2 = 1;  // 16
+#endif
+  for (int64_t p = begin; p < end;) {
+    const int np = M == 1 ? NP1 : M == 2 ? NP2 : 1;
+    if (p + np > end) {  // the range's last panels, one at a time
+      for (int64_t m = 0; m < M;) {
+        const int64_t left = M - m;
+        if (left >= 4) { q8_panels<4, 1>(q, m, codes, sb, group, act_group, p, y, N); m += 4; }
+        else if (left >= 2) { q8_panels<2, 1>(q, m, codes, sb, group, act_group, p, y, N); m += 2; }
+        else { q8_panels<1, 1>(q, m, codes, sb, group, act_group, p, y, N); m += 1; }
+      }
+      p += 1;
+      continue;
+    }
+    if (M == 1) q8_panels<1, NP1>(q, 0, codes, sb, group, act_group, p, y, N);
+    else if (M == 2) q8_panels<2, NP2>(q, 0, codes, sb, group, act_group, p, y, N);
+    else
+      for (int64_t m = 0; m < M;) {  // the panel's codes stay in L1 across the row tiles
+        const int64_t left = M - m;
+        if (left >= 4) { q8_panels<4, 1>(q, m, codes, sb, group, act_group, p, y, N); m += 4; }
+        else if (left >= 2) { q8_panels<2, 1>(q, m, codes, sb, group, act_group, p, y, N); m += 2; }
+        else { q8_panels<1, 1>(q, m, codes, sb, group, act_group, p, y, N); m += 1; }
+      }
+    p += np;
+  }
+#else
+  for (int64_t p = begin; p < end; ++p)
+    for (int64_t m = 0; m < M; ++m) q8_panel_scalar(q, m, codes, sb, group, act_group, p, y, N);
+#endif
+}
+
+template <typename T>
+void int4_q8_matmul_impl(const at::Tensor& x, const at::Tensor& codes, const at::Tensor& sb, int64_t group,
+                         int64_t act_group, at::Tensor& y) {
+  const int64_t M = x.size(0), K = x.size(1), panels = codes.size(0), N = panels * 16;
+  const Q8Inputs q = quantize_inputs(x.data_ptr<T>(), M, K, group, act_group);
+  const uint8_t* cp = codes.data_ptr<uint8_t>();
+  const at::Half* sp = sb.data_ptr<at::Half>();
+  std::vector<float> out(M * N);
+  float* yp = out.data();
+  // ~4 panels per task at least: the codes of a panel are only 8 K bytes, a task must stream more than that
+  at::parallel_for(0, panels, 4, [&](int64_t begin, int64_t end) {
+    q8_rows(q, M, cp, sp, group, act_group, begin, end, yp, N);
+  });
+  T* o = y.data_ptr<T>();
+  int64_t i = 0;
+#if defined(LLMOPT_VEC)
+  for (; i + 16 <= M * N; i += 16) store16(o + i, load16(yp + i));
+#endif
+  for (; i < M * N; ++i) o[i] = from_float<T>(yp[i]);
+}
+
+at::Tensor int4_matmul_q8(const at::Tensor& x, const at::Tensor& codes, const at::Tensor& scales_biases,
+                          int64_t group, int64_t act_group) {
+  TORCH_CHECK(codes.dim() == 3 && codes.size(2) == 64 && codes.scalar_type() == at::kByte,
+              "codes [N/16, K/8, 64] uint8 expected");
+  const int64_t K = codes.size(1) * 8;
+  TORCH_CHECK(x.dim() == 2 && x.size(1) == K, "x [M, K] expected, K matching the codes");
+  TORCH_CHECK(x.size(0) <= Q8_MAX_ROWS, "at most 16 rows (larger steps belong to the GEMM paths)");
+  TORCH_CHECK(group > 0 && group % Q8_BLOCK == 0 && K % group == 0, "the group must be a multiple of 32 dividing K");
+  TORCH_CHECK(act_group > 0 && act_group % Q8_BLOCK == 0 && K % act_group == 0,
+              "the activation group must be a multiple of 32 dividing K");
+  TORCH_CHECK(scales_biases.dim() == 4 && scales_biases.size(0) == codes.size(0) &&
+                  scales_biases.size(1) == K / group && scales_biases.size(2) == 2 && scales_biases.size(3) == 16 &&
+                  scales_biases.scalar_type() == at::kHalf,
+              "scales_biases [N/16, K/group, 2, 16] float16 expected");
+  const at::Tensor xc = x.contiguous(), cc = codes.contiguous(), sc = scales_biases.contiguous();
+  at::Tensor y = at::empty({x.size(0), codes.size(0) * 16}, x.options());
+  LLMOPT_DISPATCH(xc, [&] { int4_q8_matmul_impl<scalar_t>(xc, cc, sc, group, act_group, y); });
+  return y;
+}
+
+}  // namespace llmopt_cpu::int4
