@@ -202,9 +202,11 @@ def main() -> None:
     long_prompt = prompts(1, 512, 1)[0]
     pairs = {"int4": (str(int4), "auto"), "fp32": (args.model, "float32")}
     rows = {f"{kind} {who}": [] for kind in pairs for who in ("llmopt", "llama.cpp")}
+    numerics = {}  # what llmopt's engine computed with (int4: 8-bit inputs by default), per kind
     for round_index in range(args.rounds):
         for kind, (model, dtype) in pairs.items():
             engine = llmopt_engine(model, dtype)
+            numerics.setdefault(kind, engine.numerics())
             rows[f"{kind} llmopt"].append(llmopt_run(engine, args, decode_prompts, long_prompt))
             del engine
             rows[f"{kind} llama.cpp"].append(llamacpp(str(ggufs[kind]), args, decode_prompts, long_prompt))
@@ -227,7 +229,7 @@ def main() -> None:
                   flush=True)
     if args.json:
         write_json(args.json, {"cpu": cpu_line(), "model": args.model, "settings": vars(args), "rounds": rows,
-                               "median": medians, "int4_step_profile": profile_split, "serving": served}, indent=1)
+                               "median": medians, "llmopt_numerics": numerics, "int4_step_profile": profile_split, "serving": served}, indent=1)
 
 
 if __name__ == "__main__":

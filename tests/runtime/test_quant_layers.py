@@ -272,3 +272,20 @@ def test_the_scheme_presets_choose_their_methods():
         assert select_linear_method(qw, scheme, "cpu").name == expected, name
     with pytest.raises(ConfigError, match="unknown scheme 'w3a3'"):
         preset("w3a3")
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("acts", [None, INT8_GROUP_ACTIVATIONS])
+@pytest.mark.parametrize("bits", [4, 8])
+def test_the_plans_bound_kernel_calls_compute_what_the_paths_do(dtype, acts, bits):
+    # set_row_plan binds each chosen path's kernel with its weights (`_bind_<path>`); forward_2d (the fast path's
+    # call) runs them: the same bits as the path methods, at every row count
+    from llmopt.runtime.executor.linear.row_paths import fixed_plan
+
+    layer = quantized_linear(qweight(48, 192, bits, 64 if bits == 4 else -1, False), dtype, "cpu", acts)
+    layer.set_row_plan(fixed_plan(layer))
+    run = layer.forward_2d()
+    for rows in (1, 3, 16, 40):
+        x = torch.randn(rows, 192).to(dtype)
+        assert torch.equal(run(x), layer.run_path(layer.default_path(rows), x)), rows
+        assert torch.equal(run(x), layer(x)), rows

@@ -107,7 +107,7 @@ def test_a_plan_maps_each_row_count_to_its_bucket():
     assert [stored.path(m) for m in range(600)] == [plan.path(m) for m in range(600)]
 
 
-class TimedLayer:
+class TimedLayer(row_paths.RowPathsMixin):
     """A layer with two paths of known cost: 'slow' sleeps, 'quick' does not."""
 
     in_features, dtype = 8, torch.float32

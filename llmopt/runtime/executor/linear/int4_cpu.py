@@ -104,6 +104,10 @@ class Int4PackedLinear(RowPathsMixin, LinearMethod):
         """Straight from the codes, widened in registers for every pair of rows (decode at small batches)."""
         return cpu_ops().int4_matmul_rows(x2d, self.nibbles, self.scales_and_offsets, self.kernel_group)
 
+    def _bind_rows(self):
+        op, nibbles, so, group = cpu_ops().int4_matmul_rows.default, self.nibbles, self.scales_and_offsets, self.kernel_group
+        return lambda x2d: op(x2d, nibbles, so, group)
+
     def _path_panels(self, x2d):
         """From the codes repacked at load in panels of 16 outputs, decoded once per 16 rows (batched decode)."""
         return cpu_ops().int4_matmul_panels(x2d, self.panel_codes, self.panel_scales, self.kernel_group)
@@ -125,6 +129,10 @@ class Int4PackedLinear(RowPathsMixin, LinearMethod):
 
     def _path_aten(self, x2d):
         return int4_matmul(x2d, self.packed, self.scales_and_offsets, self.kernel_group)
+
+    def _bind_aten(self):
+        op, packed, so, group = torch.ops.aten._weight_int4pack_mm_for_cpu.default, self.packed, self.scales_and_offsets, self.kernel_group
+        return lambda x2d: op(x2d, packed, group, so)
 
 
 @register_linear_method
@@ -172,8 +180,20 @@ class Int4Q8Linear(Int4PackedLinear):
             paths["q8"] = self.q8_max_rows
         return paths
 
+    def candidate_paths(self, rows, paths):
+        """Only the 8-bit inputs' kernel where it serves (the float paths would compute other numbers, not only
+        round in another order), only the others beyond."""
+        if "q8" in paths and rows <= self.q8_max_rows:
+            return ["q8"]
+        return [name for name in super().candidate_paths(rows, paths) if name != "q8"]
+
     def _path_q8(self, x2d):
         return cpu_ops().int4_matmul_q8(x2d, self.q8_codes, self.q8_scales, self.kernel_group, self.q8_input_block)
+
+    def _bind_q8(self):
+        op, codes, scales, group, block = (cpu_ops().int4_matmul_q8.default, self.q8_codes, self.q8_scales,
+                                           self.kernel_group, self.q8_input_block)
+        return lambda x2d: op(x2d, codes, scales, group, block)
 
     def default_path(self, rows: int) -> str:
         """The 8-bit inputs' kernel up to 16 rows, as asked; the parent's choice beyond."""

@@ -77,6 +77,10 @@ class Int8PackedLinear(RowPathsMixin, LinearMethod):
         """The codes read once for all rows, widened in registers (decode)."""
         return cpu_ops().int8_matmul_rows(x2d, self.signed, self.scale, self.correction)
 
+    def _bind_rows(self):
+        op, signed, scale, correction = cpu_ops().int8_matmul_rows.default, self.signed, self.scale, self.correction
+        return lambda x2d: op(x2d, signed, scale, correction)
+
     def _path_panels(self, x2d):
         """Each column of 16 outputs widened once for up to 16 rows (batched decode)."""
         return cpu_ops().int8_matmul_panels(x2d, self.panel_codes, self.scale, self.correction)

@@ -85,7 +85,7 @@ def measure_plan(layer: nn.Module, buckets=ROW_BUCKETS) -> tuple[RowPlan, dict]:
     with torch.inference_mode():
         for rows in buckets:
             x = torch.randn(rows, layer.in_features, generator=generator).to(layer.dtype)
-            candidates = [name for name, most in paths.items() if most is None or rows <= most]
+            candidates = layer.candidate_paths(rows, paths)
             timed = {name: best_time_of(lambda name=name, x=x: layer.run_path(name, x), TIMING_REPEATS,
                                           TIMING_BUDGET_S)
                      for name in candidates}
@@ -176,7 +176,25 @@ class RowPathsMixin:
         self._row_plan = plan
         # (every linear of every step looks its path up: one list index instead of a formatted name's lookup and
         # another call frame, x 120 linears per batch-1 decode step)
-        self._path_table = [getattr(self, f"_path_{name}") for name in plan.by_rows]
+        calls = {name: self._path_call(name) for name in set(plan.by_rows)}
+        self._path_table = [calls[name] for name in plan.by_rows]
+
+    def _path_call(self, name: str):
+        """The callable the plan's table holds for path `name`: the method's `_bind_<name>()` where it has one (the
+        kernel op with its weights already in hand: no module attribute lookups and no frame per call, which at
+        batch-1 decode are a few us x 120 linears a step), else the bound `_path_<name>`. Bound at engine start,
+        after every weight is in place."""
+        bind = getattr(self, f"_bind_{name}", None)
+        return bind() if bind is not None else getattr(self, f"_path_{name}")
+
+    def forward_2d(self):
+        """The forward for [T, in] inputs in the layer's dtype (the fast path's calls): the plan's path straight,
+        without forward()'s reshape, casts and bias (a layer with a bias keeps forward)."""
+        return self.forward if self.bias is not None else self._matmul
+
+    def candidate_paths(self, rows: int, paths: dict[str, int | None]) -> list[str]:
+        """The paths timed for a step of `rows` (those of `paths`, row_paths(), whose limit allows it)."""
+        return [name for name, most in paths.items() if most is None or rows <= most]
 
     def row_plan_key(self) -> str:
         """What the timing depends on: method, dtype, shape, and the method's own details (`plan_key_detail`)."""

@@ -134,10 +134,10 @@ inline int32_t four_bytes(const int8_t* p) {
 }
 
 #if defined(LLMOPT_VEC)
-// NP panels from panel p, rows m0..m0+MB: fp32 results into y (row stride N)
-template <int MB, int NP>
+// NP panels from panel p, rows m0..m0+MB: results into y (row stride N), rounded once to its dtype
+template <int MB, int NP, typename T>
 void q8_panels(const Q8Inputs& q, int64_t m0, const uint8_t* codes, const at::Half* sb, int64_t group,
-               int64_t act_group, int64_t p, float* y, int64_t N) {
+               int64_t act_group, int64_t p, T* y, int64_t N) {
   const int64_t K = q.K, groups = K / group, chunks = K / 8;
   Vec total[NP][MB];
   for (int i = 0; i < NP; ++i)
@@ -175,8 +175,9 @@ void q8_panels(const Q8Inputs& q, int64_t m0, const uint8_t* codes, const at::Ha
 #endif
 
 // The plain loops over the same layout (the scalar build)
-inline void q8_panel_scalar(const Q8Inputs& q, int64_t m, const uint8_t* codes, const at::Half* sb, int64_t group,
-                            int64_t act_group, int64_t p, float* y, int64_t N) {
+template <typename T>
+void q8_panel_scalar(const Q8Inputs& q, int64_t m, const uint8_t* codes, const at::Half* sb, int64_t group,
+                     int64_t act_group, int64_t p, T* y, int64_t N) {
   const int64_t K = q.K, groups = K / group, chunks = K / 8;
   for (int j = 0; j < 16; ++j) {
     float out = 0.f;
@@ -194,13 +195,14 @@ inline void q8_panel_scalar(const Q8Inputs& q, int64_t m, const uint8_t* codes, 
         out += scale * q.d[m * q.act_groups + blk * Q8_BLOCK / act_group] * static_cast<float>(dot);
       }
     }
-    y[m * N + p * 16 + j] = out;
+    y[m * N + p * 16 + j] = from_float<T>(out);
   }
 }
 
 // rows m0.. of panels [begin, end): row tiles of up to 4, panels in blocks (more independent chains at few rows)
-inline void q8_rows(const Q8Inputs& q, int64_t M, const uint8_t* codes, const at::Half* sb, int64_t group,
-                    int64_t act_group, int64_t begin, int64_t end, float* y, int64_t N) {
+template <typename T>
+void q8_rows(const Q8Inputs& q, int64_t M, const uint8_t* codes, const at::Half* sb, int64_t group,
+             int64_t act_group, int64_t begin, int64_t end, T* y, int64_t N) {
 #if defined(LLMOPT_VEC)
 #if defined(__AVX512F__)
   constexpr int NP1 = 4, NP2 = 2;  // 32 vector registers
@@ -212,21 +214,21 @@ inline void q8_rows(const Q8Inputs& q, int64_t M, const uint8_t* codes, const at
     if (p + np > end) {  // the range's last panels, one at a time
       for (int64_t m = 0; m < M;) {
         const int64_t left = M - m;
-        if (left >= 4) { q8_panels<4, 1>(q, m, codes, sb, group, act_group, p, y, N); m += 4; }
-        else if (left >= 2) { q8_panels<2, 1>(q, m, codes, sb, group, act_group, p, y, N); m += 2; }
-        else { q8_panels<1, 1>(q, m, codes, sb, group, act_group, p, y, N); m += 1; }
+        if (left >= 4) { q8_panels<4, 1, T>(q, m, codes, sb, group, act_group, p, y, N); m += 4; }
+        else if (left >= 2) { q8_panels<2, 1, T>(q, m, codes, sb, group, act_group, p, y, N); m += 2; }
+        else { q8_panels<1, 1, T>(q, m, codes, sb, group, act_group, p, y, N); m += 1; }
       }
       p += 1;
       continue;
     }
-    if (M == 1) q8_panels<1, NP1>(q, 0, codes, sb, group, act_group, p, y, N);
-    else if (M == 2) q8_panels<2, NP2>(q, 0, codes, sb, group, act_group, p, y, N);
+    if (M == 1) q8_panels<1, NP1, T>(q, 0, codes, sb, group, act_group, p, y, N);
+    else if (M == 2) q8_panels<2, NP2, T>(q, 0, codes, sb, group, act_group, p, y, N);
     else
       for (int64_t m = 0; m < M;) {  // the panel's codes stay in L1 across the row tiles
         const int64_t left = M - m;
-        if (left >= 4) { q8_panels<4, 1>(q, m, codes, sb, group, act_group, p, y, N); m += 4; }
-        else if (left >= 2) { q8_panels<2, 1>(q, m, codes, sb, group, act_group, p, y, N); m += 2; }
-        else { q8_panels<1, 1>(q, m, codes, sb, group, act_group, p, y, N); m += 1; }
+        if (left >= 4) { q8_panels<4, 1, T>(q, m, codes, sb, group, act_group, p, y, N); m += 4; }
+        else if (left >= 2) { q8_panels<2, 1, T>(q, m, codes, sb, group, act_group, p, y, N); m += 2; }
+        else { q8_panels<1, 1, T>(q, m, codes, sb, group, act_group, p, y, N); m += 1; }
       }
     p += np;
   }
@@ -243,18 +245,11 @@ void int4_q8_matmul_impl(const at::Tensor& x, const at::Tensor& codes, const at:
   const Q8Inputs q = quantize_inputs(x.data_ptr<T>(), M, K, group, act_group);
   const uint8_t* cp = codes.data_ptr<uint8_t>();
   const at::Half* sp = sb.data_ptr<at::Half>();
-  std::vector<float> out(M * N);
-  float* yp = out.data();
+  T* yp = y.data_ptr<T>();
   // ~4 panels per task at least: the codes of a panel are only 8 K bytes, a task must stream more than that
   at::parallel_for(0, panels, 4, [&](int64_t begin, int64_t end) {
-    q8_rows(q, M, cp, sp, group, act_group, begin, end, yp, N);
+    q8_rows<T>(q, M, cp, sp, group, act_group, begin, end, yp, N);
   });
-  T* o = y.data_ptr<T>();
-  int64_t i = 0;
-#if defined(LLMOPT_VEC)
-  for (; i + 16 <= M * N; i += 16) store16(o + i, load16(yp + i));
-#endif
-  for (; i < M * N; ++i) o[i] = from_float<T>(yp[i]);
 }
 
 at::Tensor int4_matmul_q8(const at::Tensor& x, const at::Tensor& codes, const at::Tensor& scales_biases,
