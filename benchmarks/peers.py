@@ -223,7 +223,12 @@ def main() -> None:
     served = {}
     if args.llama_server:
         for clients in (int(c) for c in args.clients.split(",")):
-            served[clients] = serving(args, int4, ggufs["int4"], clients)
+            try:
+                served[clients] = serving(args, int4, ggufs["int4"], clients)
+            except Exception as exc:  # noqa: BLE001  (a server that dies under load is a result to record)
+                served[clients] = {"error": f"{type(exc).__name__}: {exc}"}
+                print(f"| {clients} clients | failed: {served[clients]['error']} |", flush=True)
+                continue
             print(f"| {clients} clients, 128/128, output tok/s | {served[clients]['llmopt']['output_tok_s']:.1f} | "
                   f"{served[clients]['llama-server']['output_tok_s']:.1f} | {served[clients]['ratio']:.2f}x |",
                   flush=True)

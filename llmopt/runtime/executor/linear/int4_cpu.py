@@ -137,15 +137,18 @@ class Int4PackedLinear(RowPathsMixin, LinearMethod):
 
 @register_linear_method
 class Int4Q8Linear(Int4PackedLinear):
-    """The int4 layer with 8-bit inputs at few rows (decode), as llama.cpp multiplies its Q4 blocks: each block of
-    32 inputs rounded to int8 with one scale (dynamic, per row), the codes repacked at load so that one 64-byte
-    load serves 16 outputs and integer dot products (VNNI, else maddubs) sum 128 weights an instruction
-    (kernels/csrc/int4_q8_cpu.cpp, `int4_matmul_q8`): ~0.5-1% relative error per output, 2-3x less time
-    per token than aten's bf16 kernel (docs/results/peers.md). Chosen by the scheme (`--int4-activations int8`:
-    core.contract.INT8_GROUP_ACTIVATIONS); prefill-sized steps keep the parent's paths and the float inputs."""
+    """The int4 layer with 8-bit inputs, as llama.cpp multiplies its Q4 blocks: each block of 32 inputs rounded to
+    int8 with one scale (dynamic, per row), the codes repacked at load so that one 64-byte load serves 16 outputs
+    and integer dot products (VNNI, else maddubs) sum 128 weights an instruction (kernels/csrc/int4_q8_cpu.cpp,
+    `int4_matmul_q8`): ~0.5% relative error per output, +0.2% wikitext2 ppl, 2-3x less time per int4 linear than
+    aten's bf16 kernel at decode (docs/results/peers.md). Up to 16 rows it always runs; beyond, it is timed against
+    the float paths with the rest (row_paths.py) and the faster runs: in fp32 it was 1.7x ahead of the dense GEMM at
+    64 rows on AVX-512, while on AMX the bf16 tiles win from ~32 rows (the float paths being the more precise, a step that
+    takes one is never less accurate than asked). Chosen by the scheme (`--int4-activations int8`, or `auto` on
+    CPU: core.contract.INT8_GROUP_ACTIVATIONS)."""
 
     name, priority = "int4-q8-cpu", 20
-    q8_max_rows = 16  # the kernel's limit; more rows are a prefill chunk or a large batch (the GEMM paths)
+    q8_only_rows = 16  # up to this many rows the 8-bit inputs' kernel always runs (decode); beyond, it is timed
     q8_input_block = 32  # inputs per 8-bit scale (llama.cpp's Q8 block)
     # a decode step reads the q8 layout; the others serve prefill (eval.speed.model_cost)
     prefill_only_buffers = ("packed", "scales_and_offsets", "nibbles", "panel_codes", "panel_scales")
@@ -177,15 +180,15 @@ class Int4Q8Linear(Int4PackedLinear):
     def row_paths(self):
         paths = super().row_paths()
         if cpu_ops() is not None:
-            paths["q8"] = self.q8_max_rows
+            paths["q8"] = None
         return paths
 
     def candidate_paths(self, rows, paths):
-        """Only the 8-bit inputs' kernel where it serves (the float paths would compute other numbers, not only
-        round in another order), only the others beyond."""
-        if "q8" in paths and rows <= self.q8_max_rows:
+        """Only the 8-bit inputs' kernel at decode sizes (a float path there would compute other numbers, not only
+        round in another order); every path beyond."""
+        if "q8" in paths and rows <= self.q8_only_rows:
             return ["q8"]
-        return [name for name in super().candidate_paths(rows, paths) if name != "q8"]
+        return super().candidate_paths(rows, paths)
 
     def _path_q8(self, x2d):
         return cpu_ops().int4_matmul_q8(x2d, self.q8_codes, self.q8_scales, self.kernel_group, self.q8_input_block)
@@ -196,7 +199,7 @@ class Int4Q8Linear(Int4PackedLinear):
         return lambda x2d: op(x2d, codes, scales, group, block)
 
     def default_path(self, rows: int) -> str:
-        """The 8-bit inputs' kernel up to 16 rows, as asked; the parent's choice beyond."""
-        if cpu_ops() is not None and rows <= self.q8_max_rows:
+        """The 8-bit inputs' kernel up to 16 rows, as asked; the parent's choice beyond (the fixed plan)."""
+        if cpu_ops() is not None and rows <= self.q8_only_rows:
             return "q8"
         return super().default_path(rows)
