@@ -234,7 +234,8 @@ def main() -> None:
                   flush=True)
     if args.json:
         write_json(args.json, {"cpu": cpu_line(), "model": args.model, "settings": vars(args), "rounds": rows,
-                               "median": medians, "llmopt_numerics": numerics, "int4_step_profile": profile_split, "serving": served}, indent=1)
+                               "median": medians, "llmopt_numerics": numerics, "int4_step_profile": profile_split,
+                               "serving": served}, indent=1)
 
 
 if __name__ == "__main__":

@@ -9,8 +9,8 @@ import torch.nn.functional as F
 
 from llmopt.runtime.executor.kernels.cpu_ops import cpu_ops
 from llmopt.runtime.executor.kernels.quant_matmul import (
-    can_pack_int4, fits_float16, int4_dequantize, int4_matmul, pack_int4, pack_int4_codes, pack_int4_panels, pack_int4_q8,
-    pack_nibbles, unpack_nibbles,
+    can_pack_int4, fits_float16, int4_dequantize, int4_matmul, pack_int4, pack_int4_codes, pack_int4_panels,
+    pack_int4_q8, pack_nibbles, unpack_nibbles,
 )
 from llmopt.runtime.executor.linear.base import LinearMethod, dequantize_buffer, new_stacked, register_linear_method
 from llmopt.runtime.executor.linear.row_paths import TILE_BYTES, RowPathsMixin
@@ -105,7 +105,8 @@ class Int4PackedLinear(RowPathsMixin, LinearMethod):
         return cpu_ops().int4_matmul_rows(x2d, self.nibbles, self.scales_and_offsets, self.kernel_group)
 
     def _bind_rows(self):
-        op, nibbles, so, group = cpu_ops().int4_matmul_rows.default, self.nibbles, self.scales_and_offsets, self.kernel_group
+        op, nibbles, so = cpu_ops().int4_matmul_rows.default, self.nibbles, self.scales_and_offsets
+        group = self.kernel_group
         return lambda x2d: op(x2d, nibbles, so, group)
 
     def _path_panels(self, x2d):
@@ -131,7 +132,8 @@ class Int4PackedLinear(RowPathsMixin, LinearMethod):
         return int4_matmul(x2d, self.packed, self.scales_and_offsets, self.kernel_group)
 
     def _bind_aten(self):
-        op, packed, so, group = torch.ops.aten._weight_int4pack_mm_for_cpu.default, self.packed, self.scales_and_offsets, self.kernel_group
+        op = torch.ops.aten._weight_int4pack_mm_for_cpu.default  # (int4_matmul's op, without its frame)
+        packed, so, group = self.packed, self.scales_and_offsets, self.kernel_group
         return lambda x2d: op(x2d, packed, group, so)
 
 
@@ -142,10 +144,10 @@ class Int4Q8Linear(Int4PackedLinear):
     and integer dot products (VNNI, else maddubs) sum 128 weights an instruction (kernels/csrc/int4_q8_cpu.cpp,
     `int4_matmul_q8`): ~0.5% relative error per output, +0.2% wikitext2 ppl, 2-3x less time per int4 linear than
     aten's bf16 kernel at decode (docs/results/peers.md). Up to 16 rows it always runs; beyond, it is timed against
-    the float paths with the rest (row_paths.py) and the faster runs: in fp32 it was 1.7x ahead of the dense GEMM at
-    64 rows on AVX-512, while on AMX the bf16 tiles win from ~32 rows (the float paths being the more precise, a step that
-    takes one is never less accurate than asked). Chosen by the scheme (`--int4-activations int8`, or `auto` on
-    CPU: core.contract.INT8_GROUP_ACTIVATIONS)."""
+    the float paths with the rest (row_paths.py) and the faster runs: in fp32 it was 1.7x ahead of the dense GEMM
+    at 64 rows on AVX-512, while on AMX the bf16 tiles win from ~32 rows (the float paths being the more precise, a
+    step that takes one is never less accurate than asked). Chosen by the scheme (`--int4-activations int8`, or
+    `auto` on CPU: core.contract.INT8_GROUP_ACTIVATIONS)."""
 
     name, priority = "int4-q8-cpu", 20
     q8_only_rows = 16  # up to this many rows the 8-bit inputs' kernel always runs (decode); beyond, it is timed

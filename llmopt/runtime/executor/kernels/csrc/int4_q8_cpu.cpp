@@ -200,7 +200,22 @@ void q8_panel_scalar(const Q8Inputs& q, int64_t m, const uint8_t* codes, const a
   }
 }
 
-// rows m0.. of panels [begin, end): row tiles of up to 4, panels in blocks (more independent chains at few rows)
+#if defined(LLMOPT_VEC)
+// every row of panel p, in tiles of up to 4 rows (the panel's codes stay in L1 across the tiles)
+template <typename T>
+void q8_panel_rows(const Q8Inputs& q, int64_t M, const uint8_t* codes, const at::Half* sb, int64_t group,
+                   int64_t act_group, int64_t p, T* y, int64_t N) {
+  for (int64_t m = 0; m < M;) {
+    const int64_t left = M - m;
+    if (left >= 4) { q8_panels<4, 1, T>(q, m, codes, sb, group, act_group, p, y, N); m += 4; }
+    else if (left >= 2) { q8_panels<2, 1, T>(q, m, codes, sb, group, act_group, p, y, N); m += 2; }
+    else { q8_panels<1, 1, T>(q, m, codes, sb, group, act_group, p, y, N); m += 1; }
+  }
+}
+#endif
+
+// all M rows of panels [begin, end): at one or two rows several panels at a time (more independent chains of
+// dot products), else one panel at a time in row tiles
 template <typename T>
 void q8_rows(const Q8Inputs& q, int64_t M, const uint8_t* codes, const at::Half* sb, int64_t group,
              int64_t act_group, int64_t begin, int64_t end, T* y, int64_t N) {
@@ -210,29 +225,14 @@ void q8_rows(const Q8Inputs& q, int64_t M, const uint8_t* codes, const at::Half*
 #else
   constexpr int NP1 = 2, NP2 = 1;  // 16
 #endif
-  for (int64_t p = begin; p < end;) {
-    const int np = M == 1 ? NP1 : M == 2 ? NP2 : 1;
-    if (p + np > end) {  // the range's last panels, one at a time
-      for (int64_t m = 0; m < M;) {
-        const int64_t left = M - m;
-        if (left >= 4) { q8_panels<4, 1, T>(q, m, codes, sb, group, act_group, p, y, N); m += 4; }
-        else if (left >= 2) { q8_panels<2, 1, T>(q, m, codes, sb, group, act_group, p, y, N); m += 2; }
-        else { q8_panels<1, 1, T>(q, m, codes, sb, group, act_group, p, y, N); m += 1; }
-      }
-      p += 1;
-      continue;
-    }
+  const int np = M == 1 ? NP1 : M == 2 ? NP2 : 1;
+  int64_t p = begin;
+  for (; p + np <= end; p += np) {
     if (M == 1) q8_panels<1, NP1, T>(q, 0, codes, sb, group, act_group, p, y, N);
     else if (M == 2) q8_panels<2, NP2, T>(q, 0, codes, sb, group, act_group, p, y, N);
-    else
-      for (int64_t m = 0; m < M;) {  // the panel's codes stay in L1 across the row tiles
-        const int64_t left = M - m;
-        if (left >= 4) { q8_panels<4, 1, T>(q, m, codes, sb, group, act_group, p, y, N); m += 4; }
-        else if (left >= 2) { q8_panels<2, 1, T>(q, m, codes, sb, group, act_group, p, y, N); m += 2; }
-        else { q8_panels<1, 1, T>(q, m, codes, sb, group, act_group, p, y, N); m += 1; }
-      }
-    p += np;
+    else q8_panel_rows(q, M, codes, sb, group, act_group, p, y, N);
   }
+  for (; p < end; ++p) q8_panel_rows(q, M, codes, sb, group, act_group, p, y, N);  // the range's last panels
 #else
   for (int64_t p = begin; p < end; ++p)
     for (int64_t m = 0; m < M; ++m) q8_panel_scalar(q, m, codes, sb, group, act_group, p, y, N);
@@ -247,7 +247,7 @@ void int4_q8_matmul_impl(const at::Tensor& x, const at::Tensor& codes, const at:
   const uint8_t* cp = codes.data_ptr<uint8_t>();
   const at::Half* sp = sb.data_ptr<at::Half>();
   T* yp = y.data_ptr<T>();
-  // ~4 panels per task at least: the codes of a panel are only 8 K bytes, a task must stream more than that
+  // 4 panels per task at least: a panel's codes are only 8 x K bytes, a task must stream more than that
   at::parallel_for(0, panels, 4, [&](int64_t begin, int64_t end) {
     q8_rows<T>(q, M, cp, sp, group, act_group, begin, end, yp, N);
   });
