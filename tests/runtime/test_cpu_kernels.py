@@ -307,6 +307,49 @@ def test_int4_matmul_q8_is_exact_for_its_8_bit_inputs(ops, dtype, n, k, group, a
     torch.testing.assert_close(out.double(), expected, rtol=tol, atol=tol * expected.abs().max().item())
 
 
+def amx_ops():
+    """The build whose int4_matmul_q8_amx runs here (avx512_bf16 on a CPU with AMX-INT8), else None."""
+    built = cpu_ops("avx512_bf16") if "avx512_bf16" in supported_kernel_isas() else None
+    return built if built is not None and built.amx_int8() else None
+
+
+@pytest.mark.skipif(amx_ops() is None, reason="no AMX-INT8 on this CPU (the VNNI kernel it mirrors is tested above)")
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("n,k,group,act_group", [(112, 192, 64, 32), (48, 256, 128, 64), (16, 96, 32, 32),
+                                                 (80, 384, 32, 32)])
+@pytest.mark.parametrize("rows", [1, 3, 8, 9, 16, 17, 64, 257])
+def test_int4_matmul_q8_amx_equals_the_vnni_kernel_bit_for_bit(dtype, n, k, group, act_group, rows):
+    # the same integer sums (exact in int32) scaled in the same order: equal, not close; and so, by the test
+    # above, exact for its 8-bit inputs. Rows not a multiple of 16: the last tile's padding rows never reach y.
+    from llmopt.runtime.executor.kernels.quant_matmul import pack_int4_q8
+
+    ops = amx_ops()
+    g = torch.Generator().manual_seed(n + k + rows)
+    q = torch.randint(0, 16, (n, k), generator=g)
+    scales = torch.rand(n, k // group, generator=g) * 0.1 + 0.01
+    zeros = torch.randint(0, 16, (n, k // group), generator=g).float()
+    x = torch.randn(rows, k, generator=g).to(dtype) * 3
+    x[0, :act_group] = 0
+    codes, scales_biases = pack_int4_q8(q, scales, zeros, group, group)
+    out = ops.int4_matmul_q8_amx(x, codes, scales_biases, group, act_group)
+    assert out.dtype == dtype and out.shape == (rows, n)
+    assert torch.equal(out, ops.int4_matmul_q8(x, codes, scales_biases, group, act_group))
+
+
+def test_int4_matmul_q8_amx_refuses_to_run_without_amx(ops):
+    from llmopt.runtime.executor.kernels.quant_matmul import pack_int4_q8
+
+    codes, scales_biases = pack_int4_q8(torch.zeros(16, 64, dtype=torch.long), torch.ones(16, 2), torch.zeros(16, 2),
+                                        32, 32)
+    if ops.amx_int8():
+        assert ops.isa() == "avx512_bf16"  # only that build carries the tiles
+        with pytest.raises(RuntimeError, match="activation group"):  # and it checks its arguments as the VNNI one
+            ops.int4_matmul_q8_amx(torch.randn(1, 64), codes, scales_biases, 32, 48)
+    else:
+        with pytest.raises(RuntimeError, match="needs AMX-INT8"):
+            ops.int4_matmul_q8_amx(torch.randn(1, 64), codes, scales_biases, 32, 32)
+
+
 def test_int4_matmul_q8_refuses_what_its_layout_cannot_hold(ops):
     from llmopt.runtime.executor.kernels.quant_matmul import pack_int4_q8
 

@@ -233,6 +233,20 @@ def test_int8_activations_are_a_scheme(kernel_calls):
     torch.testing.assert_close(approx, exact, rtol=0.05, atol=0.05 * exact.abs().max().item())
 
 
+def test_at_decode_sizes_the_8_bit_inputs_layer_times_only_its_8_bit_kernels():
+    # up to q8_only_rows the plan may choose between the VNNI and the AMX kernel (the same numbers bit for bit), never
+    # a float path (other numbers); beyond, every path is timed
+    from llmopt.runtime.executor.kernels.cpu_ops import cpu_ops
+
+    layer = quantized_linear(qweight(48, 192, 4, 64, False), torch.bfloat16, "cpu", INT8_GROUP_ACTIVATIONS)
+    paths = layer.row_paths()
+    assert ("q8_amx" in paths) == cpu_ops().amx_int8()
+    eight_bit = {"q8", "q8_amx"} & set(paths)
+    assert set(layer.candidate_paths(layer.q8_only_rows, paths)) == eight_bit
+    beyond = set(layer.candidate_paths(layer.q8_only_rows + 1, paths))
+    assert eight_bit < beyond and "dequantize" in beyond
+
+
 @pytest.mark.parametrize("method_cls", [Int4PackedLinear, Int8PackedLinear])
 def test_shards_along_out_and_in_features_rebuild_the_whole_product(method_cls):
     """The sharding hook tensor parallelism will use: each rank's method, built from its share of the weight,
@@ -280,7 +294,7 @@ def test_the_scheme_presets_choose_their_methods():
 def test_the_plans_bound_kernel_calls_compute_what_the_paths_do(dtype, acts, bits):
     # set_row_plan binds each chosen path's kernel with its weights (`_bind_<path>`); forward_2d (the fast path's
     # call) runs them: the same bits as the path methods, at every row count
-    from llmopt.runtime.executor.linear.row_paths import fixed_plan
+    from llmopt.runtime.executor.linear.row_paths import ROW_BUCKETS, RowPlan, fixed_plan
 
     layer = quantized_linear(qweight(48, 192, bits, 64 if bits == 4 else -1, False), dtype, "cpu", acts)
     layer.set_row_plan(fixed_plan(layer))
@@ -289,3 +303,9 @@ def test_the_plans_bound_kernel_calls_compute_what_the_paths_do(dtype, acts, bit
         x = torch.randn(rows, 192).to(dtype)
         assert torch.equal(run(x), layer.run_path(layer.default_path(rows), x)), rows
         assert torch.equal(run(x), layer(x)), rows
+    for name in layer.row_paths():  # every path a measured plan may choose here (q8_amx where the CPU has AMX)
+        layer.set_row_plan(RowPlan({b: name for b in ROW_BUCKETS}))
+        run = layer.forward_2d()
+        for rows in (1, 17):
+            x = torch.randn(rows, 192).to(dtype)
+            assert torch.equal(run(x), layer.run_path(name, x)), (name, rows)

@@ -37,6 +37,10 @@ void int4_dequantize_out(const at::Tensor& nibbles, const at::Tensor& scales_and
 at::Tensor int4_matmul_rows(const at::Tensor& x, const at::Tensor& nibbles, const at::Tensor& so, int64_t group);
 at::Tensor int4_matmul_q8(const at::Tensor& x, const at::Tensor& codes, const at::Tensor& scales_biases,
                           int64_t group, int64_t act_group);
+// the same product on AMX-INT8 tiles (the avx512_bf16 build; amx_int8() says whether this CPU and OS run it)
+at::Tensor int4_matmul_q8_amx(const at::Tensor& x, const at::Tensor& codes, const at::Tensor& scales_biases,
+                              int64_t group, int64_t act_group);
+bool amx_int8();
 at::Tensor int4_matmul_panels(const at::Tensor& x, const at::Tensor& codes, const at::Tensor& scales_biases,
                               int64_t group);
 at::Tensor int4_matmul_tiled(const at::Tensor& x, const at::Tensor& nibbles, const at::Tensor& so, int64_t group,
