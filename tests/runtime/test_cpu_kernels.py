@@ -336,7 +336,37 @@ def test_int4_matmul_q8_amx_equals_the_vnni_kernel_bit_for_bit(dtype, n, k, grou
     assert torch.equal(out, ops.int4_matmul_q8(x, codes, scales_biases, group, act_group))
 
 
-def test_int4_matmul_q8_amx_refuses_to_run_without_amx(ops):
+def amx_bf16_ops():
+    built = cpu_ops("avx512_bf16") if "avx512_bf16" in supported_kernel_isas() else None
+    return built if built is not None and built.amx_bf16() else None
+
+
+@pytest.mark.skipif(amx_bf16_ops() is None, reason="no AMX-BF16 on this CPU")
+@pytest.mark.parametrize("n,k,group", [(112, 192, 64), (48, 256, 128), (16, 96, 32), (80, 1536, 32)])
+@pytest.mark.parametrize("rows", [1, 3, 8, 9, 16, 17, 33, 64, 257])
+def test_int4_matmul_amx_bf16_is_the_dequantized_weight_times_the_inputs(n, k, group, rows):
+    # the float path's numbers: each weight q * scale + bias rounded once to bf16, products summed in fp32; the
+    # only difference left is the order of the fp32 sums and the output's rounding to bf16. Shapes: odd panel
+    # counts (the pair loop's single last panel), K = 1536 (row blocks of fewer rows), rows past whole tiles
+    from llmopt.runtime.executor.kernels.quant_matmul import pack_int4_q8
+
+    g = torch.Generator().manual_seed(n + k + rows)
+    q = torch.randint(0, 16, (n, k), generator=g)
+    scales = torch.rand(n, k // group, generator=g) * 0.1 + 0.01
+    zeros = torch.randint(0, 16, (n, k // group), generator=g).float()
+    x = torch.randn(rows, k, generator=g).bfloat16()
+    codes, scales_biases = pack_int4_q8(q, scales, zeros, group, group)
+    out = amx_bf16_ops().int4_matmul_amx_bf16(x, codes, scales_biases, group)
+    scale = scales.half().float().repeat_interleave(group, 1)
+    bias = (-zeros * scales).half().float().repeat_interleave(group, 1)
+    weight = torch.addcmul(bias, q.float(), scale).bfloat16()  # (fused multiply-add, as the kernel)
+    expected = x.double() @ weight.double().t()
+    assert out.dtype == torch.bfloat16 and out.shape == (rows, n)
+    # within one bf16 rounding of the output (2^-8 relative) plus the fp32 sums' order
+    torch.testing.assert_close(out.double(), expected, rtol=2 ** -8, atol=1e-4 * expected.abs().max().item())
+
+
+def test_the_amx_kernels_refuse_to_run_without_amx(ops):
     from llmopt.runtime.executor.kernels.quant_matmul import pack_int4_q8
 
     codes, scales_biases = pack_int4_q8(torch.zeros(16, 64, dtype=torch.long), torch.ones(16, 2), torch.zeros(16, 2),
@@ -348,6 +378,12 @@ def test_int4_matmul_q8_amx_refuses_to_run_without_amx(ops):
     else:
         with pytest.raises(RuntimeError, match="needs AMX-INT8"):
             ops.int4_matmul_q8_amx(torch.randn(1, 64), codes, scales_biases, 32, 32)
+    if ops.amx_bf16():
+        with pytest.raises(RuntimeError, match="takes bfloat16 inputs"):
+            ops.int4_matmul_amx_bf16(torch.randn(1, 64), codes, scales_biases, 32)
+    else:
+        with pytest.raises(RuntimeError, match="needs AMX-BF16"):
+            ops.int4_matmul_amx_bf16(torch.randn(1, 64).bfloat16(), codes, scales_biases, 32)
 
 
 def test_int4_matmul_q8_refuses_what_its_layout_cannot_hold(ops):

@@ -143,11 +143,12 @@ class Int4Q8Linear(Int4PackedLinear):
     int8 with one scale (dynamic, per row), the codes repacked at load so that one 64-byte load serves 16 outputs
     and integer dot products (VNNI, else maddubs) sum 128 weights an instruction (kernels/csrc/int4_q8_cpu.cpp,
     `int4_matmul_q8`): ~0.5% relative error per output, +0.2% wikitext2 ppl, 2-3x less time per int4 linear than
-    aten's bf16 kernel at decode (docs/results/peers.md). Up to 16 rows it always runs; beyond, it is timed against
-    the float paths with the rest (row_paths.py) and the faster runs: in fp32 it was 1.7x ahead of the dense GEMM
-    at 64 rows on AVX-512, while on AMX the bf16 tiles win from ~32 rows (the float paths being the more precise, a
-    step that takes one is never less accurate than asked). Chosen by the scheme (`--int4-activations int8`, or
-    `auto` on CPU: core.contract.INT8_GROUP_ACTIVATIONS)."""
+    aten's bf16 kernel at decode (docs/results/peers.md). Up to 16 rows it always runs (on CPUs with AMX-INT8 its
+    tile version `q8_amx` too, the same numbers bit for bit, timed against it); beyond, it is timed against the
+    float paths with the rest (row_paths.py) and the faster runs: in fp32 it was 1.7x ahead of the dense GEMM at
+    64 rows on AVX-512, while in bf16 on AMX the codes dequantized a panel at a time into bf16 tiles (`amx_bf16`)
+    win from ~32 rows (the float paths being the more precise, a step that takes one is never less accurate than
+    asked). Chosen by the scheme (`--int4-activations int8`, or `auto` on CPU: core.contract.INT8_GROUP_ACTIVATIONS)."""
 
     name, priority = "int4-q8-cpu", 20
     q8_only_rows = 16  # up to this many rows the 8-bit inputs' kernel always runs (decode); beyond, it is timed
@@ -185,6 +186,8 @@ class Int4Q8Linear(Int4PackedLinear):
             paths["q8"] = None
             if cpu_ops().amx_int8():  # the same numbers bit for bit, on AMX-INT8 tiles
                 paths["q8_amx"] = None
+            if self.dtype == torch.bfloat16 and cpu_ops().amx_bf16():  # a float path, on AMX-BF16 tiles
+                paths["amx_bf16"] = None
         return paths
 
     def candidate_paths(self, rows, paths):
@@ -207,6 +210,11 @@ class Int4Q8Linear(Int4PackedLinear):
         bit, faster from ~16 rows."""
         return cpu_ops().int4_matmul_q8_amx(x2d, self.q8_codes, self.q8_scales, self.kernel_group,
                                             self.q8_input_block)
+
+    def _path_amx_bf16(self, x2d):
+        """bf16 inputs times the codes dequantized one panel of 16 outputs at a time into AMX-BF16 tiles (the float
+        path's numbers without writing the whole dequantized weight: batched decode and prefill chunks)."""
+        return cpu_ops().int4_matmul_amx_bf16(x2d, self.q8_codes, self.q8_scales, self.kernel_group)
 
     def _bind_q8_amx(self):
         op, codes, scales, group, block = (cpu_ops().int4_matmul_q8_amx.default, self.q8_codes, self.q8_scales,

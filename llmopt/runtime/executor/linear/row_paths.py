@@ -35,7 +35,9 @@ from llmopt.runtime.engine.config import LINEAR_KERNEL_MODES
 
 log = logging.getLogger(__name__)
 
-ROW_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256)  # a step of M rows takes the choice of the first bucket >= M
+# a step of M rows takes the choice of the first bucket >= M (the last one's beyond it: prefill chunks, up to
+# --max-num-batched-tokens, where a kernel that wins at 256 rows may lose to the dense GEMM)
+ROW_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 1024)
 MARGIN = 0.05  # another path replaces the default only when faster by this fraction
 TIMING_REPEATS = 5  # best of, after one warm-up call
 TIMING_BUDGET_S = 0.05  # per path and bucket: fewer repeats for slow calls

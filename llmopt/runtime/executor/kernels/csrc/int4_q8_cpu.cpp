@@ -393,19 +393,134 @@ void int4_q8_amx_impl(const at::Tensor& x, const at::Tensor& codes, const at::Te
 }
 #endif
 
-bool amx_int8() {
 #if defined(LLMOPT_AMX)
-  static const bool usable = [] {
+// --- float inputs (bf16) on AMX-BF16 tiles: the codes dequantized a panel at a time -------------------------------
+// The float path's numbers (w = q * scale + bias rounded to bf16, products summed in fp32) without writing the whole
+// dequantized weight: each panel of 16 outputs is dequantized once into a buffer in the tiles' pair layout and
+// multiplied by every row, 64 rows (4 accumulator tiles) at a time, each tile summing all of K before one store.
+
+// Panel p's weights as bf16 pairs: [K/2 rows][16 outputs][2], row r holding columns 2r and 2r + 1
+inline void dequantize_panel_bf16(const uint8_t* panel, const at::Half* sb, int64_t p, int64_t group, int64_t K,
+                                  uint16_t* out) {
+  const __m512i nibble = _mm512_set1_epi32(0xF);
+  // within a row, output j's two columns side by side: lanes j of the two 16-float vectors interleaved
+  alignas(64) static const uint16_t interleave[32] = {0, 16, 1, 17, 2,  18, 3,  19, 4,  20, 5,  21, 6,  22, 7,  23,
+                                                      8, 24, 9, 25, 10, 26, 11, 27, 12, 28, 13, 29, 14, 30, 15, 31};
+  const __m512i order = _mm512_load_si512(interleave);
+  const int64_t groups = K / group;
+  for (int64_t g = 0; g < groups; ++g) {
+    const at::Half* s = sb + (p * groups + g) * 32;
+    const __m512 scale = load16(s).v, bias = load16(s + 16).v;
+    for (int64_t c = g * group / 8; c < (g + 1) * group / 8; ++c) {
+      const __m512i v = _mm512_loadu_si512(panel + c * 64);
+      __m512 w[8];  // columns 8c .. 8c + 7, one float per output
+      for (int b = 0; b < 4; ++b) {
+        const __m512i lo = _mm512_and_si512(_mm512_srli_epi32(v, 8 * b), nibble);
+        const __m512i hi = _mm512_and_si512(_mm512_srli_epi32(v, 8 * b + 4), nibble);
+        w[b] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(lo), scale, bias);
+        w[4 + b] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(hi), scale, bias);
+      }
+      for (int r = 0; r < 4; ++r) {  // row 4c + r: columns 8c + 2r, 8c + 2r + 1
+        const __m512i pair = (__m512i)_mm512_cvtne2ps_pbh(w[2 * r + 1], w[2 * r]);
+        _mm512_storeu_si512(out + (4 * c + r) * 32, _mm512_permutexvar_epi16(order, pair));
+      }
+    }
+  }
+}
+
+// Tiles: 0-3 = C [16 rows, 16 fp32] (row tile i, panel j: 2i + j), 4, 5 = A [16 rows, 32 bf16] (row tiles 0, 1),
+// 6, 7 = B [16 pair rows, 16 outputs x 2] (panels 0, 1): each A and B load feeds two products
+struct alignas(64) Bf16TileConfig {
+  uint8_t palette = 1, start_row = 0, reserved[14] = {};
+  uint16_t colsb[16] = {64, 64, 64, 64, 64, 64, 64, 64};
+  uint8_t rows[16] = {16, 16, 16, 16, 16, 16, 16, 16};
+};
+
+// NM row tiles (16 NM rows from m0) times NP panels (from p, their pair rows in b[0], b[1]), all of K
+template <int NM, int NP>
+__attribute__((target("amx-tile,amx-bf16"))) void amx_bf16_block(const at::BFloat16* x, int64_t m0, int64_t M,
+                                                                  int64_t K, const uint16_t* const* b,
+                                                                  at::BFloat16* y, int64_t N, int64_t p) {
+  alignas(64) float c_tiles[4][16][16];
+  _tile_zero(0);
+  if constexpr (NP > 1) _tile_zero(1);
+  if constexpr (NM > 1) _tile_zero(2);
+  if constexpr (NM > 1 && NP > 1) _tile_zero(3);
+  for (int64_t kb = 0; kb < K / 32; ++kb) {
+    _tile_loadd(6, b[0] + kb * 512, 64);
+    if constexpr (NP > 1) _tile_loadd(7, b[1] + kb * 512, 64);
+    _tile_loadd(4, x + m0 * K + kb * 32, K * 2);
+    _tile_dpbf16ps(0, 4, 6);
+    if constexpr (NP > 1) _tile_dpbf16ps(1, 4, 7);
+    if constexpr (NM > 1) {
+      _tile_loadd(5, x + (m0 + 16) * K + kb * 32, K * 2);
+      _tile_dpbf16ps(2, 5, 6);
+      if constexpr (NP > 1) _tile_dpbf16ps(3, 5, 7);
+    }
+  }
+  _tile_stored(0, c_tiles[0], 64);
+  if constexpr (NP > 1) _tile_stored(1, c_tiles[1], 64);
+  if constexpr (NM > 1) _tile_stored(2, c_tiles[2], 64);
+  if constexpr (NM > 1 && NP > 1) _tile_stored(3, c_tiles[3], 64);
+  for (int i = 0; i < NM; ++i)
+    for (int j = 0; j < NP; ++j)
+      for (int r = 0; r < 16 && m0 + 16 * i + r < M; ++r)
+        store16(y + (m0 + 16 * i + r) * N + (p + j) * 16, Vec{_mm512_load_ps(c_tiles[2 * i + j][r])});
+}
+
+template <int NP>
+void amx_bf16_rows(const at::BFloat16* x, int64_t r0, int64_t r1, int64_t M, int64_t K, const uint16_t* const* b,
+                   at::BFloat16* y, int64_t N, int64_t p) {
+  int64_t m0 = r0;
+  for (; m0 + 32 <= r1; m0 += 32) amx_bf16_block<2, NP>(x, m0, M, K, b, y, N, p);
+  if (m0 < r1) amx_bf16_block<1, NP>(x, m0, M, K, b, y, N, p);
+}
+
+// x [rows, K] (rows a multiple of 16; those past M are padding, never stored), panels [begin, end)
+__attribute__((target("amx-tile,amx-bf16"))) void amx_bf16_panels(const at::BFloat16* x, int64_t M, int64_t rows,
+                                                                   int64_t K, const uint8_t* codes,
+                                                                   const at::Half* sb, int64_t group, int64_t begin,
+                                                                   int64_t end, at::BFloat16* y, int64_t N) {
+  Bf16TileConfig config;
+  _tile_loadconfig(&config);
+  std::vector<uint16_t> buffer(K * 32);
+  const uint16_t* b[2] = {buffer.data(), buffer.data() + K * 16};
+  // at prefill sizes the rows go in blocks that stay in L2 across the panels (each pair of panels dequantized once
+  // per block): streaming all rows' inputs again for every panel would cost more than the products
+  const int64_t row_block = std::max<int64_t>(64, (1 << 20) / (K * 2) / 32 * 32);
+  for (int64_t r0 = 0; r0 < rows; r0 += row_block) {
+    const int64_t r1 = std::min(rows, r0 + row_block);
+    for (int64_t p = begin; p < end; p += 2) {
+      const int np = p + 1 < end ? 2 : 1;
+      for (int j = 0; j < np; ++j)
+        dequantize_panel_bf16(codes + (p + j) * (K / 8) * 64, sb, p + j, group, K, buffer.data() + j * K * 16);
+      if (np == 2) amx_bf16_rows<2>(x, r0, r1, M, K, b, y, N, p);
+      else amx_bf16_rows<1>(x, r0, r1, M, K, b, y, N, p);
+    }
+  }
+  _tile_release();
+}
+#endif
+
+// Whether this CPU has the AMX tiles with `feature` (CPUID.7.0:EDX bit: 25 INT8, 22 BF16) and the OS lets this
+// process use them (Linux hands out the tile state only on request: ARCH_REQ_XCOMP_PERM for XTILEDATA)
+static bool amx_usable(int feature) {
+#if defined(LLMOPT_AMX)
+  static const bool permitted = [] {
     unsigned a = 0, b = 0, c = 0, d = 0;
-    if (!__get_cpuid_count(7, 0, &a, &b, &c, &d) || !((d >> 24) & 1) || !((d >> 25) & 1)) return false;  // TILE, INT8
-    // Linux hands out the tile registers' state only to a process that asks (ARCH_REQ_XCOMP_PERM, XTILEDATA)
+    if (!__get_cpuid_count(7, 0, &a, &b, &c, &d) || !((d >> 24) & 1)) return false;  // AMX-TILE
     return syscall(SYS_arch_prctl, 0x1023, 18) == 0;
   }();
-  return usable;
+  unsigned a = 0, b = 0, c = 0, d = 0;
+  return permitted && __get_cpuid_count(7, 0, &a, &b, &c, &d) && ((d >> feature) & 1);
 #else
+  (void)feature;
   return false;
 #endif
 }
+
+bool amx_int8() { return amx_usable(25); }
+bool amx_bf16() { return amx_usable(22); }
 
 at::Tensor int4_matmul_q8_amx(const at::Tensor& x, const at::Tensor& codes, const at::Tensor& scales_biases,
                               int64_t group, int64_t act_group) {
@@ -416,6 +531,30 @@ at::Tensor int4_matmul_q8_amx(const at::Tensor& x, const at::Tensor& codes, cons
 #if defined(LLMOPT_AMX)
   const at::Tensor xc = x.contiguous(), cc = codes.contiguous(), sc = scales_biases.contiguous();
   LLMOPT_DISPATCH(xc, [&] { int4_q8_amx_impl<scalar_t>(xc, cc, sc, group, act_group, y); });
+#endif
+  return y;
+}
+
+at::Tensor int4_matmul_amx_bf16(const at::Tensor& x, const at::Tensor& codes, const at::Tensor& scales_biases,
+                                int64_t group) {
+  TORCH_CHECK(amx_bf16(), "int4_matmul_amx_bf16 needs AMX-BF16 (this CPU, OS or kernel build has none): use "
+              "int4_matmul_panels");
+  check_q8_args(x, codes, scales_biases, group, Q8_BLOCK);
+  TORCH_CHECK(x.scalar_type() == at::kBFloat16, "int4_matmul_amx_bf16 takes bfloat16 inputs");
+  const int64_t M = x.size(0), K = x.size(1), panels = codes.size(0), N = panels * 16;
+  at::Tensor y = at::empty({M, N}, x.options());
+#if defined(LLMOPT_AMX)
+  const int64_t rows = (M + 15) / 16 * 16;
+  at::Tensor xp = x.contiguous();
+  if (rows != M) xp = at::cat({xp, at::zeros({rows - M, K}, x.options())});  // whole row tiles (zeros: unstored)
+  const at::Tensor cc = codes.contiguous(), sc = scales_biases.contiguous();
+  const at::BFloat16* xptr = xp.data_ptr<at::BFloat16>();
+  const uint8_t* cp = cc.data_ptr<uint8_t>();
+  const at::Half* sp = sc.data_ptr<at::Half>();
+  at::BFloat16* yp = y.data_ptr<at::BFloat16>();
+  at::parallel_for(0, panels, 4, [&](int64_t begin, int64_t end) {
+    amx_bf16_panels(xptr, M, rows, K, cp, sp, group, begin, end, yp, N);
+  });
 #endif
   return y;
 }

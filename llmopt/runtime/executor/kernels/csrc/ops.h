@@ -41,6 +41,10 @@ at::Tensor int4_matmul_q8(const at::Tensor& x, const at::Tensor& codes, const at
 at::Tensor int4_matmul_q8_amx(const at::Tensor& x, const at::Tensor& codes, const at::Tensor& scales_biases,
                               int64_t group, int64_t act_group);
 bool amx_int8();
+// bf16 inputs times the same codes dequantized a panel at a time on AMX-BF16 tiles (the float path's numbers)
+at::Tensor int4_matmul_amx_bf16(const at::Tensor& x, const at::Tensor& codes, const at::Tensor& scales_biases,
+                                int64_t group);
+bool amx_bf16();
 at::Tensor int4_matmul_panels(const at::Tensor& x, const at::Tensor& codes, const at::Tensor& scales_biases,
                               int64_t group);
 at::Tensor int4_matmul_tiled(const at::Tensor& x, const at::Tensor& nibbles, const at::Tensor& so, int64_t group,

@@ -31,6 +31,8 @@ LLMOPT_LIBRARY(LLMOPT_NS, m) {
   m.def("int4_matmul_q8(Tensor x, Tensor codes, Tensor scales_biases, int group, int act_group) -> Tensor");
   m.def("int4_matmul_q8_amx(Tensor x, Tensor codes, Tensor scales_biases, int group, int act_group) -> Tensor");
   m.def("amx_int8", &int4::amx_int8);  // whether int4_matmul_q8_amx runs here (CPU, OS permission, build)
+  m.def("int4_matmul_amx_bf16(Tensor x, Tensor codes, Tensor scales_biases, int group) -> Tensor");
+  m.def("amx_bf16", &int4::amx_bf16);  // whether int4_matmul_amx_bf16 runs here
   m.def("int4_matmul_panels(Tensor x, Tensor codes, Tensor scales_biases, int group) -> Tensor");
   m.def("int4_matmul_tiled(Tensor x, Tensor nibbles, Tensor scales_and_offsets, int group, int tile_bytes) -> Tensor");
   m.def("fp4_matmul_rows(Tensor x, Tensor nibbles, Tensor scale_bytes, Tensor scale_table, int group) -> Tensor");
@@ -73,6 +75,7 @@ LLMOPT_LIBRARY_IMPL(LLMOPT_NS, CPU, m) {
   m.impl("int4_matmul_rows", int4::int4_matmul_rows);
   m.impl("int4_matmul_q8", int4::int4_matmul_q8);
   m.impl("int4_matmul_q8_amx", int4::int4_matmul_q8_amx);
+  m.impl("int4_matmul_amx_bf16", int4::int4_matmul_amx_bf16);
   m.impl("int4_matmul_panels", int4::int4_matmul_panels);
   m.impl("int4_matmul_tiled", int4::int4_matmul_tiled);
   m.impl("fp4_matmul_rows", fp4::fp4_matmul_rows);
