@@ -139,7 +139,11 @@ def test_requests_during_a_shutdown_get_503():
 
 
 def test_a_body_being_parsed_never_stalls_the_event_loop():
-    """Parsing, validation and tokenization run in a worker thread: /health answers while one is held."""
+    """Parsing, validation and tokenization of a body larger than INLINE_PARSE_BYTES run in a worker thread: /health
+    answers while one is held."""
+    from llmopt.serve.app import INLINE_PARSE_BYTES
+
+    large = json.dumps(BODY) + " " * INLINE_PARSE_BYTES  # (JSON's whitespace: the same request, a larger body)
     running = Running()
     server = running.server
     held, release = threading.Event(), threading.Event()
@@ -154,7 +158,8 @@ def test_a_body_being_parsed_never_stalls_the_event_loop():
     try:
         result = {}
         thread = threading.Thread(target=lambda: result.update(
-            r=httpx.post(running.url + "/v1/completions", json=BODY, timeout=120)))
+            r=httpx.post(running.url + "/v1/completions", content=large, timeout=120,
+                         headers={"content-type": "application/json"})))
         thread.start()
         assert held.wait(60), "the request never reached parsing"
         assert httpx.get(running.url + "/health", timeout=30).status_code == 200  # while the parse is held
