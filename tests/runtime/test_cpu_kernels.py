@@ -307,10 +307,11 @@ def test_int4_matmul_q8_is_exact_for_its_8_bit_inputs(ops, dtype, n, k, group, a
     torch.testing.assert_close(out.double(), expected, rtol=tol, atol=tol * expected.abs().max().item())
 
 
-def amx_ops():
-    """The build whose int4_matmul_q8_amx runs here (avx512_bf16 on a CPU with AMX-INT8), else None."""
+def amx_ops(feature="amx_int8"):
+    """The build whose AMX kernels run here (avx512_bf16 on a CPU with `feature`: amx_int8 or amx_bf16), else
+    None."""
     built = cpu_ops("avx512_bf16") if "avx512_bf16" in supported_kernel_isas() else None
-    return built if built is not None and built.amx_int8() else None
+    return built if built is not None and getattr(built, feature)() else None
 
 
 @pytest.mark.skipif(amx_ops() is None, reason="no AMX-INT8 on this CPU (the VNNI kernel it mirrors is tested above)")
@@ -336,12 +337,7 @@ def test_int4_matmul_q8_amx_equals_the_vnni_kernel_bit_for_bit(dtype, n, k, grou
     assert torch.equal(out, ops.int4_matmul_q8(x, codes, scales_biases, group, act_group))
 
 
-def amx_bf16_ops():
-    built = cpu_ops("avx512_bf16") if "avx512_bf16" in supported_kernel_isas() else None
-    return built if built is not None and built.amx_bf16() else None
-
-
-@pytest.mark.skipif(amx_bf16_ops() is None, reason="no AMX-BF16 on this CPU")
+@pytest.mark.skipif(amx_ops("amx_bf16") is None, reason="no AMX-BF16 on this CPU")
 @pytest.mark.parametrize("n,k,group", [(112, 192, 64), (48, 256, 128), (16, 96, 32), (80, 1536, 32)])
 @pytest.mark.parametrize("rows", [1, 3, 8, 9, 16, 17, 33, 64, 257])
 def test_int4_matmul_amx_bf16_is_the_dequantized_weight_times_the_inputs(n, k, group, rows):
@@ -356,7 +352,7 @@ def test_int4_matmul_amx_bf16_is_the_dequantized_weight_times_the_inputs(n, k, g
     zeros = torch.randint(0, 16, (n, k // group), generator=g).float()
     x = torch.randn(rows, k, generator=g).bfloat16()
     codes, scales_biases = pack_int4_q8(q, scales, zeros, group, group)
-    out = amx_bf16_ops().int4_matmul_amx_bf16(x, codes, scales_biases, group)
+    out = amx_ops("amx_bf16").int4_matmul_amx_bf16(x, codes, scales_biases, group)
     scale = scales.half().float().repeat_interleave(group, 1)
     bias = (-zeros * scales).half().float().repeat_interleave(group, 1)
     weight = torch.addcmul(bias, q.float(), scale).bfloat16()  # (fused multiply-add, as the kernel)

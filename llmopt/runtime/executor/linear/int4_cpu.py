@@ -200,26 +200,27 @@ class Int4Q8Linear(Int4PackedLinear):
     def _path_q8(self, x2d):
         return cpu_ops().int4_matmul_q8(x2d, self.q8_codes, self.q8_scales, self.kernel_group, self.q8_input_block)
 
-    def _bind_q8(self):
-        op, codes, scales, group, block = (cpu_ops().int4_matmul_q8.default, self.q8_codes, self.q8_scales,
-                                           self.kernel_group, self.q8_input_block)
-        return lambda x2d: op(x2d, codes, scales, group, block)
-
     def _path_q8_amx(self, x2d):
         """`int4_matmul_q8` on AMX-INT8 tiles (16 rows x 32 inputs x 16 outputs an instruction): equal to it bit for
         bit, faster from ~16 rows."""
         return cpu_ops().int4_matmul_q8_amx(x2d, self.q8_codes, self.q8_scales, self.kernel_group,
                                             self.q8_input_block)
 
+    def _bind_q8(self):
+        return self._bound_q8(cpu_ops().int4_matmul_q8.default)
+
+    def _bind_q8_amx(self):
+        return self._bound_q8(cpu_ops().int4_matmul_q8_amx.default)
+
+    def _bound_q8(self, op):
+        """`op` (either 8-bit inputs' kernel: the same arguments) with this layer's q8 weights in hand."""
+        codes, scales, group, block = self.q8_codes, self.q8_scales, self.kernel_group, self.q8_input_block
+        return lambda x2d: op(x2d, codes, scales, group, block)
+
     def _path_amx_bf16(self, x2d):
         """bf16 inputs times the codes dequantized one panel of 16 outputs at a time into AMX-BF16 tiles (the float
         path's numbers without writing the whole dequantized weight: batched decode and prefill chunks)."""
         return cpu_ops().int4_matmul_amx_bf16(x2d, self.q8_codes, self.q8_scales, self.kernel_group)
-
-    def _bind_q8_amx(self):
-        op, codes, scales, group, block = (cpu_ops().int4_matmul_q8_amx.default, self.q8_codes, self.q8_scales,
-                                           self.kernel_group, self.q8_input_block)
-        return lambda x2d: op(x2d, codes, scales, group, block)
 
     def default_path(self, rows: int) -> str:
         """The 8-bit inputs' kernel up to 16 rows, as asked; the parent's choice beyond (the fixed plan)."""

@@ -396,8 +396,9 @@ void int4_q8_amx_impl(const at::Tensor& x, const at::Tensor& codes, const at::Te
 #if defined(LLMOPT_AMX)
 // --- float inputs (bf16) on AMX-BF16 tiles: the codes dequantized a panel at a time -------------------------------
 // The float path's numbers (w = q * scale + bias rounded to bf16, products summed in fp32) without writing the whole
-// dequantized weight: each panel of 16 outputs is dequantized once into a buffer in the tiles' pair layout and
-// multiplied by every row, 64 rows (4 accumulator tiles) at a time, each tile summing all of K before one store.
+// dequantized weight: each pair of panels (32 outputs) is dequantized once per block of rows into a buffer in the
+// tiles' pair layout and multiplied by the block's rows, 32 at a time (4 accumulator tiles: 2 row tiles x 2
+// panels), each tile summing all of K before one store.
 
 // Panel p's weights as bf16 pairs: [K/2 rows][16 outputs][2], row r holding columns 2r and 2r + 1
 inline void dequantize_panel_bf16(const uint8_t* panel, const at::Half* sb, int64_t p, int64_t group, int64_t K,
@@ -503,16 +504,16 @@ __attribute__((target("amx-tile,amx-bf16"))) void amx_bf16_panels(const at::BFlo
 #endif
 
 // Whether this CPU has the AMX tiles with `feature` (CPUID.7.0:EDX bit: 25 INT8, 22 BF16) and the OS lets this
-// process use them (Linux hands out the tile state only on request: ARCH_REQ_XCOMP_PERM for XTILEDATA)
+// process use them (Linux hands out the tile state only on request: ARCH_REQ_XCOMP_PERM for XTILEDATA). Asked
+// once: every call of the AMX kernels checks it, and under a hypervisor `cpuid` traps (microseconds).
 static bool amx_usable(int feature) {
 #if defined(LLMOPT_AMX)
-  static const bool permitted = [] {
+  static const unsigned edx = [] {
     unsigned a = 0, b = 0, c = 0, d = 0;
-    if (!__get_cpuid_count(7, 0, &a, &b, &c, &d) || !((d >> 24) & 1)) return false;  // AMX-TILE
-    return syscall(SYS_arch_prctl, 0x1023, 18) == 0;
+    if (!__get_cpuid_count(7, 0, &a, &b, &c, &d) || !((d >> 24) & 1)) return 0u;  // AMX-TILE
+    return syscall(SYS_arch_prctl, 0x1023, 18) == 0 ? d : 0u;
   }();
-  unsigned a = 0, b = 0, c = 0, d = 0;
-  return permitted && __get_cpuid_count(7, 0, &a, &b, &c, &d) && ((d >> feature) & 1);
+  return (edx >> feature) & 1;
 #else
   (void)feature;
   return false;
@@ -544,7 +545,7 @@ at::Tensor int4_matmul_amx_bf16(const at::Tensor& x, const at::Tensor& codes, co
   const int64_t M = x.size(0), K = x.size(1), panels = codes.size(0), N = panels * 16;
   at::Tensor y = at::empty({M, N}, x.options());
 #if defined(LLMOPT_AMX)
-  const int64_t rows = (M + 15) / 16 * 16;
+  const int64_t rows = (M + AMX_ROWS - 1) / AMX_ROWS * AMX_ROWS;
   at::Tensor xp = x.contiguous();
   if (rows != M) xp = at::cat({xp, at::zeros({rows - M, K}, x.options())});  // whole row tiles (zeros: unstored)
   const at::Tensor cc = codes.contiguous(), sc = scales_biases.contiguous();
