@@ -136,7 +136,7 @@ def test_measurement_keeps_the_fastest_path_where_it_may_run():
     layer = TimedLayer(quick_limit=16)
     plan, times = measure_plan(layer)
     assert all(plan.path(b) == ("quick" if b <= 16 else "slow") for b in ROW_BUCKETS)
-    assert set(times[256]) == {"slow"}  # a path is timed only up to its limit
+    assert times[16].keys() == {"slow", "quick"} and times[256] == {}  # timed only where there is a choice
     # the default stays unless another path is faster by the margin
     assert choose({"slow": 1.04, "quick": 1.0}, "slow") == "slow"
     assert choose({"slow": 1.06, "quick": 1.0}, "slow") == "quick"
@@ -167,10 +167,50 @@ def test_the_engine_records_each_shapes_choice(tiny_gptq_artifact, isolated_home
     model, tokenizer, _ = load_runtime_model(str(tiny_gptq_artifact))
     engine = Engine(model, tokenizer, EngineConfig(kv_cache_bytes=1 << 22, linear_kernels="fixed"))
     paths = engine.numerics()["linear_paths"]
-    assert paths and all(key.startswith("int4-cpu|float32|") for key in paths)
+    assert any(key.startswith("int4-cpu|float32|") for key in paths)
+    # the rest: the dense lm_head (tied embedding), whose fp32 GEMM may take the few-rows kernel
+    dense = {key: plan for key, plan in paths.items() if not key.startswith("int4-cpu|")}
+    assert list(dense) == [f"dense|float32|{model.config.vocab_size}x{model.config.hidden_size}"]
+    assert set(next(iter(dense.values())).values()) <= {"blas", "gemv"}
     layer = next(m for m in engine.runner.decoder.modules() if isinstance(m, Int4PackedLinear))
     assert paths[layer.row_plan_key()] == {str(b): layer.default_path(b) for b in ROW_BUCKETS}
     engine = Engine(model, tokenizer, EngineConfig(kv_cache_bytes=1 << 22))  # measured: stored in LLMOPT_HOME
     assert engine.numerics()["linear_kernels"] == "measured" and list((isolated_home / "kernels").glob("*.json"))
     with pytest.raises(ConfigError, match="--linear-kernels must be one of measured, fixed"):
         EngineConfig(linear_kernels="fastest")
+
+
+def test_dense_fp32_linears_have_a_blas_and_a_gemv_path_and_run_the_planned_one(monkeypatch):
+    from torch import nn
+
+    from llmopt.runtime.executor.linear import dense
+    from llmopt.runtime.executor.linear.dense import FusedDenseLinear, fuse_linears
+
+    torch.manual_seed(0)
+    parts = [nn.Linear(192, 48, bias=True), nn.Linear(192, 16, bias=False)]  # stacked: q/k/v-like, one bias
+    layer = fuse_linears(parts, prepack=True)
+    assert type(layer) is FusedDenseLinear and layer.row_paths() == {"blas": None, "gemv": 8}
+    assert layer.row_plan_key() == "dense|float32|64x192"
+    for rows in ROWS:
+        x = torch.randn(rows, 192)
+        expected = torch.cat([p(x) for p in parts], dim=-1)
+        for name in layer.candidate_paths(rows, layer.row_paths()):
+            torch.testing.assert_close(layer.run_path(name, x), expected, rtol=1e-5, atol=1e-5)
+    # the plan decides, per row count, after forward_2d was bound (the decoder binds it at build time)
+    calls = []
+    ops = cpu_ops()
+
+    class CountingOps:
+        def gemv(self, x, w):
+            calls.append(x.shape[0])
+            return ops.gemv(x, w)
+
+    monkeypatch.setattr(dense, "cpu_ops", lambda: CountingOps())
+    forward = layer.forward_2d()
+    layer.set_row_plan(RowPlan({1: "gemv", 2: "blas", 4: "gemv", 8: "blas", 16: "blas"}))
+    for rows in (1, 2, 3, 8, 9, 64):
+        x = torch.randn(rows, 192)
+        torch.testing.assert_close(forward(x), torch.cat([p(x) for p in parts], dim=-1), rtol=1e-5, atol=1e-5)
+    assert calls == [1, 3]
+    # no choice for a bf16 (prepacked) weight: one path
+    assert list(fuse_linears([nn.Linear(192, 48).to(torch.bfloat16)], prepack=True).row_paths()) == ["blas"]

@@ -9,10 +9,11 @@ import torch.nn.functional as F
 from torch import nn
 
 from llmopt.core.contract.activations import InputQuantizedLinear
-from llmopt.runtime.executor.kernels.cpu_ops import GEMV_BATCHED_ROWS, cpu_ops
+from llmopt.runtime.executor.kernels.cpu_ops import GEMV_BATCHED_ROWS, GEMV_MAX_ROWS, cpu_ops
 from llmopt.runtime.executor.linear.base import (
     FALLBACK_PRIORITY, LinearMethod, register_linear_method,
 )
+from llmopt.runtime.executor.linear.row_paths import RowPathsMixin
 
 
 @register_linear_method
@@ -54,10 +55,18 @@ class ConcatLinears(nn.Module):
         return torch.cat([part(x) for part in self.parts], dim=-1)
 
 
-class FusedDenseLinear(nn.Module):
+class FusedDenseLinear(RowPathsMixin, nn.Module):
     """Dense linears fed the same input as one matmul over their stacked weights; on CPU in bf16 the weight is
-    prepacked into oneDNN's blocked layout once (2-3x faster at decode batch sizes than plain F.linear)."""
+    prepacked into oneDNN's blocked layout once (2-3x faster at decode batch sizes than plain F.linear).
 
+    Paths (row_paths.py): `blas` (F.linear, or oneDNN's prepacked linear) at any row count and, for unpacked
+    fp32 weights on CPU, `gemv` (kernels.cpu_ops: each weight row streamed once for 1-8 rows). Which is faster
+    differs by CPU more than any fixed rule captures: on an AVX-512 Xeon MKL's sgemm matched gemv at 1-2 rows and
+    beat it on weights taller than wide; on an AVX2 EPYC gemv was 1.6-3.3x faster than MKL at every shape and
+    1-8 rows (weights streamed from memory). So the engine times both per shape (measured plans); the default
+    (`--linear-kernels fixed`, no engine) is the Xeon's rule."""
+
+    name = "dense"
     PACK_BATCH_HINT = 256  # oneDNN picks its blocking for this M; measured best over M in 1..2048
 
     def __init__(self, parts: list[nn.Linear], prepack: bool):
@@ -67,33 +76,48 @@ class FusedDenseLinear(nn.Module):
         bias = torch.cat([p.bias.detach() if p.bias is not None else weight.new_zeros(p.out_features)
                           for p in parts]) if has_bias else None
         self.in_features, self.out_features = weight.shape[1], weight.shape[0]
+        self.dtype = weight.dtype
         self.packed = prepack and weight.dtype == torch.bfloat16 and weight.device.type == "cpu" and _mkldnn_bf16()
         if self.packed:
             weight = torch.ops.mkldnn._reorder_linear_weight(weight, self.PACK_BATCH_HINT)
         self.register_buffer("weight", weight)
         self.register_buffer("bias", bias)
+        # the compiled few-rows kernel serves an fp32 weight on CPU
+        self._gemv = not self.packed and weight.device.type == "cpu" and self.dtype == torch.float32 \
+            and cpu_ops() is not None
+
+    # --- paths (row_paths.py) --------------------------------------------------------------------------------
+    def row_paths(self) -> dict[str, int | None]:
+        return {"blas": None, "gemv": GEMV_MAX_ROWS} if self._gemv else {"blas": None}
+
+    def default_path(self, rows: int) -> str:
+        # MKL's sgemm packs the weight from ~3 rows (2x slower than streaming it once); weights taller than wide
+        # kept it (measured on a Xeon; cpu_ops.GEMV_BATCHED_ROWS)
+        wide = self.out_features >= self.in_features
+        return "gemv" if self._gemv and wide and rows in GEMV_BATCHED_ROWS else "blas"
+
+    def _bind_blas(self):
+        weight, bias = self.weight, self.bias
+        if self.packed:
+            linear = torch.ops.mkldnn._linear_pointwise
+            return lambda x: linear(x, weight, bias, "none", [], "")
+        linear = F.linear
+        return lambda x: linear(x, weight, bias)
+
+    def _bind_gemv(self):
+        gemv, weight, bias = cpu_ops().gemv, self.weight, self.bias
+        return (lambda x: gemv(x, weight)) if bias is None else (lambda x: gemv(x, weight) + bias)
+
+    def _path_blas(self, x: torch.Tensor) -> torch.Tensor:
+        return self._bind_blas()(x)
+
+    def _path_gemv(self, x: torch.Tensor) -> torch.Tensor:
+        return self._bind_gemv()(x)
 
     def forward_2d(self):
-        """A callable for [T, in] inputs, with the weight bound: the decoder's fast loop calls 120 of these per
-        step, where the module's attribute lookups and reshapes cost ~10 us each."""
-        if not self.packed:
-            # fp32 (or no oneDNN bf16): the plain GEMM; MKL's packed sgemm measured no faster at these shapes
-            linear, weight, bias = F.linear, self.weight, self.bias
-            ops = cpu_ops() if weight.device.type == "cpu" and weight.dtype == torch.float32 else None
-            if ops is None or weight.shape[0] < weight.shape[1]:
-                return lambda x: linear(x, weight, bias)
-            # a few rows (speculative verification at batch 1) of a wide weight: gemv (kernels.cpu_ops)
-            gemv, few = ops.gemv, GEMV_BATCHED_ROWS
-
-            def few_rows_or_gemm(x):
-                if x.shape[0] in few:
-                    y = gemv(x, weight)
-                    return y if bias is None else y + bias
-                return linear(x, weight, bias)
-
-            return few_rows_or_gemm
-        linear, weight, bias = torch.ops.mkldnn._linear_pointwise, self.weight, self.bias
-        return lambda x: linear(x, weight, bias, "none", [], "")
+        """A callable for [T, in] inputs (bias included): the plan's path for the step's rows. The decoder's fast
+        loop binds it at build time, before the engine sets the plan (_matmul reads the plan per call)."""
+        return self._matmul
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.packed:

@@ -90,6 +90,9 @@ def measure_plan(layer: nn.Module, buckets=ROW_BUCKETS) -> tuple[RowPlan, dict]:
         for rows in buckets:
             x = torch.randn(rows, layer.in_features, generator=generator).to(layer.dtype)
             candidates = layer.candidate_paths(rows, paths)
+            if len(candidates) == 1:  # nothing to choose (a dense prefill chunk's GEMM would cost ~1 s to time)
+                choices[rows], times[rows] = candidates[0], {}
+                continue
             timed = {name: best_time_of(lambda name=name, x=x: layer.run_path(name, x), TIMING_REPEATS,
                                           TIMING_BUDGET_S)
                      for name in candidates}
