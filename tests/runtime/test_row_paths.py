@@ -132,9 +132,13 @@ class TimedLayer(row_paths.RowPathsMixin):
         return x
 
 
-def test_measurement_keeps_the_fastest_path_where_it_may_run():
+def test_measurement_keeps_the_fastest_path_where_it_may_run(monkeypatch):
     layer = TimedLayer(quick_limit=16)
+    evictions = []  # each timed call comes after the caches were evicted (not the warm-up call before them)
+    monkeypatch.setattr(row_paths, "cache_evictor", lambda: lambda: evictions.append(len(layer.calls)))
     plan, times = measure_plan(layer)
+    warm_ups = sum(len(timed) for timed in times.values())
+    assert len(evictions) == len(layer.calls) - warm_ups > 0
     assert all(plan.path(b) == ("quick" if b <= 16 else "slow") for b in ROW_BUCKETS)
     assert times[16].keys() == {"slow", "quick"} and times[256] == {}  # timed only where there is a choice
     # the default stays unless another path is faster by the margin
