@@ -99,6 +99,17 @@ def test_every_path_of_a_layer_computes_its_product(bits, group_size, kind, dtyp
                                        msg=lambda m: f"path {name}, {rows} rows: {m}")
 
 
+def test_a_dequantizing_path_timed_under_inference_mode_still_runs_outside_it():
+    # the engine times the paths under torch.inference_mode (row_paths.measure_plan); its steps run outside it,
+    # and the dequantized weight's reused buffer must not stay an inference tensor
+    for bits, group_size in ((8, -1), (4, 64)):
+        layer = make_linear(qweight(48, 192, bits, group_size, sym=False), torch.float32)
+        x = torch.randn(32, 192)
+        with torch.inference_mode():
+            inside = layer.run_path("dequantize", x)
+        torch.testing.assert_close(layer.run_path("dequantize", x), inside)
+
+
 def test_a_plan_maps_each_row_count_to_its_bucket():
     plan = RowPlan({1: "rows", 2: "rows", 4: "tiled", 256: "dequantize"})
     assert [plan.path(m) for m in (1, 2, 3, 4, 5, 255, 256, 4096)] == [

@@ -138,6 +138,8 @@ def dequantize_buffer(numel: int, dtype: torch.dtype) -> torch.Tensor:
     """A per-thread scratch buffer for one dequantized weight at a time (the GEMM reading it finishes before
     the next layer dequantizes): no allocation, and no page faults on fresh memory, per call."""
     buf = getattr(_buffers, "dequantized", None)
-    if buf is None or buf.numel() < numel or buf.dtype != dtype:
+    # (one made under inference_mode, as the engine's timing of the paths runs, cannot be written outside it)
+    stale = buf is not None and buf.is_inference() and not torch.is_inference_mode_enabled()
+    if buf is None or stale or buf.numel() < numel or buf.dtype != dtype:
         buf = _buffers.dequantized = torch.empty(numel, dtype=dtype)
     return buf[:numel]
