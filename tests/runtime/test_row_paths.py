@@ -227,5 +227,10 @@ def test_dense_fp32_linears_have_a_blas_and_a_gemv_path_and_run_the_planned_one(
         x = torch.randn(rows, 192)
         torch.testing.assert_close(forward(x), torch.cat([p(x) for p in parts], dim=-1), rtol=1e-5, atol=1e-5)
     assert calls == [1, 3]
-    # no choice for a bf16 (prepacked) weight: one path
-    assert list(fuse_linears([nn.Linear(192, 48).to(torch.bfloat16)], prepack=True).row_paths()) == ["blas"]
+    # no choice for a bf16 (prepacked) weight: one path, which forward_2d returns as is
+    bf16 = fuse_linears([nn.Linear(192, 48).to(torch.bfloat16)], prepack=True)
+    assert list(bf16.row_paths()) == ["blas"]
+    x = torch.randn(3, 192).to(torch.bfloat16)
+    torch.testing.assert_close(bf16.forward_2d()(x), bf16(x))
+    monkeypatch.setattr(row_paths, "cache_evictor", lambda: pytest.fail("no choice, nothing to time"))
+    assert set(measure_plan(bf16)[0].choices.values()) == {"blas"}

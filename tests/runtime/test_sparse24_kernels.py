@@ -68,7 +68,8 @@ def test_every_path_of_the_method_matches_the_dense_linear(monkeypatch, compiled
             torch.testing.assert_close(layer.run_path(path, x) + bias, expected, rtol=1e-5, atol=1e-5)
         torch.testing.assert_close(layer(x), expected, rtol=1e-5, atol=1e-5)
         plan, times = measure_plan(layer, buckets=(1, 16))
-        assert set(times[1]) == set(layer.row_paths()) and plan.path(1) in layer.row_paths()
+        paths = set(layer.row_paths())  # (one path: nothing to time)
+        assert set(times[1]) == (paths if len(paths) > 1 else set()) and plan.path(1) in paths
     finally:
         cpu_ops.cache_clear()
 

@@ -116,8 +116,9 @@ class FusedDenseLinear(RowPathsMixin, nn.Module):
 
     def forward_2d(self):
         """A callable for [T, in] inputs (bias included): the plan's path for the step's rows. The decoder's fast
-        loop binds it at build time, before the engine sets the plan (_matmul reads the plan per call)."""
-        return self._matmul
+        loop binds it at build time, before the engine sets the plan (_matmul reads the plan per call); with a
+        single path (bf16 prepacked, GPU), that path's call itself (120 calls a batch-1 step: no frame to spare)."""
+        return self._bind_blas() if len(self.row_paths()) == 1 else self._matmul
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.packed:

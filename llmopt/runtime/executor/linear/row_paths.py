@@ -89,7 +89,7 @@ def measure_plan(layer: nn.Module, buckets=ROW_BUCKETS) -> tuple[RowPlan, dict]:
     # each timed call reads the weight from memory, as in a step of the real model, whose other layers' weights
     # evict it (timed in cache, MKL's sgemv beat the gemv kernel at 1 row on an AVX2 EPYC; in use it was 1.7x
     # slower, and batch-1 fp32 TPOT 53.6 ms against 34.5)
-    evict = cache_evictor()
+    evict = None  # (made at the first bucket with a choice: 2x the last-level cache, up to 128 MB)
     with torch.inference_mode():
         for rows in buckets:
             x = torch.randn(rows, layer.in_features, generator=generator).to(layer.dtype)
@@ -97,6 +97,7 @@ def measure_plan(layer: nn.Module, buckets=ROW_BUCKETS) -> tuple[RowPlan, dict]:
             if len(candidates) == 1:  # nothing to choose (a dense prefill chunk's GEMM would cost ~1 s to time)
                 choices[rows], times[rows] = candidates[0], {}
                 continue
+            evict = evict or cache_evictor()
             timed = {name: best_time_of(lambda name=name, x=x: layer.run_path(name, x), TIMING_REPEATS,
                                           TIMING_BUDGET_S, before=evict)
                      for name in candidates}
