@@ -31,7 +31,9 @@ from llmopt.core.hardware import X86_ISAS, cpu_info, kernel_isa
 log = logging.getLogger(__name__)
 
 GEMV_MAX_ROWS = 8  # ops.gemv takes x [1..8, K] (csrc/fused_cpu.cpp, GEMV_MAX_ROWS)
-# Row counts of an fp32 matmul that ops.gemv runs faster than BLAS (speculative verification at batch 1): MKL's
+# The built-in rule (the batch-1 lm_head's, and the dense linears' under --linear-kernels fixed; measured plans
+# choose per CPU, linear/dense.py): row counts of an fp32 matmul that ops.gemv runs faster than BLAS on a Xeon
+# (speculative verification at batch 1): MKL's
 # sgemm is as fast as a matrix-vector product up to 2 rows, then ~2x slower from 4 (it packs the weight); gemv
 # streams each weight row once for all rows. Measured (2 cores, AVX-512) at 6 rows: 960x576 117 -> 57 us, 3072x576
 # 327 -> 270 us, 49152x576 5355 -> 3679 us, but 576x1536 98 -> 116 us (weights taller than wide keep BLAS).
