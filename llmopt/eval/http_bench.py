@@ -105,7 +105,13 @@ async def _run(base_url: str, endpoint: str, model: str, requests: list[BenchReq
             if delay > 0:
                 await asyncio.sleep(delay)
             async with limit:
-                record = await _one(session, url, request_body(request, endpoint, model, tokenizer), request, start)
+                body = request_body(request, endpoint, model, tokenizer)
+                try:
+                    record = await _one(session, url, body, request, start)
+                except (aiohttp.ServerDisconnectedError, aiohttp.ClientOSError):
+                    # a kept-alive connection the server had already closed (llama.cpp's llama-server closes one
+                    # after a streamed response without saying so): once more, on a new connection
+                    record = await _one(session, url, body, request, start)
             records.append(record)
             if progress:
                 progress(len(records), len(requests))
