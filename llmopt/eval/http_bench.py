@@ -91,7 +91,8 @@ async def _run(base_url: str, endpoint: str, model: str, requests: list[BenchReq
     headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
     limit = asyncio.Semaphore(max_concurrency or len(requests) or 1)
     records: list[RequestRecord] = []
-    connector = aiohttp.TCPConnector(limit=max_concurrency or len(requests) or 1)
+    pool = max_concurrency or len(requests) or 1
+    connector = aiohttp.TCPConnector(limit=pool)
     timeout = aiohttp.ClientTimeout(total=None, sock_connect=60, sock_read=600)
     async with aiohttp.ClientSession(headers=headers, connector=connector, timeout=timeout) as session:
         # one connection opened before the clock starts (GET /models; any status will do): the first request's
@@ -106,12 +107,16 @@ async def _run(base_url: str, endpoint: str, model: str, requests: list[BenchReq
                 await asyncio.sleep(delay)
             async with limit:
                 body = request_body(request, endpoint, model, tokenizer)
-                try:
-                    record = await _one(session, url, body, request, start)
-                except (aiohttp.ServerDisconnectedError, aiohttp.ClientOSError):
-                    # a kept-alive connection the server had already closed (llama.cpp's llama-server closes one
-                    # after a streamed response without saying so): once more, on a new connection
-                    record = await _one(session, url, body, request, start)
+                # a kept-alive connection the server had already closed (llama.cpp's llama-server closes one after
+                # a streamed response without saying so) fails the send and leaves the pool: try again, as many
+                # times as the pool may hold such connections, the last one on a new connection
+                for attempt in range(pool + 1):
+                    try:
+                        record = await _one(session, url, body, request, start)
+                        break
+                    except (aiohttp.ServerDisconnectedError, aiohttp.ClientOSError):
+                        if attempt == pool:
+                            raise
             records.append(record)
             if progress:
                 progress(len(records), len(requests))

@@ -49,12 +49,13 @@ def test_a_connection_closed_after_each_response_costs_a_retry_not_the_run():
     thread = threading.Thread(target=serve, daemon=True)
     thread.start()
     try:
-        requests = [BenchRequest([1, 2, 3], max_tokens=2) for _ in range(4)]
+        # 4 at once: the second wave finds up to 4 dead connections in the pool
+        requests = [BenchRequest([1, 2, 3], max_tokens=2) for _ in range(12)]
         records, _ = run_http(f"http://127.0.0.1:{port}/v1", "completions", "m", requests, tokenizer=None,
-                              max_concurrency=1)
+                              max_concurrency=4)
     finally:
         stop.set()
         thread.join(timeout=10)
         server.close()
-    assert len(records) == 4 and all(len(r.token_times) == 2 for r in records)
-    assert len(answered) >= 5  # GET /models, then each request on its own connection
+    assert len(records) == 12 and all(len(r.token_times) == 2 for r in records)
+    assert len(answered) >= 13  # GET /models, then each request on its own connection
