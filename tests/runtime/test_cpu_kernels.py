@@ -391,6 +391,59 @@ def test_int4_matmul_q8_refuses_what_its_layout_cannot_hold(ops):
         ops.int4_matmul_q8(torch.randn(1, 64), codes, scales_biases, 32, 48)
 
 
+def int8_q8_reference(x, signed, scales, zeros, act_group):
+    """int8_matmul_q8's arithmetic in float64: the inputs rounded as q8_reference rounds them, times the
+    dequantized weight scale * (q - zero) = scale * signed + scale * (128 - zero)."""
+    rows, k = x.shape
+    xf = x.float().view(rows, k // act_group, act_group)
+    amax = xf.abs().amax(-1, keepdim=True)
+    inv = torch.where(amax > 0, (127 / amax.double()).float(), torch.zeros_like(amax))
+    xq = (xf * inv).round().double() * (amax.double() / 127)
+    weight = scales.double() * (signed.double() + 128 - zeros.double())  # [N, K]
+    return xq.view(rows, k) @ weight.t()
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("n,k,act_group,symmetric", [(112, 192, 32, True), (48, 256, 64, False),
+                                                     (16, 96, 32, True), (80, 1536, 32, False)])
+@pytest.mark.parametrize("rows", [1, 2, 3, 8, 9, 16, 64, 257])
+def test_int8_matmul_q8_is_exact_for_its_8_bit_inputs(ops, dtype, n, k, act_group, symmetric, rows):
+    # 7 and 5 panels: the blocks of 2 (or 4) panels at one row and the single panels after them; codes at both
+    # ends (-128 too: its magnitude 128 is still an unsigned byte) and inputs of both signs, where the sign moved
+    # from the weight byte onto the input byte could go wrong
+    from llmopt.runtime.executor.kernels.quant_matmul import int8_scale_shift, pack_int8_q8
+
+    g = torch.Generator().manual_seed(n + k + rows)
+    signed = torch.randint(-128, 128, (n, k), generator=g, dtype=torch.int8)
+    signed[0, :act_group + 8], signed[1, :act_group + 8], signed[2, :act_group + 8] = 127, -127, -128
+    scales = torch.rand(n, 1, generator=g) * 0.01 + 0.001
+    zeros = torch.full((n, 1), 128.0) if symmetric else torch.randint(100, 156, (n, 1), generator=g).float()
+    x = torch.randn(rows, k, generator=g).to(dtype)
+    x[-1, act_group:act_group + 8] = x[-1, act_group:act_group + 8].abs().neg() * 100  # -127 inputs x -128 codes
+    x[0, :act_group] = 0  # an all-zero block: scale 0, no division by it
+    scale, shift = int8_scale_shift(scales, zeros)
+    assert (shift is None) == symmetric
+    out = ops.int8_matmul_q8(x, pack_int8_q8(signed), scale, shift, act_group)
+    expected = int8_q8_reference(x, signed, scales, zeros, act_group)
+    tol = {torch.float32: 1e-5, torch.float16: 2e-3, torch.bfloat16: 1e-2}[dtype]
+    assert out.dtype == dtype and out.shape == (rows, n)
+    torch.testing.assert_close(out.double(), expected, rtol=tol, atol=tol * expected.abs().max().item())
+
+
+def test_int8_matmul_q8_refuses_what_its_layout_cannot_hold(ops):
+    from llmopt.runtime.executor.kernels.quant_matmul import pack_int8_q8
+
+    codes, scale = pack_int8_q8(torch.zeros(16, 64, dtype=torch.int8)), torch.ones(16)
+    with pytest.raises(RuntimeError, match="activation group"):
+        ops.int8_matmul_q8(torch.randn(1, 64), codes, scale, None, 48)
+    with pytest.raises(RuntimeError, match="K matching"):
+        ops.int8_matmul_q8(torch.randn(1, 32), codes, scale, None, 32)
+    with pytest.raises(RuntimeError, match="scale"):
+        ops.int8_matmul_q8(torch.randn(1, 64), codes, scale[:8], None, 32)
+    with pytest.raises(RuntimeError, match="shift"):
+        ops.int8_matmul_q8(torch.randn(1, 64), codes, scale, scale[:8], 32)
+
+
 @pytest.mark.parametrize("compiled", [False, True])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_few_tokens_after_a_cached_prefix_attend_as_decode_rows(monkeypatch, dtype, compiled):

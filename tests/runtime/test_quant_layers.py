@@ -14,7 +14,7 @@ from llmopt.runtime.executor.kernels.quant_matmul import reference_quant_matmul
 from llmopt.core.contract import INT8_GROUP_ACTIVATIONS, LinearScheme
 from llmopt.runtime.executor.linear import make_linear as quantized_linear, select_linear_method
 from llmopt.runtime.executor.linear.int4_cpu import Int4PackedLinear, Int4Q8Linear
-from llmopt.runtime.executor.linear.int8_cpu import Int8PackedLinear
+from llmopt.runtime.executor.linear.int8_cpu import Int8PackedLinear, Int8Q8Linear
 
 
 def packed_kind(qw, device, activations=None):
@@ -124,6 +124,10 @@ def test_layout_choice_falls_back_to_dense_where_no_kernel_fits():
     assert packed_kind(qweight(32, 64, 8, -1, True), "cpu") == "int8-cpu"
     assert packed_kind(qweight(32, 128, 4, 64, True), "cpu", INT8_GROUP_ACTIVATIONS) == "int4-q8-cpu"
     assert packed_kind(qweight(32, 64, 4, 32, True), "cpu", INT8_GROUP_ACTIVATIONS) == "int4-q8-cpu"
+    assert packed_kind(qweight(32, 64, 8, -1, True), "cpu", INT8_GROUP_ACTIVATIONS) == "int8-q8-cpu"
+    # N not a multiple of 16: no 8-bit inputs' layout; make_linear runs the float int8 layer (not dequantized)
+    assert type(quantized_linear(qweight(40, 64, 8, -1, True), torch.float32, "cpu", INT8_GROUP_ACTIVATIONS)
+                ) is Int8PackedLinear
     huge = qweight(32, 64, 4, 32, True)
     huge.scales = huge.scales * 1e6  # beyond float16, where the 8-bit inputs' kernel keeps its scales
     assert packed_kind(huge, "cpu", INT8_GROUP_ACTIVATIONS) == "dense"
@@ -189,7 +193,7 @@ def test_decode_bytes_count_the_int4_kernel_weights_not_the_prefill_copy(gptq_ar
 def kernel_calls(monkeypatch):
     """The names of the compiled ops the runtime's layers call, in order."""
     from llmopt.runtime.executor.kernels.cpu_ops import cpu_ops
-    from llmopt.runtime.executor.linear import int4_cpu
+    from llmopt.runtime.executor.linear import int4_cpu, int8_cpu
 
     ops = cpu_ops()
     calls = []
@@ -200,6 +204,7 @@ def kernel_calls(monkeypatch):
             return getattr(ops, name)
 
     monkeypatch.setattr(int4_cpu, "cpu_ops", lambda: Spy())
+    monkeypatch.setattr(int8_cpu, "cpu_ops", lambda: Spy())
     return calls
 
 
@@ -245,6 +250,59 @@ def test_at_decode_sizes_the_8_bit_inputs_layer_times_only_its_8_bit_kernels():
     assert set(layer.candidate_paths(layer.q8_only_rows, paths)) == eight_bit
     beyond = set(layer.candidate_paths(layer.q8_only_rows + 1, paths))
     assert eight_bit < beyond and "dequantize" in beyond
+
+
+def int8_with_8_bit_inputs_reference(x, qw, block=32):
+    """The dequantized int8 weight times the inputs rounded to int8 per row and block of 32 (fp32 x * (127 /
+    max|x|), half to even), in float64."""
+    rows, k = x.shape
+    xf = x.float().view(rows, k // block, block)
+    amax = xf.abs().amax(-1, keepdim=True)
+    inv = torch.where(amax > 0, (127 / amax.double()).float(), torch.zeros_like(amax))
+    xq = ((xf * inv).round().double() * (amax.double() / 127)).view(rows, k)
+    y = xq @ (qw.scales.double() * (qw.q.double() - qw.zeros.double())).t()
+    return y + qw.bias.double() if qw.bias is not None else y
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_int8_weights_with_8_bit_inputs_multiply_integers(dtype, kernel_calls):
+    # the engine's int8 inputs (the CPU default) reach int8 weight-only layers too: the 8-bit kernel at decode
+    # sizes (the float paths compute other numbers: never candidates there), every path timed beyond
+    qw = qweight(48, 192, 8, -1, True, bias=True)
+    layer = quantized_linear(qw, dtype, "cpu", INT8_GROUP_ACTIVATIONS)
+    assert type(layer) is Int8Q8Linear and type(quantized_linear(qw, dtype)) is Int8PackedLinear
+    for rows in (1, 3, 8, 9, 16):
+        x = torch.randn(rows, 192).to(dtype)
+        kernel_calls.clear()
+        y = layer(x)
+        assert kernel_calls == ["int8_matmul_q8"], rows
+        expected = int8_with_8_bit_inputs_reference(x, qw)
+        tol = 1e-5 if dtype == torch.float32 else 1e-2
+        torch.testing.assert_close(y.double(), expected, rtol=tol, atol=tol * expected.abs().max().item())
+    paths = layer.row_paths()
+    assert layer.candidate_paths(layer.q8_only_rows, paths) == ["q8"]
+    assert {"q8", "tiled", "dequantize"} <= set(layer.candidate_paths(layer.q8_only_rows + 1, paths))
+    x = torch.randn(64, 192).to(dtype)  # every path beyond decode: close to the exact product
+    exact = reference(x.float(), qw)
+    for name in paths:
+        torch.testing.assert_close(layer.run_path(name, x).float(), exact, rtol=0.05,
+                                   atol=0.05 * exact.abs().max().item())
+
+
+def test_stacked_int8_layers_with_8_bit_inputs_equal_their_parts():
+    # exact: each output column is computed on its own, and the inputs' scales do not depend on the weights; a
+    # zero point on one part only gives the others a zero shift
+    from llmopt.runtime.executor.linear import fuse_linears
+
+    parts = [quantized_linear(qweight(n, 96, 8, -1, sym, seed=n), torch.float32, "cpu", INT8_GROUP_ACTIVATIONS)
+             for n, sym in ((48, True), (16, False), (32, True))]
+    assert all(type(p) is Int8Q8Linear for p in parts) and parts[1].q8_shift is not None
+    fused = fuse_linears(parts, prepack=True)
+    assert type(fused) is Int8Q8Linear and fused.out_features == 96
+    for rows in (1, 3, 20):
+        x = torch.randn(rows, 96)
+        torch.testing.assert_close(fused.run_path("q8", x), torch.cat([p.run_path("q8", x) for p in parts], -1),
+                                   rtol=0, atol=0)
 
 
 @pytest.mark.parametrize("method_cls", [Int4PackedLinear, Int8PackedLinear])

@@ -105,10 +105,11 @@ class EngineConfig:
         None, "Fused projections and compiled kernels (same maths, another rounding order); --no-fast-path runs "
         "transformers' numerics token for token in fp32. Default: on for CPU.", flag="fast-path", numerics=True)
     activations: Literal["auto", "float", "int8"] = option(
-        "auto", "int8: int4 linears at decode (up to 16 rows) round their inputs to 8 bits per block of 32 (dynamic, "
-        "symmetric) and multiply integers, as llama.cpp's Q8 activations do (~0.5% error per output, +0.2% "
-        "wikitext2 ppl, 2-3x faster linears); float: inputs in the compute dtype; auto: int8 on CPU with the fast "
-        "path, else float.", flag="int4-activations", numerics=True)
+        "auto", "int8: int4 and int8 weight-only linears at decode (up to 16 rows; beyond, where it measures faster) "
+        "round their inputs to 8 bits per block of 32 (dynamic, symmetric) and multiply integers, as llama.cpp's Q8 "
+        "activations do (int4: ~0.5% error per output, +0.2% wikitext2 ppl, 2-3x faster linears); float: inputs in "
+        "the compute dtype; auto: int8 on CPU with the fast path, else float.", flag="int4-activations",
+        numerics=True)
     linear_kernels: Literal["measured", "fixed"] = option(
         "measured", "How quantized linears pick their kernel for each step's row count: measured (every path timed "
         "once per layer shape on this machine at start, kept in $LLMOPT_HOME/kernels/) or fixed (built-in row "

@@ -131,6 +131,21 @@ def pack_int8_panels(signed: torch.Tensor) -> torch.Tensor:
     return signed.reshape(n // 16, 16, k).transpose(1, 2).contiguous()
 
 
+def pack_int8_q8(signed: torch.Tensor) -> torch.Tensor:
+    """Signed codes [N, K] (N a multiple of 16, K of 4) -> the layout of `int8_matmul_q8` (csrc/int8_q8_cpu.cpp):
+    [N/16, K/4, 64] (chunk c of panel p: bytes 4j..4j+3 are output 16p + j's columns 4c..4c+3)."""
+    n, k = signed.shape
+    return signed.reshape(n // 16, 16, k // 4, 4).permute(0, 2, 1, 3).reshape(n // 16, k // 4, 64).contiguous()
+
+
+def int8_scale_shift(scales: torch.Tensor, zeros: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Per-channel scales / zeros [N, 1] -> float32 scale [N] and shift [N] (None when every zero point is 128):
+    w = scale * (q - zero) = scale * signed + shift, signed = q - 128."""
+    scale = scales.float()[:, 0].contiguous()
+    shift = (128 - zeros.float()[:, 0]) * scale
+    return scale, shift.contiguous() if bool(shift.abs().max() > 0) else None
+
+
 def int8_matmul(x: torch.Tensor, signed: torch.Tensor, scale: torch.Tensor,
                 correction: torch.Tensor | None) -> torch.Tensor:
     y = torch.ops.aten._weight_int8pack_mm(x, signed, scale)

@@ -13,6 +13,7 @@ from llmopt.runtime.executor.kernels.quant_matmul import (
     pack_int4_q8, pack_nibbles, unpack_nibbles,
 )
 from llmopt.runtime.executor.linear.base import LinearMethod, dequantize_buffer, new_stacked, register_linear_method
+from llmopt.runtime.executor.linear.q8_inputs import Q8InputsMixin, takes_int8_inputs
 from llmopt.runtime.executor.linear.row_paths import TILE_BYTES, RowPathsMixin
 
 
@@ -138,7 +139,7 @@ class Int4PackedLinear(RowPathsMixin, LinearMethod):
 
 
 @register_linear_method
-class Int4Q8Linear(Int4PackedLinear):
+class Int4Q8Linear(Q8InputsMixin, Int4PackedLinear):
     """The int4 layer with 8-bit inputs, as llama.cpp multiplies its Q4 blocks: each block of 32 inputs rounded to
     int8 with one scale (dynamic, per row), the codes repacked at load so that one 64-byte load serves 16 outputs
     and integer dot products (VNNI, else maddubs) sum 128 weights an instruction (kernels/csrc/int4_q8_cpu.cpp,
@@ -151,8 +152,6 @@ class Int4Q8Linear(Int4PackedLinear):
     asked). Chosen by the scheme (`--int4-activations int8`, or `auto` on CPU: core.contract.INT8_GROUP_ACTIVATIONS)."""
 
     name, priority = "int4-q8-cpu", 20
-    q8_only_rows = 16  # up to this many rows the 8-bit inputs' kernel always runs (decode); beyond, it is timed
-    q8_input_block = 32  # inputs per 8-bit scale (llama.cpp's Q8 block)
     # a decode step reads the q8 layout; the others serve prefill (eval.speed.model_cost)
     prefill_only_buffers = ("packed", "scales_and_offsets", "nibbles", "panel_codes", "panel_scales")
 
@@ -165,8 +164,7 @@ class Int4Q8Linear(Int4PackedLinear):
 
     @classmethod
     def accepts(cls, qweight, scheme, device):
-        acts = scheme.input_activations
-        if acts is None or not (acts.type == "int" and acts.bits == 8 and acts.dynamic and acts.sym):
+        if not takes_int8_inputs(scheme.input_activations):
             return False
         plain = type(scheme)(scheme.weights, None)
         # the scales and biases are kept in float16 (as GPTQ checkpoints store them)
@@ -181,21 +179,13 @@ class Int4Q8Linear(Int4PackedLinear):
         return fused
 
     def row_paths(self):
-        paths = super().row_paths()
+        paths = super().row_paths()  # with "q8" (Q8InputsMixin)
         if cpu_ops() is not None:
-            paths["q8"] = None
             if cpu_ops().amx_int8():  # the same numbers bit for bit, on AMX-INT8 tiles
                 paths["q8_amx"] = None
             if self.dtype == torch.bfloat16 and cpu_ops().amx_bf16():  # a float path, on AMX-BF16 tiles
                 paths["amx_bf16"] = None
         return paths
-
-    def candidate_paths(self, rows, paths):
-        """Only the 8-bit inputs' kernels at decode sizes (a float path there would compute other numbers, not only
-        round in another order); every path beyond."""
-        if "q8" in paths and rows <= self.q8_only_rows:
-            return [name for name in ("q8", "q8_amx") if name in paths]
-        return super().candidate_paths(rows, paths)
 
     def _path_q8(self, x2d):
         return cpu_ops().int4_matmul_q8(x2d, self.q8_codes, self.q8_scales, self.kernel_group, self.q8_input_block)
@@ -221,9 +211,3 @@ class Int4Q8Linear(Int4PackedLinear):
         """bf16 inputs times the codes dequantized one panel of 16 outputs at a time into AMX-BF16 tiles (the float
         path's numbers without writing the whole dequantized weight: batched decode and prefill chunks)."""
         return cpu_ops().int4_matmul_amx_bf16(x2d, self.q8_codes, self.q8_scales, self.kernel_group)
-
-    def default_path(self, rows: int) -> str:
-        """The 8-bit inputs' kernel up to 16 rows, as asked; the parent's choice beyond (the fixed plan)."""
-        if cpu_ops() is not None and rows <= self.q8_only_rows:
-            return "q8"
-        return super().default_path(rows)

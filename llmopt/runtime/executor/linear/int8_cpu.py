@@ -1,6 +1,7 @@
 """int8 weights, one scale per output channel, on CPU: the compiled kernels (kernels/csrc/int8_weight_cpu.cpp) for
 few rows and, tile by tile, for batches; the whole weight dequantized before one GEMM for prefill chunks; aten's
-int8 weight-only kernel for bf16 inputs and where the compiled kernels are absent."""
+int8 weight-only kernel for bf16 inputs and where the compiled kernels are absent. With 8-bit inputs (the engine's
+--int4-activations int8, the CPU default) integer dot products (kernels/csrc/int8_q8_cpu.cpp)."""
 
 from __future__ import annotations
 
@@ -8,8 +9,15 @@ import torch
 import torch.nn.functional as F
 
 from llmopt.runtime.executor.kernels.cpu_ops import cpu_ops
-from llmopt.runtime.executor.kernels.quant_matmul import int8_matmul, pack_int8, pack_int8_panels
+from llmopt.runtime.executor.kernels.quant_matmul import (
+    int8_matmul,
+    int8_scale_shift,
+    pack_int8,
+    pack_int8_panels,
+    pack_int8_q8,
+)
 from llmopt.runtime.executor.linear.base import LinearMethod, dequantize_buffer, new_stacked, register_linear_method
+from llmopt.runtime.executor.linear.q8_inputs import Q8InputsMixin, takes_int8_inputs
 from llmopt.runtime.executor.linear.row_paths import TILE_BYTES, RowPathsMixin
 
 
@@ -102,3 +110,58 @@ class Int8PackedLinear(RowPathsMixin, LinearMethod):
 
     def _path_aten(self, x2d):
         return int8_matmul(x2d, self.signed, self.scale, self.correction)
+
+
+@register_linear_method
+class Int8Q8Linear(Q8InputsMixin, Int8PackedLinear):
+    """The int8 layer with 8-bit inputs: each block of 32 inputs rounded to int8 with one scale (dynamic, per row,
+    as int4-q8-cpu's), the codes repacked at load so that one 64-byte load serves 16 outputs, and integer dot
+    products (vpdpbusd with VNNI, else maddubs + madd) in place of widening every weight to float
+    (kernels/csrc/int8_q8_cpu.cpp, `int8_matmul_q8`). On CPUs without bf16 units an fp32 GEMM is compute-bound
+    from a few dozen rows, and a float int8 kernel, which does its multiply-adds, can at best tie it: the integer
+    dots do more per instruction. Up to 16 rows it always runs; beyond, it is timed against the float paths
+    (q8_inputs.py). Every int8 code is exact (-128 included: each weight byte's sign moves onto the input byte)."""
+
+    name, priority = "int8-q8-cpu", 20
+    # a decode step reads the q8 layout; the others serve the float paths of larger steps (eval.speed.model_cost)
+    prefill_only_buffers = ("signed", "panel_codes")
+
+    def __init__(self, qweight, dtype, device="cpu"):
+        super().__init__(qweight, dtype, device)
+        scale, shift = int8_scale_shift(qweight.scales, qweight.zeros)
+        self.register_buffer("q8_scale", scale)  # [N] float32
+        self.register_buffer("q8_shift", shift)  # [N] float32 or None
+        self.register_buffer("q8_codes", pack_int8_q8(self.signed))  # [N/16, K/4, 64]
+
+    @classmethod
+    def accepts(cls, qweight, scheme, device):
+        acts = scheme.input_activations
+        if not takes_int8_inputs(acts) or acts.strategy != "group":  # (per-token inputs: W8A8, w8a8-int8-cpu)
+            return False
+        n, k = qweight.shape
+        plain = type(scheme)(scheme.weights, None)
+        return Int8PackedLinear.accepts(qweight, plain, device) and n % 16 == 0 and k % cls.q8_input_block == 0
+
+    @classmethod
+    def stack(cls, parts):
+        """Exact as the float layer's (the inputs' scales do not depend on the weights)."""
+        fused = super().stack(parts)
+        fused.register_buffer("q8_scale", torch.cat([p.q8_scale for p in parts]))
+        shifts = [p.q8_shift if p.q8_shift is not None else torch.zeros_like(p.q8_scale) for p in parts]
+        fused.register_buffer("q8_shift", torch.cat(shifts) if any(p.q8_shift is not None for p in parts) else None)
+        fused.register_buffer("q8_codes", torch.cat([p.q8_codes for p in parts]))  # (panels of whole parts)
+        return fused
+
+    @staticmethod
+    def can_stack(parts) -> bool:
+        first = parts[0]
+        return all(type(p) is Int8Q8Linear and p.in_features == first.in_features and p.dtype == first.dtype
+                   for p in parts)
+
+    def _path_q8(self, x2d):
+        return cpu_ops().int8_matmul_q8(x2d, self.q8_codes, self.q8_scale, self.q8_shift, self.q8_input_block)
+
+    def _bind_q8(self):
+        op, codes, scale, shift = cpu_ops().int8_matmul_q8.default, self.q8_codes, self.q8_scale, self.q8_shift
+        block = self.q8_input_block
+        return lambda x2d: op(x2d, codes, scale, shift, block)

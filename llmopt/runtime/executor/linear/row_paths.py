@@ -11,8 +11,8 @@ each of ROW_BUCKETS on the layer's own weight and keeps the fastest (the default
 MARGIN faster: the machines are noisy), once per shape per machine: the choices are kept in
 $LLMOPT_HOME/kernels/, keyed by CPU, features, threads, torch and the kernels' sources, and recorded with every
 bench result (Engine.numerics). No path changes what is computed beyond rounding order (fp32 accumulation), but
-for one choice: above 16 rows the 8-bit inputs' path of `int4-q8-cpu` is timed against its float paths (which
-are the more precise).
+for one choice: above 16 rows the 8-bit inputs' path of `int4-q8-cpu` and `int8-q8-cpu` is timed against their
+float paths (which are the more precise; q8_inputs.py).
 """
 
 from __future__ import annotations

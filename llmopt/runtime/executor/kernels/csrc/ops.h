@@ -70,6 +70,9 @@ at::Tensor int8_matmul_panels(const at::Tensor& x, const at::Tensor& codes, cons
                               const std::optional<at::Tensor>& shift);
 at::Tensor int8_matmul_tiled(const at::Tensor& x, const at::Tensor& codes, const at::Tensor& scale,
                              const std::optional<at::Tensor>& shift, int64_t tile_bytes);
+// int8 weights [N/16, K/4, 64] (quant_matmul.pack_int8_q8) times 8-bit inputs, integer dots (int8_q8_cpu.cpp)
+at::Tensor int8_matmul_q8(const at::Tensor& x, const at::Tensor& codes, const at::Tensor& scale,
+                          const std::optional<at::Tensor>& shift, int64_t act_group);
 }  // namespace llmopt_cpu::int8
 
 namespace llmopt_cpu::sparse24 {

@@ -41,6 +41,7 @@ LLMOPT_LIBRARY(LLMOPT_NS, m) {
   m.def("scale_int32_rows(Tensor acc, Tensor row_scale, Tensor col_scale, ScalarType dtype) -> Tensor");
   m.def("int8_matmul_rows(Tensor x, Tensor codes, Tensor scale, Tensor? shift) -> Tensor");
   m.def("int8_matmul_panels(Tensor x, Tensor codes, Tensor scale, Tensor? shift) -> Tensor");
+  m.def("int8_matmul_q8(Tensor x, Tensor codes, Tensor scale, Tensor? shift, int act_group) -> Tensor");
   m.def("int8_matmul_tiled(Tensor x, Tensor codes, Tensor scale, Tensor? shift, int tile_bytes) -> Tensor");
   m.def("int8_gemv_rows(Tensor x, Tensor weight, Tensor weight_scale, Tensor weight_sum, ScalarType dtype) -> Tensor");
   m.def("sparse24_matmul_rows(Tensor x, Tensor values, Tensor positions) -> Tensor");
@@ -85,6 +86,7 @@ LLMOPT_LIBRARY_IMPL(LLMOPT_NS, CPU, m) {
   m.impl("int8_matmul_rows", int8::int8_matmul_rows);
   m.impl("int8_matmul_panels", int8::int8_matmul_panels);
   m.impl("int8_matmul_tiled", int8::int8_matmul_tiled);
+  m.impl("int8_matmul_q8", int8::int8_matmul_q8);
   m.impl("int8_gemv_rows", int8::int8_gemv_rows);
   m.impl("sparse24_matmul_rows", sparse24::sparse24_matmul_rows);
   m.impl("sparse24_matmul_tiled", sparse24::sparse24_matmul_tiled);
