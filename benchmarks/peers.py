@@ -8,7 +8,9 @@ llama.cpp runs in its own process (llama-cpp-python, `Llama.generate` greedy, n_
 runtime's thread pool spins beside the other's; llmopt runs its Engine in this one (`--dtype auto` for the int4
 row's activations, what `llmopt bench` uses). Each round measures every row in turn (medians over --rounds):
 - batch-1 TPOT: --requests prompts of 128 random tokens, 128 tokens generated each, one at a time (EOS ignored);
-- TTFT of a 512-token prompt (a fresh cache each time, the prompt never seen before).
+- TTFT of a 512-token prompt (a fresh cache each time, the prompt never seen before);
+the int4 row also with `--lm-head int8` (the logits head rounded to int8 at load, as llama.cpp's file holds its
+head in Q6_K), against the same llama.cpp figures.
 Then the profile of 16 int4 batch-1 decode steps (torch.profiler): the linears' kernels, attention, the lm_head,
 the other ops, and the rest of the step's wall time (Python, dispatch). With --llama-server (the path of
 llama.cpp's `llama-server`, built from source here), serving: `llmopt serve` on the int4 artifact against
@@ -79,11 +81,11 @@ def llamacpp(gguf: str, args, decode_prompts, long_prompt) -> dict:
 
 
 # --- llmopt (this process) -----------------------------------------------------------------------------------------
-def llmopt_engine(model: str, dtype: str):
+def llmopt_engine(model: str, dtype: str, lm_head: str = "model"):
     from llmopt.runtime.engine.config import EngineConfig
     from llmopt.runtime.parallel.engines import create_engine
 
-    return create_engine(model, EngineConfig(max_num_seqs=8), dtype=dtype)
+    return create_engine(model, EngineConfig(max_num_seqs=8, lm_head=lm_head), dtype=dtype)
 
 
 def llmopt_run(engine, args, decode_prompts, long_prompt) -> dict:
@@ -163,8 +165,8 @@ def serving(args, int4: Path, gguf: Path, clients: int) -> dict:
                                        "127.0.0.1", "--port", str(port), "-a", "served"], port, clients)
     port = free_port()
     ours = served_tok_s(args.model, [sys.executable, "-m", "llmopt", "serve", str(int4), "--port", str(port),
-                                     "--served-model-name", "served", "--max-num-seqs", str(max(clients, 8))],
-                        port, clients)
+                                     "--served-model-name", "served", "--max-num-seqs", str(max(clients, 8)),
+                                     "--lm-head", args.serve_lm_head], port, clients)
     return {"llmopt": ours, "llama-server": theirs, "ratio": ours["output_tok_s"] / theirs["output_tok_s"]}
 
 
@@ -177,6 +179,8 @@ def main() -> None:
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--llama-server", default=None, help="llama.cpp's llama-server binary: adds the serving rows")
     parser.add_argument("--clients", default="8,64")
+    parser.add_argument("--serve-lm-head", default="model", choices=("model", "int8"),
+                        help="`llmopt serve --lm-head` in the serving rows")
     parser.add_argument("--work", default=None, help="where the artifacts and GGUF files go (default: a temp dir)")
     parser.add_argument("--json", default=None)
     args = parser.parse_args()
@@ -200,26 +204,32 @@ def main() -> None:
             export_gguf(source, ggufs[kind])
     decode_prompts = prompts(args.requests, 128, 0)
     long_prompt = prompts(1, 512, 1)[0]
-    pairs = {"int4": (str(int4), "auto"), "fp32": (args.model, "float32")}
-    rows = {f"{kind} {who}": [] for kind in pairs for who in ("llmopt", "llama.cpp")}
+    # kind -> (model, dtype, --lm-head, the llama.cpp row it is compared with); "int4 int8-head": the same int4
+    # artifact with its logits head rounded to int8 at load (llama.cpp's Q4_1 file keeps its head as Q6_K)
+    pairs = {"int4": (str(int4), "auto", "model", "int4"), "int4 int8-head": (str(int4), "auto", "int8", "int4"),
+             "fp32": (args.model, "float32", "model", "fp32")}
+    rows = {f"{kind} llmopt": [] for kind in pairs} | {f"{kind} llama.cpp": [] for kind in ggufs}
     numerics = {}  # what llmopt's engine computed with (int4: 8-bit inputs by default), per kind
     for round_index in range(args.rounds):
-        for kind, (model, dtype) in pairs.items():
-            engine = llmopt_engine(model, dtype)
+        for kind, (model, dtype, lm_head, theirs) in pairs.items():
+            engine = llmopt_engine(model, dtype, lm_head)
             numerics.setdefault(kind, engine.numerics())
             rows[f"{kind} llmopt"].append(llmopt_run(engine, args, decode_prompts, long_prompt))
             del engine
-            rows[f"{kind} llama.cpp"].append(llamacpp(str(ggufs[kind]), args, decode_prompts, long_prompt))
+            if kind == theirs:
+                rows[f"{kind} llama.cpp"].append(llamacpp(str(ggufs[kind]), args, decode_prompts, long_prompt))
             print(f"round {round_index} {kind}: llmopt {rows[f'{kind} llmopt'][-1]}, llama.cpp "
-                  f"{rows[f'{kind} llama.cpp'][-1]}", flush=True)
+                  f"{rows[f'{theirs} llama.cpp'][-1]}", flush=True)
     medians = {name: {k: statistics.median(r[k] for r in runs) for k in runs[0]} for name, runs in rows.items()}
     profile_split = step_profile(llmopt_engine(str(int4), "auto"))
+    profile_int8_head = step_profile(llmopt_engine(str(int4), "auto", "int8"))
     print("\n| row | llmopt | llama.cpp | llmopt / llama.cpp |\n|---|---:|---:|---:|")
-    for kind in pairs:
-        ours, theirs = medians[f"{kind} llmopt"], medians[f"{kind} llama.cpp"]
+    for kind, (*_, their_kind) in pairs.items():
+        ours, theirs = medians[f"{kind} llmopt"], medians[f"{their_kind} llama.cpp"]
         for key, label in (("tpot_ms", "batch-1 TPOT ms"), ("ttft512_ms", "TTFT of a 512-token prompt, ms")):
             print(f"| {kind} {label} | {ours[key]:.1f} | {theirs[key]:.1f} | {ours[key] / theirs[key]:.2f}x |")
     print("\nllmopt int4 batch-1 decode step, ms per step by part:", profile_split)
+    print("the same with --lm-head int8:", profile_int8_head)
     served = {}
     if args.llama_server:
         for clients in (int(c) for c in args.clients.split(",")):
@@ -235,6 +245,7 @@ def main() -> None:
     if args.json:
         write_json(args.json, {"cpu": cpu_line(), "model": args.model, "settings": vars(args), "rounds": rows,
                                "median": medians, "llmopt_numerics": numerics, "int4_step_profile": profile_split,
+                               "int4_int8_head_step_profile": profile_int8_head,
                                "serving": served}, indent=1)
 
 

@@ -50,17 +50,23 @@ def _bytes(tensors) -> int:
     return sum(t.numel() * t.element_size() for t in tensors)
 
 
+def _decode_bytes(module: nn.Module) -> int:
+    """Bytes of `module`'s parameters and buffers a decode step reads: buffers a layer reads only for many-row
+    steps (int4's plain nibble copy) are not decode traffic."""
+    buffers = [b for m in module.modules() for name, b in m.named_buffers(recurse=False)
+               if name not in getattr(m, "prefill_only_buffers", ())]
+    return _bytes(list(module.parameters()) + buffers)
+
+
 def model_cost(decoder: nn.Module, kv_bytes_per_token: int) -> ModelCost:
     """Bytes read and FLOPs per token of a runtime model (an engine's `runner.decoder`): decoder layers, final
     norm, lm_head; kv_bytes_per_token from its KVCacheSpec (one place sizes the cache)."""
     from llmopt.core.adapters import attention_geometry
 
     layers, lm_head = decoder.blocks, decoder.lm_head
-    # Buffers a layer reads only for many-row steps (int4's plain nibble copy) are not decode traffic.
-    decode_buffers = [b for m in layers.modules() for name, b in m.named_buffers(recurse=False)
-                      if name not in getattr(m, "prefill_only_buffers", ())]
-    weight_bytes = _bytes(list(layers.parameters()) + decode_buffers) + _bytes(
-        list(lm_head.parameters()) + list(lm_head.buffers()))
+    # --lm-head int8: the logits head is a quantized layer of its own (its codes, not the float weight, per token)
+    head = decoder.logits_head if hasattr(getattr(decoder, "logits_head", None), "prefill_only_buffers") else lm_head
+    weight_bytes = _decode_bytes(layers) + _decode_bytes(head)
     linear_params = sum(getattr(m, "in_features", 0) * getattr(m, "out_features", 0) for m in layers.modules()
                         if hasattr(m, "in_features") and not list(m.children()))
     linear_params += lm_head.in_features * lm_head.out_features

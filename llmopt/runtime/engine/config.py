@@ -110,6 +110,12 @@ class EngineConfig:
         "activations do (int4: ~0.5% error per output, +0.2% wikitext2 ppl, 2-3x faster linears); float: inputs in "
         "the compute dtype; auto: int8 on CPU with the fast path, else float.", flag="int4-activations",
         numerics=True)
+    lm_head: Literal["model", "int8"] = option(
+        "model", "The logits head (vocab x hidden, the largest single weight of a small model): model (as the "
+        "checkpoint has it) or int8 (rounded at load to int8 per vocabulary row, symmetric round-to-nearest as "
+        "`llmopt quantize --method rtn --bits 8` rounds, and multiplied as the int8 linears are: with 8-bit inputs "
+        "where --int4-activations gives them; a quarter of fp32's bytes per token, as llama.cpp's quantized output "
+        "tensor).", flag="lm-head", numerics=True)
     linear_kernels: Literal["measured", "fixed"] = option(
         "measured", "How quantized linears pick their kernel for each step's row count: measured (every path timed "
         "once per layer shape on this machine at start, kept in $LLMOPT_HOME/kernels/) or fixed (built-in row "

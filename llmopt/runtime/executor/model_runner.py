@@ -10,7 +10,7 @@ import psutil
 import torch
 
 from llmopt.core.errors import ConfigError, ParallelError
-from llmopt.runtime.engine.config import KV_CACHE_8BIT, KV_CACHE_DTYPES, EngineConfig
+from llmopt.runtime.engine.config import ACTIVATION_SCHEMES, KV_CACHE_8BIT, KV_CACHE_DTYPES, EngineConfig
 from llmopt.runtime.executor.host_memory import keep_freed_host_memory
 from llmopt.runtime.executor.kernels.attention import AttentionMetadata
 from llmopt.runtime.executor.kernels.cpu_ops import cpu_ops
@@ -109,6 +109,8 @@ class ModelRunner:
                                            config.quantized_kv_cache, group=group)
         self.group, self.workers, self.stages = group, workers, stages
         self.linear_methods = dict(sorted(self.decoder.linear_methods.items()))
+        if config.lm_head == "int8":
+            self._quantize_lm_head()
         self.linear_paths = plan_linears(self.decoder, config.linear_kernels)
         self.device = next(hf_model.parameters()).device
         if self.device.type == "cpu":
@@ -148,6 +150,17 @@ class ModelRunner:
         # Medusa heads read the hidden state [hidden] that produced each sequence's newest token
         self.keep_last_hidden = False
         self.last_hidden: dict[int, torch.Tensor] = {}
+
+    def _quantize_lm_head(self) -> None:
+        """--lm-head int8 (EngineConfig.lm_head): the decoder's logits head rounded to int8, counted with the
+        linear methods."""
+        quantize = getattr(self.decoder, "quantize_lm_head", None)
+        if quantize is None or self.stages is not None:
+            why = "pipeline stages" if self.stages is not None else f"not for {type(self.decoder).__name__}"
+            raise ConfigError(f"--lm-head int8 runs on llama-family models in one process ({why}): use --lm-head "
+                              "model", param="lm_head")
+        method = quantize(ACTIVATION_SCHEMES[self.activations])
+        self.linear_methods = dict(sorted({**self.linear_methods, f"lm_head: {method}": 1}.items()))
 
     def kv_cache_summary(self) -> str:
         """One line for start-up: the KV cache's size, where it came from, the tokens it holds, and what the same

@@ -144,6 +144,26 @@ class LlamaFamilyDecoder(nn.Module):
             if type(self.lm_head) is nn.Linear and self.lm_head.bias is None:
                 self._gemv_weight = exactly_narrowed(self.lm_head.weight.detach())
 
+    def quantize_lm_head(self, input_activations) -> str:
+        """`--lm-head int8`: the logits head rounded to int8 per vocabulary row (symmetric round-to-nearest, the
+        RTN quantizer's) and built as the registry's int8 linear for `input_activations` (8-bit inputs: integer
+        dots), in place of the checkpoint's float head; the embedding keeps its float weight (tied or not).
+        Returns the head's linear method."""
+        from llmopt.compress.quant import quantize_rtn
+        from llmopt.core.contract import QuantScheme
+        from llmopt.core.errors import ConfigError
+        from llmopt.runtime.executor.linear import make_linear
+
+        if type(self.lm_head) is not nn.Linear or self.group is not None:
+            raise ConfigError("--lm-head int8 rounds a float lm_head of a one-process model (this one's is "
+                              f"{type(self.lm_head).__name__}{', tensor-parallel' if self.group else ''}): use "
+                              "--lm-head model", param="lm_head")
+        weight = self.lm_head.weight.detach()
+        qweight = quantize_rtn(weight.float(), QuantScheme(8, -1, True), bias=self.lm_head.bias)
+        self.logits_head = make_linear(qweight, weight.dtype, weight.device, input_activations)
+        self._gemv_weight = None  # (the head's own kernels serve batch 1 too)
+        return self.logits_head.name if hasattr(self.logits_head, "name") else type(self.logits_head).__name__
+
     def _load(self, config, weights, device) -> None:
         """Register a loader per checkpoint name, hand every weight to its loader, then build the blocks."""
         packed = PACKED_MODULES_PHI3 if config.model_type == "phi3" else PACKED_MODULES
