@@ -63,8 +63,8 @@ class Int8PackedLinear(RowPathsMixin, LinearMethod):
     @staticmethod
     def can_stack(parts) -> bool:
         first = parts[0]
-        return all(type(p) is Int8PackedLinear and p.in_features == first.in_features and p.dtype == first.dtype
-                   for p in parts)
+        return all(type(p) is type(first) and p.in_features == first.in_features and p.dtype == first.dtype
+                   for p in parts)  # (Int8Q8Linear's parts too: each class stacks only its own)
 
     # --- paths (row_paths.py) --------------------------------------------------------------------------------
     def row_paths(self) -> dict[str, int | None]:
@@ -151,12 +151,6 @@ class Int8Q8Linear(Q8InputsMixin, Int8PackedLinear):
         fused.register_buffer("q8_shift", torch.cat(shifts) if any(p.q8_shift is not None for p in parts) else None)
         fused.register_buffer("q8_codes", torch.cat([p.q8_codes for p in parts]))  # (panels of whole parts)
         return fused
-
-    @staticmethod
-    def can_stack(parts) -> bool:
-        first = parts[0]
-        return all(type(p) is Int8Q8Linear and p.in_features == first.in_features and p.dtype == first.dtype
-                   for p in parts)
 
     def _path_q8(self, x2d):
         return cpu_ops().int8_matmul_q8(x2d, self.q8_codes, self.q8_scale, self.q8_shift, self.q8_input_block)

@@ -20,6 +20,7 @@
 #include <algorithm>
 #include <cmath>
 #include <cstring>
+#include <type_traits>
 #include <vector>
 
 #include "ops.h"
@@ -212,38 +213,46 @@ void q8_panel_scalar(const Q8Inputs& q, int64_t m, const uint8_t* codes, const a
 }
 
 #if defined(LLMOPT_VEC)
-// every row of panel p, in tiles of up to 4 rows (the panel's codes stay in L1 across the tiles)
-template <typename T>
-void q8_panel_rows(const Q8Inputs& q, int64_t M, const uint8_t* codes, const at::Half* sb, int64_t group,
-                   int64_t act_group, int64_t p, T* y, int64_t N) {
-  for (int64_t m = 0; m < M;) {
-    const int64_t left = M - m;
-    if (left >= 4) { q8_panels<4, 1, T>(q, m, codes, sb, group, act_group, p, y, N); m += 4; }
-    else if (left >= 2) { q8_panels<2, 1, T>(q, m, codes, sb, group, act_group, p, y, N); m += 2; }
-    else { q8_panels<1, 1, T>(q, m, codes, sb, group, act_group, p, y, N); m += 1; }
+#if defined(__AVX512F__)
+constexpr int Q8_NP1 = 4, Q8_NP2 = 2;  // panels per call at one / two rows (32 vector registers)
+#else
+constexpr int Q8_NP1 = 2, Q8_NP2 = 1;  // (16)
+#endif
+
+// Panels [begin, end) of all M rows through `panels(m0, MB, NP, p)` (a generic lambda; MB rows from m0 and NP panels
+// from p, both std::integral_constant): at one or two rows several panels per call (more independent chains of dot
+// products), else one panel at a time in row tiles of 4, 2, 1 (the panel's codes stay in L1 across the tiles).
+// int4_matmul_q8's and int8_matmul_q8's (int8_q8_cpu.cpp) loops over their own layouts.
+template <typename Panels>
+void for_panel_tiles(int64_t M, int64_t begin, int64_t end, Panels panels) {
+  using std::integral_constant;
+  auto row_tiles = [&](int64_t p) {
+    for (int64_t m = 0; m < M;) {
+      const int64_t left = M - m;
+      if (left >= 4) { panels(m, integral_constant<int, 4>{}, integral_constant<int, 1>{}, p); m += 4; }
+      else if (left >= 2) { panels(m, integral_constant<int, 2>{}, integral_constant<int, 1>{}, p); m += 2; }
+      else { panels(m, integral_constant<int, 1>{}, integral_constant<int, 1>{}, p); m += 1; }
+    }
+  };
+  const int np = M == 1 ? Q8_NP1 : M == 2 ? Q8_NP2 : 1;
+  int64_t p = begin;
+  for (; p + np <= end; p += np) {
+    if (M == 1) panels(0, integral_constant<int, 1>{}, integral_constant<int, Q8_NP1>{}, p);
+    else if (M == 2) panels(0, integral_constant<int, 2>{}, integral_constant<int, Q8_NP2>{}, p);
+    else row_tiles(p);
   }
+  for (; p < end; ++p) row_tiles(p);  // the range's last panels
 }
 #endif
 
-// all M rows of panels [begin, end): at one or two rows several panels at a time (more independent chains of
-// dot products), else one panel at a time in row tiles
+// all M rows of panels [begin, end)
 template <typename T>
 void q8_rows(const Q8Inputs& q, int64_t M, const uint8_t* codes, const at::Half* sb, int64_t group,
              int64_t act_group, int64_t begin, int64_t end, T* y, int64_t N) {
 #if defined(LLMOPT_VEC)
-#if defined(__AVX512F__)
-  constexpr int NP1 = 4, NP2 = 2;  // 32 vector registers
-#else
-  constexpr int NP1 = 2, NP2 = 1;  // 16
-#endif
-  const int np = M == 1 ? NP1 : M == 2 ? NP2 : 1;
-  int64_t p = begin;
-  for (; p + np <= end; p += np) {
-    if (M == 1) q8_panels<1, NP1, T>(q, 0, codes, sb, group, act_group, p, y, N);
-    else if (M == 2) q8_panels<2, NP2, T>(q, 0, codes, sb, group, act_group, p, y, N);
-    else q8_panel_rows(q, M, codes, sb, group, act_group, p, y, N);
-  }
-  for (; p < end; ++p) q8_panel_rows(q, M, codes, sb, group, act_group, p, y, N);  // the range's last panels
+  for_panel_tiles(M, begin, end, [&](int64_t m0, auto rows, auto panels, int64_t p) {
+    q8_panels<decltype(rows)::value, decltype(panels)::value, T>(q, m0, codes, sb, group, act_group, p, y, N);
+  });
 #else
   for (int64_t p = begin; p < end; ++p)
     for (int64_t m = 0; m < M; ++m) q8_panel_scalar(q, m, codes, sb, group, act_group, p, y, N);

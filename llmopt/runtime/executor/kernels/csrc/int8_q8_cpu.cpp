@@ -104,7 +104,8 @@ inline Vec to_vec(QVec a) { return {_mm256_cvtepi32_ps(a.lo), _mm256_cvtepi32_ps
 #if defined(LLMOPT_VEC)
 // NP panels from panel p, rows m0..m0+MB: results into y (row stride N), rounded once to its dtype
 template <int MB, int NP, typename T>
-void q8_panels(const Q8Inputs& q, int64_t m0, const int8_t* codes, const Epilogue& e, int64_t act_group, int64_t p, T* y, int64_t N) {
+void q8_panels(const Q8Inputs& q, int64_t m0, const int8_t* codes, const Epilogue& e, int64_t act_group, int64_t p,
+               T* y, int64_t N) {
   const int64_t K = q.K, chunks = K / CHUNK, blocks = K / Q8_BLOCK;
   Vec total[NP][MB];
   for (int i = 0; i < NP; ++i)
@@ -135,18 +136,6 @@ void q8_panels(const Q8Inputs& q, int64_t m0, const int8_t* codes, const Epilogu
     }
   }
 }
-
-// every row of panel p, in tiles of up to 4 rows (the panel's codes stay in L1 across the tiles)
-template <typename T>
-void q8_panel_rows(const Q8Inputs& q, int64_t M, const int8_t* codes, const Epilogue& e,
-                   int64_t act_group, int64_t p, T* y, int64_t N) {
-  for (int64_t m = 0; m < M;) {
-    const int64_t left = M - m;
-    if (left >= 4) { q8_panels<4, 1, T>(q, m, codes, e, act_group, p, y, N); m += 4; }
-    else if (left >= 2) { q8_panels<2, 1, T>(q, m, codes, e, act_group, p, y, N); m += 2; }
-    else { q8_panels<1, 1, T>(q, m, codes, e, act_group, p, y, N); m += 1; }
-  }
-}
 #endif
 
 // The plain loops over the same layout and sums, in the same order (the scalar build)
@@ -172,25 +161,14 @@ void q8_panel_scalar(const Q8Inputs& q, int64_t m, const int8_t* codes, const Ep
   }
 }
 
-// all M rows of panels [begin, end): at one or two rows several panels at a time (more independent chains of
-// dot products), else one panel at a time in row tiles
+// all M rows of panels [begin, end) (int4::for_panel_tiles: the tiling int4_matmul_q8 uses)
 template <typename T>
-void q8_rows(const Q8Inputs& q, int64_t M, const int8_t* codes, const Epilogue& e,
-             int64_t act_group, int64_t begin, int64_t end, T* y, int64_t N) {
+void q8_rows(const Q8Inputs& q, int64_t M, const int8_t* codes, const Epilogue& e, int64_t act_group,
+             int64_t begin, int64_t end, T* y, int64_t N) {
 #if defined(LLMOPT_VEC)
-#if defined(__AVX512F__)
-  constexpr int NP1 = 4, NP2 = 2;  // 32 vector registers
-#else
-  constexpr int NP1 = 2, NP2 = 1;  // 16
-#endif
-  const int np = M == 1 ? NP1 : M == 2 ? NP2 : 1;
-  int64_t p = begin;
-  for (; p + np <= end; p += np) {
-    if (M == 1) q8_panels<1, NP1, T>(q, 0, codes, e, act_group, p, y, N);
-    else if (M == 2) q8_panels<2, NP2, T>(q, 0, codes, e, act_group, p, y, N);
-    else q8_panel_rows(q, M, codes, e, act_group, p, y, N);
-  }
-  for (; p < end; ++p) q8_panel_rows(q, M, codes, e, act_group, p, y, N);  // the range's last panels
+  int4::for_panel_tiles(M, begin, end, [&](int64_t m0, auto rows, auto panels, int64_t p) {
+    q8_panels<decltype(rows)::value, decltype(panels)::value, T>(q, m0, codes, e, act_group, p, y, N);
+  });
 #else
   for (int64_t p = begin; p < end; ++p)
     for (int64_t m = 0; m < M; ++m) q8_panel_scalar(q, m, codes, e, act_group, p, y, N);
@@ -198,8 +176,8 @@ void q8_rows(const Q8Inputs& q, int64_t M, const int8_t* codes, const Epilogue& 
 }
 
 template <typename T>
-void int8_q8_matmul_impl(const at::Tensor& x, const at::Tensor& codes, const Epilogue& e,
-                         int64_t act_group, at::Tensor& y) {
+void int8_q8_matmul_impl(const at::Tensor& x, const at::Tensor& codes, const Epilogue& e, int64_t act_group,
+                         at::Tensor& y) {
   const int64_t M = x.size(0), K = x.size(1), panels = codes.size(0), N = panels * 16;
   // one rounded-input sum per row (the whole row is the zero point's group)
   const Q8Inputs q = quantize_inputs(x.data_ptr<T>(), M, K, K, act_group, M);
