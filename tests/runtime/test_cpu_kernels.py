@@ -269,20 +269,24 @@ def test_exactly_narrowed_keeps_every_value():
     assert exactly_narrowed(full) is full
 
 
-def q8_reference(x, q, scales, zeros, group, act_group):
-    """int4_matmul_q8's arithmetic in float64: inputs rounded to int8 per (row, block of act_group) as the kernel
-    rounds them (fp32 x * (127 / max|x|), half to even), the integer products exact, the biases' term on the
-    rounded inputs too (the dequantized weight times the rounded inputs); scales and biases as the float16 the
-    layout keeps."""
+def q8_rounded_inputs(x, act_group):
+    """x [rows, K] rounded to int8 per (row, block of act_group) as the 8-bit inputs' kernels round it (fp32 x *
+    (127 / max|x|), half to even), back in float64 (d = max|x| / 127)."""
     rows, k = x.shape
     xf = x.float().view(rows, k // act_group, act_group)
     amax = xf.abs().amax(-1, keepdim=True)
     # 127 / max|x| rounded once to fp32 (torch's fp32 division may differ by an ulp, which flips ties)
     inv = torch.where(amax > 0, (127 / amax.double()).float(), torch.zeros_like(amax))
-    xq = (xf * inv).round().double() * (amax.double() / 127)  # (d = max|x| / 127 in fp32, as the kernel's)
+    return ((xf * inv).round().double() * (amax.double() / 127)).view(rows, k)
+
+
+def q8_reference(x, q, scales, zeros, group, act_group):
+    """int4_matmul_q8's arithmetic in float64: the rounded inputs, the integer products exact, the biases' term on
+    the rounded inputs too (the dequantized weight times the rounded inputs); scales and biases as the float16 the
+    layout keeps."""
     scale = scales.half().double().repeat_interleave(group, 1)  # [N, K]
     bias = (-zeros.float() * scales.float()).half().double().repeat_interleave(group, 1)
-    return xq.view(rows, k) @ (scale * q.double() + bias).t()
+    return q8_rounded_inputs(x, act_group) @ (scale * q.double() + bias).t()
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
@@ -392,15 +396,10 @@ def test_int4_matmul_q8_refuses_what_its_layout_cannot_hold(ops):
 
 
 def int8_q8_reference(x, signed, scales, zeros, act_group):
-    """int8_matmul_q8's arithmetic in float64: the inputs rounded as q8_reference rounds them, times the
-    dequantized weight scale * (q - zero) = scale * signed + scale * (128 - zero)."""
-    rows, k = x.shape
-    xf = x.float().view(rows, k // act_group, act_group)
-    amax = xf.abs().amax(-1, keepdim=True)
-    inv = torch.where(amax > 0, (127 / amax.double()).float(), torch.zeros_like(amax))
-    xq = (xf * inv).round().double() * (amax.double() / 127)
+    """int8_matmul_q8's arithmetic in float64: the rounded inputs times the dequantized weight scale * (q - zero) =
+    scale * signed + scale * (128 - zero)."""
     weight = scales.double() * (signed.double() + 128 - zeros.double())  # [N, K]
-    return xq.view(rows, k) @ weight.t()
+    return q8_rounded_inputs(x, act_group) @ weight.t()
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])

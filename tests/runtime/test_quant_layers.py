@@ -253,14 +253,10 @@ def test_at_decode_sizes_the_8_bit_inputs_layer_times_only_its_8_bit_kernels():
 
 
 def int8_with_8_bit_inputs_reference(x, qw, block=32):
-    """The dequantized int8 weight times the inputs rounded to int8 per row and block of 32 (fp32 x * (127 /
-    max|x|), half to even), in float64."""
-    rows, k = x.shape
-    xf = x.float().view(rows, k // block, block)
-    amax = xf.abs().amax(-1, keepdim=True)
-    inv = torch.where(amax > 0, (127 / amax.double()).float(), torch.zeros_like(amax))
-    xq = ((xf * inv).round().double() * (amax.double() / 127)).view(rows, k)
-    y = xq @ (qw.scales.double() * (qw.q.double() - qw.zeros.double())).t()
+    """The dequantized int8 weight times the inputs rounded to int8 per row and block of 32, in float64."""
+    from tests.runtime.test_cpu_kernels import q8_rounded_inputs
+
+    y = q8_rounded_inputs(x, block) @ (qw.scales.double() * (qw.q.double() - qw.zeros.double())).t()
     return y + qw.bias.double() if qw.bias is not None else y
 
 

@@ -128,7 +128,7 @@ def zeros_lazily(shape: tuple[int, ...], dtype: torch.dtype, device: torch.devic
     raw = _huge_page_zeros(nbytes) if nbytes >= HUGE_PAGE_BYTES else None
     if raw is None:
         return torch.from_numpy(np.zeros(nbytes, dtype=np.uint8)).view(dtype).view(shape)  # calloc'ed
-    return raw[:nbytes].view(dtype).view(shape)
+    return raw.view(dtype).view(shape)
 
 
 def _huge_page_zeros(nbytes: int) -> torch.Tensor | None:

@@ -118,10 +118,8 @@ def pack_int8(q: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor, dtype:
 
     w = s (q - z) = s (q - 128) + s (128 - z): the second term times sum(x) is the correction."""
     signed = (q.to(torch.int16) - 128).to(torch.int8).contiguous()
-    scale = scales.float()[:, 0]
-    shift = (128 - zeros.float()[:, 0]) * scale
-    correction = shift.to(dtype) if bool(shift.abs().max() > 0) else None
-    return signed, scale.to(dtype), correction
+    scale, shift = int8_scale_shift(scales, zeros)
+    return signed, scale.to(dtype), shift.to(dtype) if shift is not None else None
 
 
 def pack_int8_panels(signed: torch.Tensor) -> torch.Tensor:

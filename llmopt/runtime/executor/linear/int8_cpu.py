@@ -21,6 +21,14 @@ from llmopt.runtime.executor.linear.q8_inputs import Q8InputsMixin, takes_int8_i
 from llmopt.runtime.executor.linear.row_paths import TILE_BYTES, RowPathsMixin
 
 
+def cat_optional(values: list[torch.Tensor | None], likes: list[torch.Tensor]) -> torch.Tensor | None:
+    """The parts' optional per-output terms (zero-point corrections) side by side, a part without one
+    contributing zeros shaped as its `likes` entry; None when no part has one."""
+    if all(v is None for v in values):
+        return None
+    return torch.cat([v if v is not None else torch.zeros_like(like) for v, like in zip(values, likes)])
+
+
 @register_linear_method
 class Int8PackedLinear(RowPathsMixin, LinearMethod):
     name, priority = "int8-cpu", 10
@@ -54,9 +62,7 @@ class Int8PackedLinear(RowPathsMixin, LinearMethod):
         fused = new_stacked(cls, parts[0], sum(p.out_features for p in parts), parts)
         fused.register_buffer("signed", torch.cat([p.signed for p in parts]))
         fused.register_buffer("scale", torch.cat([p.scale for p in parts]))
-        corrections = [p.correction if p.correction is not None else torch.zeros_like(p.scale) for p in parts]
-        has_correction = any(p.correction is not None for p in parts)
-        fused.register_buffer("correction", torch.cat(corrections) if has_correction else None)
+        fused.register_buffer("correction", cat_optional([p.correction for p in parts], [p.scale for p in parts]))
         fused._register_panels()
         return fused
 
@@ -147,8 +153,7 @@ class Int8Q8Linear(Q8InputsMixin, Int8PackedLinear):
         """Exact as the float layer's (the inputs' scales do not depend on the weights)."""
         fused = super().stack(parts)
         fused.register_buffer("q8_scale", torch.cat([p.q8_scale for p in parts]))
-        shifts = [p.q8_shift if p.q8_shift is not None else torch.zeros_like(p.q8_scale) for p in parts]
-        fused.register_buffer("q8_shift", torch.cat(shifts) if any(p.q8_shift is not None for p in parts) else None)
+        fused.register_buffer("q8_shift", cat_optional([p.q8_shift for p in parts], [p.q8_scale for p in parts]))
         fused.register_buffer("q8_codes", torch.cat([p.q8_codes for p in parts]))  # (panels of whole parts)
         return fused
 

@@ -27,7 +27,7 @@ from llmopt.runtime.executor.kernels.cpu_ops import GEMV_BATCHED_ROWS, cpu_ops
 from llmopt.runtime.executor.linear import fuse_linears
 from llmopt.runtime.executor.models.registry import register_model_family
 from llmopt.runtime.executor.models.layers import RMSNorm, RotaryEmbedding, rotate_half
-from llmopt.runtime.executor.models.weights import DecoderWeights, rope_tables
+from llmopt.runtime.executor.models.weights import DecoderWeights, method_name, rope_tables
 from llmopt.runtime.parallel.group import TensorParallelGroup
 from llmopt.runtime.parallel.sharding import ShardPlan, StagePlan, split_range
 
@@ -162,7 +162,7 @@ class LlamaFamilyDecoder(nn.Module):
         qweight = quantize_rtn(weight.float(), QuantScheme(8, -1, True), bias=self.lm_head.bias)
         self.logits_head = make_linear(qweight, weight.dtype, weight.device, input_activations)
         self._gemv_weight = None  # (the head's own kernels serve batch 1 too)
-        return self.logits_head.name if hasattr(self.logits_head, "name") else type(self.logits_head).__name__
+        return method_name(self.logits_head)
 
     def _load(self, config, weights, device) -> None:
         """Register a loader per checkpoint name, hand every weight to its loader, then build the blocks."""

@@ -21,7 +21,6 @@
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 
-#include <cstring>
 #include <optional>
 
 #include "ops.h"
@@ -30,17 +29,12 @@
 namespace llmopt_cpu::int8 {
 
 using namespace llmopt_cpu;
+using int4::four_bytes;
+using int4::Q8_BLOCK;  // columns per exact integer sum
 using int4::Q8Inputs;
 using int4::quantize_inputs;
 
-constexpr int64_t Q8_BLOCK = 32;  // columns per exact integer sum
-constexpr int64_t CHUNK = 4;      // columns per 32-bit lane
-
-inline int32_t four_codes(const int8_t* p) {
-  int32_t v;
-  std::memcpy(&v, p, 4);
-  return v;
-}
+constexpr int64_t CHUNK = 4;  // columns per 32-bit lane
 
 // What follows the integer sums, per output: y = scale * sums + shift * sum(inputs)
 struct Epilogue {
@@ -118,7 +112,7 @@ void q8_panels(const Q8Inputs& q, int64_t m0, const int8_t* codes, const Epilogu
       Codes w[NP];
       for (int i = 0; i < NP; ++i) w[i] = qload(codes + ((p + i) * chunks + c) * 64);
       for (int m = 0; m < MB; ++m) {
-        const Input in = prepare(four_codes(q.xq.data() + (m0 + m) * K + c * CHUNK));
+        const Input in = prepare(four_bytes(q.xq.data() + (m0 + m) * K + c * CHUNK));
         for (int i = 0; i < NP; ++i) qdot(acc[i][m], w[i], in);
       }
     }
