@@ -120,6 +120,10 @@ class EngineConfig:
         "measured", "How quantized linears pick their kernel for each step's row count: measured (every path timed "
         "once per layer shape on this machine at start, kept in $LLMOPT_HOME/kernels/) or fixed (built-in row "
         "thresholds: the same choice on every machine).", numerics=True)
+    decode_graph: bool = option(
+        True, "Decode steps of up to 16 sequences run the decoder's layers as one compiled call (the same kernels in "
+        "the same order, so the same numbers: no Python between them; CPU fast path, one process). --no-decode-graph "
+        "runs the same steps layer by layer from Python.", flag="decode-graph")
     attention_backend: str = option(
         "auto", "Paged attention kernels: torch (the reference), cpu (compiled), triton (CUDA), latent-torch (MLA), "
         "or any registered backend (`llmopt env` lists them); auto: the fastest the device, the model's cache and "

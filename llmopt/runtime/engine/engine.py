@@ -303,4 +303,5 @@ class Engine:
                 "activations_resolved": self.runner.activations,
                 "attention_backend_resolved": decoder.attention.name,
                 "kv_cache_dtype_resolved": self.runner.kv_dtype_label,
-                "linear_methods": self.runner.linear_methods, "linear_paths": self.runner.linear_paths}
+                "linear_methods": self.runner.linear_methods, "linear_paths": self.runner.linear_paths,
+                "decode_graph_rows": self.runner.decode_graph_rows}

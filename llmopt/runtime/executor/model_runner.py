@@ -144,6 +144,9 @@ class ModelRunner:
                               f"({per_block} bytes each): raise it")
         self.kv_cache = self.kv_cache_spec.allocate(self.num_blocks, block_size, self.device)
         self.kv_cache_bytes = self.kv_cache.num_bytes
+        build_graphs = getattr(self.decoder, "build_decode_graphs", None)
+        # decode steps of these sizes run the layers as one compiled call (models/decode_graph.py)
+        self.decode_graph_rows = build_graphs(self.kv_cache) if config.decode_graph and build_graphs else []
         log.info(self.kv_cache_summary())
         self.generators: dict[int, torch.Generator] = {}
         self.prompt_scores = PromptScoreCache(block_size)

@@ -31,6 +31,8 @@ class AttentionBackend:
     priority: ClassVar[int] = 0
     layouts: ClassVar[tuple[str, ...]] = ("kv",)
     quantized_cache: ClassVar[bool] = True  # reads 8-bit caches (kernels/kv_quant.py)
+    # its decode store and attention are the compiled CPU kernels a decode graph calls (models/decode_graph.py)
+    decode_graph: ClassVar[bool] = False
 
     @classmethod
     def accepts(cls, device: torch.device, layout: str, fast: bool, quantized: bool = False) -> bool:

@@ -12,6 +12,7 @@ from llmopt.runtime.executor.kernels.cpu_ops import cpu_ops
 @register_attention_backend
 class CpuAttention(AttentionBackend):
     name, priority, layouts = "cpu", 10, ("kv",)
+    decode_graph = True
 
     @classmethod
     def accepts(cls, device, layout, fast, quantized=False):

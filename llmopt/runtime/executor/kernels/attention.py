@@ -19,7 +19,7 @@ cached prefix (speculative verification) become decode rows, each over the keys 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from functools import lru_cache
+from functools import cached_property, lru_cache
 from typing import Optional
 
 import torch
@@ -52,9 +52,16 @@ class PrefillGroup:
 class DecodeGroup:
     rows: torch.Tensor  # [B] positions in the flat batch of the single new token of each sequence
     block_tables: torch.Tensor  # [B, max_blocks] (padded with block 0; the mask hides the padding)
-    mask: torch.Tensor  # [B, 1, 1, max_blocks * block_size] bool: slot < context_len
     context_lens: torch.Tensor  # [B] int64
     contiguous: bool  # rows are 0..B-1 in order (no gather/scatter needed)
+    block_size: int
+
+    @cached_property
+    def mask(self) -> torch.Tensor:
+        """[B, 1, 1, max_blocks * block_size] bool: slot < context_len. Only the torch path reads it (the compiled
+        kernels read context_lens): made on first use, not every step (four ops at ~10 us each)."""
+        slots = torch.arange(self.block_tables.shape[1] * self.block_size, device=self.context_lens.device)
+        return (slots.unsqueeze(0) < self.context_lens.unsqueeze(1))[:, None, None, :]
 
 
 @dataclass
@@ -92,9 +99,8 @@ class AttentionMetadata:
             width = max(len(t) for t in decode_tables)
             tables = torch.tensor([t + [0] * (width - len(t)) for t in decode_tables], device=device)
             lens = torch.tensor(decode_lens, device=device)
-            mask = torch.arange(width * block_size, device=device).unsqueeze(0) < lens.unsqueeze(1)
-            decode = DecodeGroup(torch.tensor(decode_rows, device=device), tables, mask[:, None, None, :], lens,
-                                 decode_rows == list(range(len(decode_rows))))
+            decode = DecodeGroup(torch.tensor(decode_rows, device=device), tables, lens,
+                                 decode_rows == list(range(len(decode_rows))), block_size)
         device_tensors = None
         if torch.device(device).type == "cuda":
             width = max(len(t) for t in block_tables)

@@ -93,3 +93,11 @@ def cpu_ops(isa: str | None = None):
         log.warning("llmopt CPU kernels (%s) unavailable (%s); using the plain-torch path", isa,
                     str(exc).splitlines()[0] if str(exc) else type(exc).__name__)
         return None
+
+
+def decode_graph_class():
+    """The compiled decode graph class of this process's build (csrc/decode_graph_cpu.cpp:
+    torch.classes.llmopt_cpu_<isa>.DecodeGraph), or None without the compiled kernels."""
+    if cpu_ops() is None:
+        return None
+    return getattr(torch.classes, f"llmopt_cpu_{kernel_isa()}").DecodeGraph

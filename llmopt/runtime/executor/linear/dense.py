@@ -108,6 +108,10 @@ class FusedDenseLinear(RowPathsMixin, nn.Module):
         gemv, weight, bias = cpu_ops().gemv, self.weight, self.bias
         return (lambda x: gemv(x, weight)) if bias is None else (lambda x: gemv(x, weight) + bias)
 
+    def graph_kernels(self):
+        kernels = {"gemv": ("gemv", [self.weight], [])} if self._gemv else {}
+        return kernels if self.packed else {**kernels, "blas": ("linear", [self.weight], [])}
+
     def _path_blas(self, x: torch.Tensor) -> torch.Tensor:
         return self._bind_blas()(x)
 

@@ -110,6 +110,12 @@ class Int4PackedLinear(RowPathsMixin, LinearMethod):
         group = self.kernel_group
         return lambda x2d: op(x2d, nibbles, so, group)
 
+    def graph_kernels(self):
+        codes, group = [self.nibbles, self.scales_and_offsets], self.kernel_group
+        return {"rows": ("int4_matmul_rows", codes, [group]),
+                "tiled": ("int4_matmul_tiled", codes, [group, TILE_BYTES]),
+                "panels": ("int4_matmul_panels", [self.panel_codes, self.panel_scales], [group])}
+
     def _path_panels(self, x2d):
         """From the codes repacked at load in panels of 16 outputs, decoded once per 16 rows (batched decode)."""
         return cpu_ops().int4_matmul_panels(x2d, self.panel_codes, self.panel_scales, self.kernel_group)
@@ -206,6 +212,10 @@ class Int4Q8Linear(Q8InputsMixin, Int4PackedLinear):
         """`op` (either 8-bit inputs' kernel: the same arguments) with this layer's q8 weights in hand."""
         codes, scales, group, block = self.q8_codes, self.q8_scales, self.kernel_group, self.q8_input_block
         return lambda x2d: op(x2d, codes, scales, group, block)
+
+    def graph_kernels(self):
+        q8 = ([self.q8_codes, self.q8_scales], [self.kernel_group, self.q8_input_block])
+        return {**super().graph_kernels(), "q8": ("int4_matmul_q8", *q8), "q8_amx": ("int4_matmul_q8_amx", *q8)}
 
     def _path_amx_bf16(self, x2d):
         """bf16 inputs times the codes dequantized one panel of 16 outputs at a time into AMX-BF16 tiles (the float

@@ -160,6 +160,10 @@ class Int8Q8Linear(Q8InputsMixin, Int8PackedLinear):
     def _path_q8(self, x2d):
         return cpu_ops().int8_matmul_q8(x2d, self.q8_codes, self.q8_scale, self.q8_shift, self.q8_input_block)
 
+    def graph_kernels(self):
+        shift = [] if self.q8_shift is None else [self.q8_shift]
+        return {"q8": ("int8_matmul_q8", [self.q8_codes, self.q8_scale, *shift], [self.q8_input_block])}
+
     def _bind_q8(self):
         op, codes, scale, shift = cpu_ops().int8_matmul_q8.default, self.q8_codes, self.q8_scale, self.q8_shift
         block = self.q8_input_block

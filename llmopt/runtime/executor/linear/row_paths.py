@@ -199,6 +199,18 @@ class RowPathsMixin:
         bind = getattr(self, f"_bind_{name}", None)
         return bind() if bind is not None else getattr(self, f"_path_{name}")
 
+    def graph_kernels(self) -> dict[str, tuple[str, list[torch.Tensor], list[int]]]:
+        """{path: (the kernel op it calls, the tensors and ints that op takes after x)} for the paths a decode
+        graph (kernels/csrc/decode_graph_cpu.cpp) can call itself: the same op with the same arguments."""
+        return {}
+
+    def graph_call(self, rows: int) -> tuple[str, list[torch.Tensor], list[int], torch.Tensor | None] | None:
+        """(op, tensors, ints, bias) of the path this layer runs for a step of `rows` rows (its plan's, else the
+        default), or None where a decode graph cannot call that path."""
+        path = self._row_plan.path(rows) if self._row_plan is not None else self.default_path(rows)
+        kernel = self.graph_kernels().get(path)
+        return None if kernel is None else (*kernel, self.bias)
+
     def forward_2d(self):
         """The forward for [T, in] inputs in the layer's dtype (the fast path's calls): the plan's path straight,
         without forward()'s reshape, casts and bias (a layer with a bias keeps forward)."""

@@ -40,6 +40,18 @@ class RotaryEmbedding(nn.Module):
         super().__init__()
         self.register_buffer("inv_freq", inv_freq.float(), persistent=False)
         self.attention_scaling = attention_scaling
+        self._tables: dict[torch.dtype, tuple[torch.Tensor, torch.Tensor]] = {}  # dtype -> cos, sin [P, rotary_dim]
+
+    def lookup(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        """forward's cos, sin, read from tables forward computed for positions 0..P-1 (P doubled as positions
+        grow): two row gathers instead of ~10 ops a step (~0.2 ms of a 10 ms batch-1 decode step). The same
+        values: each is one product and its cos / sin, whatever is computed beside it (tests compare)."""
+        tables = self._tables.get(dtype)
+        needed = int(positions.max()) + 1
+        if tables is None or tables[0].shape[0] < needed:
+            size = max(needed, 2 * tables[0].shape[0] if tables is not None else 256)
+            tables = self._tables[dtype] = self(torch.arange(size, device=positions.device), dtype)
+        return tables[0].index_select(0, positions), tables[1].index_select(0, positions)
 
     def forward(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
         # as transformers computes it (one product per element, then cos/sin in fp32): the same bits

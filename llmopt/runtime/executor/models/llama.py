@@ -25,6 +25,8 @@ from llmopt.runtime.executor.attention import AttentionBackend, KVCache, KVCache
 from llmopt.runtime.executor.kernels.attention import AttentionMetadata
 from llmopt.runtime.executor.kernels.cpu_ops import GEMV_BATCHED_ROWS, cpu_ops
 from llmopt.runtime.executor.linear import fuse_linears
+from llmopt.runtime.executor.models.decode_graph import DecodeGraphs
+from llmopt.runtime.executor.models.decode_graph import supports as decode_graph_supports
 from llmopt.runtime.executor.models.registry import register_model_family
 from llmopt.runtime.executor.models.layers import RMSNorm, RotaryEmbedding, rotate_half
 from llmopt.runtime.executor.models.weights import DecoderWeights, method_name, rope_tables
@@ -129,6 +131,7 @@ class LlamaFamilyDecoder(nn.Module):
                                                      for r in range(plan.world))]
         self.logits_head = fuse_linears([self.lm_head], prepack=self.fast)
         self._gemv_weight = None  # the lm_head weight for batch-1 decode (below)
+        self.decode_graphs: DecodeGraphs | None = None  # (build_decode_graphs, once the KV cache exists)
         # the compiled fused element-wise ops (kernels/csrc/fused_cpu.cpp) serve the fast path on CPU
         self.fused_ops = None
         if self.fast and device.type == "cpu" and all(b.q_norm is None for b in self.blocks):
@@ -163,6 +166,13 @@ class LlamaFamilyDecoder(nn.Module):
         self.logits_head = make_linear(qweight, weight.dtype, weight.device, input_activations)
         self._gemv_weight = None  # (the head's own kernels serve batch 1 too)
         return method_name(self.logits_head)
+
+    def build_decode_graphs(self, kv_cache: KVCache) -> list[int]:
+        """Decode steps over `kv_cache` run their layers as one compiled call from now on, where this model and
+        cache allow it (models/decode_graph.py; after the engine set the linears' row plans: each graph calls
+        the kernels they chose). Returns the step sizes (decodes per step) that do."""
+        self.decode_graphs = DecodeGraphs(self, kv_cache) if decode_graph_supports(self, kv_cache) else None
+        return self.decode_graphs.row_counts if self.decode_graphs is not None else []
 
     def _load(self, config, weights, device) -> None:
         """Register a loader per checkpoint name, hand every weight to its loader, then build the blocks."""
@@ -207,10 +217,16 @@ class LlamaFamilyDecoder(nn.Module):
         from the previous stage's residual stream `hidden` [T, hidden]; one before the last (final=False) returns
         its residual stream, not normalized."""
         h = self.embed(input_ids) if hidden is None else hidden  # [T, hidden]
-        cos, sin = self.rotary(positions, h.dtype)  # [T, head_dim]
         if self.fused_ops is not None:
-            x = self._forward_fused(h, cos, sin, meta, kv_cache)
+            cos, sin = self.rotary.lookup(positions, h.dtype)  # [T, head_dim]
+            graph = self.decode_graphs.for_step(meta, kv_cache, h.shape[0]) if self.decode_graphs else None
+            if graph is not None:  # (decodes only: the layers in one compiled call, models/decode_graph.py)
+                decode = meta.decode
+                x = graph.run(h, cos, sin, meta.slot_mapping, decode.block_tables, decode.context_lens)
+            else:
+                x = self._forward_fused(h, cos, sin, meta, kv_cache)
             return x if final else h
+        cos, sin = self.rotary(positions, h.dtype)
         cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)  # [T, 1, head_dim]
         num_tokens = input_ids.shape[0]
         nq, nkv, hd = self.num_heads, self.num_kv_heads, self.head_dim

@@ -58,6 +58,13 @@ LLMOPT_LIBRARY(LLMOPT_NS, m) {
   m.def("bitmask_decompress_out(Tensor values, Tensor bitmask, Tensor row_offsets, Tensor(a!) out) -> ()");
   m.def("shm_all_reduce_(Tensor(a!) x, Tensor region, int rank, int world, int seq, int buffer_bytes, float wait_s, "
         "bool published) -> int");
+  // a decode step's layers as one call (decode_graph_cpu.cpp): torch.classes.llmopt_cpu_<isa>.DecodeGraph
+  m.class_<graph::DecodeGraph>("DecodeGraph")
+      .def(torch::init<int64_t, int64_t, int64_t, double, at::Tensor, double, bool>())
+      .def("add_linear", &graph::DecodeGraph::add_linear)
+      .def("add_layer", &graph::DecodeGraph::add_layer)
+      .def("num_layers", &graph::DecodeGraph::num_layers)
+      .def("run", &graph::DecodeGraph::run);
 }
 
 LLMOPT_LIBRARY_IMPL(LLMOPT_NS, CPU, m) {

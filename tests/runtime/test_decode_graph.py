@@ -1,0 +1,147 @@
+"""The decode graph (models/decode_graph.py, kernels/csrc/decode_graph_cpu.cpp): decode steps run the decoder's
+layers as one compiled call that computes what the Python layer loop computes, bit for bit, for every kind of
+linear and cache it takes; steps and engines it cannot serve keep the loop."""
+
+import pytest
+import torch
+
+from llmopt.runtime.engine.engine import Engine, EngineConfig
+from llmopt.runtime.engine.sampling import SamplingParams
+from llmopt.runtime.executor.kernels.cpu_ops import cpu_ops, decode_graph_class
+from llmopt.runtime.executor.loader import load_runtime_model
+from llmopt.runtime.executor.models.decode_graph import GRAPH_MAX_ROWS, DecodeGraphs
+
+pytestmark = pytest.mark.skipif(cpu_ops() is None, reason="the compiled CPU kernels are not available here")
+
+# prompts of several lengths and outputs: prefill steps (the loop), then decodes of 4, 3, 2, 1 sequences as they
+# finish
+PROMPTS = [[5, 9, 200, 31], list(range(40, 77)), [7] * 20, [100, 3, 60]]
+
+
+@pytest.fixture(scope="module")
+def int8_artifact(tmp_path_factory):
+    """The tiny Llama rounded to int8 per output row (RTN), as compressed-tensors."""
+    from llmopt.compress.api import make_config, quantize_model
+    from llmopt.core.tiny import build_tiny_model
+    from llmopt.export.artifact import write_model_artifact
+
+    model, tok = build_tiny_model("llama", seed=0)
+    config = make_config("rtn", bits=8, group_size=-1)
+    result = quantize_model(model, tok, config)
+    return write_model_artifact(tmp_path_factory.mktemp("art") / "int8", model, tok, result.qweights,
+                                "compressed-tensors", config.record(), {"stages": []}, dense_dtype=torch.float32)
+
+
+def engine(path, decode_graph: bool, activations: str = "int8", **settings) -> Engine:
+    checkpoint, tok, _ = load_runtime_model(str(path), activations=activations)
+    # (the fixed row plans: the same paths on every machine)
+    return Engine(checkpoint, tok, EngineConfig(block_size=4, kv_cache_bytes=2**20, activations=activations,
+                                                decode_graph=decode_graph, linear_kernels="fixed", **settings))
+
+
+def run_counting_graph_steps(e: Engine, monkeypatch) -> tuple[list, list[int]]:
+    """Every prompt's tokens and top-5 logprobs (floats: any difference in the hidden states shows), and the row
+    counts of the steps that ran through a graph."""
+    rows = []
+    for_step = DecodeGraphs.for_step
+
+    def counting(self, meta, kv_cache, num_rows):
+        graph = for_step(self, meta, kv_cache, num_rows)
+        if graph is not None:
+            rows.append(num_rows)
+        return graph
+
+    monkeypatch.setattr(DecodeGraphs, "for_step", counting)
+    params = [SamplingParams(max_tokens=n, ignore_eos=True, logprobs=5) for n in (9, 7, 5, 3)]
+    outs = e.generate(PROMPTS, params)
+    return [(o.token_ids, o.logprobs) for o in outs], rows
+
+
+@pytest.mark.parametrize("kind", ["int4 8-bit inputs", "int4 float inputs", "int8 8-bit inputs", "fp32 dense",
+                                  "fp32 dense int8 head", "int8 kv cache", "fp8 kv cache", "qwen2 biases"])
+def test_the_graph_computes_what_the_layer_loop_does(kind, tiny_gptq_artifact, int8_artifact, tiny_llama_dir,
+                                                     tiny_qwen2_dir, monkeypatch):
+    path, settings = {
+        "int4 8-bit inputs": (tiny_gptq_artifact, {}),
+        "int4 float inputs": (tiny_gptq_artifact, {"activations": "float"}),
+        "int8 8-bit inputs": (int8_artifact, {}),
+        "fp32 dense": (tiny_llama_dir, {}),
+        "fp32 dense int8 head": (tiny_llama_dir, {"lm_head": "int8"}),
+        "int8 kv cache": (tiny_gptq_artifact, {"kv_cache_dtype": "int8"}),
+        "fp8 kv cache": (tiny_llama_dir, {"kv_cache_dtype": "fp8"}),
+        "qwen2 biases": (tiny_qwen2_dir, {}),
+    }[kind]
+    with_graph = engine(path, True, **settings)
+    assert with_graph.runner.decode_graph_rows == list(range(1, GRAPH_MAX_ROWS + 1))
+    assert with_graph.numerics()["decode_graph_rows"] == with_graph.runner.decode_graph_rows
+    expected, loop_rows = run_counting_graph_steps(engine(path, False, **settings), monkeypatch)
+    assert loop_rows == []
+    got, graph_rows = run_counting_graph_steps(with_graph, monkeypatch)
+    assert got == expected
+    # the decodes ran through it, at each batch size the requests went through
+    assert {1, 2, 3, 4} <= set(graph_rows)
+
+
+def test_the_int8_layers_run_the_8_bit_kernel_in_the_graph(int8_artifact):
+    runner = engine(int8_artifact, True).runner
+    assert set(runner.linear_methods) == {"int8-q8-cpu"}
+    block = runner.decoder.blocks[0]
+    assert block.qkv.graph_call(1)[0] == "int8_matmul_q8"
+
+
+def test_steps_the_graph_cannot_serve_keep_the_layer_loop(tiny_llama_dir, monkeypatch):
+    e = engine(tiny_llama_dir, True)
+    graphs = e.runner.decoder.decode_graphs
+    _, rows = run_counting_graph_steps(e, monkeypatch)
+    # prefill steps (and steps mixing them with decodes) never reach a graph
+    assert set(rows) <= {1, 2, 3, 4}
+    # nor another KV cache than the one the graph writes, nor more rows than it was built for
+    meta = type("Meta", (), {"decode": type("Decode", (), {"contiguous": True})(), "prefills": []})()
+    assert graphs.for_step(meta, e.runner.kv_cache, 1) is not None
+    assert graphs.for_step(meta, object(), 1) is None
+    assert graphs.for_step(meta, e.runner.kv_cache, GRAPH_MAX_ROWS + 1) is None
+
+
+@pytest.mark.parametrize("settings", [{"decode_graph": False}, {"attention_backend": "torch"},
+                                      {"kv_cache_dtype": "bfloat16"}, {"fast_path": False}])
+def test_engines_the_graph_cannot_serve_build_none(tiny_llama_dir, settings):
+    checkpoint, tok, _ = load_runtime_model(str(tiny_llama_dir), activations="float")
+    e = Engine(checkpoint, tok, EngineConfig(block_size=4, kv_cache_bytes=2**20, **settings))
+    assert e.runner.decode_graph_rows == [] and e.runner.decoder.decode_graphs is None
+    assert e.generate([[5, 9, 200]], SamplingParams(max_tokens=3, ignore_eos=True))[0].token_ids
+
+
+def test_a_layer_whose_path_has_no_graph_kernel_leaves_that_row_count_to_the_loop(tiny_gptq_artifact):
+    e = engine(tiny_gptq_artifact, True)
+    decoder = e.runner.decoder
+    qkv = decoder.blocks[1].qkv
+    table = qkv._row_plan.choices
+    # a plan that runs a path without a graph kernel from 5 rows on ("dequantize": torch's GEMM over a scratch
+    # buffer)
+    from llmopt.runtime.executor.linear.row_paths import RowPlan
+
+    qkv.set_row_plan(RowPlan({b: ("q8" if b < 8 else "dequantize") for b in table}))
+    assert decoder.build_decode_graphs(e.runner.kv_cache) == list(range(1, 5))
+
+
+def test_the_graph_refuses_malformed_layers():
+    graph = decode_graph_class()(4, 2, 16, 0.25, torch.ones(64), 1e-6, False)
+    with pytest.raises(RuntimeError, match="no decode-graph kernel named"):
+        graph.add_linear("int4_dequantize_out", [torch.zeros(1)], [], None)
+    with pytest.raises(RuntimeError, match="four linears"):
+        graph.add_layer(torch.ones(64), 1e-6, torch.ones(64), 1e-6, [torch.zeros(1), torch.zeros(1)])
+
+
+@pytest.mark.parametrize("rotary_dim, scaling", [(16, 1.0), (64, 1.0), (128, 0.7), (20, 1.3)])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_rotary_tables_hold_what_forward_computes(rotary_dim, scaling, dtype):
+    # the fast path's cos / sin per step come from tables (RotaryEmbedding.lookup), grown as positions pass them
+    from llmopt.runtime.executor.models.layers import RotaryEmbedding
+
+    inv_freq = 1.0 / (10000 ** (torch.arange(0, rotary_dim, 2).float() / rotary_dim))
+    rotary = RotaryEmbedding(inv_freq, scaling)
+    for positions in ([0], [5, 17, 300], [1023], list(range(2000, 2013)), [3]):
+        positions = torch.tensor(positions)
+        for got, expected in zip(rotary.lookup(positions, dtype), rotary(positions, dtype)):
+            assert torch.equal(got, expected)
+    assert rotary._tables[dtype][0].shape[0] >= 2013
