@@ -311,6 +311,27 @@ def test_int4_matmul_q8_is_exact_for_its_8_bit_inputs(ops, dtype, n, k, group, a
     torch.testing.assert_close(out.double(), expected, rtol=tol, atol=tol * expected.abs().max().item())
 
 
+@pytest.mark.parametrize("rows", [1, 2, 4, 8])
+def test_int4_matmul_q8_sums_blocks_of_the_largest_products_exactly(ops, rows):
+    # codes 15 against inputs rounded to +-127 in every column of a block: the largest sums the kernel's narrow
+    # accumulators hold (AVX2 adds a block's u8 x s8 pairs in int16: 4 chunks x 7620 = 30480 per lane)
+    from llmopt.runtime.executor.kernels.quant_matmul import pack_int4_q8
+
+    n, k, group = 32, 128, 32
+    q = torch.randint(0, 16, (n, k), generator=torch.Generator().manual_seed(rows))
+    q[:16] = 15
+    q[16:20] = 0
+    scales, zeros = torch.full((n, k // group), 2.0 ** -6), torch.zeros(n, k // group)  # (exact in fp16)
+    x = torch.ones(rows, k)
+    x[1::2] = -1  # -127 inputs
+    if rows > 2:
+        x[2, ::2] = -1  # signs alternating within a block
+    out = ops.int4_matmul_q8(x, *pack_int4_q8(q, scales, zeros, group, group), group, group)
+    expected = q8_reference(x, q, scales, zeros, group, group)
+    assert out[0, 0].item() == 15 * k * 2.0 ** -6
+    torch.testing.assert_close(out.double(), expected, rtol=1e-6, atol=1e-6 * expected.abs().max().item())
+
+
 def amx_ops(feature="amx_int8"):
     """The build whose AMX kernels run here (avx512_bf16 on a CPU with `feature`: amx_int8 or amx_bf16), else
     None."""

@@ -127,16 +127,19 @@ inline void split_codes(const uint8_t* p, IVec& lo, IVec& hi) {
   lo = {_mm256_and_si256(a, mask), _mm256_and_si256(b, mask)};
   hi = {_mm256_and_si256(_mm256_srli_epi16(a, 4), mask), _mm256_and_si256(_mm256_srli_epi16(b, 4), mask)};
 }
+// The u8 x s8 pairs summed in int16 over a block's 4 chunks (per chunk and 16-bit lane at most 2 x 2 x 15 x 127 =
+// 7620, so 30480 for the block: no saturation), widened to int32 once per block in to_vec: 4 instructions per chunk
+// and row instead of 6 (the sums are exact either way: the same bits).
 inline __m256i dot8_half(__m256i acc, __m256i lo, __m256i hi, __m256i xl, __m256i xh) {
-  const __m256i pairs = _mm256_add_epi16(_mm256_maddubs_epi16(lo, xl), _mm256_maddubs_epi16(hi, xh));
-  return _mm256_add_epi32(acc, _mm256_madd_epi16(pairs, _mm256_set1_epi16(1)));
+  return _mm256_add_epi16(acc, _mm256_add_epi16(_mm256_maddubs_epi16(lo, xl), _mm256_maddubs_epi16(hi, xh)));
 }
 inline void dot8(IVec& a, IVec&, IVec lo, IVec hi, int32_t xl, int32_t xh) {
   const __m256i l = _mm256_set1_epi32(xl), h = _mm256_set1_epi32(xh);
   a = {dot8_half(a.lo, lo.lo, hi.lo, l, h), dot8_half(a.hi, lo.hi, hi.hi, l, h)};
 }
-inline Vec to_vec(IVec a, IVec b) {
-  return {_mm256_cvtepi32_ps(_mm256_add_epi32(a.lo, b.lo)), _mm256_cvtepi32_ps(_mm256_add_epi32(a.hi, b.hi))};
+inline Vec to_vec(IVec a, IVec) {  // (b unused: dot8 sums into a)
+  const __m256i ones = _mm256_set1_epi16(1);
+  return {_mm256_cvtepi32_ps(_mm256_madd_epi16(a.lo, ones)), _mm256_cvtepi32_ps(_mm256_madd_epi16(a.hi, ones))};
 }
 #endif
 
