@@ -25,15 +25,11 @@ from llmopt.runtime.executor.kernels.cpu_ops import decode_graph_class
 GRAPH_MAX_ROWS = 16
 
 
-def layer_linears(block) -> tuple:
-    return block.qkv, block.o_proj, block.gate_up, block.down_proj
-
-
 def graph_calls(decoder, rows: int) -> list[tuple] | None:
     """Every linear's (op, tensors, ints, bias) at `rows`, layer by layer; None if any has no graph kernel."""
     calls = []
     for block in decoder.blocks:
-        for linear in layer_linears(block):
+        for linear in block.linears():
             describe = getattr(linear, "graph_call", None)
             call = describe(rows) if describe is not None else None
             if call is None:
@@ -91,6 +87,6 @@ def supports(decoder, kv_cache: KVCache) -> bool:
     process (no all-reduce between the layers), the compiled CPU attention (the kernels the graph calls for the
     store and the decode), and a cache in the model's dtype or in 8 bits (what that store takes)."""
     spec = kv_cache.spec
+    # (fused_ops: the compiled kernels are built, the graph class with them)
     return (decoder.fused_ops is not None and decoder.group is None and spec.layout == "kv"
-            and getattr(decoder.attention, "decode_graph", False) and decode_graph_class() is not None
-            and (spec.dtype == decoder.dtype or spec.quantized))
+            and getattr(decoder.attention, "decode_graph", False) and (spec.dtype == decoder.dtype or spec.quantized))

@@ -54,6 +54,10 @@ class DecoderBlock(nn.Module):
         self.qkv, self.o_proj, self.gate_up, self.down_proj = qkv, o_proj, gate_up, down_proj
         self.q_norm, self.k_norm = q_norm, k_norm
 
+    def linears(self) -> tuple[nn.Module, ...]:
+        """The four projections in the order a layer runs them (the fast loop's and the decode graph's order)."""
+        return self.qkv, self.o_proj, self.gate_up, self.down_proj
+
 
 def _forward_2d(module: nn.Module):
     """The module's forward for [T, in] inputs, bound once (a prepacked dense linear's skips the module)."""
@@ -140,8 +144,7 @@ class LlamaFamilyDecoder(nn.Module):
             # that follows the layer (the next layer's input norm, or the final one)
             norms = [b.input_norm for b in self.blocks] + [self.norm]
             self._first_norm = (norms[0].weight, norms[0].eps)
-            self._fused_layers = [(*(self._row_parallel(_forward_2d(m), m) for m in (b.qkv, b.o_proj, b.gate_up,
-                                                                                       b.down_proj)),
+            self._fused_layers = [(*(self._row_parallel(_forward_2d(m), m) for m in b.linears()),
                                    (b.post_norm.weight, b.post_norm.eps), (n.weight, n.eps))
                                   for b, n in zip(self.blocks, norms[1:])]
             if type(self.lm_head) is nn.Linear and self.lm_head.bias is None:

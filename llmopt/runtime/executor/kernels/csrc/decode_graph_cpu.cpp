@@ -10,6 +10,7 @@
 #include <ATen/ATen.h>
 #include <ATen/record_function.h>
 
+#include <iterator>
 #include <optional>
 #include <string>
 #include <vector>
@@ -26,28 +27,25 @@ auto recorded(const char* name, F&& f) {
   return f();
 }
 
-// The kernels a graph's linear may call, by the name of their op (the Python layer's path names it).
+// The kernels a graph's linear may call, by the name of their op (the Python layer's path names it); KERNEL_NAMES
+// in the enum's order.
 enum class Kernel {
   int4_matmul_q8, int4_matmul_q8_amx, int8_matmul_q8, int4_matmul_rows, int4_matmul_panels, int4_matmul_tiled, gemv,
   linear
 };
+constexpr const char* KERNEL_NAMES[] = {"int4_matmul_q8",   "int4_matmul_q8_amx", "int8_matmul_q8",
+                                        "int4_matmul_rows", "int4_matmul_panels", "int4_matmul_tiled",
+                                        "gemv",             "linear"};
 
 Kernel kernel_named(const std::string& name) {
-  if (name == "int4_matmul_q8") return Kernel::int4_matmul_q8;
-  if (name == "int4_matmul_q8_amx") return Kernel::int4_matmul_q8_amx;
-  if (name == "int8_matmul_q8") return Kernel::int8_matmul_q8;
-  if (name == "int4_matmul_rows") return Kernel::int4_matmul_rows;
-  if (name == "int4_matmul_panels") return Kernel::int4_matmul_panels;
-  if (name == "int4_matmul_tiled") return Kernel::int4_matmul_tiled;
-  if (name == "gemv") return Kernel::gemv;
-  if (name == "linear") return Kernel::linear;
+  for (size_t i = 0; i < std::size(KERNEL_NAMES); ++i)
+    if (name == KERNEL_NAMES[i]) return static_cast<Kernel>(i);
   TORCH_CHECK(false, "no decode-graph kernel named ", name);
 }
 
 // y [T, N] = x [T, K] W^T (+ bias): the kernel and the arguments after x its op takes.
 struct Linear {
   Kernel kernel;
-  std::string name;  // the op's
   // the op's arguments after x, tensors first, in its order: int4_matmul_q8(_amx): codes, scales_biases, group,
   // act_group; int8_matmul_q8: codes, scale[, shift], act_group; int4_matmul_rows / _tiled: nibbles,
   // scales_and_offsets, group (, tile_bytes); int4_matmul_panels: codes, scales_biases, group; gemv, linear: weight
@@ -56,7 +54,7 @@ struct Linear {
   std::optional<at::Tensor> bias;
 
   at::Tensor operator()(const at::Tensor& x) const {
-    return recorded(name.c_str(), [&] { return call(x); });
+    return recorded(KERNEL_NAMES[static_cast<int>(kernel)], [&] { return call(x); });
   }
 
   at::Tensor call(const at::Tensor& x) const {
@@ -98,7 +96,7 @@ class DecodeGraph : public torch::CustomClassHolder {
   void add_linear(const std::string& kernel, std::vector<at::Tensor> tensors, std::vector<int64_t> ints,
                   std::optional<at::Tensor> bias) {
     TORCH_CHECK(pending_.size() < 4, "add_layer expected after four linears");
-    pending_.push_back(Linear{kernel_named(kernel), kernel, std::move(tensors), std::move(ints), std::move(bias)});
+    pending_.push_back(Linear{kernel_named(kernel), std::move(tensors), std::move(ints), std::move(bias)});
   }
 
   void add_layer(at::Tensor post_norm, double post_eps, at::Tensor next_norm, double next_eps,
@@ -109,8 +107,6 @@ class DecodeGraph : public torch::CustomClassHolder {
                             std::move(next_norm), post_eps, next_eps, std::move(cache)});
     pending_.clear();
   }
-
-  int64_t num_layers() const { return static_cast<int64_t>(layers_.size()); }
 
   at::Tensor run(at::Tensor h, const at::Tensor& cos, const at::Tensor& sin, const at::Tensor& slot_mapping,
                  const at::Tensor& block_tables, const at::Tensor& context_lens) const {

@@ -63,7 +63,6 @@ LLMOPT_LIBRARY(LLMOPT_NS, m) {
       .def(torch::init<int64_t, int64_t, int64_t, double, at::Tensor, double, bool>())
       .def("add_linear", &graph::DecodeGraph::add_linear)
       .def("add_layer", &graph::DecodeGraph::add_layer)
-      .def("num_layers", &graph::DecodeGraph::num_layers)
       .def("run", &graph::DecodeGraph::run);
 }
 
