@@ -18,6 +18,7 @@ SHOWN = [  # (metric key, label) in the terminal table
     ("prefill_throughput", "prefill tok/s"), ("decode_throughput", "decode tok/s"),
     ("mean_ttft_ms", "TTFT mean ms"), ("median_ttft_ms", "TTFT median ms"), ("p99_ttft_ms", "TTFT p99 ms"),
     ("mean_tpot_ms", "TPOT mean ms"), ("median_tpot_ms", "TPOT median ms"), ("p99_tpot_ms", "TPOT p99 ms"),
+    ("median_added_ttft_ms", "TTFT added by HTTP, median ms"),
     ("mean_itl_ms", "ITL mean ms"), ("p99_itl_ms", "ITL p99 ms"), ("mean_e2el_ms", "E2E mean ms"),
     ("spec_acceptance_rate", "spec acceptance"), ("spec_mean_accepted_length", "spec tokens/verify"),
     ("decode_speedup", "decode speedup"), ("mbu", "MBU"), ("mfu", "MFU"), ("num_preemptions", "preemptions"),

@@ -47,6 +47,22 @@ def refusal(url: str, status: int, headers, body: bytes) -> str:
     return f"{url} answered {status}: {message}"
 
 
+def server_timing(header: str, name: str) -> float | None:
+    """Seconds of the metric `name` in a Server-Timing header ('ttft;dur=412.9, db;dur=3' -> 0.4129), or None."""
+    for metric in header.split(","):
+        key, *params = (part.strip() for part in metric.split(";"))
+        if key != name:
+            continue
+        for param in params:
+            field, _, value = param.partition("=")
+            if field.strip() == "dur":
+                try:
+                    return float(value.strip().strip('"')) / 1000
+                except ValueError:
+                    return None
+    return None
+
+
 def _chunk_has_output(chunk: dict) -> bool:
     for choice in chunk.get("choices") or ():
         if choice.get("text") or (choice.get("delta") or {}).get("content"):
@@ -82,7 +98,8 @@ async def _one(session: aiohttp.ClientSession, url: str, body: dict, request: Be
         times = [time.perf_counter() - start]
     num_output = usage["completion_tokens"] if usage else len(times)
     num_prompt = usage["prompt_tokens"] if usage else len(request.prompt_token_ids)
-    return RequestRecord(sent - start, times, num_prompt, num_output)
+    return RequestRecord(sent - start, times, num_prompt, num_output,
+                         server_ttft=server_timing(response.headers.get("server-timing", ""), "ttft"))
 
 
 async def _run(base_url: str, endpoint: str, model: str, requests: list[BenchRequest], tokenizer,

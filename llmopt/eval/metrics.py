@@ -3,7 +3,9 @@
 Per request (times in seconds from the start of the run):
   TTFT = first token - arrival; E2EL = last token - arrival;
   TPOT = (E2EL - TTFT) / (output tokens - 1), for requests with more than one output token;
-  ITL  = every gap between consecutive tokens of a request (all requests pooled).
+  ITL  = every gap between consecutive tokens of a request (all requests pooled);
+  added TTFT = TTFT - the server's own time to first token, where the server reports it (a `Server-Timing: ttft;
+  dur=MS` header, as `llmopt serve` sends on streams): the time the network and both HTTP stacks added.
 Throughputs divide by the run's duration (first arrival to last token). Goodput counts the requests that
 meet every given SLO (ms). Percentiles are numpy's linear interpolation, as vLLM's.
 
@@ -32,6 +34,7 @@ class RequestRecord:
     num_prompt_tokens: int
     num_output_tokens: int
     num_cached_tokens: int = 0
+    server_ttft: float | None = None  # the server's own time to first token (its Server-Timing header), if sent
 
     @property
     def ttft(self) -> float:
@@ -126,6 +129,8 @@ def request_metrics(records: list[RequestRecord], slo: dict[str, float] | None =
     _stats("tpot", [r.tpot for r in records if r.tpot is not None], metrics)
     _stats("itl", [gap for r in records for gap in r.itls], metrics)
     _stats("e2el", [r.e2el for r in records], metrics)
+    if all(r.server_ttft is not None for r in records):  # what the network and both HTTP stacks added to TTFT
+        _stats("added_ttft", [r.ttft - r.server_ttft for r in records], metrics)
     return metrics
 
 

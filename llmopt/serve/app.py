@@ -445,10 +445,14 @@ async def respond(server: Server, req, jobs, prefix: str, choice, chunk):
     include_usage = bool(req.stream_options and req.stream_options.include_usage)
     # errors before the first chunk (a bad prompt found by the engine) still get a 4xx, not a broken stream
     iterator = merged(streams)
+    started = time.perf_counter()
     try:
         first = await iterator.__anext__()
     except StopAsyncIteration:
         first = None
+    # the server's own time to the first output (W3C Server-Timing, milliseconds): a client subtracts it from the
+    # time it saw to learn what the network and both HTTP stacks added (`llmopt bench --base-url` reports it)
+    timing = {"Server-Timing": f"ttft;dur={1000 * (time.perf_counter() - started):.3f}"} if first else {}
 
     async def outputs():
         if first is not None:
@@ -481,4 +485,4 @@ async def respond(server: Server, req, jobs, prefix: str, choice, chunk):
             await iterator.aclose()
         yield "data: [DONE]\n\n"
 
-    return StreamingResponse(events(), media_type="text/event-stream")
+    return StreamingResponse(events(), media_type="text/event-stream", headers=timing)

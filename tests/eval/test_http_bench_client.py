@@ -5,7 +5,9 @@ already closed, and the request goes once more on a new connection instead of fa
 import socket
 import threading
 
-from llmopt.eval.http_bench import run_http
+import pytest
+
+from llmopt.eval.http_bench import run_http, server_timing
 from llmopt.eval.workloads import BenchRequest
 
 CHUNK = b'data: {"choices": [{"text": "x", "index": 0}]}\n\n'
@@ -59,3 +61,12 @@ def test_a_connection_closed_after_each_response_costs_a_retry_not_the_run():
         server.close()
     assert len(records) == 12 and all(len(r.token_times) == 2 for r in records)
     assert len(answered) >= 13  # GET /models, then each request on its own connection
+
+
+def test_server_timing_reads_one_metrics_duration_in_seconds():
+    assert server_timing("ttft;dur=412.5", "ttft") == pytest.approx(0.4125)
+    assert server_timing('db;dur=3, ttft;desc="first token";dur="7.25"', "ttft") == pytest.approx(0.00725)
+    assert server_timing("db;dur=3", "ttft") is None  # another metric only
+    assert server_timing("ttft", "ttft") is None  # no duration
+    assert server_timing("ttft;dur=soon", "ttft") is None
+    assert server_timing("", "ttft") is None

@@ -32,6 +32,17 @@ def test_request_metrics_by_hand():
     assert request_metrics(TRACE)["request_goodput"] is None
 
 
+def test_added_ttft_against_the_servers_own_is_reported_only_when_every_request_has_it():
+    from dataclasses import replace
+
+    assert "median_added_ttft_ms" not in request_metrics(TRACE)  # a server that sends no Server-Timing
+    timed = [replace(TRACE[0], server_ttft=0.097), replace(TRACE[1], server_ttft=0.292)]  # added 3 and 8 ms
+    m = request_metrics(timed)
+    assert m["mean_added_ttft_ms"] == pytest.approx(5.5) and m["median_added_ttft_ms"] == pytest.approx(5.5)
+    assert m["p99_added_ttft_ms"] == pytest.approx(3 + 0.99 * 5)
+    assert "mean_added_ttft_ms" not in request_metrics([timed[0], TRACE[1]])
+
+
 def test_engine_metrics_by_hand():
     steps = [StepStats(0.2, 2, 100, 0, 100, 3000, 0.1),  # prefill step
              StepStats(0.01, 2, 0, 2, 110, 110, 0.2),  # decode-only steps

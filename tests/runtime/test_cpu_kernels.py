@@ -257,6 +257,22 @@ def test_gemv_reads_a_narrower_weight_with_fp32_inputs(ops, narrow):
     torch.testing.assert_close(out, x @ weight.float().t(), rtol=1e-5, atol=1e-4)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("narrow", [None, torch.float16])
+def test_gemv_gives_an_input_the_same_bits_at_every_row_count(ops, dtype, narrow):
+    """A row's logits do not depend on how many rows share the step: each path (1 row; 2-6 rows; 7-8 rows a half
+    of each vector at a time on AVX2) sums the same products in the same order (for whole 16-wide steps and weight
+    rows in whole groups of 4, as an lm_head's 49152 x 576; a remainder row or column is summed in plain order)."""
+    if narrow is not None and dtype != torch.float32:
+        pytest.skip("narrower weights go with fp32 inputs")
+    g = torch.Generator().manual_seed(2)
+    weight = torch.randn(256, 576, generator=g).to(narrow or dtype)
+    x = torch.randn(8, 576, generator=g).to(dtype)
+    alone = torch.cat([ops.gemv(x[m:m + 1], weight) for m in range(8)])
+    for rows in range(2, 9):
+        assert torch.equal(ops.gemv(x[:rows], weight), alone[:rows]), rows
+
+
 def test_exactly_narrowed_keeps_every_value():
     from llmopt.runtime.executor.models.llama import exactly_narrowed
 
