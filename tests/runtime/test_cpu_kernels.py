@@ -188,7 +188,7 @@ def test_store_kv_writes_strided_rows_into_their_slots(ops, dtype):
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("k", [100, 576])  # K = 100: a scalar tail
-@pytest.mark.parametrize("rows", [1, 3, 6, 8])  # 1: decode; 3-8: speculative verification
+@pytest.mark.parametrize("rows", [1, 3, 6, 8, 19])  # 1: decode; 3-8: speculative verification; 19: 8 + 8 + 3
 def test_gemv_matches_a_float_matmul(ops, dtype, k, rows):
     g = torch.Generator().manual_seed(0)
     weight = torch.randn(1001, k, generator=g).to(dtype)  # odd rows: 4-row groups and a remainder
@@ -261,15 +261,16 @@ def test_gemv_reads_a_narrower_weight_with_fp32_inputs(ops, narrow):
 @pytest.mark.parametrize("narrow", [None, torch.float16])
 def test_gemv_gives_an_input_the_same_bits_at_every_row_count(ops, dtype, narrow):
     """A row's logits do not depend on how many rows share the step: each path (1 row; 2-6 rows; 7-8 rows a half
-    of each vector at a time on AVX2) sums the same products in the same order (for whole 16-wide steps and weight
+    of each vector at a time on AVX2; more rows 8 at a time over blocks of weight rows) sums the same products in
+    the same order (for whole 16-wide steps and weight
     rows in whole groups of 4, as an lm_head's 49152 x 576; a remainder row or column is summed in plain order)."""
     if narrow is not None and dtype != torch.float32:
         pytest.skip("narrower weights go with fp32 inputs")
     g = torch.Generator().manual_seed(2)
     weight = torch.randn(256, 576, generator=g).to(narrow or dtype)
-    x = torch.randn(8, 576, generator=g).to(dtype)
-    alone = torch.cat([ops.gemv(x[m:m + 1], weight) for m in range(8)])
-    for rows in range(2, 9):
+    x = torch.randn(21, 576, generator=g).to(dtype)
+    alone = torch.cat([ops.gemv(x[m:m + 1], weight) for m in range(21)])
+    for rows in range(2, 22):
         assert torch.equal(ops.gemv(x[:rows], weight), alone[:rows]), rows
 
 

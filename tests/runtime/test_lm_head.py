@@ -73,3 +73,32 @@ def test_decode_bytes_count_the_int8_heads_codes(tiny_llama_dir):
                            if name not in head.prefill_only_buffers)
     assert model_cost(int8_head, 0).weight_bytes == (
         model_cost(float_head, 0).weight_bytes - weight.numel() * weight.element_size() + codes_and_scales)
+
+
+def test_an_fp32_model_with_a_16_bit_exact_head_runs_it_through_gemv_at_every_row_count():
+    """The head's weight narrowed to fp16 (every value exact) and streamed by the gemv kernel at any number of
+    rows with fp32 inputs (BLAS would multiply the fp32 copy, twice the bytes), 8 rows at a time beyond 8."""
+    from llmopt.core.tiny import build_tiny_model
+
+    model, tok = build_tiny_model("llama", seed=0)
+    with torch.no_grad():
+        model.lm_head.weight.copy_(model.lm_head.weight.half().float())
+    decoder = Engine(model, tok, EngineConfig(block_size=4, fast_path=True)).runner.decoder
+    assert decoder.fused_ops is not None and decoder._gemv_weight.dtype == torch.float16
+    calls = []
+
+    class Counting:
+        def __getattr__(self, name):
+            return getattr(ops, name)
+
+        def gemv(self, x, w):
+            calls.append(x.shape[0])
+            return ops.gemv(x, w)
+
+    ops, decoder.fused_ops = decoder.fused_ops, Counting()
+    weight = decoder.lm_head.weight.detach().float()
+    for rows in (1, 2, 5, 16, 19):
+        hidden = torch.randn(rows, weight.shape[1])
+        expected = hidden @ weight.t()
+        torch.testing.assert_close(decoder.logits(hidden), expected, rtol=1e-4, atol=1e-4 * expected.abs().max())
+    assert calls == [1, 2, 5, 16, 19]

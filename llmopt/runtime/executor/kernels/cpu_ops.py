@@ -30,7 +30,7 @@ from llmopt.core.hardware import X86_ISAS, cpu_info, kernel_isa
 
 log = logging.getLogger(__name__)
 
-GEMV_MAX_ROWS = 8  # ops.gemv takes x [1..8, K] (csrc/fused_cpu.cpp, GEMV_MAX_ROWS)
+GEMV_MAX_ROWS = 8  # rows of x [M, K] one pass of ops.gemv over the weight serves; more go 8 at a time (fused_cpu.cpp)
 # The built-in rule (the batch-1 lm_head's, and the dense linears' under --linear-kernels fixed; measured plans
 # choose per CPU, linear/dense.py): row counts of an fp32 matmul that ops.gemv runs faster than BLAS on a Xeon
 # (speculative verification at batch 1): MKL's
