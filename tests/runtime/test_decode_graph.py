@@ -82,6 +82,30 @@ def test_the_graph_computes_what_the_layer_loop_does(kind, tiny_gptq_artifact, i
     assert {1, 2, 3, 4} <= set(graph_rows)
 
 
+def test_a_graph_runs_with_another_build_registered_before_this_cpus(tiny_llama_dir):
+    """Each build's DecodeGraph is a C++ type of its own. With one type in every build, torch kept the class of the
+    build registered first for it, and a later build's graph had its method calls refused ("Tried to convert an
+    IValue of type ...avx2.DecodeGraph to ...scalar.DecodeGraph"). A fresh process loads the scalar build first."""
+    import subprocess
+    import sys
+
+    script = (
+        "import sys\n"
+        "from llmopt.runtime.executor.kernels.cpu_ops import cpu_ops\n"
+        "from llmopt.runtime.engine.engine import Engine, EngineConfig\n"
+        "from llmopt.runtime.engine.sampling import SamplingParams\n"
+        "from llmopt.runtime.executor.loader import load_runtime_model\n"
+        "assert cpu_ops('scalar') is not None and cpu_ops() is not None\n"
+        "model, tok, _ = load_runtime_model(sys.argv[1])\n"
+        "e = Engine(model, tok, EngineConfig(block_size=4, kv_cache_bytes=2**20, linear_kernels='fixed'))\n"
+        "assert e.runner.decode_graph_rows\n"
+        "[out] = e.generate([[5, 9, 200, 31]], SamplingParams(max_tokens=4, ignore_eos=True))\n"
+        "print(len(out.token_ids))\n")
+    done = subprocess.run([sys.executable, "-c", script, str(tiny_llama_dir)], capture_output=True, text=True,
+                          timeout=600)
+    assert done.returncode == 0 and done.stdout.split()[-1] == "4", done.stderr[-2000:]
+
+
 def test_the_int8_layers_run_the_8_bit_kernel_in_the_graph(int8_artifact):
     runner = engine(int8_artifact, True).runner
     assert set(runner.linear_methods) == {"int8-q8-cpu"}

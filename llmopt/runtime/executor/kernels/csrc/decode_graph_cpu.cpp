@@ -85,6 +85,11 @@ struct Layer {
   std::vector<at::Tensor> cache;  // (key, value) or, 8-bit, (key codes, value codes, key scales, value scales)
 };
 
+// In a namespace of this build's own (LLMOPT_NS: llmopt_cpu_<isa>): torch maps a custom class's C++ type to its
+// registered class, so one type name shared by two builds loaded in one process (the tests load each) sent an
+// avx2 graph's method calls to the scalar build's class ("Tried to convert an IValue of type ...")
+inline namespace LLMOPT_NS {
+
 class DecodeGraph : public torch::CustomClassHolder {
  public:
   DecodeGraph(int64_t num_heads, int64_t num_kv_heads, int64_t head_dim, double scale, at::Tensor first_norm,
@@ -160,5 +165,7 @@ class DecodeGraph : public torch::CustomClassHolder {
   std::vector<Linear> pending_;
   std::vector<Layer> layers_;
 };
+
+}  // namespace LLMOPT_NS
 
 }  // namespace llmopt_cpu::graph
