@@ -309,5 +309,4 @@ class LlamaFamilyDecoder(nn.Module):
         rows = hidden.shape[0]
         if hidden.dtype == torch.float32 and weight.dtype != torch.float32:
             return True
-        return (rows == 1 or rows in GEMV_BATCHED_ROWS) and (weight.dtype == hidden.dtype
-                                                             or hidden.dtype == torch.float32)
+        return weight.dtype == hidden.dtype and (rows == 1 or rows in GEMV_BATCHED_ROWS)
