@@ -15,10 +15,11 @@ Then the profile of 16 int4 batch-1 decode steps (torch.profiler): the linears' 
 the other ops, and the rest of the step's wall time (Python, dispatch). With --llama-server (the path of
 llama.cpp's `llama-server`, built from source here), serving: `llmopt serve` on the int4 artifact against
 `llama-server -np C -cb` on its GGUF export, C = 8 and 64 clients streaming 128/128 completions (2 C requests),
-both driven by `llmopt bench --base-url`'s client (`llmopt.eval.speed.bench_http`).
+both driven by `llmopt bench --base-url`'s client (`llmopt.eval.speed.bench_http`), each with a KV cache of the
+same tokens committed at start (--serve-rounds rounds, medians).
 
     python benchmarks/peers.py --json docs/results/data/peers.json [--model smollm2-135m] [--rounds 3]
-        [--llama-server PATH]
+        [--llama-server PATH] [--clients 8,64] [--serve-rounds 1]
 """
 
 from __future__ import annotations
@@ -158,16 +159,33 @@ def served_tok_s(model: str, command: list[str], port: int, clients: int) -> dic
 
 
 def serving(args, int4: Path, gguf: Path, clients: int) -> dict:
-    port = free_port()
+    """--serve-rounds rounds, each llama-server then llmopt serve; the medians of their output tok/s. Both get a KV
+    cache of the same tokens (2 C requests' worth of C at once), committed at start: llama.cpp clears its cache
+    before serving, and llmopt is told to commit it (--kv-cache-commit startup) instead of in the background."""
     context = clients * (128 + 128 + 16)
-    theirs = served_tok_s(args.model, [args.llama_server, "-m", str(gguf), "-np", str(clients), "-cb", "-t",
-                                       str(args.threads), "-tb", str(args.threads), "-c", str(context), "--host",
-                                       "127.0.0.1", "--port", str(port), "-a", "served"], port, clients)
-    port = free_port()
-    ours = served_tok_s(args.model, [sys.executable, "-m", "llmopt", "serve", str(int4), "--port", str(port),
-                                     "--served-model-name", "served", "--max-num-seqs", str(max(clients, 8)),
-                                     "--lm-head", args.serve_lm_head], port, clients)
-    return {"llmopt": ours, "llama-server": theirs, "ratio": ours["output_tok_s"] / theirs["output_tok_s"]}
+    rounds = {"llmopt": [], "llama-server": []}
+    for _ in range(args.serve_rounds):
+        port = free_port()
+        rounds["llama-server"].append(served_tok_s(
+            args.model, [args.llama_server, "-m", str(gguf), "-np", str(clients), "-cb", "-t", str(args.threads),
+                         "-tb", str(args.threads), "-c", str(context), "--host", "127.0.0.1", "--port", str(port),
+                         "-a", "served"], port, clients))
+        port = free_port()
+        rounds["llmopt"].append(served_tok_s(
+            args.model, [sys.executable, "-m", "llmopt", "serve", str(int4), "--port", str(port),
+                         "--served-model-name", "served", "--max-num-seqs", str(max(clients, 8)),
+                         "--lm-head", args.serve_lm_head, "--kv-cache-tokens", str(context),
+                         "--kv-cache-commit", "startup"], port, clients))
+    result = {name: median_run(runs) for name, runs in rounds.items()}
+    result["ratio"] = result["llmopt"]["output_tok_s"] / result["llama-server"]["output_tok_s"]
+    return result
+
+
+def median_run(runs: list[dict]) -> dict:
+    """Each figure's median over the rounds, with every round's output tok/s."""
+    merged = {key: statistics.median(run[key] for run in runs) for key in runs[0]}
+    merged["rounds_output_tok_s"] = [run["output_tok_s"] for run in runs]
+    return merged
 
 
 def main() -> None:
@@ -179,6 +197,7 @@ def main() -> None:
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--llama-server", default=None, help="llama.cpp's llama-server binary: adds the serving rows")
     parser.add_argument("--clients", default="8,64")
+    parser.add_argument("--serve-rounds", type=int, default=1, help="serving rounds per client count (medians)")
     parser.add_argument("--serve-lm-head", default="model", choices=("model", "int8"),
                         help="`llmopt serve --lm-head` in the serving rows")
     parser.add_argument("--work", default=None, help="where the artifacts and GGUF files go (default: a temp dir)")

@@ -62,6 +62,7 @@ KV_CACHE_DTYPES = ("auto", "float32", "bfloat16", "float16", "int8", "fp8")
 KV_CACHE_DTYPE_ALIASES = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16", "float8": "fp8",
                           "fp8_e4m3": "fp8"}
 KV_CACHE_8BIT = ("int8", "fp8")  # codes with a scale per token and KV head (runtime/executor/kernels/kv_quant.py)
+KV_CACHE_COMMIT_MODES = ("lazy", "background", "startup")  # runtime/executor/attention/kv_commit.py
 ACTIVATION_MODES = ("auto", "float", "int8")
 LINEAR_KERNEL_MODES = ("measured", "fixed")  # how quantized linears pick a kernel per row count (row_paths.py)
 # EngineConfig.activations -> the input-activation scheme linear methods are chosen for (None: the compute dtype)
@@ -85,6 +86,9 @@ class EngineConfig:
     kv_cache_bytes: Optional[int] = option(
         None, "KV cache size in bytes (default: --kv-cache-memory-fraction of the available memory, capped at what "
         "--max-num-seqs full-context sequences can fill).")
+    kv_cache_tokens: Optional[int] = option(
+        None, "KV cache size in tokens (whole blocks), as llama.cpp's --ctx-size sizes its cache; instead of "
+        "--kv-cache-bytes.")
     kv_cache_memory_fraction: float = option(
         KV_CACHE_MEMORY_FRACTION, "Default KV cache size as a fraction of the memory available at start (host "
         "memory on CPU, free device memory on CUDA).")
@@ -92,6 +96,11 @@ class EngineConfig:
         "auto", "dtype of the cached keys and values: auto (the model's), float32|fp32, bfloat16|bf16, "
         "float16|fp16, int8 or fp8 (8-bit codes with an fp32 scale per token and KV head: ~3.8x the tokens of fp32 "
         "in the same bytes).", numerics=True)
+    kv_cache_commit: Literal["lazy", "background", "startup"] = option(
+        "background", "When a CPU KV cache's memory is committed (it starts as zero pages the OS commits on first "
+        "write, which on VMs that back memory lazily costs ~25 ms per 2 MiB inside a step): background (a thread at "
+        "idle priority commits it from the first block up while a core is free), startup (all of it before the "
+        "engine starts: seconds per GB on such VMs) or lazy (the step that first writes a block).")
     max_num_seqs: int = option(64, "Sequences in one step at most.")
     max_num_batched_tokens: int = option(2048, "Tokens in one step at most (prefill chunks + decodes).")
     enable_chunked_prefill: bool = option(True, "Split long prompts into chunks that share steps with decodes.",
@@ -170,6 +179,12 @@ class EngineConfig:
         if self.kv_cache_bytes is not None and self.kv_cache_bytes < 1:
             raise ConfigError(f"--kv-cache-bytes must be positive (got {self.kv_cache_bytes})",
                               param="kv_cache_bytes")
+        if self.kv_cache_tokens is not None and self.kv_cache_tokens < 1:
+            raise ConfigError(f"--kv-cache-tokens must be positive (got {self.kv_cache_tokens})",
+                              param="kv_cache_tokens")
+        if self.kv_cache_tokens is not None and self.kv_cache_bytes is not None:
+            raise ConfigError("--kv-cache-tokens and --kv-cache-bytes both size the KV cache: give one",
+                              param="kv_cache_tokens")
         if not 0 < self.kv_cache_memory_fraction <= KV_CACHE_MAX_FRACTION:
             raise ConfigError(f"--kv-cache-memory-fraction {self.kv_cache_memory_fraction}: give a fraction in "
                               f"(0, {KV_CACHE_MAX_FRACTION}]", param="kv_cache_memory_fraction")
@@ -177,6 +192,7 @@ class EngineConfig:
             self._check_disaggregation()
         # (attention_backend: checked against the backends' registry when the engine starts)
         for name, allowed in (("policy", ("continuous", "static")), ("kv_cache_dtype", KV_CACHE_DTYPES),
+                              ("kv_cache_commit", KV_CACHE_COMMIT_MODES),
                               ("activations", ACTIVATION_MODES), ("linear_kernels", LINEAR_KERNEL_MODES)):
             if getattr(self, name) not in allowed:
                 flag = engine_flag(name)

@@ -292,7 +292,9 @@ class Engine:
         return {"bytes": r.kv_cache_bytes, "tokens": r.num_blocks * r.block_size,
                 "dtype": r.kv_dtype_label, "summary": r.kv_cache_summary(),
                 "bytes_per_token": r.kv_cache_spec.bytes_per_token, "layout": r.kv_cache_spec.layout,
-                "tokens_per_dtype": r.tokens_per_dtype()}
+                "tokens_per_dtype": r.tokens_per_dtype(),
+                # blocks whose memory is committed ahead of use (EngineConfig.kv_cache_commit; None: lazily)
+                "committed_blocks": getattr(getattr(r, "kv_cache_committer", None), "committed_blocks", None)}
 
     def numerics(self) -> dict:
         """Every setting that changes the numbers computed, as configured and as resolved at start: the config's

@@ -11,6 +11,7 @@ import torch
 
 from llmopt.core.errors import ConfigError, ParallelError
 from llmopt.runtime.engine.config import ACTIVATION_SCHEMES, KV_CACHE_8BIT, KV_CACHE_DTYPES, EngineConfig
+from llmopt.runtime.executor.attention.kv_commit import commit_kv_cache
 from llmopt.runtime.executor.host_memory import keep_freed_host_memory
 from llmopt.runtime.executor.kernels.attention import AttentionMetadata
 from llmopt.runtime.executor.kernels.cpu_ops import cpu_ops
@@ -130,6 +131,9 @@ class ModelRunner:
         self.kv_cache_source = "given"
         if num_blocks is not None:
             kv_cache_bytes, self.kv_cache_source = num_blocks * per_block, f"{num_blocks} blocks"
+        elif config.kv_cache_tokens is not None:
+            kv_cache_bytes = -(-config.kv_cache_tokens // block_size) * per_block
+            self.kv_cache_source = f"{config.kv_cache_tokens:,} tokens asked"
         elif kv_cache_bytes is None:
             context = getattr(hf_model.config, "max_position_embeddings", None)
             useful = (max_num_seqs * -(-context // block_size) * per_block) if context and max_num_seqs else None
@@ -144,6 +148,7 @@ class ModelRunner:
                               f"({per_block} bytes each): raise it")
         self.kv_cache = self.kv_cache_spec.allocate(self.num_blocks, block_size, self.device)
         self.kv_cache_bytes = self.kv_cache.num_bytes
+        self.kv_cache_committer = commit_kv_cache(self.kv_cache, config.kv_cache_commit)
         build_graphs = getattr(self.decoder, "build_decode_graphs", None)
         # decode steps of these sizes run the layers as one compiled call (models/decode_graph.py)
         self.decode_graph_rows = build_graphs(self.kv_cache) if config.decode_graph and build_graphs else []
@@ -278,7 +283,9 @@ class ModelRunner:
             self.group.num_all_reduces, self.group.all_reduce_seconds = 0, 0.0
 
     def close(self) -> None:
-        """Stop the other tensor-parallel ranks (nothing to do for one process)."""
+        """Stop committing the KV cache's memory and the other tensor-parallel ranks."""
+        if self.kv_cache_committer is not None:
+            self.kv_cache_committer.stop()
         if self.workers is not None:
             self.workers.stop()
 
