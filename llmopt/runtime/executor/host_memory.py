@@ -40,3 +40,43 @@ def keep_freed_host_memory() -> bool:
     if not done:
         log.info("mallopt refused the thresholds; host allocations keep glibc's defaults")
     return done
+
+
+CGROUP_ROOT = "/sys/fs/cgroup"
+NO_CGROUP_LIMIT = 1 << 60  # cgroup v1 writes ~2^63 for "none", v2 writes "max"
+
+
+def cgroup_memory_headroom(proc_cgroup: str = "/proc/self/cgroup", root: str = CGROUP_ROOT) -> int | None:
+    """Bytes this process's memory cgroup (v2 or v1) and every cgroup above it still allow, or None without a
+    limit. A container's limit is not in the host's available memory (psutil's figure), and a KV cache sized from
+    the host's and then committed (EngineConfig.kv_cache_commit) would get the container killed."""
+    try:
+        lines = open(proc_cgroup).read().splitlines()
+    except OSError:
+        return None
+    headroom = None
+    for line in lines:
+        _, controllers, path = line.split(":", 2)
+        if controllers == "":  # v2: memory.max / memory.current
+            files, base = ("memory.max", "memory.current"), root
+        elif "memory" in controllers.split(","):  # v1
+            files, base = ("memory.limit_in_bytes", "memory.usage_in_bytes"), os.path.join(root, "memory")
+        else:
+            continue
+        parts = [p for p in path.split("/") if p]
+        for depth in range(len(parts), -1, -1):  # the process's cgroup, then each one above it
+            room = _cgroup_room(os.path.join(base, *parts[:depth]), *files)
+            if room is not None:
+                headroom = room if headroom is None else min(headroom, room)
+    return headroom
+
+
+def _cgroup_room(directory: str, limit_file: str, usage_file: str) -> int | None:
+    try:
+        limit = open(os.path.join(directory, limit_file)).read().strip()
+        usage = int(open(os.path.join(directory, usage_file)).read().strip())
+    except (OSError, ValueError):
+        return None
+    if limit == "max" or not limit.isdigit() or int(limit) >= NO_CGROUP_LIMIT:
+        return None
+    return max(int(limit) - usage, 0)

@@ -12,7 +12,7 @@ import torch
 from llmopt.core.errors import ConfigError, ParallelError
 from llmopt.runtime.engine.config import ACTIVATION_SCHEMES, KV_CACHE_8BIT, KV_CACHE_DTYPES, EngineConfig
 from llmopt.runtime.executor.attention.kv_commit import commit_kv_cache
-from llmopt.runtime.executor.host_memory import keep_freed_host_memory
+from llmopt.runtime.executor.host_memory import cgroup_memory_headroom, keep_freed_host_memory
 from llmopt.runtime.executor.kernels.attention import AttentionMetadata
 from llmopt.runtime.executor.kernels.cpu_ops import cpu_ops
 from llmopt.runtime.executor.kernels.kv_quant import KV_CODE_DTYPES
@@ -55,10 +55,13 @@ def kv_dtype_name(dtype: torch.dtype) -> str:
 
 
 def available_memory(device: torch.device) -> int:
-    """Bytes the KV cache may be taken from: free device memory on CUDA, available host memory elsewhere."""
+    """Bytes the KV cache may be taken from: free device memory on CUDA, available host memory elsewhere (no more
+    than the process's memory cgroup leaves: a container's limit)."""
     if device.type == "cuda":
         return torch.cuda.mem_get_info(device)[0]
-    return psutil.virtual_memory().available
+    host = psutil.virtual_memory().available
+    cgroup = cgroup_memory_headroom()
+    return host if cgroup is None else min(host, cgroup)
 
 
 def default_kv_cache_bytes(device: torch.device, fraction: float, max_useful_bytes: int | None = None) -> int:
