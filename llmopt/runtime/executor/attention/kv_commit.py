@@ -4,8 +4,9 @@ The cache is allocated as zero pages the OS commits on first write (kv_cache.zer
 is cheap on bare metal but not on every VM: where the hypervisor backs guest memory on first touch and takes
 freed memory back (free-page reporting, as Firecracker microVMs do), a first write cost ~25 ms per 2 MiB
 (~80 MB/s) on a 2-core EPYC VM. A decode step whose sequences all crossed into new blocks then stalled for
-1.7 s (60 new huge pages: a key and a value tensor per layer), and a 64-client serving run paid ~20 s of such
-stalls in 80. llama.cpp pays the same cost once at start (it clears its KV buffer).
+1.7 s (60 new huge pages: a key and a value tensor per layer), and a 64-client serving run writes ~1.6 GB of
+never-used blocks (~20 s at that rate, in a run of ~80). llama.cpp pays the cost once at start (it clears its KV
+buffer).
 
 Modes (EngineConfig.kv_cache_commit):
 - lazy: pages are committed by the step that first writes them (the cost lands in that step).
