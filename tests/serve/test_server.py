@@ -389,3 +389,17 @@ def test_an_8bit_kv_cache_serves_and_scoring_requests_share_the_prefix_cache():
         assert running.engine.stats().prefix_cache_hits > 0
     finally:
         running.close()
+
+
+def test_the_first_requests_lazy_imports_are_done_at_start():
+    # in a fresh interpreter: the module is not there until preload_request_path imports it (anyio's asyncio
+    # backend, which the first streamed response would import on the event loop's thread)
+    import subprocess
+    import sys
+
+    code = ("import sys; from llmopt.serve.launch import FIRST_REQUEST_MODULES, preload_request_path; "
+            "before = [m for m in FIRST_REQUEST_MODULES if m in sys.modules]; loaded = preload_request_path(); "
+            "print(before, loaded, all(m in sys.modules for m in FIRST_REQUEST_MODULES))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=limit(120))
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.split("\n")[0] == "[] ['anyio._backends._asyncio'] True"
