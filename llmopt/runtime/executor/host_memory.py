@@ -15,6 +15,7 @@ import logging
 import os
 import sys
 from functools import lru_cache
+from pathlib import Path
 
 log = logging.getLogger(__name__)
 
@@ -51,7 +52,7 @@ def cgroup_memory_headroom(proc_cgroup: str = "/proc/self/cgroup", root: str = C
     limit. A container's limit is not in the host's available memory (psutil's figure), and a KV cache sized from
     the host's and then committed (EngineConfig.kv_cache_commit) would get the container killed."""
     try:
-        lines = open(proc_cgroup).read().splitlines()
+        lines = Path(proc_cgroup).read_text().splitlines()
     except OSError:
         return None
     headroom = None
@@ -73,8 +74,8 @@ def cgroup_memory_headroom(proc_cgroup: str = "/proc/self/cgroup", root: str = C
 
 def _cgroup_room(directory: str, limit_file: str, usage_file: str) -> int | None:
     try:
-        limit = open(os.path.join(directory, limit_file)).read().strip()
-        usage = int(open(os.path.join(directory, usage_file)).read().strip())
+        limit = Path(directory, limit_file).read_text().strip()
+        usage = int(Path(directory, usage_file).read_text().strip())
     except (OSError, ValueError):
         return None
     if limit == "max" or not limit.isdigit() or int(limit) >= NO_CGROUP_LIMIT:
