@@ -87,10 +87,13 @@ def test_two_replicas_complete_every_request_with_the_tokens_of_one_engine(front
 def test_a_repeated_prefix_goes_to_the_replica_that_cached_it(front):
     shared = [(3 * j) % 200 + 1 for j in range(64)]
     front.reset_stats(clear_prefix_cache=True)
-    first = front.add_request(shared + [5, 6], PARAMS)
+    # long enough to be still running when the next request is routed (with 10 tokens the replica could finish it
+    # before the front had read its first output, leaving both replicas idle and the tie to replica 0)
+    first = front.add_request(shared + [5, 6], SamplingParams(max_tokens=400, ignore_eos=True))
     where = front._requests[first][0]
     while not front.step():  # its prompt is cached once its first token is out
         pass
+    assert first in front._requests, "the first request finished before the next was routed"
     other = front.add_request([9] * 30, PARAMS)  # the other replica is now the less loaded...
     assert front._requests[other][0] != where
     again = front.add_request(shared + [7, 8, 9], PARAMS)  # ...but this prompt's prefix is cached on `where`
