@@ -26,15 +26,26 @@ TRIM_THRESHOLD = 2**31 - 1  # never give the heap's free top back to the OS
 
 
 @lru_cache(maxsize=1)
+def linux_libc() -> ctypes.CDLL | None:
+    """The C library on Linux (its calls release the GIL; errno kept for ctypes.get_errno), else None."""
+    if not sys.platform.startswith("linux"):
+        return None
+    try:
+        return ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6", use_errno=True)
+    except OSError:
+        return None
+
+
+@lru_cache(maxsize=1)
 def keep_freed_host_memory() -> bool:
     """Make glibc reuse freed memory for large blocks (once per process); False where that is not possible
     (not glibc, or LLMOPT_KEEP_HOST_MEMORY=0). The process then keeps its peak footprint, as a server does."""
-    if os.environ.get("LLMOPT_KEEP_HOST_MEMORY", "1") == "0" or not sys.platform.startswith("linux"):
+    libc = linux_libc()
+    if os.environ.get("LLMOPT_KEEP_HOST_MEMORY", "1") == "0" or libc is None:
         return False
     try:
-        libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
         mallopt = libc.mallopt  # glibc's; musl has none
-    except (OSError, AttributeError):
+    except AttributeError:
         return False
     mallopt.argtypes, mallopt.restype = [ctypes.c_int, ctypes.c_int], ctypes.c_int
     done = mallopt(M_MMAP_THRESHOLD, MMAP_THRESHOLD) == 1 and mallopt(M_TRIM_THRESHOLD, TRIM_THRESHOLD) == 1

@@ -20,15 +20,14 @@ Modes (EngineConfig.kv_cache_commit):
 from __future__ import annotations
 
 import ctypes
-import ctypes.util
 import logging
 import os
-import sys
 import threading
 import weakref
 from typing import TYPE_CHECKING
 
 from llmopt.runtime.engine.config import KV_CACHE_COMMIT_MODES
+from llmopt.runtime.executor.host_memory import linux_libc
 
 if TYPE_CHECKING:
     from llmopt.runtime.executor.attention.kv_cache import KVCache
@@ -41,12 +40,9 @@ COMMIT_CHUNK_BYTES = 2 << 20  # per tensor per call: one transparent huge page
 
 
 def _madvise():
-    """libc's madvise with the GIL released during the call (ctypes.CDLL), or None off Linux."""
-    if not sys.platform.startswith("linux"):
-        return None
-    try:
-        libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6", use_errno=True)
-    except OSError:
+    """libc's madvise with the GIL released during the call, or None off Linux."""
+    libc = linux_libc()
+    if libc is None:
         return None
     madvise = libc.madvise
     madvise.argtypes, madvise.restype = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int], ctypes.c_int
