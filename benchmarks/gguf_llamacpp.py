@@ -1,11 +1,13 @@
 """llmopt's GGUF export run by llama.cpp (llama-cpp-python, built from source for this CPU): wikitext2 perplexity
-of llmopt's GPTQ and RTN int4 codes exported to GGUF (symmetric: Q4_0, asymmetric: Q4_1) against llama.cpp's own quantizers (Q4_0, Q4_1,
+of llmopt's GPTQ and RTN int4 codes exported to GGUF (symmetric: Q4_0, asymmetric with integer or float zero points:
+Q4_1) against llama.cpp's own quantizers (Q4_0, Q4_1,
 Q4_K_M) applied to the same fp32 model exported as an F32 GGUF, all scored by llama.cpp on the same windows; the
 same artifacts scored by llmopt (transformers forward over the artifact's weights): the export must agree within
 1%; and the greedy tokens of llama.cpp vs llmopt's runtime on the exported GPTQ weights.
 
     python benchmarks/gguf_llamacpp.py --json docs/results/data/gguf-llamacpp.json [--model smollm2-135m]
-        [--max-tokens 16384] [--seqlen 512] [--only gptq,rtn,gptq-asym,rtn-asym,Q4_0,Q4_1,Q4_K_M,f32]
+        [--max-tokens 16384] [--seqlen 512]
+        [--only gptq,rtn,gptq-asym,rtn-asym,gptq-fzp,rtn-fzp,Q4_0,Q4_1,Q4_K_M,Q4_1-f16emb,f32]
 """
 
 from __future__ import annotations
@@ -32,7 +34,15 @@ from llmopt.runtime.engine.engine import Engine
 from llmopt.runtime.engine.sampling import SamplingParams
 from llmopt.runtime.executor.loader import load_runtime_model
 
-LLAMA_CPP_TYPES = {"Q4_0": 2, "Q4_1": 3, "Q4_K_M": 15}  # llama.cpp's LLAMA_FTYPE_MOSTLY_*
+# llmopt's rows: (method, settings besides 4 bits in groups of 32); float zero: a float minimum per group (Q4_1's)
+LLMOPT_ROWS = {"gptq": ("gptq", {"sym": True}), "rtn": ("rtn", {"sym": True}),
+               "gptq-asym": ("gptq", {"sym": False}), "rtn-asym": ("rtn", {"sym": False}),
+               "gptq-fzp": ("gptq", {"sym": False, "zero_point": "float"}),
+               "rtn-fzp": ("rtn", {"sym": False, "zero_point": "float"})}
+LLAMA_CPP_TYPES = {"Q4_0": 2, "Q4_1": 3, "Q4_K_M": 15, "Q4_1-f16emb": 3}  # llama.cpp's LLAMA_FTYPE_MOSTLY_*
+# llama.cpp's quantizer puts the token embedding (tied to the output here) in 8 bits; llmopt's artifacts keep it in
+# 16: this row asks llama.cpp for F16 there too (--token-embedding-type f16), the like-for-like control
+F16_EMBEDDING_ROWS = {"Q4_1-f16emb"}
 PROMPTS = ["The capital of France is", "def fibonacci(n):", "Once upon a time,"]
 
 
@@ -78,8 +88,8 @@ def main() -> None:
     parser.add_argument("--model", default="smollm2-135m")
     parser.add_argument("--max-tokens", type=int, default=16384)
     parser.add_argument("--seqlen", type=int, default=512)
-    parser.add_argument("--only", help="these rows only, comma-separated: gptq, rtn, gptq-asym, rtn-asym, Q4_0, Q4_1, "
-                        "Q4_K_M, f32")
+    parser.add_argument("--only", help="these rows only, comma-separated: gptq, rtn, gptq-asym, rtn-asym, gptq-fzp, "
+                        "rtn-fzp, Q4_0, Q4_1, Q4_K_M, Q4_1-f16emb, f32")
     parser.add_argument("--json", type=Path)
     args = parser.parse_args()
     only = set(args.only.split(",")) if args.only else None
@@ -91,12 +101,11 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as folder:
         root = Path(folder)
         artifacts = {}
-        for stem, method, sym in (("gptq", "gptq", True), ("rtn", "rtn", True), ("gptq-asym", "gptq", False),
-                                  ("rtn-asym", "rtn", False)):
+        for stem, (method, settings) in LLMOPT_ROWS.items():
             if only is not None and stem not in only:
                 continue
             out = root / f"{stem}-w4g32"
-            quantize_to_artifact(args.model, out, [make_config(method, bits=4, group_size=32, sym=sym)])
+            quantize_to_artifact(args.model, out, [make_config(method, bits=4, group_size=32, **settings)])
             artifacts[stem] = out
             facts[f"{stem}_export"] = export_gguf(out, root / f"{stem}.gguf")
         facts["f32_export"] = export_gguf(resolve_model(args.model).path, root / "f32.gguf")
@@ -105,13 +114,17 @@ def main() -> None:
                 continue
             params = llama_cpp.llama_model_quantize_default_params()
             params.ftype, params.nthread = ftype, threads
+            if name in F16_EMBEDDING_ROWS:
+                params.token_embedding_type = params.output_tensor_type = llama_cpp.GGML_TYPE_F16
             code = llama_cpp.llama_model_quantize(str(root / "f32.gguf").encode(), str(root / f"{name}.gguf").encode(),
                                                   params)
             assert code == 0, f"llama.cpp's quantizer failed for {name} ({code})"
         files = {"llmopt GPTQ w4 g32 -> Q4_0": "gptq", "llmopt RTN w4 g32 -> Q4_0": "rtn",
                  "llmopt GPTQ w4 g32 asym -> Q4_1": "gptq-asym", "llmopt RTN w4 g32 asym -> Q4_1": "rtn-asym",
-                 "llama.cpp Q4_0": "Q4_0", "llama.cpp Q4_1": "Q4_1", "llama.cpp Q4_K_M": "Q4_K_M",
-                 "fp32 (F32 GGUF)": "f32"}
+                 "llmopt GPTQ w4 g32 float zero -> Q4_1": "gptq-fzp",
+                 "llmopt RTN w4 g32 float zero -> Q4_1": "rtn-fzp", "llama.cpp Q4_0": "Q4_0",
+                 "llama.cpp Q4_1": "Q4_1", "llama.cpp Q4_K_M": "Q4_K_M",
+                 "llama.cpp Q4_1, embedding F16": "Q4_1-f16emb", "fp32 (F32 GGUF)": "f32"}
         for label, stem in files.items():
             if only is not None and stem not in only:
                 continue

@@ -11,7 +11,7 @@ import inspect
 import typer
 
 from llmopt.compress.defaults import CALIBRATION
-from llmopt.core.contract.scheme import QUANTIZE_PRESETS
+from llmopt.core.contract.scheme import QUANTIZE_PRESETS, ZERO_POINTS
 from llmopt.core.errors import ConfigError
 from llmopt.core.registry import declared_names
 from llmopt.runtime.engine.config import EngineConfig, SpeculativeConfig, engine_field_types, engine_flag
@@ -74,6 +74,7 @@ ExportFormatName = choices("ExportFormatName", [*declared_names("llmopt.export",
 PruneMethod = choices("PruneMethod", declared_names("llmopt.compress", "PRUNE_METHODS"))
 StructuredKind = choices("StructuredKind", ["mlp", "heads", "layers"])
 SchemeName = choices("SchemeName", list(QUANTIZE_PRESETS))
+ZeroPoint = choices("ZeroPoint", list(ZERO_POINTS))
 
 
 class CalibDtype(str, Enum):

@@ -7,7 +7,7 @@ from typing import Annotated, Optional
 import typer
 
 from llmopt.cli.options import (
-    FormatName, IgnoreOpt, JsonOpt, MaxMemoryOpt, ModelArg, OutputOpt, OverwriteOpt, SchemeName,
+    FormatName, IgnoreOpt, JsonOpt, MaxMemoryOpt, ModelArg, OutputOpt, OverwriteOpt, SchemeName, ZeroPoint,
 )
 from llmopt.cli.options import QuantMethod as Method
 from llmopt.cli.options import TrustRemoteCodeOpt, calib_dtype_label, with_calibration_options
@@ -37,6 +37,10 @@ def quantize(
         help=f"Input columns per scale; -1 = per channel (default {QUANTIZE['group_size']}).")] = None,
     sym: Annotated[Optional[bool], typer.Option(
         "--sym/--asym", show_default=False, help="Symmetric (zero point fixed; the default) or asymmetric.")] = None,
+    zero_point: Annotated[Optional[ZeroPoint], typer.Option(
+        "--zero-point", help="With --asym: int (codes; GPTQ, AWQ, compressed-tensors pack-quantized) or float (a "
+        "float minimum per group, as GGUF Q4_1; written as compressed-tensors naive-quantized, exported to Q4_1 "
+        "exactly). Default int.")] = None,
     act_order: Annotated[Optional[bool], typer.Option(
         "--act-order/--no-act-order",
         help="GPTQ: quantize columns by decreasing Hessian diagonal (desc_act; default on).")] = None,
@@ -88,6 +92,8 @@ def quantize(
     settings.update({k: v for k, v in given_scheme.items() if v is not None})
     if mse is not None:
         settings["mse"] = mse
+    if zero_point is not None:
+        settings["zero_point"] = zero_point.value
     if smoothquant_alpha is not None:
         settings["smoothquant_alpha"] = smoothquant_alpha
     if method is Method.gptq:

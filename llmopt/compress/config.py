@@ -97,6 +97,9 @@ class QuantizeConfig(BaseModel):
     group_size: int = QUANTIZE["group_size"]
     sym: bool = QUANTIZE["sym"]
     mse: bool = Field(False, description="choose each group's clip ratio by minimising the weight error")
+    zero_point: Literal["int", "float"] = Field(
+        "int", description="asymmetric schemes: integer zero points (GPTQ, AWQ, compressed-tensors pack-quantized) "
+        "or a float one, i.e. a float minimum per group (GGUF Q4_1's; written as compressed-tensors naive-quantized)")
     ignore: list[str] = Field(default_factory=list, description="glob patterns of linears to leave dense")
     calibration: CalibrationConfig = Field(default_factory=CalibrationConfig)
 
@@ -127,6 +130,16 @@ class QuantizeConfig(BaseModel):
         return self
 
     @model_validator(mode="after")
+    def _float_zero_point(self):
+        if self.zero_point == "float":
+            if self.sym:
+                raise ValueError("zero_point float needs an asymmetric scheme: add --asym")
+            if self.method not in ("rtn", "gptq"):
+                raise ValueError(f"zero_point float needs method rtn or gptq, not {self.method}: AWQ's format stores "
+                                 "integer zero points")
+        return self
+
+    @model_validator(mode="after")
     def _check_bits(self):
         if self.bits not in SUPPORTED_BITS:
             raise ValueError(f"bits must be one of {SUPPORTED_BITS}")
@@ -139,7 +152,7 @@ class QuantizeConfig(BaseModel):
         observer = "mse" if self.mse else "minmax"
         if self.scheme:  # the preset's (its type: int or float)
             return dataclasses.replace(PRESETS[self.scheme].weights, observer=observer)
-        return QuantScheme(self.bits, self.group_size, self.sym, observer=observer)
+        return QuantScheme(self.bits, self.group_size, self.sym, observer=observer, zero_point=self.zero_point)
 
     @property
     def input_activations(self) -> QuantScheme | None:

@@ -12,7 +12,7 @@ from llmopt.compress.quant import mse_qparams
 from llmopt.compress.base import QUANT_METHODS, MethodSpec, Quantizer
 from llmopt.compress.config import GPTQConfig
 from llmopt.compress.float_quant import float_block_scales, quantize_float_column
-from llmopt.compress.quant import compute_qparams
+from llmopt.compress.quant import compute_qparams, quantize_codes, stored_zeros
 from llmopt.core.contract import QuantizedWeight, QuantScheme
 from llmopt.compress.hessian import HessianModifierMixin, inverse_hessian_cholesky
 from llmopt.core.adapters import get_module
@@ -114,7 +114,7 @@ def gptq_quantize_weight(
                 if mask_t is not None:  # pruned weights stay exactly zero: code 0 (+0.0 in E4M3 and E2M1)
                     qcol, dq = torch.where(mask_t[col], 0, qcol), torch.where(mask_t[col], 0.0, dq)
             else:
-                qcol = torch.clamp(torch.round(wcol / scales_t[g]) + zeros_t[g], 0, scheme.maxq)
+                qcol = quantize_codes(wcol, scales_t[g], zeros_t[g], scheme.maxq, scheme.float_zero_point)
                 if mask_t is not None:  # pruned weights stay exactly zero: code = zero point
                     qcol = torch.where(mask_t[col], zeros_t[g], qcol)
                 dq = scales_t[g] * (qcol - zeros_t[g])
@@ -136,7 +136,7 @@ def gptq_quantize_weight(
         inv = torch.argsort(perm)
         codes, g_idx = codes[:, inv], g_idx[inv]
     return QuantizedWeight(codes.to(torch.uint8).contiguous(), scales.float().contiguous(),
-                           zeros.to(torch.int32).contiguous(), g_idx, scheme,
+                           stored_zeros(zeros, scheme).contiguous(), g_idx, scheme,
                            None if bias is None else bias.detach().float().clone(), global_scale=global_scale)
 
 

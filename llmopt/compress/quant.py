@@ -22,7 +22,10 @@ def compute_qparams(
 
 
 def qparams_from_range(wmin: torch.Tensor, wmax: torch.Tensor, scheme: QuantScheme) -> tuple[torch.Tensor, torch.Tensor]:
-    """Scale and unsigned zero point [R] for rows whose values span [wmin, wmax] [R] (0 is kept in range)."""
+    """Scale and unsigned zero point [R] for rows whose values span [wmin, wmax] [R] (0 is kept in range, but for
+    a float zero point: see float_zero_qparams)."""
+    if scheme.float_zero_point:
+        return float_zero_qparams(wmin, wmax, scheme)
     wmin, wmax = wmin.clamp(max=0), wmax.clamp(min=0)
     if scheme.sym:
         amax = torch.maximum(wmin.abs(), wmax)
@@ -40,13 +43,28 @@ def qparams_from_range(wmin: torch.Tensor, wmax: torch.Tensor, scheme: QuantSche
     return scale, zero
 
 
-def quantize_codes(w: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor, maxq: int) -> torch.Tensor:
-    """Codes clamp(round(w / s) + z) for `w` [..., C] with scale/zero broadcastable to it."""
+def float_zero_qparams(wmin: torch.Tensor, wmax: torch.Tensor, scheme: QuantScheme) -> tuple[torch.Tensor, torch.Tensor]:
+    """Scale and real zero point [R] spanning exactly [wmin, wmax] (GGUF Q4_1's choice: the minimum is code 0, the
+    maximum code 2^b - 1, 0 need not be in range). Scale and minimum m are rounded to fp16 first, as every format
+    stores them (GGUF keeps m itself): z = -m / s then gives back m = -s z to well under fp16's precision."""
+    scale = ((wmax - wmin) / scheme.maxq).to(torch.float16).float()
+    scale = torch.where(scale > 0, scale, torch.ones_like(scale))
+    minimum = wmin.to(torch.float16).float()
+    return scale, -minimum / scale
+
+
+def quantize_codes(w: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor, maxq: int,
+                   float_zero: bool = False) -> torch.Tensor:
+    """Codes clamp(round(w / s) + z) for `w` [..., C] with scale/zero broadcastable to it; float_zero: a real z,
+    clamp(round(w / s + z))."""
+    if float_zero:
+        return torch.clamp(torch.round(w / scale + zero), 0, maxq)
     return torch.clamp(torch.round(w / scale) + zero, 0, maxq)
 
 
-def fake_quantize(w: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor, maxq: int) -> torch.Tensor:
-    return scale * (quantize_codes(w, scale, zero, maxq) - zero)
+def fake_quantize(w: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor, maxq: int,
+                  float_zero: bool = False) -> torch.Tensor:
+    return scale * (quantize_codes(w, scale, zero, maxq, float_zero) - zero)
 
 
 def mse_qparams(
@@ -68,7 +86,10 @@ def mse_qparams(
             scale, zero = qparams_from_range(wmin * ratio, wmax * ratio, scheme)
             s, z = scale[:, None], zero[:, None]
             # |fake_quantize(rows) - rows|^norm, in place
-            torch.div(rows, s, out=error).round_().add_(z).clamp_(0, scheme.maxq).sub_(z).mul_(s)
+            if scheme.float_zero_point:
+                torch.div(rows, s, out=error).add_(z).round_().clamp_(0, scheme.maxq).sub_(z).mul_(s)
+            else:
+                torch.div(rows, s, out=error).round_().add_(z).clamp_(0, scheme.maxq).sub_(z).mul_(s)
             err = error.sub_(rows).abs_().pow_(norm).sum(1)
             if best is None:
                 best = (err, scale, zero)
@@ -99,5 +120,11 @@ def quantize_rtn(w: torch.Tensor, scheme: QuantScheme, mse: bool = False, bias: 
         return quantize_float_rtn(w, scheme, bias, mse, global_scale)
     scales, zeros = group_qparams(w, scheme, mse)
     g_idx = default_g_idx(k, scheme)
-    codes = quantize_codes(w.float(), scales[:, g_idx.long()], zeros[:, g_idx.long()], scheme.maxq)
-    return QuantizedWeight(codes.to(torch.uint8), scales.float(), zeros.to(torch.int32), g_idx, scheme, bias)
+    codes = quantize_codes(w.float(), scales[:, g_idx.long()], zeros[:, g_idx.long()], scheme.maxq,
+                           scheme.float_zero_point)
+    return QuantizedWeight(codes.to(torch.uint8), scales.float(), stored_zeros(zeros, scheme), g_idx, scheme, bias)
+
+
+def stored_zeros(zeros: torch.Tensor, scheme: QuantScheme) -> torch.Tensor:
+    """Zero points [N, G] as the contract holds them: int32 codes, or float32 for a float zero point."""
+    return zeros.float() if scheme.float_zero_point else zeros.to(torch.int32)

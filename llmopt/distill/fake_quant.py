@@ -1,6 +1,7 @@
 """Quantization-aware distillation of an int-quantized student: the integer codes stay fixed, the group scales and
 zero points train (EfficientQAT's second phase). Each forward rebuilds the weight s * (q - z) from them; the
-zero point is rounded with a straight-through estimator, so what trains is exactly what the format stores."""
+zero point is rounded with a straight-through estimator, so what trains is exactly what the format stores (a float
+zero point trains as it is)."""
 
 from __future__ import annotations
 
@@ -39,7 +40,7 @@ class FakeQuantLinear(nn.Module):
     def weight_now(self) -> torch.Tensor:
         """[N, K] the weight the current scales and (rounded, clamped) zero points give."""
         g = self.g_idx.long()
-        zeros = round_ste(self.zeros).clamp(0, self.scheme.maxq)
+        zeros = self.zeros if self.scheme.float_zero_point else round_ste(self.zeros).clamp(0, self.scheme.maxq)
         return self.scales[:, g] * (self.q.float() - zeros[:, g])
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -47,7 +48,9 @@ class FakeQuantLinear(nn.Module):
 
     def to_quantized(self) -> QuantizedWeight:
         """The trained layer as the contract's QuantizedWeight (same codes, new scales and zero points)."""
-        zeros = torch.round(self.zeros.detach()).clamp(0, self.scheme.maxq).to(torch.int32)
+        zeros = self.zeros.detach().float().clone()
+        if not self.scheme.float_zero_point:
+            zeros = torch.round(zeros).clamp(0, self.scheme.maxq).to(torch.int32)
         bias = None if self.bias is None else self.bias.detach().float()
         return QuantizedWeight(self.q.clone(), self.scales.detach().float().clamp_min(1e-10).clone(), zeros,
                                self.g_idx.clone(), self.scheme, bias)

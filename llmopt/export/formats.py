@@ -73,6 +73,9 @@ class GPTQFormat(Format):
         b = scheme.bits
         if scheme.type != "int":
             raise _fail(self.name, name, f"{scheme.type} weights (GPTQ stores integer codes)", "use compressed-tensors")
+        if scheme.float_zero_point:
+            raise _fail(self.name, name, "float zero points (GPTQ's qzeros are packed integer codes)",
+                        "use compressed-tensors")
         if (k * b) % 32 or (n * b) % 32:
             raise _fail(self.name, name, f"{b}-bit rows of {k} x {n} do not fill whole int32 words",
                         "use compressed-tensors")
@@ -131,6 +134,9 @@ class AWQFormat(Format):
         n, k = shape
         if scheme.type != "int":
             raise _fail(self.name, name, f"{scheme.type} weights (AWQ stores integer codes)", "use compressed-tensors")
+        if scheme.float_zero_point:
+            raise _fail(self.name, name, "float zero points (AWQ's qzeros are packed integer codes)",
+                        "use compressed-tensors")
         if scheme.bits != 4:
             raise _fail(self.name, name, f"{scheme.bits}-bit weights (AWQ GEMM is 4-bit only)",
                         "use gptq or compressed-tensors")
@@ -172,7 +178,7 @@ class AWQFormat(Format):
 
 
 class CompressedTensorsFormat(Format):
-    """compressed-tensors, two of its formats:
+    """compressed-tensors, six of its formats:
     - pack-quantized (weight-only): weight_packed [N, ceil(K*b/32)] of q + 2^(b-1) (signed q), packed along K;
       weight_scale [N, G]; weight_zero_point [ceil(N*b/32), G] packed along N (asymmetric only); a 2:4 weight
       stored compressed (llmopt's extension, with the config's sparsity_config) packs only its kept codes
@@ -180,6 +186,9 @@ class CompressedTensorsFormat(Format):
     - int-quantized (W8A8: 8-bit weights with quantized input activations): weight [N, K] int8 (signed q),
       weight_scale [N, G], weight_zero_point [N, G] int8 (asymmetric only); the config group's
       input_activations says how the inputs are quantized at run time (dynamic per token);
+    - naive-quantized (asymmetric int weights with a float zero point, weight-only): int-quantized's layout with
+      weight_zero_point [N, G] float32 (z - 2^(b-1), real-valued) and the weights' args stating zp_dtype float32;
+      compressed-tensors' own decompressor computes (q - z) * s from it as for an integer zero point;
     - float-quantized (FP8): weight [N, K] float8_e4m3fn, weight_scale [N, G]; input_activations as above (FP8
       per token for W8A8-FP8, none for W8A16-FP8);
     - nvfp4-pack-quantized (NVFP4): weight_packed [N, K/2] uint8 of E2M1 codes (core.contract.fp4), weight_scale
@@ -189,7 +198,8 @@ class CompressedTensorsFormat(Format):
 
     name, marker = "compressed-tensors", "weight_packed"
     INT_MARKER = "weight_scale"  # int-quantized: `weight` is the int8 codes, so the scale marks the linear
-    READABLE = ("pack-quantized", "int-quantized", "float-quantized", "nvfp4-pack-quantized", "mxfp4-pack-quantized")
+    READABLE = ("pack-quantized", "int-quantized", "naive-quantized", "float-quantized", "nvfp4-pack-quantized",
+                "mxfp4-pack-quantized")
 
     def check(self, name, shape, scheme, trivial_g_idx=True):
         if scheme.scale_format is not None and not trivial_g_idx:
@@ -212,6 +222,8 @@ class CompressedTensorsFormat(Format):
             return f"{weights.fp4_name}-pack-quantized"
         if weights.type == "float":
             return "float-quantized"
+        if weights.float_zero_point:  # pack-quantized packs zero points as codes: one byte per code instead
+            return "naive-quantized"
         return "pack-quantized" if acts is None else "int-quantized"
 
     def pack(self, qweight):
@@ -219,7 +231,7 @@ class CompressedTensorsFormat(Format):
             return self._pack_fp4(qweight)
         if qweight.scheme.type == "float":
             return self._pack_float(qweight)
-        if qweight.input_activations is not None:
+        if qweight.input_activations is not None or qweight.scheme.float_zero_point:
             return self._pack_int(qweight)
         n, k = qweight.shape
         b = qweight.scheme.bits
@@ -251,7 +263,9 @@ class CompressedTensorsFormat(Format):
         offset = 2 ** (qweight.scheme.bits - 1)
         out = {"weight": qweight.signed_codes().contiguous(),
                "weight_scale": qweight.scales.to(SCALE_DTYPE).contiguous()}
-        if not qweight.scheme.sym:
+        if qweight.scheme.float_zero_point:  # signed like the codes: z - 2^(b-1), float32 (zp_dtype)
+            out["weight_zero_point"] = (qweight.zeros.float() - offset).contiguous()
+        elif not qweight.scheme.sym:
             out["weight_zero_point"] = (qweight.zeros - offset).to(torch.int8).contiguous()
         return {**out, **self._g_idx_and_bias(qweight)}
 
@@ -327,8 +341,13 @@ class CompressedTensorsFormat(Format):
         q = (weight.to(torch.int16) + offset).to(torch.uint8)
         scales = tensors["weight_scale"].float().reshape(q.shape[0], -1)
         zp = tensors.get("weight_zero_point")
-        zeros = (torch.full(scales.shape, offset, dtype=torch.int32) if zp is None
-                 else (zp.to(torch.int32).reshape(scales.shape) + offset))
+        if scheme.float_zero_point:
+            if zp is None or not zp.is_floating_point():
+                raise ArtifactError("a float zero point scheme (zp_dtype float) without a float weight_zero_point")
+            zeros = zp.float().reshape(scales.shape) + offset
+        else:
+            zeros = (torch.full(scales.shape, offset, dtype=torch.int32) if zp is None
+                     else (zp.to(torch.int32).reshape(scales.shape) + offset))
         g_idx = tensors.get("weight_g_idx")
         g_idx = default_g_idx(q.shape[1], scheme) if g_idx is None else g_idx.to(torch.int32)
         return QuantizedWeight(q, scales, zeros, g_idx, scheme, _bias(tensors))

@@ -23,17 +23,20 @@ from llmopt.pipelines.common import (
 from llmopt.pipelines.streamed import load_streamed, quantize_streamed
 
 
-# the one format that records quantized input activations (compressed-tensors' int-quantized) and float weights
+# the one format that records quantized input activations (compressed-tensors' int-quantized), float weights and
+# float zero points
 INPUT_ACTIVATIONS_FORMAT = "compressed-tensors"
 
 
 def default_format(method: str, config=None) -> str:
     """The checkpoint format a quantization method writes unless told otherwise (its registry entry), or for a
-    scheme with quantized input activations (W8A8) or float weights (FP8, FP4) the format that can record them."""
+    scheme with quantized input activations (W8A8), float weights (FP8, FP4) or float zero points the format that
+    can record them."""
     from llmopt.compress.api import load_methods
 
     weights = getattr(config, "weight_scheme", None)
-    if getattr(config, "input_activations", None) is not None or (weights is not None and weights.type == "float"):
+    if getattr(config, "input_activations", None) is not None or (
+            weights is not None and (weights.type == "float" or weights.float_zero_point)):
         return INPUT_ACTIVATIONS_FORMAT
     load_methods()
     return QUANT_METHODS.get(method).default_format

@@ -25,6 +25,7 @@ FP4_BLOCKS = {"tensor_group": 16, "group": 32}
 STRATEGIES = ("tensor", "channel", "group", "block", "token", "tensor_group")
 TYPES = ("int", "float")
 OBSERVERS = ("minmax", "mse")
+ZERO_POINTS = ("int", "float")
 
 
 @dataclass(frozen=True)
@@ -33,7 +34,9 @@ class QuantScheme:
     fixed at the middle of the code range; type: int codes or a float format (E4M3, E2M1); strategy: what one scale
     covers (None: group when group_size > 0, else channel); dynamic: scales computed at run time from the tensor
     itself (activations), not stored; observer: how a static range is chosen (min/max, or the error-minimising
-    search)."""
+    search); zero_point: of an asymmetric int scheme, an integer code (GPTQ, AWQ and compressed-tensors pack them
+    as codes) or any real number, i.e. a float minimum per group, w = s * q + m with m = -s * z (GGUF Q4_1's and
+    K-quants' parametrisation): the group's range need not contain 0 nor start on a code."""
 
     bits: int = 4
     group_size: int = 128
@@ -42,6 +45,7 @@ class QuantScheme:
     strategy: Literal["tensor", "channel", "group", "block", "token"] | None = None
     dynamic: bool = False
     observer: Literal["minmax", "mse"] = field(default="minmax", compare=False)  # how, not what: not compared
+    zero_point: Literal["int", "float"] = "int"
 
     def __post_init__(self):
         if self.strategy is None:
@@ -49,6 +53,15 @@ class QuantScheme:
         for name, allowed in (("type", TYPES), ("strategy", STRATEGIES), ("observer", OBSERVERS)):
             if getattr(self, name) not in allowed:
                 raise ConfigError(f"scheme {name} {getattr(self, name)!r}: choose one of {', '.join(allowed)}")
+        if self.zero_point not in ZERO_POINTS:
+            raise ConfigError(f"zero point {self.zero_point!r}: choose one of {', '.join(ZERO_POINTS)}")
+        if self.float_zero_point and (self.sym or self.type != "int"):
+            raise ConfigError("a float zero point belongs to asymmetric integer schemes: quantize with --asym (a "
+                              "symmetric scheme's zero point is fixed, a float grid has none)")
+
+    @property
+    def float_zero_point(self) -> bool:
+        return self.zero_point == "float"
 
     @property
     def maxq(self) -> int:
@@ -101,6 +114,8 @@ class QuantScheme:
         args = {"num_bits": self.bits, "type": self.type, "symmetric": self.sym, "strategy": self.strategy,
                 "group_size": self.group_size if self.strategy in ("group", "tensor_group") else None,
                 "dynamic": self.dynamic, "observer": None if self.dynamic else self.observer}
+        if self.float_zero_point:  # a real zero point per group, stored as float32 (compressed-tensors' zp_dtype)
+            args["zp_dtype"] = "torch.float32"
         if self.dynamic and self.strategy == "tensor_group":
             # NVFP4 inputs: block scales computed at run time ("local"), the global scale calibrated (static)
             args.update(dynamic="local", observer="static_minmax")
@@ -114,8 +129,11 @@ class QuantScheme:
         strategy = args.get("strategy") or ("group" if args.get("group_size") else "channel")
         group = args.get("group_size") if strategy in ("group", "tensor_group") else -1
         observer = args.get("observer") if args.get("observer") in OBSERVERS else "minmax"
-        return cls(args.get("num_bits", 8), group or -1, args.get("symmetric", True), args.get("type", "int"),
-                   strategy, args.get("dynamic") in (True, "local"), observer)
+        kind = args.get("type", "int")
+        zp_dtype = str(args.get("zp_dtype") or "")
+        zero_point = "float" if kind == "int" and "float" in zp_dtype and not args.get("symmetric", True) else "int"
+        return cls(args.get("num_bits", 8), group or -1, args.get("symmetric", True), kind,
+                   strategy, args.get("dynamic") in (True, "local"), observer, zero_point)
 
 
 # Dynamic 8-bit activations, one symmetric scale per group of 64 input columns (the int4 kernels' block): the

@@ -3,7 +3,9 @@
 Convention (every method and format works from it): a weight W [N out, K in] is split into groups of
 `group_size` consecutive input columns (group_size = -1: one group per row). Each (row, group) has a scale
 s > 0 and an unsigned zero point z in [0, 2^b - 1]; q = clamp(round(W / s) + z, 0, 2^b - 1) and
-W ~ s * (q - z). Symmetric schemes fix z = 2^(b-1), so zero is exactly representable.
+W ~ s * (q - z). Symmetric schemes fix z = 2^(b-1), so zero is exactly representable. A scheme with a float zero
+point (QuantScheme.zero_point "float") lets z be any real number: q = clamp(round(W / s + z), 0, 2^b - 1), the same
+W ~ s * (q - z), i.e. a float minimum m = -s z per group (GGUF Q4_1).
 """
 
 from __future__ import annotations
@@ -24,7 +26,7 @@ class QuantizedWeight:
     q:      [N, K] uint8, unsigned codes in [0, 2^bits - 1]; for a float scheme the E4M3 values' bytes (FP8) or
             the E2M1 codes (FP4: core.contract.fp4)
     scales: [N, G] float32 (FP4: the block scales as stored, E4M3 values or powers of two)
-    zeros:  [N, G] int32, unsigned zero points (2^(bits-1) when symmetric)
+    zeros:  [N, G] int32, unsigned zero points (2^(bits-1) when symmetric); float32 for a float zero point scheme
     g_idx:  [K] int32, group of each input column (k // group_size unless act-order permuted groups)
     input_activations: the scheme its inputs are quantized with at run time (W8A8), None for weight-only
     global_scale: [1] float32, NVFP4's per-tensor divisor of every block scale (w = v * s / global), else None
