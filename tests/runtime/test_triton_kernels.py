@@ -114,6 +114,21 @@ def test_w4a16_matmul(m, n, k, group_size, sym, dtype):
     torch.testing.assert_close(y.float().cpu(), expected, rtol=tol, atol=tol * expected.abs().max().item())
 
 
+@pytest.mark.parametrize("dtype", [torch.float16, torch.float32])
+def test_w4a16_matmul_keeps_float_zero_points_in_float32(dtype):
+    g = torch.Generator().manual_seed(5)
+    w = torch.randn(64, 128, generator=g) * 0.002 + 0.1  # groups far from 0: zero points near -100
+    qw = quantize_rtn(w, QuantScheme(4, 32, False, zero_point="float"))
+    x = torch.randn(3, 128, generator=g).to(dtype)
+    expected = reference_quant_matmul(x.float(), qw.q, qw.scales, qw.zeros, qw.g_idx)
+    qweight, scales, zeros = pack_w4a16(qw.q.to(DEVICE), qw.scales.to(DEVICE), qw.zeros.to(DEVICE), dtype)
+    assert zeros.dtype == torch.float32
+    y = w4a16_matmul(x.to(DEVICE), qweight, scales, zeros, 32)
+    # the weights are rounded to `dtype` for tl.dot, the zero points not
+    tol = 1e-4 if dtype == torch.float32 else 1e-2
+    torch.testing.assert_close(y.float().cpu(), expected, rtol=tol, atol=tol * expected.abs().max().item())
+
+
 def _linear(method_cls, qweight, dtype):
     """A CUDA linear method built on this test's device (its kernels run in the interpreter without a GPU)."""
     return method_cls(qweight, dtype, DEVICE)

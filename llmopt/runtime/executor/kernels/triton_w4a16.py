@@ -2,7 +2,8 @@
 dequantized in registers, fp32 accumulation.
 
 Layout (made at load by `pack_w4a16`): qweight [K / 8, N] int32 with code k of column n in bits
-4 * (k % 8) of row k // 8; scales [K / G, N] and zeros [K / G, N] in the activation dtype (zero = code offset).
+4 * (k % 8) of row k // 8; scales [K / G, N] and zeros [K / G, N] in the activation dtype (zero = code offset;
+float32 for a float zero point).
 Shapes: x [M, K] fp16/bf16/fp32; y [M, N]. Reference: `kernels.quant_matmul.reference_quant_matmul`.
 """
 
@@ -59,8 +60,11 @@ def pack_code_words(q: torch.Tensor) -> torch.Tensor:
 
 def pack_w4a16(q: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor, dtype: torch.dtype
                ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Codes [N, K] (K % 8 == 0), scales/zeros [N, G] -> (qweight [K/8, N] int32, scales [G, N], zeros [G, N])."""
-    return pack_code_words(q), scales.t().to(dtype).contiguous(), zeros.t().to(dtype).contiguous()
+    """Codes [N, K] (K % 8 == 0), scales/zeros [N, G] -> (qweight [K/8, N] int32, scales [G, N], zeros [G, N]).
+    Integer zero points (codes) are exact in any activation dtype; float ones (a float minimum per group) stay
+    float32, as bf16 would move them by up to 1/16 of a step."""
+    zero_dtype = torch.float32 if zeros.is_floating_point() else dtype
+    return pack_code_words(q), scales.t().to(dtype).contiguous(), zeros.t().to(zero_dtype).contiguous()
 
 
 def w4a16_matmul(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor,
