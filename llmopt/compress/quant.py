@@ -83,7 +83,10 @@ def mse_qparams(
         best = None  # (err, scale, zero)
         for i in range(int(max_shrink * grid) + 1):
             ratio = 1 - i / grid
-            scale, zero = qparams_from_range(wmin * ratio, wmax * ratio, scheme)
+            # an integer zero point's range holds 0 and shrinks toward it; a float one's toward its middle
+            centre = (wmin + wmax) / 2 if scheme.float_zero_point else 0.0
+            scale, zero = qparams_from_range(centre + (wmin - centre) * ratio, centre + (wmax - centre) * ratio,
+                                             scheme)
             s, z = scale[:, None], zero[:, None]
             # |fake_quantize(rows) - rows|^norm, in place
             if scheme.float_zero_point:

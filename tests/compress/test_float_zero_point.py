@@ -51,6 +51,21 @@ def test_the_range_is_the_group_s_own_with_fp16_scale_and_minimum():
     assert torch.allclose(-zero * scale, w.amin(1).half().float(), rtol=1e-6, atol=0)
 
 
+def test_the_mse_search_shrinks_a_float_range_toward_its_middle():
+    # groups far from 0 with one outlier each: shrinking toward 0 would slide the window off the bulk, so only a
+    # window shrunk about its middle can trade the outlier's error for a finer step
+    g = torch.Generator().manual_seed(2)
+    w = 10 + torch.rand(8, 32, generator=g) * 0.3
+    w[:, 0] = 10.6
+    minmax = quantize_rtn(w, FLOAT_ZERO).dequantize()
+    searched = quantize_rtn(w, FLOAT_ZERO, mse=True).dequantize()
+
+    def error(dq):
+        return float((dq - w).abs().pow(2.4).sum())
+
+    assert error(searched) < 0.9 * error(minmax)
+
+
 def test_rtn_recovers_a_q4_1_grid_that_integer_zero_points_miss():
     w = q4_1_grid_weight()
     floating = quantize_rtn(w, FLOAT_ZERO)
