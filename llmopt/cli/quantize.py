@@ -39,8 +39,8 @@ def quantize(
         "--sym/--asym", show_default=False, help="Symmetric (zero point fixed; the default) or asymmetric.")] = None,
     zero_point: Annotated[Optional[ZeroPoint], typer.Option(
         "--zero-point", help="With --asym: int (codes; GPTQ, AWQ, compressed-tensors pack-quantized) or float (a "
-        "float minimum per group, as GGUF Q4_1; written as compressed-tensors naive-quantized, exported to Q4_1 "
-        "exactly). Default int.")] = None,
+        "float minimum per group, as GGUF Q4_1; written as compressed-tensors naive-quantized, exported to Q4_1 to "
+        "fp32 rounding). Default int.")] = None,
     act_order: Annotated[Optional[bool], typer.Option(
         "--act-order/--no-act-order",
         help="GPTQ: quantize columns by decreasing Hessian diagonal (desc_act; default on).")] = None,
