@@ -52,6 +52,19 @@ def test_recipe_errors_name_file_line_and_allowed_values(tmp_path, text, pattern
     assert_one_line_error(run("recipe", "validate", path), pattern)
 
 
+def test_a_float_zero_point_is_a_quantize_setting_that_asks_for_asym(tmp_path):
+    from llmopt.compress.api import make_config
+
+    path = tmp_path / "r.yaml"
+    path.write_text(GOOD.replace("group_size: 32", "group_size: 32, sym: false, zero_point: float"))
+    [stage] = load_recipe(path).variants["q"]
+    settings = dict(stage["quantize"])
+    assert make_config(settings.pop("method"), **settings).weight_scheme.float_zero_point
+    path.write_text(GOOD.replace("group_size: 32", "group_size: 32, zero_point: float"))
+    with pytest.raises(ConfigError, match=r":6: variants.q\[0\].quantize: .*add --asym"):
+        load_recipe(path)
+
+
 @pytest.mark.parametrize("text, pattern", [
     (GOOD.replace("model: tiny-random-llama", "model: ./no-such-model"), r":2: model: no such folder"),
     (GOOD + "  d:\n    - distill: {max_steps: 2, student_layers: [0, 5]}\n",
