@@ -1,7 +1,7 @@
 """llmopt's GGUF export run by llama.cpp (llama-cpp-python, built from source for this CPU): wikitext2 perplexity
 of llmopt's GPTQ and RTN int4 codes exported to GGUF (symmetric: Q4_0, asymmetric with integer or float zero points:
-Q4_1) against llama.cpp's own quantizers (Q4_0, Q4_1,
-Q4_K_M) applied to the same fp32 model exported as an F32 GGUF, all scored by llama.cpp on the same windows; the
+Q4_1) against llama.cpp's own quantizers (Q4_0, Q4_1, Q4_K_M, and Q4_1 with an F16 embedding) applied to the same
+fp32 model exported as an F32 GGUF, all scored by llama.cpp on the same windows; the
 same artifacts scored by llmopt (transformers forward over the artifact's weights): the export must agree within
 1%; and the greedy tokens of llama.cpp vs llmopt's runtime on the exported GPTQ weights.
 
