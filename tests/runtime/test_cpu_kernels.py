@@ -44,6 +44,7 @@ def test_cpu_kernels_build(ops):
     ([40, 3, 16, 31, 64], 9, 3, 64, 16),  # SmolLM2's heads; partial groups of 16 rows; whole sequences per item
     ([70], 8, 1, 64, 16),  # group 8, a single KV head
     ([100, 7], 4, 4, 128, 16),  # no GQA, head_dim 128
+    ([45, 12, 77], 8, 4, 128, 16),  # group 2, head_dim 128: on AVX2 pass 2 runs over the values in 4 column runs
     ([33, 50, 8, 9], 16, 2, 32, 8),  # block size 8: one row at a time
     ([20] * 6, 18, 2, 64, 16),  # group 9: beyond the specialized ones
 ])
