@@ -16,10 +16,11 @@ the other ops, and the rest of the step's wall time (Python, dispatch). With --l
 llama.cpp's `llama-server`, built from source here), serving: `llmopt serve` on the int4 artifact against
 `llama-server -np C -cb` on its GGUF export, C = 8 and 64 clients streaming 128/128 completions (2 C requests),
 both driven by `llmopt bench --base-url`'s client (`llmopt.eval.speed.bench_http`), each with a KV cache of the
-same tokens committed at start (--serve-rounds rounds, medians).
+same tokens committed at start and of the same dtype (--serve-kv-cache-dtype: float16 by default, llama-server's own
+default cache type; --serve-rounds rounds, medians).
 
     python benchmarks/peers.py --json docs/results/data/peers.json [--model smollm2-135m] [--rounds 3]
-        [--llama-server PATH] [--clients 8,64] [--serve-rounds 1]
+        [--llama-server PATH] [--clients 8,64] [--serve-rounds 1] [--serve-kv-cache-dtype float16]
 """
 
 from __future__ import annotations
@@ -36,6 +37,7 @@ from pathlib import Path
 from serve import free_port, started  # (benchmarks/serve.py: a server subprocess, once its /health answers)
 
 VOCAB_LOW, VOCAB_HIGH = 200, 40000  # random prompt tokens: ordinary ids of SmolLM2's vocabulary
+LLAMA_CACHE_TYPES = {"float16": "f16", "float32": "f32", "bfloat16": "bf16"}  # llmopt's KV dtype -> llama-server's
 PRODUCT_OPS = ("mm", "gemv", "matmul", "linear", "int4", "panel", "sparse24", "int8")  # ops that are a linear
 
 
@@ -161,21 +163,24 @@ def served_tok_s(model: str, command: list[str], port: int, clients: int) -> dic
 def serving(args, int4: Path, gguf: Path, clients: int) -> dict:
     """--serve-rounds rounds, each llama-server then llmopt serve; the medians of their output tok/s. Both get a KV
     cache of the same tokens (2 C requests' worth of C at once), committed at start: llama.cpp clears its cache
-    before serving, and llmopt is told to commit it (--kv-cache-commit startup) instead of in the background."""
+    before serving, and llmopt is told to commit it (--kv-cache-commit startup) instead of in the background. Both
+    caches hold --serve-kv-cache-dtype (llama-server's -ctk / -ctv, llmopt's --kv-cache-dtype)."""
     context = clients * (128 + 128 + 16)
+    kv_dtype = args.serve_kv_cache_dtype
     rounds = {"llmopt": [], "llama-server": []}
     for _ in range(args.serve_rounds):
         port = free_port()
         rounds["llama-server"].append(served_tok_s(
             args.model, [args.llama_server, "-m", str(gguf), "-np", str(clients), "-cb", "-t", str(args.threads),
-                         "-tb", str(args.threads), "-c", str(context), "--host", "127.0.0.1", "--port", str(port),
+                         "-tb", str(args.threads), "-c", str(context), "-ctk", LLAMA_CACHE_TYPES[kv_dtype],
+                         "-ctv", LLAMA_CACHE_TYPES[kv_dtype], "--host", "127.0.0.1", "--port", str(port),
                          "-a", "served"], port, clients))
         port = free_port()
         rounds["llmopt"].append(served_tok_s(
             args.model, [sys.executable, "-m", "llmopt", "serve", str(int4), "--port", str(port),
                          "--served-model-name", "served", "--max-num-seqs", str(max(clients, 8)),
                          "--lm-head", args.serve_lm_head, "--kv-cache-tokens", str(context),
-                         "--kv-cache-commit", "startup"], port, clients))
+                         "--kv-cache-commit", "startup", "--kv-cache-dtype", kv_dtype], port, clients))
     result = {name: median_run(runs) for name, runs in rounds.items()}
     result["ratio"] = result["llmopt"]["output_tok_s"] / result["llama-server"]["output_tok_s"]
     return result
@@ -200,6 +205,8 @@ def main() -> None:
     parser.add_argument("--serve-rounds", type=int, default=1, help="serving rounds per client count (medians)")
     parser.add_argument("--serve-lm-head", default="model", choices=("model", "int8"),
                         help="`llmopt serve --lm-head` in the serving rows")
+    parser.add_argument("--serve-kv-cache-dtype", default="float16", choices=tuple(LLAMA_CACHE_TYPES),
+                        help="both servers' KV cache dtype in the serving rows (float16: llama-server's default)")
     parser.add_argument("--work", default=None, help="where the artifacts and GGUF files go (default: a temp dir)")
     parser.add_argument("--json", default=None)
     args = parser.parse_args()

@@ -60,6 +60,21 @@ def test_paged_decode_attention_matches_reference(ops, context_lens, num_heads, 
     torch.testing.assert_close(out.float(), expected, rtol=tol, atol=tol)
 
 
+@pytest.mark.parametrize("cache_dtype", [torch.float16, torch.bfloat16])
+def test_paged_decode_attention_takes_fp32_queries_over_a_16_bit_cache(ops, cache_dtype):
+    # an fp32 model's fp16 / bf16 cache: q and the output stay fp32 (q is not rounded to the cache's dtype)
+    q, k_cache, v_cache, meta = paged_setup([40, 3, 16, 31, 64], 9, 3, 64, 16, cache_dtype)
+    q = q.float() + 1e-3 * torch.randn(q.shape)  # values a 16-bit q would round
+    expected = paged_attention(q, k_cache.float(), v_cache.float(), meta, 0.125)  # fp32: torch path
+    out = ops.paged_decode_attention(q, k_cache, v_cache, meta.decode.block_tables, meta.decode.context_lens, 0.125)
+    assert out.dtype == torch.float32
+    tol = 1e-5 if cache_dtype == torch.float16 else 2e-2  # (the AVX512_BF16 build's key pass rounds q to bf16)
+    torch.testing.assert_close(out, expected, rtol=tol, atol=tol)
+    with pytest.raises(RuntimeError, match="share a dtype"):
+        ops.paged_decode_attention(q.to(torch.float16), k_cache.to(torch.bfloat16), v_cache.to(torch.bfloat16),
+                                   meta.decode.block_tables, meta.decode.context_lens, 0.125)
+
+
 def test_paged_decode_attention_reads_q_as_a_view_of_wider_rows(ops):
     # the decoder passes q as a view into the fused q/k/v output: rows strided, heads contiguous
     q, k_cache, v_cache, meta = paged_setup([12, 40, 3, 17], 6, 2, 64, 16, torch.bfloat16)
@@ -169,18 +184,20 @@ def test_decoder_with_fused_ops_matches_the_torch_ops():
     assert outputs[0] == outputs[1]
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_store_kv_writes_strided_rows_into_their_slots(ops, dtype):
+@pytest.mark.parametrize("dtype,cache_dtype", [(torch.float32, torch.float32), (torch.bfloat16, torch.bfloat16),
+                                               (torch.float32, torch.float16), (torch.float32, torch.bfloat16)])
+def test_store_kv_writes_strided_rows_into_their_slots(ops, dtype, cache_dtype):
+    # (fp32 keys and values into a 16-bit cache: each value rounded as .to() rounds it)
     g = torch.Generator().manual_seed(0)
     num_blocks, block_size, kv_heads, head_dim, tokens = 6, 4, 2, 8, 5
     qkv = torch.randn(tokens, (3 + 2 * kv_heads) * head_dim, generator=g).to(dtype)  # k, v: views into it
     k = qkv[:, 3 * head_dim:(3 + kv_heads) * head_dim].view(tokens, kv_heads, head_dim)
     v = qkv[:, (3 + kv_heads) * head_dim:].view(tokens, kv_heads, head_dim)
     slots = torch.tensor([3, 17, 0, 23, 9])
-    caches = [torch.randn(num_blocks, block_size, kv_heads, head_dim, generator=g).to(dtype) for _ in range(2)]
+    caches = [torch.randn(num_blocks, block_size, kv_heads, head_dim, generator=g).to(cache_dtype) for _ in range(2)]
     expected = [c.clone() for c in caches]
-    expected[0].view(-1, kv_heads, head_dim)[slots] = k
-    expected[1].view(-1, kv_heads, head_dim)[slots] = v
+    expected[0].view(-1, kv_heads, head_dim)[slots] = k.to(cache_dtype)
+    expected[1].view(-1, kv_heads, head_dim)[slots] = v.to(cache_dtype)
     ops.store_kv_(caches[0], caches[1], k, v, slots)
     assert torch.equal(caches[0], expected[0]) and torch.equal(caches[1], expected[1])
     with pytest.raises(RuntimeError, match="slot outside"):

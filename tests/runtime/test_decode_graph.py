@@ -58,7 +58,8 @@ def run_counting_graph_steps(e: Engine, monkeypatch) -> tuple[list, list[int]]:
 
 
 @pytest.mark.parametrize("kind", ["int4 8-bit inputs", "int4 float inputs", "int8 8-bit inputs", "fp32 dense",
-                                  "fp32 dense int8 head", "int8 kv cache", "fp8 kv cache", "qwen2 biases"])
+                                  "fp32 dense int8 head", "int8 kv cache", "fp8 kv cache", "fp16 kv cache",
+                                  "bf16 kv cache", "qwen2 biases"])
 def test_the_graph_computes_what_the_layer_loop_does(kind, tiny_gptq_artifact, int8_artifact, tiny_llama_dir,
                                                      tiny_qwen2_dir, monkeypatch):
     path, settings = {
@@ -69,6 +70,9 @@ def test_the_graph_computes_what_the_layer_loop_does(kind, tiny_gptq_artifact, i
         "fp32 dense int8 head": (tiny_llama_dir, {"lm_head": "int8"}),
         "int8 kv cache": (tiny_gptq_artifact, {"kv_cache_dtype": "int8"}),
         "fp8 kv cache": (tiny_llama_dir, {"kv_cache_dtype": "fp8"}),
+        # an fp32 model over a 16-bit cache: the store rounds fp32 keys and values, the decode reads fp32 queries
+        "fp16 kv cache": (tiny_gptq_artifact, {"kv_cache_dtype": "float16"}),
+        "bf16 kv cache": (tiny_llama_dir, {"kv_cache_dtype": "bfloat16"}),
         "qwen2 biases": (tiny_qwen2_dir, {}),
     }[kind]
     with_graph = engine(path, True, **settings)
@@ -126,8 +130,7 @@ def test_steps_the_graph_cannot_serve_keep_the_layer_loop(tiny_llama_dir, monkey
     assert graphs.for_step(meta, e.runner.kv_cache, GRAPH_MAX_ROWS + 1) is None
 
 
-@pytest.mark.parametrize("settings", [{"decode_graph": False}, {"attention_backend": "torch"},
-                                      {"kv_cache_dtype": "bfloat16"}, {"fast_path": False}])
+@pytest.mark.parametrize("settings", [{"decode_graph": False}, {"attention_backend": "torch"}, {"fast_path": False}])
 def test_engines_the_graph_cannot_serve_build_none(tiny_llama_dir, settings):
     checkpoint, tok, _ = load_runtime_model(str(tiny_llama_dir), activations="float")
     e = Engine(checkpoint, tok, EngineConfig(block_size=4, kv_cache_bytes=2**20, **settings))

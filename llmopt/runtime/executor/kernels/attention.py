@@ -151,11 +151,18 @@ def store_kv(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: t
     return compiled_store_kv(k, v, k_cache, v_cache, slot_mapping, scales)
 
 
+def narrowing_cache(dtype: torch.dtype, cache_dtype: torch.dtype) -> bool:
+    """Whether the compiled CPU store and decode take `dtype` tensors for a `cache_dtype` cache as they are: fp32
+    keys, values and queries over an fp16 / bf16 cache (the store rounds each value as `.to()` does)."""
+    return dtype == torch.float32 and cache_dtype in (torch.float16, torch.bfloat16)
+
+
 def compiled_store_kv(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                       slot_mapping: torch.Tensor, scales: Scales = None) -> None:
     """The compiled CPU store where the layouts allow it (the same bits as the reference: a copy, or in 8 bits
     the same quantization)."""
-    if (k_cache.device.type == "cpu" and k.dtype == v.dtype and (scales is not None or k.dtype == k_cache.dtype)
+    if (k_cache.device.type == "cpu" and k.dtype == v.dtype and (scales is not None or k.dtype == k_cache.dtype
+                                                                 or narrowing_cache(k.dtype, k_cache.dtype))
             and k.stride(-1) == v.stride(-1) == 1 and k.stride(1) == v.stride(1) == k.shape[2]):
         ops = cpu_ops()
         if ops is not None:
@@ -213,7 +220,9 @@ def _attend_decodes(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
                 q, k_cache.view(torch.uint8), v_cache.view(torch.uint8), scales[0], scales[1], decode.block_tables,
                 decode.context_lens, scale, k_cache.dtype == torch.float8_e4m3fn)
         if ops is not None:
-            out = ops.paged_decode_attention(q if q.dtype == k_cache.dtype else q.to(k_cache.dtype), k_cache,
+            # (an fp32 q over an fp16 / bf16 cache goes in as it is: the kernel reads it in fp32)
+            same = q.dtype == k_cache.dtype or narrowing_cache(q.dtype, k_cache.dtype)
+            out = ops.paged_decode_attention(q if same else q.to(k_cache.dtype), k_cache,
                                              v_cache, decode.block_tables, decode.context_lens, scale)
             return out if out.dtype == q.dtype else out.to(q.dtype)
     num_seqs, width = decode.block_tables.shape

@@ -17,7 +17,7 @@ from __future__ import annotations
 import torch
 
 from llmopt.runtime.executor.attention import KVCache
-from llmopt.runtime.executor.kernels.attention import AttentionMetadata
+from llmopt.runtime.executor.kernels.attention import AttentionMetadata, narrowing_cache
 from llmopt.runtime.executor.kernels.cpu_ops import decode_graph_class
 
 # Decode steps of up to this many sequences (the 8-bit inputs' kernels' rows: q8_inputs.Q8InputsMixin); beyond,
@@ -85,8 +85,10 @@ class DecodeGraphs:
 def supports(decoder, kv_cache: KVCache) -> bool:
     """Whether `decoder` can run its decodes through graphs over `kv_cache`: the compiled fused path in one
     process (no all-reduce between the layers), the compiled CPU attention (the kernels the graph calls for the
-    store and the decode), and a cache in the model's dtype or in 8 bits (what that store takes)."""
+    store and the decode), and a cache in the model's dtype, in 8 bits, or fp16 / bf16 under an fp32 model (what
+    that store takes)."""
     spec = kv_cache.spec
     # (fused_ops: the compiled kernels are built, the graph class with them)
     return (decoder.fused_ops is not None and decoder.group is None and spec.layout == "kv"
-            and getattr(decoder.attention, "decode_graph", False) and (spec.dtype == decoder.dtype or spec.quantized))
+            and getattr(decoder.attention, "decode_graph", False)
+            and (spec.dtype == decoder.dtype or spec.quantized or narrowing_cache(decoder.dtype, spec.dtype)))

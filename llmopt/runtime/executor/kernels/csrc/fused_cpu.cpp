@@ -235,6 +235,24 @@ at::Tensor argmax_rows(const at::Tensor& logits) {
 }
 
 
+// store_kv_ for fp32 k, v into fp16 / bf16 caches: each value rounded to nearest even, as torch's .to() does
+template <typename TC>
+void store_kv_narrowed(at::Tensor& k_cache, at::Tensor& v_cache, const at::Tensor& k, const at::Tensor& v,
+                       const int64_t* sp, int64_t num_slots) {
+  const int64_t width = k.size(1) * k.size(2);
+  TC* kc = k_cache.data_ptr<TC>();
+  TC* vc = v_cache.data_ptr<TC>();
+  const float* kp = k.data_ptr<float>();
+  const float* vp = v.data_ptr<float>();
+  for (int64_t t = 0; t < k.size(0); ++t) {
+    TORCH_CHECK(sp[t] >= 0 && sp[t] < num_slots, "slot outside the cache");
+    for (int64_t j = 0; j < width; ++j) {
+      kc[sp[t] * width + j] = static_cast<TC>(kp[t * k.stride(0) + j]);
+      vc[sp[t] * width + j] = static_cast<TC>(vp[t * v.stride(0) + j]);
+    }
+  }
+}
+
 // k, v [T, kv_heads, head_dim] (rows may be strided: views into the fused qkv output) -> their cache slots
 // (caches [num_blocks, block_size, kv_heads, head_dim], slot = block * block_size + offset): one call instead
 // of two index_put.
@@ -246,12 +264,20 @@ void store_kv_(at::Tensor& k_cache, at::Tensor& v_cache, const at::Tensor& k, co
               "k, v [T, kv_heads, head_dim] expected");
   TORCH_CHECK(k.stride(2) == 1 && k.stride(1) == k.size(2) && v.stride(2) == 1 && v.stride(1) == v.size(2),
               "each token's k and v must be contiguous");
-  TORCH_CHECK(k.scalar_type() == k_cache.scalar_type() && v.scalar_type() == v_cache.scalar_type(),
-              "k, v must have the cache's dtype");
+  TORCH_CHECK(k.scalar_type() == v.scalar_type() && k_cache.scalar_type() == v_cache.scalar_type(),
+              "k and v must share a dtype, and so must the caches");
   TORCH_CHECK(slot_mapping.scalar_type() == at::kLong && slot_mapping.numel() == k.size(0), "one slot per token");
   const at::Tensor slots = slot_mapping.contiguous();
   const int64_t* sp = slots.data_ptr<int64_t>();
   const int64_t num_slots = k_cache.size(0) * k_cache.size(1);
+  if (k.scalar_type() != k_cache.scalar_type()) {
+    TORCH_CHECK(k.scalar_type() == at::kFloat && (k_cache.scalar_type() == at::kHalf ||
+                                                  k_cache.scalar_type() == at::kBFloat16),
+                "k, v must have the cache's dtype (or be fp32 for fp16 / bf16 caches)");
+    if (k_cache.scalar_type() == at::kHalf) store_kv_narrowed<at::Half>(k_cache, v_cache, k, v, sp, num_slots);
+    else store_kv_narrowed<at::BFloat16>(k_cache, v_cache, k, v, sp, num_slots);
+    return;
+  }
   const int64_t row_bytes = k.size(1) * k.size(2) * k.element_size();
   char* kc = static_cast<char*>(k_cache.data_ptr());
   char* vc = static_cast<char*>(v_cache.data_ptr());

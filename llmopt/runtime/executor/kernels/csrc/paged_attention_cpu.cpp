@@ -378,7 +378,8 @@ AttendFn<T> pick_attend(const Layout& L) {
   return attend_heads_generic<T>;
 }
 
-template <typename T>
+// TQ: q's and the output's dtype, T: the caches' (an fp32 model's fp16 / bf16 cache: TQ float)
+template <typename TQ, typename T>
 void decode_attention_impl(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
                            const at::Tensor& block_tables, const at::Tensor& context_lens, double scale,
                            at::Tensor& out) {
@@ -386,12 +387,12 @@ void decode_attention_impl(const at::Tensor& q, const at::Tensor& k_cache, const
   const Layout L = layout_of(q, k_cache);
   const int64_t num_kv_heads = L.num_kv_heads, block_size = L.block_size;
   const int64_t max_blocks = block_tables.size(1);
-  const T* q_ptr = q.data_ptr<T>();
+  const TQ* q_ptr = q.data_ptr<TQ>();
   const T* k_ptr = k_cache.data_ptr<T>();
   const T* v_ptr = v_cache.data_ptr<T>();
   const int64_t* tables = block_tables.data_ptr<int64_t>();
   const int64_t* lens = context_lens.data_ptr<int64_t>();
-  T* out_ptr = out.data_ptr<T>();
+  TQ* out_ptr = out.data_ptr<TQ>();
   const float fscale = static_cast<float>(scale);
   const AttendFn<T> attend = pick_attend<T>(L);
   // Whole sequences per item when there are enough to keep every thread busy; else split the KV heads too.
@@ -405,12 +406,12 @@ void decode_attention_impl(const at::Tensor& q, const at::Tensor& k_cache, const
       const Item it{tables + seq * max_blocks, lens[seq], h0, h0 + heads_per_item};
       TORCH_CHECK(it.ctx >= 1 && it.ctx <= max_blocks * block_size, "context length outside its block table");
       const int64_t first = h0 * L.group * head_dim, count = heads_per_item * L.group * head_dim;
-      const T* qs = q_ptr + seq * q.stride(0);
+      const TQ* qs = q_ptr + seq * q.stride(0);
       for (int64_t j = first; j < first + count; ++j) q_f[j] = to_float(qs[j]);
       scores.resize(heads_per_item * L.group * it.ctx);
       attend(q_f.data(), k_ptr, v_ptr, it, L, fscale, scores.data(), acc.data());
-      T* os = out_ptr + seq * num_heads * head_dim;
-      for (int64_t j = first; j < first + count; ++j) os[j] = static_cast<T>(acc[j]);
+      TQ* os = out_ptr + seq * num_heads * head_dim;
+      for (int64_t j = first; j < first + count; ++j) os[j] = static_cast<TQ>(acc[j]);
     }
   });
 }
@@ -419,8 +420,10 @@ at::Tensor paged_decode_attention(const at::Tensor& q, const at::Tensor& k_cache
                                   const at::Tensor& block_tables, const at::Tensor& context_lens, double scale) {
   TORCH_CHECK(q.dim() == 3 && k_cache.dim() == 4 && v_cache.sizes() == k_cache.sizes(),
               "q [B, H, D] and caches [blocks, block_size, kv_heads, D] expected");
-  TORCH_CHECK(q.scalar_type() == k_cache.scalar_type() && k_cache.scalar_type() == v_cache.scalar_type(),
-              "q and the caches must share a dtype");
+  const bool mixed = q.scalar_type() == at::kFloat && (k_cache.scalar_type() == at::kHalf ||
+                                                       k_cache.scalar_type() == at::kBFloat16);
+  TORCH_CHECK((q.scalar_type() == k_cache.scalar_type() || mixed) && k_cache.scalar_type() == v_cache.scalar_type(),
+              "q and the caches must share a dtype (or q fp32 over fp16 / bf16 caches)");
   TORCH_CHECK(q.size(2) == k_cache.size(3) && q.size(1) % k_cache.size(2) == 0, "head counts or sizes disagree");
   TORCH_CHECK(block_tables.scalar_type() == at::kLong && context_lens.scalar_type() == at::kLong,
               "block_tables and context_lens must be int64");
@@ -431,7 +434,13 @@ at::Tensor paged_decode_attention(const at::Tensor& q, const at::Tensor& k_cache
   const at::Tensor kc = k_cache.contiguous(), vc = v_cache.contiguous();
   const at::Tensor tables = block_tables.contiguous(), lens = context_lens.contiguous();
   at::Tensor out = at::empty(qc.sizes(), qc.options());
-  LLMOPT_DISPATCH(qc, [&] { decode_attention_impl<scalar_t>(qc, kc, vc, tables, lens, scale, out); });
+  if (!mixed) {
+    LLMOPT_DISPATCH(qc, [&] { decode_attention_impl<scalar_t, scalar_t>(qc, kc, vc, tables, lens, scale, out); });
+  } else if (kc.scalar_type() == at::kHalf) {
+    decode_attention_impl<float, at::Half>(qc, kc, vc, tables, lens, scale, out);
+  } else {
+    decode_attention_impl<float, at::BFloat16>(qc, kc, vc, tables, lens, scale, out);
+  }
   return out;
 }
 
