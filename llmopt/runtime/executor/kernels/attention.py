@@ -159,8 +159,8 @@ def narrowing_cache(dtype: torch.dtype, cache_dtype: torch.dtype) -> bool:
 
 def compiled_store_kv(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                       slot_mapping: torch.Tensor, scales: Scales = None) -> None:
-    """The compiled CPU store where the layouts allow it (the same bits as the reference: a copy, or in 8 bits
-    the same quantization)."""
+    """The compiled CPU store where the layouts allow it (the same bits as the reference: a copy, fp32 rounded to
+    a 16-bit cache as `.to()` rounds it, or in 8 bits the same quantization)."""
     if (k_cache.device.type == "cpu" and k.dtype == v.dtype and (scales is not None or k.dtype == k_cache.dtype
                                                                  or narrowing_cache(k.dtype, k_cache.dtype))
             and k.stride(-1) == v.stride(-1) == 1 and k.stride(1) == v.stride(1) == k.shape[2]):
