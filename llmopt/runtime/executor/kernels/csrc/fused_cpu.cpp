@@ -235,22 +235,12 @@ at::Tensor argmax_rows(const at::Tensor& logits) {
 }
 
 
-// store_kv_ for fp32 k, v into fp16 / bf16 caches: each value rounded to nearest even, as torch's .to() does
+// One token's fp32 row into a 16-bit cache slot, each value rounded to nearest even as torch's .to() does
 template <typename TC>
-void store_kv_narrowed(at::Tensor& k_cache, at::Tensor& v_cache, const at::Tensor& k, const at::Tensor& v,
-                       const int64_t* sp, int64_t num_slots) {
-  const int64_t width = k.size(1) * k.size(2);
-  TC* kc = k_cache.data_ptr<TC>();
-  TC* vc = v_cache.data_ptr<TC>();
-  const float* kp = k.data_ptr<float>();
-  const float* vp = v.data_ptr<float>();
-  for (int64_t t = 0; t < k.size(0); ++t) {
-    TORCH_CHECK(sp[t] >= 0 && sp[t] < num_slots, "slot outside the cache");
-    for (int64_t j = 0; j < width; ++j) {
-      kc[sp[t] * width + j] = static_cast<TC>(kp[t * k.stride(0) + j]);
-      vc[sp[t] * width + j] = static_cast<TC>(vp[t * v.stride(0) + j]);
-    }
-  }
+inline void narrow_row(char* dst, const char* src, int64_t width) {
+  TC* d = reinterpret_cast<TC*>(dst);
+  const float* x = reinterpret_cast<const float*>(src);
+  for (int64_t j = 0; j < width; ++j) d[j] = static_cast<TC>(x[j]);
 }
 
 // k, v [T, kv_heads, head_dim] (rows may be strided: views into the fused qkv output) -> their cache slots
@@ -270,15 +260,16 @@ void store_kv_(at::Tensor& k_cache, at::Tensor& v_cache, const at::Tensor& k, co
   const at::Tensor slots = slot_mapping.contiguous();
   const int64_t* sp = slots.data_ptr<int64_t>();
   const int64_t num_slots = k_cache.size(0) * k_cache.size(1);
+  // the same dtype: a copy per row; fp32 into a 16-bit cache: a rounding per value
+  using RowStore = void (*)(char*, const char*, int64_t);
+  RowStore narrow = nullptr;
   if (k.scalar_type() != k_cache.scalar_type()) {
     TORCH_CHECK(k.scalar_type() == at::kFloat && (k_cache.scalar_type() == at::kHalf ||
                                                   k_cache.scalar_type() == at::kBFloat16),
                 "k, v must have the cache's dtype (or be fp32 for fp16 / bf16 caches)");
-    if (k_cache.scalar_type() == at::kHalf) store_kv_narrowed<at::Half>(k_cache, v_cache, k, v, sp, num_slots);
-    else store_kv_narrowed<at::BFloat16>(k_cache, v_cache, k, v, sp, num_slots);
-    return;
+    narrow = k_cache.scalar_type() == at::kHalf ? narrow_row<at::Half> : narrow_row<at::BFloat16>;
   }
-  const int64_t row_bytes = k.size(1) * k.size(2) * k.element_size();
+  const int64_t width = k.size(1) * k.size(2), row_bytes = width * k_cache.element_size();
   char* kc = static_cast<char*>(k_cache.data_ptr());
   char* vc = static_cast<char*>(v_cache.data_ptr());
   const char* kp = static_cast<const char*>(k.data_ptr());
@@ -286,8 +277,13 @@ void store_kv_(at::Tensor& k_cache, at::Tensor& v_cache, const at::Tensor& k, co
   const int64_t k_stride = k.stride(0) * k.element_size(), v_stride = v.stride(0) * v.element_size();
   for (int64_t t = 0; t < k.size(0); ++t) {
     TORCH_CHECK(sp[t] >= 0 && sp[t] < num_slots, "slot outside the cache");
-    std::memcpy(kc + sp[t] * row_bytes, kp + t * k_stride, row_bytes);
-    std::memcpy(vc + sp[t] * row_bytes, vp + t * v_stride, row_bytes);
+    if (narrow != nullptr) {
+      narrow(kc + sp[t] * row_bytes, kp + t * k_stride, width);
+      narrow(vc + sp[t] * row_bytes, vp + t * v_stride, width);
+    } else {
+      std::memcpy(kc + sp[t] * row_bytes, kp + t * k_stride, row_bytes);
+      std::memcpy(vc + sp[t] * row_bytes, vp + t * v_stride, row_bytes);
+    }
   }
 }
 

@@ -105,19 +105,10 @@ inline void prefetch_next_block(const T* base, const Item& it, const Layout& L, 
   for (int64_t off = 0; off < bytes; off += 64) _mm_prefetch(p + off, _MM_HINT_T0);
 }
 
-// Address of token t's row (all KV heads) in this item's cache; for the bf16 pass the 16 rows from t on are
-// contiguous (block_size is a multiple of 16).
-inline const char* row_bytes_of(const at::BFloat16* base, const Item& it, const Layout& L, int64_t t) {
-  return reinterpret_cast<const char*>(base + it.table[t / L.block_size] * L.block_stride +
-                                       (t % L.block_size) * L.token_stride);
-}
-
-// Requests this item's heads [h0, h1) of one bf16 row (CH * 32 bytes per head).
-template <int HINT>  // _MM_HINT_T0 / _T2 (an enum in gcc, an int in clang)
-inline void prefetch_row(const char* row, const Item& it, int ch) {
-  const int64_t head_bytes = ch * 32;
-  for (int64_t off = it.h0 * head_bytes; off < it.h1 * head_bytes; off += 64)
-    _mm_prefetch(row + off, static_cast<decltype(_MM_HINT_T0)>(HINT));
+// Token t's row (all KV heads) in this item's cache; for the bf16 pass the 16 rows from t on are contiguous
+// (block_size is a multiple of 16).
+inline const at::BFloat16* row_of(const at::BFloat16* base, const Item& it, const Layout& L, int64_t t) {
+  return base + it.table[t / L.block_size] * L.block_stride + (t % L.block_size) * L.token_stride;
 }
 
 #if defined(__AVX512F__)
@@ -136,7 +127,7 @@ inline __m512 reduce16x16(__m512* v) {
 #endif
 
 // Requests heads [h0, h1) of one cache row (all KV heads of a token; `head` elements per head).
-template <int HINT, typename T>  // _MM_HINT_T0 / _T1 (an enum in gcc, an int in clang)
+template <int HINT, typename T>  // _MM_HINT_T0 / _T1 / _T2 (an enum in gcc, an int in clang)
 inline void prefetch_heads(const T* row, const Item& it, int64_t head) {
   const char* p = reinterpret_cast<const char*>(row + it.h0 * head);
   const int64_t bytes = (it.h1 - it.h0) * head * static_cast<int64_t>(sizeof(T));
@@ -206,11 +197,11 @@ void scores_bf16(const float* q_f, const at::BFloat16* k_ptr, const at::BFloat16
     const at::BFloat16* rows = k_ptr + it.table[t0 / L.block_size] * L.block_stride + (t0 % L.block_size) * L.token_stride;
     const int64_t n = std::min<int64_t>(16, ctx - t0);
     const int64_t next = t0 + 16;
-    const char* k_next = next < ctx ? row_bytes_of(k_ptr, it, L, next) : nullptr;
-    const char* v_this = row_bytes_of(v_ptr, it, L, t0);
+    const at::BFloat16* k_next = next < ctx ? row_of(k_ptr, it, L, next) : nullptr;
+    const at::BFloat16* v_this = row_of(v_ptr, it, L, t0);
     for (int i = 0; i < 16; ++i) {
-      if (next + i < ctx) prefetch_row<_MM_HINT_T0>(k_next + i * L.token_stride * 2, it, CH);
-      if (i < n) prefetch_row<_MM_HINT_T2>(v_this + i * L.token_stride * 2, it, CH);
+      if (next + i < ctx) prefetch_heads<_MM_HINT_T0>(k_next + i * L.token_stride, it, CH * 16);
+      if (i < n) prefetch_heads<_MM_HINT_T2>(v_this + i * L.token_stride, it, CH * 16);
       const at::BFloat16* row = rows + i * L.token_stride + it.h0 * CH * 16;
       for (int64_t h = 0; h < nh; ++h) {
         __m512bh kv[CH / 2];
