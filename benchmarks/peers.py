@@ -9,6 +9,8 @@ runtime's thread pool spins beside the other's; llmopt runs its Engine in this o
 row's activations, what `llmopt bench` uses). Each round measures every row in turn (medians over --rounds):
 - batch-1 TPOT: --requests prompts of 128 random tokens, 128 tokens generated each, one at a time (EOS ignored);
 - TTFT of a 512-token prompt (a fresh cache each time, the prompt never seen before);
+- beside the fp32 rows, the machine's memory speed at that moment: every fp32 weight read once by torch's sum (the
+  bytes each fp32 batch-1 token reads; both runtimes' TPOT over that time is printed);
 the int4 row also with `--lm-head int8` (the logits head rounded to int8 at load, as llama.cpp's file holds its
 head in Q6_K), against the same llama.cpp figures.
 Then the profile of 16 int4 batch-1 decode steps (torch.profiler): the linears' kernels, attention, the lm_head,
@@ -143,6 +145,31 @@ def step_profile(engine, steps: int = 16) -> dict:
     return split
 
 
+def weight_read_ms(model_dir: Path, threads: int, repeats: int = 10) -> dict:
+    """This machine's memory speed at the moment, in the bytes of an fp32 batch-1 token: every weight of the model
+    read once by torch's sum over each tensor (in model order, `threads` threads; median of `repeats` after a warm-up
+    pass). A decode step multiplies every weight once, so it reads these bytes whichever runtime runs it; torch's sum
+    is a reference read, not the fastest one the memory allows."""
+    import torch
+    from safetensors.torch import load_file
+
+    tensors = [t.float().contiguous() for f in sorted(model_dir.glob("*.safetensors")) for t in load_file(f).values()]
+    previous = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        times = []
+        for _ in range(repeats + 1):
+            start = time.perf_counter()
+            for tensor in tensors:
+                tensor.sum()
+            times.append(time.perf_counter() - start)
+    finally:
+        torch.set_num_threads(previous)
+    mbytes = sum(t.numel() * t.element_size() for t in tensors) / 1e6
+    ms = statistics.median(times[1:]) * 1e3
+    return {"fp32_weight_mb": round(mbytes, 1), "read_once_ms": round(ms, 2), "gb_per_s": round(mbytes / ms, 1)}
+
+
 # --- serving -------------------------------------------------------------------------------------------------------
 def served_tok_s(model: str, command: list[str], port: int, clients: int) -> dict:
     from llmopt.eval.speed import BenchConfig, HttpTarget, WorkloadSpec, bench_http
@@ -236,8 +263,11 @@ def main() -> None:
              "fp32": (args.model, "float32", "model", "fp32")}
     rows = {f"{kind} llmopt": [] for kind in pairs} | {f"{kind} llama.cpp": [] for kind in ggufs}
     numerics = {}  # what llmopt's engine computed with (int4: 8-bit inputs by default), per kind
+    reads = []  # every fp32 weight read once, measured beside each round's fp32 rows
     for round_index in range(args.rounds):
         for kind, (model, dtype, lm_head, theirs) in pairs.items():
+            if kind == "fp32":
+                reads.append(weight_read_ms(resolve_model(args.model).path, args.threads))
             engine = llmopt_engine(model, dtype, lm_head)
             numerics.setdefault(kind, engine.numerics())
             rows[f"{kind} llmopt"].append(llmopt_run(engine, args, decode_prompts, long_prompt))
@@ -254,6 +284,12 @@ def main() -> None:
         ours, theirs = medians[f"{kind} llmopt"], medians[f"{their_kind} llama.cpp"]
         for key, label in (("tpot_ms", "batch-1 TPOT ms"), ("ttft512_ms", "TTFT of a 512-token prompt, ms")):
             print(f"| {kind} {label} | {ours[key]:.1f} | {theirs[key]:.1f} | {ours[key] / theirs[key]:.2f}x |")
+    read = {k: statistics.median(r[k] for r in reads) for k in reads[0]}
+    for kind in ("fp32 llmopt", "fp32 llama.cpp"):
+        read[f"{kind} tpot / read"] = round(medians[kind]["tpot_ms"] / read["read_once_ms"], 2)
+    print(f"\nfp32 weights read once by torch.sum: {read['fp32_weight_mb']:.0f} MB in {read['read_once_ms']:.1f} ms "
+          f"({read['gb_per_s']:.1f} GB/s); batch-1 TPOT / that: llmopt {read['fp32 llmopt tpot / read']:.2f}, "
+          f"llama.cpp {read['fp32 llama.cpp tpot / read']:.2f}")
     print("\nllmopt int4 batch-1 decode step, ms per step by part:", profile_split)
     print("the same with --lm-head int8:", profile_int8_head)
     served = {}
@@ -270,7 +306,8 @@ def main() -> None:
                   flush=True)
     if args.json:
         write_json(args.json, {"cpu": cpu_line(), "model": args.model, "settings": vars(args), "rounds": rows,
-                               "median": medians, "llmopt_numerics": numerics, "int4_step_profile": profile_split,
+                               "median": medians, "fp32_weights_read": {"rounds": reads, "median": read},
+                               "llmopt_numerics": numerics, "int4_step_profile": profile_split,
                                "int4_int8_head_step_profile": profile_int8_head,
                                "serving": served}, indent=1)
 
