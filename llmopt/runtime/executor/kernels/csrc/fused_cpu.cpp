@@ -288,14 +288,21 @@ void store_kv_(at::Tensor& k_cache, at::Tensor& v_cache, const at::Tensor& k, co
 }
 
 constexpr int64_t GEMV_MAX_ROWS = 8;  // x rows one pass of gemv serves (cpu_ops.GEMV_MAX_ROWS); more go 8 at a time
+#if defined(__AVX512F__)
+constexpr int GEMV_ROW_STREAMS = 4;  // weight rows one x row meets at a time (gemv_rows)
+#else
+constexpr int GEMV_ROW_STREAMS = 1;
+#endif
 
 // y [1, N] = x [1, K] @ weight [N, K]^T for one row, fp32 accumulation, in x's dtype (batch-1 decode's lm_head:
 // 49152 x 576 for SmolLM2, read once per token, usually from memory). The weight may be stored narrower than x
 // (an fp32 model whose lm_head holds exactly fp16 or bf16 values, as an artifact's does: half the bytes, the
-// same result). 4 rows at a time: 4 independent accumulation chains and 4 memory streams. On AVX-512 builds the
-// rows 8 ahead are requested early (measured on a Xeon); on an AVX2 EPYC the hardware prefetcher streams the rows
-// alone and those requests cost 10-12% (every fp32 layer's and the head's gemv of one token, weights from memory,
-// builds alternating: medians 23.4-28.3 ms without, 26.7-34.2 ms with). With AVX512_BF16 and both in bf16 the products come straight from the stored pairs
+// same result). AVX-512 builds take 4 rows at a time (4 independent accumulation chains and 4 memory streams) with
+// the rows 8 ahead requested early (measured on a Xeon). AVX2 builds take one row at a time, a single sequential
+// stream the hardware prefetcher follows alone: on an AVX2 EPYC the 4 streams with their requests ran 49152 x 576
+// fp16 at ~23 GB/s, without the requests at ~18, one stream at ~25 (a plain read of the same bytes: ~27); the fp32
+// layers of a token likewise (one stream 10-20% faster than 4 with requests). Each row's sum is the same Vec chain
+// either way: the same bits. With AVX512_BF16 and both in bf16 the products come straight from the stored pairs
 // (vdpbf16ps): ~15% more bandwidth than oneDNN's linear reaches on it.
 template <typename TX, typename TW>
 void gemv_rows(const TX* xp, const TW* wp, TX* yp, int64_t K, int64_t begin, int64_t end) {
@@ -322,18 +329,19 @@ void gemv_rows(const TX* xp, const TW* wp, TX* yp, int64_t K, int64_t begin, int
 #endif
 #if defined(LLMOPT_VEC)
   const int64_t vec_k = K - K % 16;
-  for (; n + 4 <= end; n += 4) {
+  for (; n + GEMV_ROW_STREAMS <= end; n += GEMV_ROW_STREAMS) {
     const TW* row = wp + n * K;
 #if defined(__AVX512F__)
-    for (int64_t off = 0; off < 4 * K * static_cast<int64_t>(sizeof(TW)); off += 64)
-      _mm_prefetch(reinterpret_cast<const char*>(row + 8 * K) + off, _MM_HINT_T0);
+    for (int64_t off = 0; off < GEMV_ROW_STREAMS * K * static_cast<int64_t>(sizeof(TW)); off += 64)
+      _mm_prefetch(reinterpret_cast<const char*>(row + 2 * GEMV_ROW_STREAMS * K) + off, _MM_HINT_T0);
 #endif
-    Vec acc[4] = {vzero(), vzero(), vzero(), vzero()};
+    Vec acc[GEMV_ROW_STREAMS];
+    for (int r = 0; r < GEMV_ROW_STREAMS; ++r) acc[r] = vzero();
     for (int64_t k = 0; k < vec_k; k += 16) {
       const Vec xv = load16(xp + k);
-      for (int r = 0; r < 4; ++r) acc[r] = vfma(load16(row + r * K + k), xv, acc[r]);
+      for (int r = 0; r < GEMV_ROW_STREAMS; ++r) acc[r] = vfma(load16(row + r * K + k), xv, acc[r]);
     }
-    for (int r = 0; r < 4; ++r) {
+    for (int r = 0; r < GEMV_ROW_STREAMS; ++r) {
       float sum = reduce_add(acc[r]);
       for (int64_t k = vec_k; k < K; ++k) sum += to_float(row[r * K + k]) * to_float(xp[k]);
       yp[n + r] = from_float<TX>(sum);
