@@ -75,16 +75,20 @@ def test_decode_bytes_count_the_int8_heads_codes(tiny_llama_dir):
         model_cost(float_head, 0).weight_bytes - weight.numel() * weight.element_size() + codes_and_scales)
 
 
-def test_an_fp32_model_with_a_16_bit_exact_head_runs_it_through_gemv_at_every_row_count():
-    """The head's weight narrowed to fp16 (every value exact) and streamed by the gemv kernel at any number of
-    rows with fp32 inputs (BLAS would multiply the fp32 copy, twice the bytes), 8 rows at a time beyond 8."""
+def test_an_fp32_model_with_a_16_bit_exact_head_runs_it_through_gemv_below_the_prepacked_heads_rows():
+    """The head's weight narrowed to fp16 (every value exact) and streamed by the gemv kernel with fp32 inputs (BLAS
+    would multiply the fp32 copy, twice the bytes), 8 rows at a time beyond 8; from GEMV_NARROW_HEAD_ROWS rows the
+    fp32 copy prepacked for oneDNN computes them (faster there), and where oneDNN is missing gemv at every count."""
     from llmopt.core.tiny import build_tiny_model
+    from llmopt.runtime.executor.models.llama import GEMV_NARROW_HEAD_ROWS
 
     model, tok = build_tiny_model("llama", seed=0)
     with torch.no_grad():
         model.lm_head.weight.copy_(model.lm_head.weight.half().float())
     decoder = Engine(model, tok, EngineConfig(block_size=4, fast_path=True)).runner.decoder
     assert decoder.fused_ops is not None and decoder._gemv_weight.dtype == torch.float16
+    packed = torch.backends.mkldnn.is_available()
+    assert decoder.logits_head.packed == packed
     calls = []
 
     class Counting:
@@ -97,8 +101,29 @@ def test_an_fp32_model_with_a_16_bit_exact_head_runs_it_through_gemv_at_every_ro
 
     ops, decoder.fused_ops = decoder.fused_ops, Counting()
     weight = decoder.lm_head.weight.detach().float()
-    for rows in (1, 2, 5, 16, 19):
+    counts = (1, 2, 5, 16, 19, GEMV_NARROW_HEAD_ROWS - 1, GEMV_NARROW_HEAD_ROWS, 40)
+    for rows in counts:
         hidden = torch.randn(rows, weight.shape[1])
         expected = hidden @ weight.t()
         torch.testing.assert_close(decoder.logits(hidden), expected, rtol=1e-4, atol=1e-4 * expected.abs().max())
-    assert calls == [1, 2, 5, 16, 19]
+    assert calls == [r for r in counts if r < GEMV_NARROW_HEAD_ROWS or not packed]
+
+
+def test_an_fp32_head_is_prepacked_for_onednn_and_the_layers_are_not():
+    """The logits head (no decode graph multiplies it) in oneDNN's blocked layout: the same logits as the plain
+    weight's at every row count; the layers keep the plain fp32 layout the decode graph's kernels read."""
+    from llmopt.core.tiny import build_tiny_model
+    from llmopt.runtime.executor.linear.dense import FusedDenseLinear
+
+    if not torch.backends.mkldnn.is_available():
+        pytest.skip("torch without oneDNN")
+    model, tok = build_tiny_model("llama", seed=0)
+    decoder = Engine(model, tok, EngineConfig(block_size=4, fast_path=True)).runner.decoder
+    head = decoder.logits_head
+    assert type(head) is FusedDenseLinear and head.packed and head.row_paths() == {"blas": None}
+    assert not any(getattr(m, "packed", False) for m in decoder.blocks[0].linears())
+    weight = decoder.lm_head.weight.detach().float()
+    for rows in (1, 3, 16, 40):
+        hidden = torch.randn(rows, weight.shape[1])
+        expected = hidden @ weight.t()
+        torch.testing.assert_close(head(hidden), expected, rtol=1e-4, atol=1e-4 * expected.abs().max())

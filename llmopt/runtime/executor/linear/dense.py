@@ -64,12 +64,16 @@ class FusedDenseLinear(RowPathsMixin, nn.Module):
     differs by CPU more than any fixed rule captures: on an AVX-512 Xeon MKL's sgemm matched gemv at 1-2 rows and
     beat it on weights taller than wide; on an AVX2 EPYC gemv was 1.6-3.3x faster than MKL at every shape and
     1-8 rows (weights streamed from memory). So the engine times both per shape (measured plans); the default
-    (`--linear-kernels fixed`, no engine) is the Xeon's rule."""
+    (`--linear-kernels fixed`, no engine) is the Xeon's rule. A logits head in fp32 is prepacked too
+    (pack_float32): MKL's sgemm ran the 49152 x 576 head at ~30 G multiply-adds/s on that EPYC at 32-128 rows,
+    oneDNN's prepacked linear at ~50-60 (64 rows 58.5 -> 31.6 ms)."""
 
     name = "dense"
     PACK_BATCH_HINT = 256  # oneDNN picks its blocking for this M; measured best over M in 1..2048
 
-    def __init__(self, parts: list[nn.Linear], prepack: bool):
+    def __init__(self, parts: list[nn.Linear], prepack: bool, pack_float32: bool = False):
+        """pack_float32: an fp32 weight prepacked for oneDNN too (a logits head, which no decode graph multiplies:
+        the graph's `linear` kernel takes the plain layout)."""
         super().__init__()
         weight = torch.cat([p.weight.detach() for p in parts], dim=0)
         has_bias = any(p.bias is not None for p in parts)
@@ -77,7 +81,9 @@ class FusedDenseLinear(RowPathsMixin, nn.Module):
                           for p in parts]) if has_bias else None
         self.in_features, self.out_features = weight.shape[1], weight.shape[0]
         self.dtype = weight.dtype
-        self.packed = prepack and weight.dtype == torch.bfloat16 and weight.device.type == "cpu" and _mkldnn_bf16()
+        self.packed = prepack and weight.device.type == "cpu" and (
+            (weight.dtype == torch.bfloat16 and _mkldnn_bf16())
+            or (weight.dtype == torch.float32 and pack_float32 and torch.backends.mkldnn.is_available()))
         if self.packed:
             weight = torch.ops.mkldnn._reorder_linear_weight(weight, self.PACK_BATCH_HINT)
         self.register_buffer("weight", weight)
@@ -133,14 +139,14 @@ class FusedDenseLinear(RowPathsMixin, nn.Module):
         return F.linear(x, self.weight, self.bias)
 
 
-def fuse_linears(parts: list[nn.Module], prepack: bool) -> nn.Module:
+def fuse_linears(parts: list[nn.Module], prepack: bool, pack_float32: bool = False) -> nn.Module:
     """One module computing cat([part(x) for part in parts], -1) (a model's packed modules: q/k/v, gate/up).
 
     prepack=False keeps each part's own numerics (a single part is returned as is); prepack=True stacks dense
     parts into one (prepacked) matmul, and parts of a method that can stack (int4, int8) into one kernel call
-    (exact). Other parts run as themselves."""
+    (exact). Other parts run as themselves. pack_float32: fp32 dense parts prepacked for oneDNN too (FusedDenseLinear)."""
     if prepack and all(type(p) is nn.Linear for p in parts):
-        return FusedDenseLinear(parts, prepack=True)
+        return FusedDenseLinear(parts, prepack=True, pack_float32=pack_float32)
     if prepack and len(parts) > 1:
         method = type(parts[0])
         if isinstance(parts[0], LinearMethod) and method.can_stack(parts):

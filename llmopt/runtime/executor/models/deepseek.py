@@ -106,7 +106,7 @@ class DeepseekMlaDecoder(nn.Module):
         self.rope = MlaRope(inv_freq.to(device), scaling, interleaved)
         self.scale = softmax_scale(config)
         self._load(config, weights)
-        self.logits_head = fuse_linears([self.lm_head], prepack=self.fast)
+        self.logits_head = fuse_linears([self.lm_head], prepack=self.fast, pack_float32=True)
 
     def _load(self, config, weights) -> None:
         """A loader per checkpoint name (models/weights.py), then the blocks with kv_b_proj absorbed."""

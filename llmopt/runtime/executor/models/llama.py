@@ -43,6 +43,9 @@ PACKED_MODULES = {
 }
 PACKED_MODULES_PHI3 = {**PACKED_MODULES, "qkv": ("self_attn.qkv_proj",), "gate_up": ("mlp.gate_up_proj",)}
 QK_NORM_TYPES = ("qwen3",)  # per-head RMSNorm on q and k before the rotation
+# rows from which an fp32 head prepacked for oneDNN beats gemv on its exactly narrowed fp16 / bf16 copy
+# (LlamaFamilyDecoder._gemv_serves: 16 rows 11.9 vs 10.3 ms, 32 rows 17.6 vs 20.2 on a 2-core AVX2 EPYC)
+GEMV_NARROW_HEAD_ROWS = 32
 
 
 class DecoderBlock(nn.Module):
@@ -133,7 +136,7 @@ class LlamaFamilyDecoder(nn.Module):
             self.embed = VocabParallelEmbedding(self.embed.weight, plan.vocab[0], group)
             self._vocab_widths = [b - a for a, b in (split_range(plan.vocab_size, plan.world, r)
                                                      for r in range(plan.world))]
-        self.logits_head = fuse_linears([self.lm_head], prepack=self.fast)
+        self.logits_head = fuse_linears([self.lm_head], prepack=self.fast, pack_float32=True)
         self._gemv_weight = None  # the lm_head weight for batch-1 decode (below)
         self.decode_graphs: DecodeGraphs | None = None  # (build_decode_graphs, once the KV cache exists)
         # the compiled fused element-wise ops (kernels/csrc/fused_cpu.cpp) serve the fast path on CPU
@@ -299,14 +302,15 @@ class LlamaFamilyDecoder(nn.Module):
             return self.fused_ops.gemv(hidden, weight)
         return self.logits_head(hidden)
 
-    @staticmethod
-    def _gemv_serves(hidden: torch.Tensor, weight: torch.Tensor) -> bool:
+    def _gemv_serves(self, hidden: torch.Tensor, weight: torch.Tensor) -> bool:
         """Whether the gemv kernel computes these logits (the vocab x hidden weight, 57 MB for SmolLM2 in 16 bits,
-        streamed once by one kernel): at batch-1 decode and speculative verification's few rows (1, 3-8); and at
-        every row count for fp32 inputs against a narrower weight (an fp32 model whose head holds exactly fp16 /
-        bf16 values), where BLAS multiplies the head's fp32 copy, twice the bytes: on a 2-core AVX2 EPYC 21.2 ->
-        2.6 ms at 2 rows, 27.6 -> 9.7 at 16, 51.7 -> 39.1 at 64 (49152 x 576, fp16, from memory)."""
+        streamed once by one kernel): at batch-1 decode and speculative verification's few rows (1, 3-8); and for
+        fp32 inputs against a narrower weight (an fp32 model whose head holds exactly fp16 / bf16 values) below
+        GEMV_NARROW_HEAD_ROWS rows, or at every row count where the fp32 head is not prepacked for oneDNN. On a
+        2-core AVX2 EPYC (49152 x 576, from memory): MKL on the fp32 copy 21.2 / 27.6 / 51.7 ms at 2 / 16 / 64
+        rows, gemv on the fp16 weight 2.6 / 9.7-10.3 / 39.1; oneDNN on the prepacked fp32 copy 11.9 at 16, 17.6
+        at 32 (gemv 20.2), 31.6 at 64, 55.1 at 128 (gemv 79.7)."""
         rows = hidden.shape[0]
         if hidden.dtype == torch.float32 and weight.dtype != torch.float32:
-            return True
+            return rows < GEMV_NARROW_HEAD_ROWS or not getattr(self.logits_head, "packed", False)
         return weight.dtype == hidden.dtype and (rows == 1 or rows in GEMV_BATCHED_ROWS)
