@@ -144,7 +144,8 @@ def fuse_linears(parts: list[nn.Module], prepack: bool, pack_float32: bool = Fal
 
     prepack=False keeps each part's own numerics (a single part is returned as is); prepack=True stacks dense
     parts into one (prepacked) matmul, and parts of a method that can stack (int4, int8) into one kernel call
-    (exact). Other parts run as themselves. pack_float32: fp32 dense parts prepacked for oneDNN too (FusedDenseLinear)."""
+    (exact). Other parts run as themselves. pack_float32: fp32 dense parts prepacked for oneDNN too
+    (FusedDenseLinear)."""
     if prepack and all(type(p) is nn.Linear for p in parts):
         return FusedDenseLinear(parts, prepack=True, pack_float32=pack_float32)
     if prepack and len(parts) > 1:
