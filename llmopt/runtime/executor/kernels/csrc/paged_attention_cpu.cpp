@@ -246,6 +246,38 @@ inline void accumulate_row(Vec (&a)[G][CH], const Vec (&vv)[CH], const float* p,
   }
 }
 
+// Pass 2 over tokens [begin, end) of an item (begin a multiple of the block size), scores [nh * G][end - begin]
+// holding the softmax numerators: per KV head and run of CW value chunks, every token's value row with the
+// accumulators in registers (pass 1 requested the rows into L2), each output's products summed in token order;
+// then times each query head's 1 / sum into out [num_heads, head_dim]. load_chunk(p) reads 16 values of the cache
+// (a float one's, or an 8-bit one's codes); row_factor(block, i, h) is a row's value scale (1 for a float cache).
+template <int G, int CH, typename T, typename LoadChunk, typename RowFactor>
+void value_pass(const T* v_ptr, const float* scores, const float* inv_sum, const Item& it, const Layout& L,
+                int64_t begin, int64_t end, float* out, LoadChunk load_chunk, RowFactor row_factor) {
+  constexpr int CW = value_chunks(G, CH);
+  const int64_t n_all = end - begin;
+  for (int64_t h = it.h0; h < it.h1; ++h) {
+    const float* p = scores + (h - it.h0) * G * n_all;
+    for (int c0 = 0; c0 < CH; c0 += CW) {
+      Vec a[G][CW];
+      for (int g = 0; g < G; ++g)
+        for (int c = 0; c < CW; ++c) a[g][c] = vzero();
+      for (int64_t t0 = begin; t0 < end; t0 += L.block_size) {
+        const int64_t block = it.table[t0 / L.block_size], n = std::min(L.block_size, end - t0);
+        const T* vb = v_ptr + block * L.block_stride + (h * CH + c0) * 16;
+        for (int64_t i = 0; i < n; ++i) {
+          Vec vv[CW];
+          for (int c = 0; c < CW; ++c) vv[c] = load_chunk(vb + i * L.token_stride + c * 16);
+          accumulate_row<G, CW>(a, vv, p + t0 - begin + i, n_all, row_factor(block, i, h));
+        }
+      }
+      for (int g = 0; g < G; ++g)
+        for (int c = 0; c < CW; ++c)
+          store16(out + (h * G + g) * CH * 16 + (c0 + c) * 16, a[g][c] * vset1(inv_sum[(h - it.h0) * G + g]));
+    }
+  }
+}
+
 // G = group size and CH = head_dim / 16 known at compile time: key/value chunks and the output accumulators
 // stay in registers.
 template <typename T, int G, int CH>
@@ -267,29 +299,8 @@ void attend_heads(const float* q_f, const T* k_ptr, const T* v_ptr, const Item& 
     float* s = scores + j * ctx;
     inv_sum[j] = 1.f / softmax_numerators(s, ctx, max_of(s, ctx));
   }
-  // pass 2, per KV head and run of CW value chunks: the whole context with the accumulators in registers (pass 1
-  // requested the value rows into L2)
-  constexpr int CW = value_chunks(G, CH);
-  for (int64_t h = it.h0; h < it.h1; ++h) {
-    const float* p = scores + (h - it.h0) * G * ctx;
-    for (int c0 = 0; c0 < CH; c0 += CW) {
-      Vec a[G][CW];
-      for (int g = 0; g < G; ++g)
-        for (int c = 0; c < CW; ++c) a[g][c] = vzero();
-      for (int64_t t0 = 0; t0 < ctx; t0 += L.block_size) {
-        const T* vb = v_ptr + it.table[t0 / L.block_size] * L.block_stride + (h * CH + c0) * 16;
-        const int64_t n = std::min(L.block_size, ctx - t0);
-        for (int64_t i = 0; i < n; ++i) {
-          Vec vv[CW];
-          for (int c = 0; c < CW; ++c) vv[c] = load16(vb + i * L.token_stride + c * 16);
-          accumulate_row<G, CW>(a, vv, p + t0 + i, ctx, 1.0f);
-        }
-      }
-      for (int g = 0; g < G; ++g)
-        for (int c = 0; c < CW; ++c)
-          store16(out + (h * G + g) * CH * 16 + (c0 + c) * 16, a[g][c] * vset1(inv_sum[(h - it.h0) * G + g]));
-    }
-  }
+  value_pass<G, CH>(v_ptr, scores, inv_sum, it, L, 0, ctx, out, [](const T* p) { return load16(p); },
+                    [](int64_t, int64_t, int64_t) { return 1.0f; });
 }
 #endif
 
@@ -601,34 +612,13 @@ void attend_heads_q8(const float* q_f, const uint8_t* k_ptr, const uint8_t* v_pt
   }
   float inv_sum[8 * 64];
   softmax_rows(scores, nh * G, n_all, inv_sum, lse);
-  // pass 2 as attend_heads': per KV head and run of CW value chunks, the item's tokens with the accumulators in
-  // registers (pass 1 requested the value rows into L2); each output sums the same products in the same order as
-  // the per-block loop this replaced (accumulators copied through a buffer, whole blocks requested at once). On a
-  // 2-core AVX2 EPYC, int8 cache from memory, 30 layers (ad-hoc script, builds alternating): 64 seqs x 160 tokens
-  // 40-50 -> 22-33 ms, 8 x 512 15.5-16.9 -> 7.8-8.3 ms, 1 x 4096 (split) 17.1-20.5 -> 8.5-12.8 ms.
-  constexpr int CW = value_chunks(G, CH);
-  for (int64_t h = it.h0; h < it.h1; ++h) {
-    const float* p = scores + (h - it.h0) * G * n_all;
-    for (int c0 = 0; c0 < CH; c0 += CW) {
-      Vec a[G][CW];
-      for (int g = 0; g < G; ++g)
-        for (int c = 0; c < CW; ++c) a[g][c] = vzero();
-      for (int64_t t0 = r.begin; t0 < r.end; t0 += L.block_size) {
-        const int64_t block = it.table[t0 / L.block_size];
-        const uint8_t* vb = v_ptr + block * L.block_stride + (h * CH + c0) * 16;
-        const float* vsb = S.v + block * scale_block + h;
-        const int64_t n = std::min(L.block_size, r.end - t0);
-        for (int64_t i = 0; i < n; ++i) {
-          Vec vv[CW];
-          for (int c = 0; c < CW; ++c) vv[c] = load_codes16<FP8>(vb + i * L.token_stride + c * 16);
-          accumulate_row<G, CW>(a, vv, p + t0 - r.begin + i, n_all, vsb[i * KVH]);  // p x the row's value scale
-        }
-      }
-      for (int g = 0; g < G; ++g)
-        for (int c = 0; c < CW; ++c)
-          store16(out + (h * G + g) * CH * 16 + (c0 + c) * 16, a[g][c] * vset1(inv_sum[(h - it.h0) * G + g]));
-    }
-  }
+  // pass 2 as attend_heads' (value_pass): on a 2-core AVX2 EPYC, int8 cache from memory, 30 layers (ad-hoc script,
+  // builds alternating), 64 seqs x 160 tokens 40-50 -> 22-33 ms, 8 x 512 15.5-16.9 -> 7.8-8.3 ms, 1 x 4096 (split)
+  // 17.1-20.5 -> 8.5-12.8 ms against the per-block loop it replaced (accumulators copied through a buffer, whole
+  // blocks requested at once), with the same products summed in the same order
+  value_pass<G, CH>(v_ptr, scores, inv_sum, it, L, r.begin, r.end, out,
+                    [](const uint8_t* p) { return load_codes16<FP8>(p); },
+                    [&](int64_t block, int64_t i, int64_t h) { return S.v[block * scale_block + i * KVH + h]; });
 }
 #endif
 
