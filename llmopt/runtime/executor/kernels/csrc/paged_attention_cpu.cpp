@@ -134,38 +134,51 @@ inline void prefetch_heads(const T* row, const Item& it, int64_t head) {
   for (int64_t off = 0; off < bytes; off += 64) _mm_prefetch(p + off, static_cast<decltype(_MM_HINT_T0)>(HINT));
 }
 
-// Pass 1, any dtype: one key row at a time, its chunks converted once and reused by the group's query heads.
-// Blocks lie anywhere in the cache, where the hardware prefetcher cannot follow: with key row i this requests row i
-// of the next block (into L1) and row i of this block's values (into L2, for pass 2), a few lines per row. On a
-// 2-core AVX2 EPYC both passes had stalled on the loads of each block's rows; with these requests and pass 2's
-// accumulators in registers (attend_heads), 64 sequences x 160 tokens x 30 layers from memory took 32-36 ms
-// instead of 42-50 (fp32 cache) and 21-22 instead of 36-37 (fp16), alternating the two builds (ad-hoc script).
-template <typename T, int G, int CH>
-void scores_rows(const float* q_f, const T* k_ptr, const T* v_ptr, const Item& it, const Layout& L, float scale,
-                 float* scores) {
-  const int64_t ctx = it.ctx;
-  for (int64_t t0 = 0; t0 < ctx; t0 += L.block_size) {
-    const T* kb = k_ptr + it.table[t0 / L.block_size] * L.block_stride;
-    const T* vb = v_ptr + it.table[t0 / L.block_size] * L.block_stride;
-    const int64_t n = std::min(L.block_size, ctx - t0), next = t0 + L.block_size;
-    const T* kn = next < ctx ? k_ptr + it.table[next / L.block_size] * L.block_stride : nullptr;
-    const int64_t n_next = kn ? std::min(L.block_size, ctx - next) : 0;
+// Pass 1 over tokens [begin, end) of an item (begin a multiple of the block size), any cache: one key row at a
+// time, its chunks loaded once (load_chunk: 16 values of a float cache, or an 8-bit one's codes decoded) and reused
+// by the group's query heads; scores [nh * G][end - begin] = q . k times row_factor(block, i, h) (the softmax scale,
+// times the row's key scale for an 8-bit cache). Blocks lie anywhere in the cache, where the hardware prefetcher
+// cannot follow: with key row i this requests row i of the next block (into L1) and row i of this block's values
+// (into L2, for pass 2), a few lines per row. On a 2-core AVX2 EPYC both passes had stalled on the loads of each
+// block's rows; with these requests and pass 2's accumulators in registers (value_pass), 64 sequences x 160 tokens
+// x 30 layers from memory took 32-36 ms instead of 42-50 (fp32 cache) and 21-22 instead of 36-37 (fp16),
+// alternating the two builds (ad-hoc script).
+template <int G, int CH, typename T, typename LoadChunk, typename RowFactor>
+void key_pass(const float* q_f, const T* k_ptr, const T* v_ptr, const Item& it, const Layout& L, int64_t begin,
+              int64_t end, float* scores, LoadChunk load_chunk, RowFactor row_factor) {
+  const int64_t n_all = end - begin;
+  for (int64_t t0 = begin; t0 < end; t0 += L.block_size) {
+    const int64_t block = it.table[t0 / L.block_size];
+    const T* kb = k_ptr + block * L.block_stride;
+    const T* vb = v_ptr + block * L.block_stride;
+    const int64_t n = std::min(L.block_size, end - t0), next = t0 + L.block_size;
+    const T* kn = next < end ? k_ptr + it.table[next / L.block_size] * L.block_stride : nullptr;
+    const int64_t n_next = kn ? std::min(L.block_size, end - next) : 0;
     for (int64_t i = 0; i < n; ++i) {
       if (i < n_next) prefetch_heads<_MM_HINT_T0>(kn + i * L.token_stride, it, CH * 16);
       prefetch_heads<_MM_HINT_T1>(vb + i * L.token_stride, it, CH * 16);
       for (int64_t h = it.h0; h < it.h1; ++h) {
         const T* krow = kb + i * L.token_stride + h * CH * 16;
         Vec kv[CH];
-        for (int c = 0; c < CH; ++c) kv[c] = load16(krow + c * 16);
+        for (int c = 0; c < CH; ++c) kv[c] = load_chunk(krow + c * 16);
+        const float factor = row_factor(block, i, h);
         for (int g = 0; g < G; ++g) {
           const float* qg = q_f + (h * G + g) * CH * 16;
           Vec s = load16(qg) * kv[0];
           for (int c = 1; c < CH; ++c) s = vfma(load16(qg + c * 16), kv[c], s);
-          scores[((h - it.h0) * G + g) * ctx + t0 + i] = reduce_add(s) * scale;
+          scores[((h - it.h0) * G + g) * n_all + t0 - begin + i] = reduce_add(s) * factor;
         }
       }
     }
   }
+}
+
+// Pass 1 of a float cache over the item's whole context
+template <typename T, int G, int CH>
+void scores_rows(const float* q_f, const T* k_ptr, const T* v_ptr, const Item& it, const Layout& L, float scale,
+                 float* scores) {
+  key_pass<G, CH>(q_f, k_ptr, v_ptr, it, L, 0, it.ctx, scores, [](const T* p) { return load16(p); },
+                  [scale](int64_t, int64_t, int64_t) { return scale; });
 }
 
 #if defined(__AVX512BF16__)
@@ -584,31 +597,10 @@ void attend_heads_q8(const float* q_f, const uint8_t* k_ptr, const uint8_t* v_pt
     scores_q8_16rows<FP8, G, CH>(q_f, k_ptr, v_ptr, S, it, r, L, scale, scores);
   } else
 #endif
-  for (int64_t t0 = r.begin; t0 < r.end; t0 += L.block_size) {
-    const int64_t block = it.table[t0 / L.block_size];
-    const uint8_t* kb = k_ptr + block * L.block_stride;
-    const uint8_t* vb = v_ptr + block * L.block_stride;
-    const float* ksb = S.k + block * scale_block;
-    const int64_t n = std::min(L.block_size, r.end - t0), next = t0 + L.block_size;
-    // as scores_rows: with key row i, row i of the next block (L1) and of this block's values (L2, for pass 2)
-    const uint8_t* kn = next < r.end ? k_ptr + it.table[next / L.block_size] * L.block_stride : nullptr;
-    const int64_t n_next = kn ? std::min(L.block_size, r.end - next) : 0;
-    for (int64_t i = 0; i < n; ++i) {
-      if (i < n_next) prefetch_heads<_MM_HINT_T0>(kn + i * L.token_stride, it, CH * 16);
-      prefetch_heads<_MM_HINT_T1>(vb + i * L.token_stride, it, CH * 16);
-      for (int64_t h = it.h0; h < it.h1; ++h) {
-        const uint8_t* krow = kb + i * L.token_stride + h * CH * 16;
-        Vec kv[CH];
-        for (int c = 0; c < CH; ++c) kv[c] = load_codes16<FP8>(krow + c * 16);
-        const float ks = ksb[i * KVH + h] * scale;
-        for (int g = 0; g < G; ++g) {
-          const float* qg = q_f + (h * G + g) * CH * 16;
-          Vec s = load16(qg) * kv[0];
-          for (int c = 1; c < CH; ++c) s = vfma(load16(qg + c * 16), kv[c], s);
-          scores[((h - it.h0) * G + g) * n_all + t0 - r.begin + i] = reduce_add(s) * ks;
-        }
-      }
-    }
+  {
+    key_pass<G, CH>(q_f, k_ptr, v_ptr, it, L, r.begin, r.end, scores,
+                    [](const uint8_t* p) { return load_codes16<FP8>(p); },
+                    [&](int64_t block, int64_t i, int64_t h) { return S.k[block * scale_block + i * KVH + h] * scale; });
   }
   float inv_sum[8 * 64];
   softmax_rows(scores, nh * G, n_all, inv_sum, lse);
