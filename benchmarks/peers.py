@@ -145,15 +145,20 @@ def step_profile(engine, steps: int = 16) -> dict:
     return split
 
 
-def weight_read_ms(model_dir: Path, threads: int, repeats: int = 10) -> dict:
-    """This machine's memory speed at the moment, in the bytes of an fp32 batch-1 token: every weight of the model
-    read once by torch's sum over each tensor (in model order, `threads` threads; median of `repeats` after a warm-up
-    pass). A decode step multiplies every weight once, so it reads these bytes whichever runtime runs it; torch's sum
-    is a reference read, not the fastest one the memory allows."""
-    import torch
+def fp32_weights(model_dir: Path) -> list:
+    """Every tensor of the model's checkpoint in fp32, loaded once for weight_read_ms."""
     from safetensors.torch import load_file
 
-    tensors = [t.float().contiguous() for f in sorted(model_dir.glob("*.safetensors")) for t in load_file(f).values()]
+    return [t.float().contiguous() for f in sorted(model_dir.glob("*.safetensors")) for t in load_file(f).values()]
+
+
+def weight_read_ms(tensors: list, threads: int, repeats: int = 10) -> dict:
+    """This machine's memory speed at the moment, in the bytes of an fp32 batch-1 token: every weight of the model
+    (fp32_weights) read once by torch's sum over each tensor (in model order, `threads` threads; median of `repeats`
+    after a warm-up pass). A decode step multiplies every weight once, so it reads these bytes whichever runtime
+    runs it; torch's sum is a reference read, not the fastest one the memory allows."""
+    import torch
+
     previous = torch.get_num_threads()
     torch.set_num_threads(threads)
     try:
@@ -263,11 +268,12 @@ def main() -> None:
              "fp32": (args.model, "float32", "model", "fp32")}
     rows = {f"{kind} llmopt": [] for kind in pairs} | {f"{kind} llama.cpp": [] for kind in ggufs}
     numerics = {}  # what llmopt's engine computed with (int4: 8-bit inputs by default), per kind
+    weights = fp32_weights(resolve_model(args.model).path)
     reads = []  # every fp32 weight read once, measured beside each round's fp32 rows
     for round_index in range(args.rounds):
         for kind, (model, dtype, lm_head, theirs) in pairs.items():
             if kind == "fp32":
-                reads.append(weight_read_ms(resolve_model(args.model).path, args.threads))
+                reads.append(weight_read_ms(weights, args.threads))
             engine = llmopt_engine(model, dtype, lm_head)
             numerics.setdefault(kind, engine.numerics())
             rows[f"{kind} llmopt"].append(llmopt_run(engine, args, decode_prompts, long_prompt))
