@@ -4,7 +4,8 @@
 # speed, and the GPU machine has no model files), the 8-bit KV cache's kernels and a long-context bench against
 # the fp16 cache, then the low-precision GEMM rates at 4096^3 (llmopt's Triton
 # W8A8 int8 / FP8 and FP8 / NVFP4-weight kernels vs torch._int_mm / _scaled_mm), 2:4 sparse linears at 4096 x 4096
-# (fp16 and int4, batch 1 and 512, vs dense), and the tensor-parallel
+# (fp16 and int4, batch 1 and 512, vs dense), decode steps at batch 1 / 16 / 64 with a profile of where a
+# batch-1 step's time goes (benchmarks/gpu_step.py), and the tensor-parallel
 # collectives over NCCL with one rank. Prints everything; paste the
 # output into docs/results/gpu.md.
 #   bash scripts/gpu_check.sh            (needs python with torch+CUDA and triton; installs llmopt --no-deps)
@@ -27,7 +28,6 @@ date -u
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader || true
 $PY -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__, 'cuda', torch.cuda.is_available())"
 $PY -m pip install -q --no-deps --no-build-isolation -e . >/dev/null 2>&1 || export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH}
-git log -1 --format='commit %h %cs' 2>/dev/null || true
 # pytest-xdist where installed: each shape compiles its own kernels, and the compiles share the CPU cores
 PARALLEL=$($PY -c "import xdist" 2>/dev/null && echo "-n 8" || true)
 step "kernel tests on CUDA" timeout 240 $PY -m pytest -q -p no:cacheprovider $PARALLEL tests/runtime/test_triton_kernels.py
@@ -47,6 +47,8 @@ step "batch-1 decode: fp16 vs int4 (SmolLM2-135M shape, random weights)" \
   timeout 150 $PY -m llmopt bench "$MODEL" --device "$DEVICE" --dtype float16 --baseline "$MODEL-w4" --num-requests 4 \
   --max-concurrency 1 --input-len 128 --output-len 128 --peak-bandwidth 4800 --peak-flops 989 \
   --json "$RESULTS/bench.json"
+step "decode steps at batch 1 / 16 / 64 and where a batch-1 step's time goes (torch.profiler, cProfile)" \
+  timeout 150 $PY benchmarks/gpu_step.py "$MODEL" "$MODEL-w4" --device "$DEVICE" --json "$RESULTS/gpu_step.json"
 step "the capacity planner's prediction for the bench above (SmolLM2 shape, int4 g64, batch 1, 128/128), to compare" \
   $PY -m llmopt plan "$MODEL" --hardware h200 --workload batch1 --schemes int4-g64,fp16 --kv-dtypes fp16 --rows 4
 step "8-bit KV cache: the Triton store / decode / prefill tests on CUDA" \

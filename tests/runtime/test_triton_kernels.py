@@ -100,8 +100,10 @@ def test_store_kv(dtype):
     assert torch.equal(k_cache, ref_k) and torch.equal(v_cache, ref_v)
 
 
+# group 48 steps by 16 columns inside a group; group 8 by 32 columns over four groups (a scale row per column)
 @pytest.mark.parametrize("m,n,k,group_size,sym", [(1, 64, 64, 32, True), (5, 80, 128, 64, False),
-                                                  (33, 48, 96, 32, False), (17, 128, 256, 128, True)])
+                                                  (33, 48, 96, 32, False), (17, 128, 256, 128, True),
+                                                  (3, 40, 96, 48, False), (18, 32, 64, 8, True)])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
 def test_w4a16_matmul(m, n, k, group_size, sym, dtype):
     g = torch.Generator().manual_seed(4)
@@ -127,6 +129,32 @@ def test_w4a16_matmul_keeps_float_zero_points_in_float32(dtype):
     # the weights are rounded to `dtype` for tl.dot, the zero points not
     tol = 1e-4 if dtype == torch.float32 else 1e-2
     torch.testing.assert_close(y.float().cpu(), expected, rtol=tol, atol=tol * expected.abs().max().item())
+
+
+@pytest.mark.parametrize("group_size,itemsize,expected", [
+    (128, 2, (128, True)), (128, 4, (64, True)), (32, 4, (32, True)), (48, 2, (16, True)), (576, 2, (64, True)),
+    (8, 2, (32, False)), (40, 4, (32, False)),
+])
+def test_a_k_step_stays_inside_one_scale_group_and_within_shared_memory(group_size, itemsize, expected):
+    from llmopt.runtime.executor.kernels.triton_w4a16 import step_columns
+
+    assert step_columns(group_size, itemsize) == expected
+
+
+def test_a_method_built_for_a_device_keeps_its_bias_there():
+    """The bias goes where the method's weights go (a CUDA method's bias on the CPU failed at the first add)."""
+    from llmopt.core.contract import preset
+    from llmopt.runtime.executor.linear.base import stacked_bias
+    from llmopt.runtime.executor.linear.triton_lowprec import TritonW8A8Linear
+
+    g = torch.Generator().manual_seed(0)
+    linear = preset("w8a8-int8")
+    with_bias = quantize_rtn(torch.randn(16, 32, generator=g), linear.weights, bias=torch.randn(16, generator=g))
+    without = quantize_rtn(torch.randn(8, 32, generator=g), linear.weights)
+    parts = [TritonW8A8Linear(q, torch.float16, "meta") for q in (with_bias, without)]
+    assert parts[0].weight.device.type == parts[0].bias.device.type == "meta"
+    stacked = stacked_bias(parts, torch.float16)
+    assert stacked.device.type == "meta" and stacked.shape == (24,)
 
 
 def _linear(method_cls, qweight, dtype):

@@ -31,7 +31,10 @@ def is_quantized_kv(dtype: torch.dtype) -> bool:
 
 def kv_scales(x: torch.Tensor, code_dtype: torch.dtype) -> torch.Tensor:
     """x [..., head_dim] -> the fp32 scale of each vector [...]: amax / the code's largest value."""
-    return x.abs().amax(dim=-1).float() / CODE_MAX[code_dtype]
+    amax = x.abs().amax(dim=-1).float()
+    # divided by a tensor, not a Python number: CUDA's torch multiplies by a scalar divisor's reciprocal, which
+    # can round differently from the division every other device (and the compiled store) does
+    return amax / torch.full_like(amax, CODE_MAX[code_dtype])
 
 
 def quantize_kv(x: torch.Tensor, code_dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:

@@ -36,10 +36,14 @@ def load_page(ptr, scales_ptr, kv_off, kv_mask, t_mask, block, offs_t, kv_heads,
               QUANT: tl.constexpr, FP8: tl.constexpr):
     """One page's rows [PAGE, D] of a key or value cache at kv_off: as stored, or (QUANT) its codes decoded and
     multiplied by their token's scale (scales [blocks, PAGE, KVH] contiguous), in fp32."""
+    # (if / else, one return each: Triton's compiler types every return of the function, an early return in a
+    # constexpr branch included, and the codes' int8 / uint8 would clash with the decoded fp32)
     if QUANT:
         scale = tl.load(scales_ptr + (block * PAGE + offs_t) * kv_heads + kv_head, mask=t_mask, other=0.0)
-        return dequantize_codes(tl.load(ptr + kv_off, mask=kv_mask, other=0), FP8) * scale[:, None]
-    return tl.load(ptr + kv_off, mask=kv_mask, other=0.0)
+        rows = dequantize_codes(tl.load(ptr + kv_off, mask=kv_mask, other=0), FP8) * scale[:, None]
+    else:
+        rows = tl.load(ptr + kv_off, mask=kv_mask, other=0.0)
+    return rows
 
 
 def code_operands(k_cache: torch.Tensor, v_cache: torch.Tensor, scales) -> tuple:

@@ -17,7 +17,7 @@ import torch
 import triton
 import triton.language as tl
 
-from llmopt.runtime.executor.kernels.triton_w4a16 import tile_offsets
+from llmopt.runtime.executor.kernels.triton_w4a16 import group_rows, step_columns, tile_offsets
 
 CHUNK = 32  # columns per position word
 
@@ -25,7 +25,7 @@ CHUNK = 32  # columns per position word
 @triton.jit
 def _sparse24_kernel(x_ptr, pos_ptr, val_ptr, scales_ptr, zeros_ptr, y_ptr, M, N, K,
                      stride_xm, stride_pk, stride_vk, stride_sg, stride_ym,
-                     QUANTIZED: tl.constexpr, GROUP: tl.constexpr,
+                     QUANTIZED: tl.constexpr, GROUP: tl.constexpr, ONE_GROUP: tl.constexpr,
                      BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
     offs_m, offs_n, offs_k, m_mask, n_mask = tile_offsets(M, N, BLOCK_M, BLOCK_N, BLOCK_K)
     acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
@@ -41,11 +41,8 @@ def _sparse24_kernel(x_ptr, pos_ptr, val_ptr, scales_ptr, zeros_ptr, y_ptr, M, N
         pos1 = (words >> ((first % 16) * 2 + 2)[:, None]) & 3
         if QUANTIZED:
             packed = tl.load(val_ptr + (first // 8)[:, None] * stride_vk + offs_n[None, :], mask=kn_mask, other=0)
-            group = k // GROUP
-            scale = tl.load(scales_ptr + group[:, None] * stride_sg + offs_n[None, :], mask=kn_mask,
-                            other=0.0).to(tl.float32)
-            zero = tl.load(zeros_ptr + group[:, None] * stride_sg + offs_n[None, :], mask=kn_mask,
-                           other=0.0).to(tl.float32)
+            scale = group_rows(scales_ptr, k, k0, stride_sg, offs_n, kn_mask, n_mask, GROUP, ONE_GROUP)
+            zero = group_rows(zeros_ptr, k, k0, stride_sg, offs_n, kn_mask, n_mask, GROUP, ONE_GROUP)
             v0 = (((packed >> ((first % 8) * 4)[:, None]) & 0xF).to(tl.float32) - zero) * scale
             v1 = (((packed >> ((first % 8) * 4 + 4)[:, None]) & 0xF).to(tl.float32) - zero) * scale
         else:
@@ -78,11 +75,11 @@ def sparse24_matmul(x: torch.Tensor, positions: torch.Tensor, values: torch.Tens
     x = x.contiguous()
     y = torch.empty(m, n, dtype=x.dtype, device=x.device)
     block_m = 16 if m <= 16 else 64
-    block_k = min(128, group_size & -group_size) if quantized else 64  # a power of 2 within one scale group
+    block_k, one_group = step_columns(group_size, x.element_size()) if quantized else (64, True)
     grid = (triton.cdiv(m, block_m), triton.cdiv(n, 64))
     scales_arg = scales if quantized else values  # (unused operands: any pointer)
     zeros_arg = zeros if quantized else values
     _sparse24_kernel[grid](x, positions, values, scales_arg, zeros_arg, y, m, n, k, x.stride(0), positions.stride(0),
                            values.stride(0), scales_arg.stride(0), y.stride(0), QUANTIZED=quantized,
-                           GROUP=group_size, BLOCK_M=block_m, BLOCK_N=64, BLOCK_K=block_k)
+                           GROUP=group_size, ONE_GROUP=one_group, BLOCK_M=block_m, BLOCK_N=64, BLOCK_K=block_k)
     return y

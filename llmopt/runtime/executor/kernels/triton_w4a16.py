@@ -24,24 +24,44 @@ def tile_offsets(M, N, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl
 
 
 @triton.jit
+def group_rows(ptr, k, k0, stride_g, offs_n, kn_mask, n_mask, GROUP: tl.constexpr, ONE_GROUP: tl.constexpr):
+    """The scales (or zeros) [G, N] of this step's columns k [BLOCK_K], in fp32: one row [1, BLOCK_N] when the
+    step lies inside one group (ONE_GROUP: BLOCK_K divides GROUP), else a row per column [BLOCK_K, BLOCK_N].
+    (The single row keeps the step's shared memory to x and the codes: per-column rows of fp32 scales and zeros
+    at BLOCK_K = 128 took the pipelined loop past Hopper's 227 KiB.)"""
+    if ONE_GROUP:
+        rows = tl.load(ptr + (k0 // GROUP) * stride_g + offs_n[None, :], mask=n_mask[None, :], other=0.0)
+    else:
+        rows = tl.load(ptr + (k // GROUP)[:, None] * stride_g + offs_n[None, :], mask=kn_mask, other=0.0)
+    return rows.to(tl.float32)
+
+
+def step_columns(group_size: int, itemsize: int) -> tuple[int, bool]:
+    """(BLOCK_K, ONE_GROUP) for a K step over groups of group_size columns: the largest power of two dividing the
+    group (so a step never straddles two), at most 128 for 2-byte inputs and 64 for fp32 (Hopper's shared memory
+    holds two pipelined stages of x and the codes at that width), at least 16 (tl.dot's least K); a group with no
+    such divisor steps by 32 with a scale row per column."""
+    width = min(128 if itemsize <= 2 else 64, group_size & -group_size)
+    return (width, True) if width >= 16 else (32, False)
+
+
+@triton.jit
 def _w4a16_kernel(x_ptr, qw_ptr, scales_ptr, zeros_ptr, y_ptr, M, N, K,
                   stride_xm, stride_qk, stride_sg, stride_ym,
-                  GROUP: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+                  GROUP: tl.constexpr, ONE_GROUP: tl.constexpr,
+                  BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
     offs_m, offs_n, offs_k, m_mask, n_mask = tile_offsets(M, N, BLOCK_M, BLOCK_N, BLOCK_K)
     acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
     for k0 in range(0, K, BLOCK_K):
         k = k0 + offs_k
         k_mask = k < K
+        kn_mask = k_mask[:, None] & n_mask[None, :]
         x = tl.load(x_ptr + offs_m[:, None] * stride_xm + k[None, :], mask=m_mask[:, None] & k_mask[None, :],
                     other=0.0)
-        packed = tl.load(qw_ptr + (k // 8)[:, None] * stride_qk + offs_n[None, :],
-                         mask=k_mask[:, None] & n_mask[None, :], other=0)
+        packed = tl.load(qw_ptr + (k // 8)[:, None] * stride_qk + offs_n[None, :], mask=kn_mask, other=0)
         codes = (packed >> ((k % 8) * 4)[:, None]) & 0xF  # [BLOCK_K, BLOCK_N]
-        group = k // GROUP
-        scale = tl.load(scales_ptr + group[:, None] * stride_sg + offs_n[None, :],
-                        mask=k_mask[:, None] & n_mask[None, :], other=0.0).to(tl.float32)
-        zero = tl.load(zeros_ptr + group[:, None] * stride_sg + offs_n[None, :],
-                       mask=k_mask[:, None] & n_mask[None, :], other=0.0).to(tl.float32)
+        scale = group_rows(scales_ptr, k, k0, stride_sg, offs_n, kn_mask, n_mask, GROUP, ONE_GROUP)
+        zero = group_rows(zeros_ptr, k, k0, stride_sg, offs_n, kn_mask, n_mask, GROUP, ONE_GROUP)
         w = ((codes.to(tl.float32) - zero) * scale).to(x.dtype)
         acc += tl.dot(x, w, input_precision="ieee")
     tl.store(y_ptr + offs_m[:, None] * stride_ym + offs_n[None, :], acc.to(y_ptr.dtype.element_ty),
@@ -74,8 +94,9 @@ def w4a16_matmul(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, z
     x = x.contiguous()
     y = torch.empty(m, n, dtype=x.dtype, device=x.device)
     block_m = 16 if m <= 16 else 64
-    block_k = min(128, group_size) if group_size % 32 == 0 else 32
+    block_k, one_group = step_columns(group_size, x.element_size())
     grid = (triton.cdiv(m, block_m), triton.cdiv(n, 64))
     _w4a16_kernel[grid](x, qweight, scales, zeros, y, m, n, k, x.stride(0), qweight.stride(0), scales.stride(0),
-                        y.stride(0), GROUP=group_size, BLOCK_M=block_m, BLOCK_N=64, BLOCK_K=block_k)
+                        y.stride(0), GROUP=group_size, ONE_GROUP=one_group, BLOCK_M=block_m, BLOCK_N=64,
+                        BLOCK_K=block_k)
     return y

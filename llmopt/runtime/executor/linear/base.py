@@ -45,7 +45,8 @@ class LinearMethod(nn.Module):
         super().__init__()
         self.out_features, self.in_features = qweight.shape
         self.dtype = dtype
-        self.bias = None if qweight.bias is None else nn.Parameter(qweight.bias.to(dtype), requires_grad=False)
+        self.bias = (None if qweight.bias is None
+                     else nn.Parameter(qweight.bias.to(device=device, dtype=dtype), requires_grad=False))
 
     @classmethod
     def accepts(cls, qweight: QuantizedWeight, scheme: LinearScheme, device: torch.device) -> bool:
@@ -118,7 +119,9 @@ def stacked_bias(parts: list[nn.Module], dtype: torch.dtype) -> nn.Parameter | N
     """The biases of stacked parts, concatenated (zeros for parts without one); None when none has one."""
     if all(p.bias is None for p in parts):
         return None
-    bias = torch.cat([p.bias if p.bias is not None else torch.zeros(p.out_features, dtype=dtype) for p in parts])
+    device = next(p.bias.device for p in parts if p.bias is not None)
+    bias = torch.cat([p.bias if p.bias is not None else torch.zeros(p.out_features, dtype=dtype, device=device)
+                      for p in parts])
     return nn.Parameter(bias, requires_grad=False)
 
 
