@@ -7,7 +7,8 @@ from __future__ import annotations
 
 import torch
 
-from llmopt.core.contract import QuantScheme, QuantizedWeight, default_g_idx
+from llmopt.core.contract import QuantizedWeight, QuantScheme, default_g_idx
+from llmopt.core.contract.activations import exact_quotient
 from llmopt.core.contract.fp4 import E8M0_BIAS, e2m1_codes, e2m1_values, e8m0_decode, nvfp4_global_scale, nvfp4_scales
 
 
@@ -30,7 +31,7 @@ def _stored_scales(amax: torch.Tensor, scheme: QuantScheme, global_scale: torch.
     amax rounded to a power of two - 2), so the block's largest value lands within E2M1's +-6 (saturating when
     its mantissa is 1.5-1.75)."""
     if scheme.scale_format is None:
-        scales = amax / scheme.float_max
+        scales = exact_quotient(amax, scheme.float_max)
         return torch.where(scales > 0, scales, torch.ones_like(scales))
     if scheme.scale_format == "e4m3":
         return nvfp4_scales(amax, global_scale)

@@ -66,8 +66,8 @@ def test_decode_attention(context_lens, num_heads, num_kv_heads, head_dim, page,
     ([(40, 50)], 3, 3, 24),  # several query blocks, odd head_dim
 ])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
-def test_prefill_attention(new_and_ctx, num_heads, num_kv_heads, head_dim, dtype):
-    page = 16
+@pytest.mark.parametrize("page", [16, 4])  # pages of 4 tokens: read four to a tile (tl.dot needs 16 on a GPU)
+def test_prefill_attention(new_and_ctx, num_heads, num_kv_heads, head_dim, dtype, page):
     context_lens = [c for _, c in new_and_ctx]
     k_cache, v_cache, tables = paged_setup(context_lens, num_heads, num_kv_heads, head_dim, page, dtype)
     starts = [0]
@@ -178,7 +178,12 @@ def test_w8a8_triton_matches_the_reference(rows, scheme):
     with torch.no_grad():
         expected = InputQuantizedLinear.of(qweight, torch.float32)(x)
         y = _linear(TritonW8A8Linear, qweight, torch.float32)(x.to(DEVICE)).cpu()
-    torch.testing.assert_close(y, expected, rtol=1e-5, atol=1e-4)
+    if scheme == "w8a8-fp8" and DEVICE == "cuda":
+        # Hopper's FP8 tensor cores (wgmma, at 64-row tiles) sum with about 14 bits of mantissa, not fp32's 24:
+        # Triton's default on sm_90, like cuBLAS's fast accumulation (measured: within 2^-11 of the largest output)
+        torch.testing.assert_close(y, expected, rtol=0, atol=2**-9 * expected.abs().max().item())
+    else:
+        torch.testing.assert_close(y, expected, rtol=1e-5, atol=1e-4)
 
 
 @pytest.mark.parametrize("rows", [1, 3, 8, 512])

@@ -13,6 +13,13 @@ from llmopt.core.contract.scheme import QuantScheme
 from llmopt.core.errors import ConfigError
 
 
+def exact_quotient(values: torch.Tensor, divisor: float) -> torch.Tensor:
+    """values / divisor, correctly rounded on every device. CUDA's torch multiplies by a Python number's reciprocal
+    instead of dividing (one rounding more): a scale an ulp off, and round(x / scale) of a token's largest value,
+    at +-127.5 exactly, can land on the other code (-128 against -127) than the CPU's reference gives."""
+    return values / torch.full_like(values, divisor)
+
+
 def _spans(x: torch.Tensor, scheme: QuantScheme) -> torch.Tensor:
     """x [..., K] viewed as [..., S, W]: each span of W columns shares one scale."""
     k = x.shape[-1]
@@ -29,7 +36,7 @@ def quantize_activations(x: torch.Tensor, scheme: QuantScheme) -> tuple[torch.Te
     if scheme.type != "int" or scheme.bits != 8 or not scheme.sym or not scheme.dynamic:
         raise ConfigError(f"input activations {scheme}: only dynamic symmetric int8 is supported here")
     spans = _spans(x.float(), scheme)
-    scale = spans.abs().amax(dim=-1, keepdim=True) / 127.5
+    scale = exact_quotient(spans.abs().amax(dim=-1, keepdim=True), 127.5)
     scale = torch.where(scale > 0, scale, torch.ones_like(scale))
     codes = torch.round(spans / scale).clamp_(-128, 127).to(torch.int8)
     return codes, scale
@@ -41,7 +48,7 @@ def quantize_activations_fp8(x: torch.Tensor, scheme: QuantScheme) -> tuple[torc
     if scheme.type != "float" or scheme.bits != 8 or not scheme.dynamic:
         raise ConfigError(f"input activations {scheme}: only dynamic FP8 (E4M3) is supported here")
     spans = _spans(x.float(), scheme)
-    scale = spans.abs().amax(dim=-1, keepdim=True) / scheme.float_max
+    scale = exact_quotient(spans.abs().amax(dim=-1, keepdim=True), scheme.float_max)
     scale = torch.where(scale > 0, scale, torch.ones_like(scale))
     values = (spans / scale).clamp_(-scheme.float_max, scheme.float_max).to(torch.float8_e4m3fn)
     return values, scale

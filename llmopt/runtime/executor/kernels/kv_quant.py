@@ -18,6 +18,8 @@ from __future__ import annotations
 
 import torch
 
+from llmopt.core.contract.activations import exact_quotient
+
 E4M3_MAX = 448.0
 INT8_MAX = 127.0
 # --kv-cache-dtype name -> the dtype its codes are stored in
@@ -31,10 +33,7 @@ def is_quantized_kv(dtype: torch.dtype) -> bool:
 
 def kv_scales(x: torch.Tensor, code_dtype: torch.dtype) -> torch.Tensor:
     """x [..., head_dim] -> the fp32 scale of each vector [...]: amax / the code's largest value."""
-    amax = x.abs().amax(dim=-1).float()
-    # divided by a tensor, not a Python number: CUDA's torch multiplies by a scalar divisor's reciprocal, which
-    # can round differently from the division every other device (and the compiled store) does
-    return amax / torch.full_like(amax, CODE_MAX[code_dtype])
+    return exact_quotient(x.abs().amax(dim=-1).float(), CODE_MAX[code_dtype])  # (as the CPU divides, on CUDA too)
 
 
 def quantize_kv(x: torch.Tensor, code_dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:

@@ -34,8 +34,9 @@ def dequantize_codes(raw, FP8: tl.constexpr):
 @triton.jit
 def load_page(ptr, scales_ptr, kv_off, kv_mask, t_mask, block, offs_t, kv_heads, kv_head, PAGE: tl.constexpr,
               QUANT: tl.constexpr, FP8: tl.constexpr):
-    """One page's rows [PAGE, D] of a key or value cache at kv_off: as stored, or (QUANT) its codes decoded and
-    multiplied by their token's scale (scales [blocks, PAGE, KVH] contiguous), in fp32."""
+    """Rows [T, D] of a key or value cache at kv_off (one page, or a prefill tile of several): as stored, or
+    (QUANT) its codes decoded and multiplied by their token's scale (scales [blocks, PAGE, KVH] contiguous), in
+    fp32; block and offs_t give each row's block (a scalar for one page, else [T]) and its row within it."""
     # (if / else, one return each: Triton's compiler types every return of the function, an early return in a
     # constexpr branch included, and the codes' int8 / uint8 would clash with the decoded fp32)
     if QUANT:

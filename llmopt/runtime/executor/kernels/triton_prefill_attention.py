@@ -17,6 +17,8 @@ import triton.language as tl
 
 from llmopt.runtime.executor.kernels.triton_decode_attention import code_operands, load_page
 
+MIN_DOT = 16  # tl.dot's least K on the GPU: pages of fewer tokens are read several to a tile
+
 
 @triton.jit
 def _prefill_kernel(
@@ -25,7 +27,7 @@ def _prefill_kernel(
     stride_qt, stride_qh, stride_ot, stride_oh,
     stride_kb, stride_kt, stride_kh, stride_tb,
     GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr,
-    PAGE: tl.constexpr, QUANT: tl.constexpr, FP8: tl.constexpr,
+    PAGE: tl.constexpr, TILE: tl.constexpr, QUANT: tl.constexpr, FP8: tl.constexpr,
 ):
     seq = tl.program_id(0)
     head = tl.program_id(1)
@@ -37,7 +39,7 @@ def _prefill_kernel(
         kv_head = head // GROUP
         offs_m = m_block * BLOCK_M + tl.arange(0, BLOCK_M)
         offs_d = tl.arange(0, BLOCK_D)
-        offs_t = tl.arange(0, PAGE)
+        offs_t = tl.arange(0, TILE)  # a tile of keys: one page, or several pages below tl.dot's 16
         m_mask = offs_m < num_new
         d_mask = offs_d < HEAD_DIM
         q_pos = ctx - num_new + offs_m  # absolute positions of these queries
@@ -47,21 +49,21 @@ def _prefill_kernel(
         l_i = tl.zeros([BLOCK_M], tl.float32)
         acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
         last_pos = tl.minimum(ctx - num_new + (m_block + 1) * BLOCK_M, ctx)  # causal: later keys unseen
-        num_pages = tl.cdiv(last_pos, PAGE)
-        for page in range(0, num_pages):
-            block = tl.load(tables_ptr + seq * stride_tb + page)
-            k_pos = page * PAGE + offs_t
-            kv_off = block * stride_kb + offs_t[:, None] * stride_kt + kv_head * stride_kh + offs_d[None, :]
-            kv_mask = (k_pos < ctx)[:, None] & d_mask[None, :]
+        num_tiles = tl.cdiv(last_pos, TILE)
+        for tile in range(0, num_tiles):
+            k_pos = tile * TILE + offs_t  # [TILE] key positions
+            t_mask = k_pos < ctx
+            block = tl.load(tables_ptr + seq * stride_tb + k_pos // PAGE, mask=t_mask, other=0)  # [TILE] each's
+            slot = k_pos % PAGE  # [TILE] row within its block
+            kv_off = block[:, None] * stride_kb + slot[:, None] * stride_kt + kv_head * stride_kh + offs_d[None, :]
+            kv_mask = t_mask[:, None] & d_mask[None, :]
             kv_heads = stride_kt // stride_kh
-            k = load_page(k_ptr, ks_ptr, kv_off, kv_mask, k_pos < ctx, block, offs_t, kv_heads, kv_head, PAGE,
-                          QUANT, FP8)
-            v = load_page(v_ptr, vs_ptr, kv_off, kv_mask, k_pos < ctx, block, offs_t, kv_heads, kv_head, PAGE,
-                          QUANT, FP8)
+            k = load_page(k_ptr, ks_ptr, kv_off, kv_mask, t_mask, block, slot, kv_heads, kv_head, PAGE, QUANT, FP8)
+            v = load_page(v_ptr, vs_ptr, kv_off, kv_mask, t_mask, block, slot, kv_heads, kv_head, PAGE, QUANT, FP8)
             if QUANT:  # (decoded in fp32; the value product runs in q's dtype, as a cache in it would)
                 v = v.to(q.dtype)
-            s = tl.dot(q, tl.trans(k).to(q.dtype), input_precision="ieee").to(tl.float32) * scale  # [M, PAGE]
-            visible = (k_pos[None, :] <= q_pos[:, None]) & (k_pos[None, :] < ctx) & m_mask[:, None]
+            s = tl.dot(q, tl.trans(k).to(q.dtype), input_precision="ieee").to(tl.float32) * scale  # [M, TILE]
+            visible = (k_pos[None, :] <= q_pos[:, None]) & t_mask[None, :] & m_mask[:, None]
             s = tl.where(visible, s, float("-inf"))
             m_new = tl.maximum(m_i, tl.max(s, axis=1))
             m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)  # rows with nothing visible yet
@@ -91,6 +93,6 @@ def prefill_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Ten
         tables, scale, q.stride(0), q.stride(1), out.stride(0), out.stride(1),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), tables.stride(0),
         GROUP=num_heads // num_kv_heads, HEAD_DIM=head_dim, BLOCK_D=triton.next_power_of_2(head_dim),
-        BLOCK_M=block_m, PAGE=page, QUANT=quant, FP8=fp8,
+        BLOCK_M=block_m, PAGE=page, TILE=max(page, MIN_DOT), QUANT=quant, FP8=fp8,
     )
     return out
