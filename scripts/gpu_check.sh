@@ -29,7 +29,7 @@ nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader ||
 $PY -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__, 'cuda', torch.cuda.is_available())"
 $PY -m pip install -q --no-deps --no-build-isolation -e . >/dev/null 2>&1 || export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH}
 # pytest-xdist where installed: each shape compiles its own kernels, and the compiles share the CPU cores
-PARALLEL=$($PY -c "import xdist" 2>/dev/null && echo "-n 8" || true)
+PARALLEL=$($PY -c "import xdist" 2>/dev/null && echo "-n 8 -p no:benchmark" || true)
 step "kernel tests on CUDA" timeout 240 $PY -m pytest -q -p no:cacheprovider $PARALLEL tests/runtime/test_triton_kernels.py
 MODEL=/tmp/llmopt-gpu/smollm2-shape  # 0.5 GB: kept out of $RESULTS
 if [ ! -d "$MODEL" ]; then
