@@ -27,9 +27,10 @@ def sync(device: str) -> None:
         torch.cuda.synchronize()
 
 
-def decoding_engine(model, tokenizer, batch: int, steps: int, prompt_len: int) -> Engine:
-    """An engine whose `batch` requests are past their prefill, each with room for 3 x `steps` + 8 more tokens (timed, profiled, cProfiled)."""
-    engine = Engine(model, tokenizer, EngineConfig(max_num_seqs=batch, kv_cache_bytes=1 << 30))
+def decoding_engine(model, tokenizer, batch: int, steps: int, prompt_len: int, fast: bool | None) -> Engine:
+    """An engine whose `batch` requests are past their prefill, each with room for 3 x `steps` + 8 more tokens
+    (timed, profiled, cProfiled); fast: EngineConfig.fast_path (None: the device's default)."""
+    engine = Engine(model, tokenizer, EngineConfig(max_num_seqs=batch, kv_cache_bytes=1 << 30, fast_path=fast))
     rng = random.Random(0)
     waiting = {engine.add_request([rng.randrange(engine.vocab_size) for _ in range(prompt_len)],
                                   SamplingParams(max_tokens=3 * steps + 8, ignore_eos=True, detokenize=False))
@@ -105,22 +106,25 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=20)
     parser.add_argument("--prompt-len", type=int, default=128)
     parser.add_argument("--top", type=int, default=12)
+    parser.add_argument("--paths", default="exact,fast",
+                        help="numerics modes to run: exact (--no-fast-path, the GPU's default) and / or fast")
     parser.add_argument("--json", default=None)
     args = parser.parse_args()
     batches = [int(b) for b in args.batches.split(",")]
     results = []
-    for name in args.models:
+    paths = {"exact": False, "fast": True}
+    for name, path in ((n, p) for n in args.models for p in args.paths.split(",")):
         model, tokenizer, _ = load_runtime_model(name, dtype=args.dtype, device=args.device)
-        row = {"model": name}
+        row = {"model": name, "path": path}
         for batch in batches:
-            engine = decoding_engine(model, tokenizer, batch, args.steps, args.prompt_len)
+            engine = decoding_engine(model, tokenizer, batch, args.steps, args.prompt_len, paths[path])
             row[f"B={batch} ms/step"] = round(step_ms(engine, args.steps, args.device), 3)
             if batch == 1:
                 row["profile B=1"] = profile_steps(engine, args.steps, args.device, args.top)
                 row["profile B=1"]["top_python_self"] = python_profile(engine, args.steps, args.top)
             engine.close()
         results.append(row)
-        print(f"{name}: " + ", ".join(f"{k} {v}" for k, v in row.items() if k.endswith("ms/step")), flush=True)
+        print(f"{name} ({path} path): " + ", ".join(f"{k} {v}" for k, v in row.items() if k.endswith("ms/step")), flush=True)
         prof = row.get("profile B=1")
         if prof:
             print(f"  batch-1 step under the profiler: {prof['profiled_step_ms']} ms wall, GPU busy "

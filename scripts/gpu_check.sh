@@ -30,7 +30,8 @@ $PY -c "import torch, triton; print('torch', torch.__version__, 'triton', triton
 $PY -m pip install -q --no-deps --no-build-isolation -e . >/dev/null 2>&1 || export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH}
 # pytest-xdist where installed: each shape compiles its own kernels, and the compiles share the CPU cores
 PARALLEL=$($PY -c "import xdist" 2>/dev/null && echo "-n 8 -p no:benchmark" || true)
-step "kernel tests on CUDA" timeout 240 $PY -m pytest -q -p no:cacheprovider $PARALLEL tests/runtime/test_triton_kernels.py
+step "kernel tests on CUDA" timeout 240 $PY -m pytest -q -p no:cacheprovider $PARALLEL tests/runtime/test_triton_kernels.py \
+  tests/runtime/test_triton_fused.py
 MODEL=/tmp/llmopt-gpu/smollm2-shape  # 0.5 GB: kept out of $RESULTS
 if [ ! -d "$MODEL" ]; then
   $PY - "$MODEL" <<'PY'
@@ -47,8 +48,9 @@ step "batch-1 decode: fp16 vs int4 (SmolLM2-135M shape, random weights)" \
   timeout 150 $PY -m llmopt bench "$MODEL" --device "$DEVICE" --dtype float16 --baseline "$MODEL-w4" --num-requests 4 \
   --max-concurrency 1 --input-len 128 --output-len 128 --peak-bandwidth 4800 --peak-flops 989 \
   --json "$RESULTS/bench.json"
-step "decode steps at batch 1 / 16 / 64 and where a batch-1 step's time goes (torch.profiler, cProfile)" \
-  timeout 150 $PY benchmarks/gpu_step.py "$MODEL" "$MODEL-w4" --device "$DEVICE" --json "$RESULTS/gpu_step.json"
+step "decode steps at batch 1 / 16 / 64, exact and fast (Triton fused) paths, and where a batch-1 step's time goes" \
+  timeout 200 $PY benchmarks/gpu_step.py "$MODEL" "$MODEL-w4" --device "$DEVICE" --steps 10 \
+  --json "$RESULTS/gpu_step.json"
 step "the capacity planner's prediction for the bench above (SmolLM2 shape, int4 g64, batch 1, 128/128), to compare" \
   $PY -m llmopt plan "$MODEL" --hardware h200 --workload batch1 --schemes int4-g64,fp16 --kv-dtypes fp16 --rows 4
 step "8-bit KV cache: the Triton store / decode / prefill tests on CUDA" \

@@ -11,7 +11,8 @@ rotary tables and embedding are its own — no transformers module runs in its f
   rounding order: bf16 results differ from transformers' by bf16 rounding, as any two bf16 kernels do; fp32
   logits stay within ~1e-5 relative of the exact mode's. On CPU with the compiled kernels (kernels/cpu_ops.py)
   the element-wise runs are single calls (`_forward_fused`), decode attention reads the paged cache in place,
-  and the batch-1 lm_head is a matrix-vector kernel.
+  and the batch-1 lm_head is a matrix-vector kernel; on CUDA the element-wise runs are Triton kernels
+  (kernels/triton_fused.py) in the same `_forward_fused`.
 """
 
 from __future__ import annotations
@@ -22,7 +23,7 @@ from torch import nn
 
 from llmopt.core.adapters import attention_geometry
 from llmopt.runtime.executor.attention import AttentionBackend, KVCache, KVCacheSpec
-from llmopt.runtime.executor.kernels.attention import AttentionMetadata
+from llmopt.runtime.executor.kernels.attention import AttentionMetadata, triton_available
 from llmopt.runtime.executor.kernels.cpu_ops import GEMV_BATCHED_ROWS, cpu_ops
 from llmopt.runtime.executor.linear import fuse_linears
 from llmopt.runtime.executor.models.decode_graph import DecodeGraphs
@@ -105,6 +106,18 @@ def exactly_narrowed(weight: torch.Tensor) -> torch.Tensor:
     return weight
 
 
+def fused_ops_for(device: torch.device):
+    """The fast path's fused element-wise ops on this device: the compiled CPU kernels, the Triton ones on CUDA
+    where Triton is installed, else None (the torch ops)."""
+    if device.type == "cpu":
+        return cpu_ops()
+    if device.type == "cuda" and triton_available():
+        from llmopt.runtime.executor.kernels.triton_fused import TritonFusedOps
+
+        return TritonFusedOps()
+    return None
+
+
 @register_model_family("llama", "mistral", "qwen2", "qwen3", "phi3")
 class LlamaFamilyDecoder(nn.Module):
     """Built from a config and its weights by name (models/weights.py): each checkpoint tensor or linear goes to
@@ -139,10 +152,12 @@ class LlamaFamilyDecoder(nn.Module):
         self.logits_head = fuse_linears([self.lm_head], prepack=self.fast, pack_float32=True)
         self._gemv_weight = None  # the lm_head weight for batch-1 decode (below)
         self.decode_graphs: DecodeGraphs | None = None  # (build_decode_graphs, once the KV cache exists)
-        # the compiled fused element-wise ops (kernels/csrc/fused_cpu.cpp) serve the fast path on CPU
+        # the fused element-wise ops serve the fast path: compiled on CPU (kernels/csrc/fused_cpu.cpp), Triton on
+        # CUDA (kernels/triton_fused.py)
         self.fused_ops = None
-        if self.fast and device.type == "cpu" and all(b.q_norm is None for b in self.blocks):
-            self.fused_ops = cpu_ops()
+        if self.fast and all(b.q_norm is None for b in self.blocks):
+            self.fused_ops = fused_ops_for(device)
+        if self.fused_ops is not None:
             # per layer: the four projections' forward, (weight, eps) of the post-attention norm and of the norm
             # that follows the layer (the next layer's input norm, or the final one)
             norms = [b.input_norm for b in self.blocks] + [self.norm]
@@ -150,7 +165,7 @@ class LlamaFamilyDecoder(nn.Module):
             self._fused_layers = [(*(self._row_parallel(_forward_2d(m), m) for m in b.linears()),
                                    (b.post_norm.weight, b.post_norm.eps), (n.weight, n.eps))
                                   for b, n in zip(self.blocks, norms[1:])]
-            if type(self.lm_head) is nn.Linear and self.lm_head.bias is None:
+            if type(self.lm_head) is nn.Linear and self.lm_head.bias is None and hasattr(self.fused_ops, "gemv"):
                 self._gemv_weight = exactly_narrowed(self.lm_head.weight.detach())
 
     def quantize_lm_head(self, input_activations) -> str:
