@@ -9,7 +9,7 @@ from typing import Annotated, Optional
 import typer
 
 from llmopt.cli.options import (
-    DeviceOpt, Dtype, DtypeOpt, ModelArg, SeedOpt, resolve_dtype_option, with_engine_options,
+    DEFAULT_DEVICE, DeviceOpt, Dtype, DtypeOpt, ModelArg, SeedOpt, resolve_dtype_option, with_engine_options,
 )
 
 SHOWN = [  # (metric key, label) in the terminal table
@@ -60,7 +60,7 @@ def bench(
         "--model", help="With --base-url: the served model name (default: MODEL).")] = None,
     api_key: Annotated[Optional[str], typer.Option("--api-key", help="With --base-url: the server's key.")] = None,
     dtype: DtypeOpt = Dtype.auto,
-    device: DeviceOpt = "cpu",
+    device: DeviceOpt = DEFAULT_DEVICE,
     seed: SeedOpt = 0,
     json_out: Annotated[Optional[Path], typer.Option("--json", help="Write every run and request here.")] = None,
     engine=None,

@@ -8,8 +8,8 @@ from typing import Annotated, Optional
 import typer
 
 from llmopt.cli.options import (
-    Backend, DatasetOpt, DeviceOpt, Dtype, DtypeOpt, JsonOpt, MaxTokensOpt, ModelArg, SeqlenOpt, TextFieldOpt,
-    TrustRemoteCodeOpt, resolve_dtype_option, with_engine_options,
+    DEFAULT_DEVICE, Backend, DatasetOpt, DeviceOpt, Dtype, DtypeOpt, JsonOpt, MaxTokensOpt, ModelArg, SeqlenOpt,
+    TextFieldOpt, TrustRemoteCodeOpt, resolve_dtype_option, with_engine_options,
 )
 from llmopt.cli.output import print_json, print_table, progress_bar
 
@@ -69,7 +69,7 @@ def ppl(
         "--max-num-batched-tokens).")] = 4,
     text_field: TextFieldOpt = "text",
     dtype: DtypeOpt = Dtype.float32,
-    device: DeviceOpt = "cpu",
+    device: DeviceOpt = DEFAULT_DEVICE,
     as_json: JsonOpt = False,
     trust_remote_code: TrustRemoteCodeOpt = False,
     backend: EvalBackendOpt = Backend.hf,
@@ -118,7 +118,7 @@ def tasks(
         "--batch-size", help="Sequences per forward pass (--backend hf; the runtime batches by --max-num-seqs / "
         "--max-num-batched-tokens).")] = 16,
     dtype: DtypeOpt = Dtype.auto,
-    device: DeviceOpt = "cpu",
+    device: DeviceOpt = DEFAULT_DEVICE,
     as_json: JsonOpt = False,
     trust_remote_code: TrustRemoteCodeOpt = False,
     backend: EvalBackendOpt = Backend.hf,

@@ -7,9 +7,8 @@ from typing import Annotated
 import typer
 
 from llmopt.cli.options import (
-    Backend,
-    DeviceOpt, Dtype, DtypeOpt, JsonOpt, ModelArg, SeedOpt, TrustRemoteCodeOpt, resolve_dtype_option,
-    with_engine_options,
+    DEFAULT_DEVICE, Backend, DeviceOpt, Dtype, DtypeOpt, JsonOpt, ModelArg, SeedOpt, TrustRemoteCodeOpt,
+    resolve_dtype_option, with_engine_options,
 )
 from llmopt.cli.output import print_json, stdout
 
@@ -30,7 +29,7 @@ def generate(
         "--backend", help="llmopt's runtime (paged KV cache, continuous batching) or transformers' generate.")
     ] = Backend.runtime,
     dtype: DtypeOpt = Dtype.auto,
-    device: DeviceOpt = "cpu",
+    device: DeviceOpt = DEFAULT_DEVICE,
     as_json: JsonOpt = False,
     trust_remote_code: TrustRemoteCodeOpt = False,
     engine=None,

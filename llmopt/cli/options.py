@@ -40,6 +40,7 @@ ModelArg = Annotated[str, typer.Argument(
 DtypeOpt = Annotated[Dtype, typer.Option(
     "--dtype", help="Weights and compute dtype; auto: bfloat16 on CUDA and on CPUs with bf16 units "
     "(AVX512_BF16, AMX, Arm BF16), else float32.")]
+DEFAULT_DEVICE = "cpu"  # the engine's device when --device is not given (every command's)
 DeviceOpt = Annotated[str, typer.Option("--device", help="cpu, cuda or cuda:N.")]
 JsonOpt = Annotated[bool, typer.Option("--json", help="Print exactly one JSON object on stdout.")]
 SeedOpt = Annotated[int, typer.Option("--seed", help="Random seed.")]

@@ -13,7 +13,8 @@ from typing import Annotated, Optional
 import typer
 
 from llmopt.cli.options import (
-    DeviceOpt, Dtype, DtypeOpt, ModelArg, TrustRemoteCodeOpt, resolve_dtype_option, with_engine_options,
+    DEFAULT_DEVICE, DeviceOpt, Dtype, DtypeOpt, ModelArg, TrustRemoteCodeOpt, resolve_dtype_option,
+    with_engine_options,
 )
 from llmopt.serve.protocol import DEFAULT_MAX_BODY_BYTES
 
@@ -38,7 +39,7 @@ def serve(
         "--max-body-bytes", min=1, help="Request bodies larger than this get 413 before they are parsed.")
     ] = DEFAULT_MAX_BODY_BYTES,
     dtype: DtypeOpt = Dtype.auto,
-    device: DeviceOpt = "cpu",
+    device: DeviceOpt = DEFAULT_DEVICE,
     trust_remote_code: TrustRemoteCodeOpt = False,
     engine=None,
 ) -> None:
