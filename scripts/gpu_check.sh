@@ -20,9 +20,10 @@ mkdir -p "$RESULTS"
 FAILED=()
 # step NAME COMMAND...: runs one check; a failing step is named at the end and the later steps still run
 step() {
-  local name=$1; shift
+  local name=$1 start=$SECONDS; shift
   echo "== $name"
   "$@" || { echo "!! FAILED (exit $?): $name"; FAILED+=("$name"); }
+  echo "   ($((SECONDS - start)) s)"
 }
 date -u
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader || true
@@ -45,7 +46,7 @@ PY
   $PY -m llmopt quantize "$MODEL" --method rtn --bits 4 --group-size 64 -o "$MODEL-w4" --overwrite >/dev/null
 fi
 step "batch-1 decode: fp16 vs int4 (SmolLM2-135M shape, random weights)" \
-  timeout 150 $PY -m llmopt bench "$MODEL" --device "$DEVICE" --dtype float16 --baseline "$MODEL-w4" --num-requests 4 \
+  timeout 150 $PY -m llmopt bench "$MODEL" --device "$DEVICE" --dtype float16 --baseline "$MODEL-w4" --num-requests 2 \
   --max-concurrency 1 --input-len 128 --output-len 128 --peak-bandwidth 4800 --peak-flops 989 \
   --json "$RESULTS/bench.json"
 step "decode steps at batch 1 / 16 / 64, exact and fast (Triton fused) paths, and where a batch-1 step's time goes" \
