@@ -15,8 +15,8 @@ CUDA = torch.cuda.is_available()
 if not CUDA:
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
-from llmopt.runtime.executor.kernels.triton_fused import TritonFusedOps  # noqa: E402
-from llmopt.runtime.executor.models.layers import RMSNorm, rotate_half  # noqa: E402
+from llmopt.runtime.executor.kernels.triton_fused import TritonFusedOps
+from llmopt.runtime.executor.models.layers import RMSNorm, rotate_half
 
 DEVICE = "cuda" if CUDA else "cpu"
 # bf16 on a GPU only: Triton's interpreter rounds fp32 -> bf16 toward zero (GPUs: to nearest even, as torch)

@@ -1,0 +1,151 @@
+"""Every Triton kernel the runtime launches, compiled for a Hopper GPU (sm_90) without one: the kernel wrappers are
+called on CPU tensors at the runtime's shapes with the launches recorded instead of run, and each recorded launch
+(its argument types and constexprs) is compiled by Triton's CUDA backend (ptxas ships with Triton). What a GPU
+showed and Triton's interpreter does not: compile errors (types, tl.dot's least sizes) and shared memory beyond
+the chip's 227 KiB per block.
+
+Run as `python -m tests.runtime.triton_sm90` (tests/runtime/test_triton_compile.py does, in a process of its own:
+the kernels must be imported without TRITON_INTERPRET). Prints one JSON line per compiled kernel.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+
+import torch
+
+SM90_SHARED_BYTES = 232448  # 227 KiB: the most shared memory one block may take on an H100 / H200
+TYPES = {torch.float32: "fp32", torch.float16: "fp16", torch.bfloat16: "bf16", torch.int32: "i32",
+         torch.int64: "i64", torch.int8: "i8", torch.uint8: "u8", torch.float8_e4m3fn: "fp8e4nv", torch.bool: "i1"}
+
+
+def record_launches() -> list:
+    """Replace JITFunction.run (what `kernel[grid](...)` calls) by a recorder; returns the list it fills."""
+    from triton.runtime.jit import JITFunction
+
+    launches = []
+
+    def record(self, *args, grid, warmup, **kwargs):
+        launches.append((self, args, kwargs))
+
+    JITFunction.run = record
+    return launches
+
+
+def signature(fn, args, kwargs) -> tuple[dict, dict]:
+    """Triton's signature ({name: type}) and constexprs ({name: value}) of one recorded launch."""
+    values = dict(zip([p.name for p in fn.params], args))
+    values.update(kwargs)
+    sig, constexprs = {}, {}
+    for param in fn.params:
+        value = values[param.name]
+        if param.is_constexpr:
+            sig[param.name], constexprs[param.name] = "constexpr", value
+        elif isinstance(value, torch.Tensor):
+            sig[param.name] = "*" + TYPES[value.dtype]
+        elif isinstance(value, bool):
+            sig[param.name] = "i1"
+        elif isinstance(value, int):
+            sig[param.name] = "i32" if -2**31 <= value < 2**31 else "i64"
+        elif isinstance(value, float):
+            sig[param.name] = "fp32"
+        else:
+            raise TypeError(f"{fn.__name__}: argument {param.name} of type {type(value).__name__}")
+    return sig, constexprs
+
+
+def launch_every_kernel() -> None:
+    """Each wrapper at the shapes the runtime gives it (SmolLM2-135M's: 9 / 3 heads of 64, hidden 576), in fp32,
+    fp16 and bf16, at decode (1 row) and batch (64 rows) tiles, with float and 8-bit KV caches."""
+    from llmopt.runtime.executor.kernels.triton_decode_attention import decode_attention
+    from llmopt.runtime.executor.kernels.triton_fused import TritonFusedOps
+    from llmopt.runtime.executor.kernels.triton_lowprec import float_weight_matmul, scaled_matmul
+    from llmopt.runtime.executor.kernels.triton_prefill_attention import prefill_attention
+    from llmopt.runtime.executor.kernels.triton_sparse24 import sparse24_matmul
+    from llmopt.runtime.executor.kernels.triton_store_kv import store_kv
+    from llmopt.runtime.executor.kernels.triton_w4a16 import w4a16_matmul
+
+    heads, kv_heads, head_dim, hidden = 9, 3, 64, 576
+    caches = [(dt, None) for dt in (torch.float32, torch.float16, torch.bfloat16)]
+    caches += [(torch.int8, "int8"), (torch.float8_e4m3fn, "fp8")]
+    for page in (16, 8):
+        for cache_dtype, code in caches:
+            k = torch.zeros(8, page, kv_heads, head_dim, dtype=cache_dtype)
+            scales = (torch.ones(8, page, kv_heads), torch.ones(8, page, kv_heads)) if code else None
+            q_dtype = torch.float16 if code else cache_dtype
+            tables = torch.zeros(2, 4, dtype=torch.int32)
+            lens = torch.tensor([40, 17], dtype=torch.int32)
+            decode_attention(torch.zeros(2, heads, head_dim, dtype=q_dtype), k, k.clone(), tables, lens, 0.125,
+                             scales=scales)
+            prefill_attention(torch.zeros(8, heads, head_dim, dtype=q_dtype), k, k.clone(),
+                              torch.tensor([0, 4, 8], dtype=torch.int32), lens, tables, 0.125, 4, block_m=32,
+                              scales=scales)
+            new = torch.zeros(3, kv_heads, head_dim, dtype=q_dtype)
+            store_kv(new, new, k, k.clone(), torch.tensor([0, 5, 9]), scales)
+    for dtype in (torch.float32, torch.float16, torch.bfloat16):
+        for rows in (1, 64):
+            x = torch.zeros(rows, hidden, dtype=dtype)
+            for group in (32, 64, 128, hidden):
+                groups = hidden // group
+                w4a16_matmul(x, torch.zeros(hidden // 8, 1536, dtype=torch.int32),
+                             torch.ones(groups, 1536, dtype=dtype), torch.zeros(groups, 1536, dtype=dtype), group)
+            positions = torch.zeros(hidden // 32, 1536, dtype=torch.int32)
+            sparse24_matmul(x, positions, torch.zeros(hidden // 2, 1536, dtype=dtype))
+            for group in (64, 128):
+                groups = -(-hidden // group)
+                sparse24_matmul(x, positions, torch.zeros(hidden // 16, 1536, dtype=torch.int32),
+                                torch.ones(groups, 1536, dtype=dtype), torch.zeros(groups, 1536, dtype=dtype), group)
+            float_weight_matmul(x, torch.zeros(1536, hidden, dtype=torch.float8_e4m3fn), torch.ones(1536, 1), hidden)
+            float_weight_matmul(x, torch.zeros(1536, hidden // 2, dtype=torch.uint8),
+                                torch.zeros(1536, hidden // 16, dtype=torch.uint8), 16, torch.ones(256))
+            for operand in (torch.int8, torch.float8_e4m3fn):
+                scaled_matmul(torch.zeros(rows, hidden, dtype=operand), torch.zeros(1536, hidden, dtype=operand),
+                              torch.ones(rows), torch.ones(1536), dtype)
+            ops = TritonFusedOps()
+            weight = torch.ones(hidden, dtype=dtype)
+            ops.rms_norm(x, weight, 1e-6)
+            ops.add_rms_norm_(x.clone(), x, weight, 1e-6)
+            ops.rotary_(torch.zeros(rows, (heads + 2 * kv_heads) * head_dim, dtype=dtype),
+                        torch.ones(rows, head_dim, dtype=dtype), torch.zeros(rows, head_dim, dtype=dtype),
+                        heads + kv_heads)
+            ops.silu_mul(torch.zeros(rows, 2 * 1536, dtype=dtype))
+
+
+def main() -> int:
+    if os.environ.get("TRITON_INTERPRET", "0") not in ("", "0"):
+        print("run without TRITON_INTERPRET: the kernels must be JIT functions to compile", file=sys.stderr)
+        return 2
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    launches = record_launches()
+    launch_every_kernel()
+    seen, failures = set(), 0
+    for fn, args, kwargs in launches:
+        sig, constexprs = signature(fn, args, kwargs)
+        key = (fn.__name__, tuple(sig.items()), tuple(sorted(constexprs.items(), key=str)))
+        if key in seen:
+            continue
+        seen.add(key)
+        row = {"kernel": fn.__name__, "signature": {k: v for k, v in sig.items() if v != "constexpr"},
+               "constexprs": {k: str(v) for k, v in constexprs.items()}}
+        try:
+            compiled = triton.compile(ASTSource(fn, sig, constexprs), target=GPUTarget("cuda", 90, 32))
+            row["shared"] = compiled.metadata.shared
+            row["ok"] = compiled.metadata.shared <= SM90_SHARED_BYTES
+            if not row["ok"]:
+                row["error"] = f"shared memory {compiled.metadata.shared} > {SM90_SHARED_BYTES}"
+        except Exception as error:  # noqa: BLE001  (a compile error: the kernel would fail on a GPU alike)
+            cause = error.__cause__ or error
+            row["ok"], row["error"] = False, f"{type(cause).__name__}: {str(cause).strip()[-300:]}"
+        failures += not row["ok"]
+        print(json.dumps(row), flush=True)
+    print(json.dumps({"compiled": len(seen), "failed": failures}), flush=True)
+    return 1 if failures else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
