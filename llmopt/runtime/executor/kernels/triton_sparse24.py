@@ -13,6 +13,8 @@ Shapes: x [M, K]; y [M, N]. Reference: the dense weight (core.contract.sparse24 
 
 from __future__ import annotations
 
+import functools
+
 import torch
 import triton
 import triton.language as tl
@@ -55,6 +57,33 @@ def _sparse24_kernel(x_ptr, pos_ptr, val_ptr, scales_ptr, zeros_ptr, y_ptr, M, N
              mask=m_mask[:, None] & n_mask[None, :])
 
 
+FULL_PIPELINE_SHARED = 160 * 1024  # a block's shared memory from which 3 pipelined stages of a 2:4 tile fit
+
+
+def pipeline_stages(shared_per_block: int) -> int:
+    """Triton's software-pipelining depth for the 2:4 loop on a GPU whose blocks may take `shared_per_block`
+    bytes: its default 3 on the A100's and Hopper's 163-227 KiB; 2 on the 99 KiB of Ampere and Ada inference
+    parts (A10, L4, RTX), where 3 stages of a 64 x 64 tile (x, position words, codes or values) take 113-160 KiB."""
+    return 3 if shared_per_block >= FULL_PIPELINE_SHARED else 2
+
+
+def shared_per_block(device: torch.device) -> int:
+    """The most shared memory one block may take on `device` (CUDA), or Hopper's where there is no GPU."""
+    if device.type != "cuda" or not torch.cuda.is_available():
+        return 232448
+    return _device_shared(device.index if device.index is not None else torch.cuda.current_device())
+
+
+@functools.cache
+def _device_shared(index: int) -> int:
+    optin = getattr(torch.cuda.get_device_properties(index), "shared_memory_per_block_optin", None)
+    if optin:
+        return optin
+    from triton.runtime import driver
+
+    return driver.active.utils.get_device_properties(index)["max_shared_mem"]
+
+
 def pack_positions(positions: torch.Tensor) -> torch.Tensor:
     """The runtime's 2-bit positions [N, K/32] int32 (core.contract.sparse24.positions_2of4) -> [K/32, N]."""
     return positions.t().contiguous()
@@ -81,5 +110,6 @@ def sparse24_matmul(x: torch.Tensor, positions: torch.Tensor, values: torch.Tens
     zeros_arg = zeros if quantized else values
     _sparse24_kernel[grid](x, positions, values, scales_arg, zeros_arg, y, m, n, k, x.stride(0), positions.stride(0),
                            values.stride(0), scales_arg.stride(0), y.stride(0), QUANTIZED=quantized,
-                           GROUP=group_size, ONE_GROUP=one_group, BLOCK_M=block_m, BLOCK_N=64, BLOCK_K=block_k)
+                           GROUP=group_size, ONE_GROUP=one_group, BLOCK_M=block_m, BLOCK_N=64, BLOCK_K=block_k,
+                           num_stages=pipeline_stages(shared_per_block(x.device)))
     return y

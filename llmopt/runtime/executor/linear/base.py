@@ -91,6 +91,12 @@ def triton_on(device: torch.device) -> bool:
     return device.type == "cuda" and triton_available()
 
 
+def fp8_tensor_cores(device: torch.device) -> bool:
+    """Whether `device` has FP8 (E4M3) arithmetic: an NVIDIA GPU of compute capability 8.9 or later (Ada, Hopper).
+    Triton compiles no float8e4nv type for an A100 (8.0), so FP8 kernels must not be chosen there."""
+    return device.type == "cuda" and torch.cuda.is_available() and torch.cuda.get_device_capability(device) >= (8, 9)
+
+
 def select_linear_method(qweight: QuantizedWeight, scheme: LinearScheme, device: torch.device | str) -> type:
     """The registered method of highest priority that accepts this weight on this device."""
     device = torch.device(device)

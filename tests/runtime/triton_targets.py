@@ -1,11 +1,11 @@
-"""Every Triton kernel the runtime launches, compiled for a Hopper GPU (sm_90) without one: the kernel wrappers are
-called on CPU tensors at the runtime's shapes with the launches recorded instead of run, and each recorded launch
-(its argument types and constexprs) is compiled by Triton's CUDA backend (ptxas ships with Triton). What a GPU
-showed and Triton's interpreter does not: compile errors (types, tl.dot's least sizes) and shared memory beyond
-the chip's 227 KiB per block.
+"""Every Triton kernel the runtime launches, compiled for a GPU without one: the kernel wrappers are called on CPU
+tensors at the runtime's shapes with the launches recorded instead of run, and each recorded launch (argument
+types, constexprs, launch options) is compiled by Triton's CUDA backend (ptxas ships with Triton) for one target.
+What a GPU showed and Triton's interpreter does not: compile errors (types, tl.dot's least sizes, FP8 types a chip
+lacks) and shared memory beyond what one block may take.
 
-Run as `python -m tests.runtime.triton_sm90` (tests/runtime/test_triton_compile.py does, in a process of its own:
-the kernels must be imported without TRITON_INTERPRET). Prints one JSON line per compiled kernel.
+Run as `python -m tests.runtime.triton_targets TARGET` (tests/runtime/test_triton_compile.py runs every target, each
+in a process of its own: the kernels must be imported without TRITON_INTERPRET). Prints one JSON line per kernel.
 """
 
 from __future__ import annotations
@@ -16,7 +16,13 @@ import sys
 
 import torch
 
-SM90_SHARED_BYTES = 232448  # 227 KiB: the most shared memory one block may take on an H100 / H200
+# name -> (compute capability, the most shared memory one block may take, FP8 arithmetic)
+TARGETS = {
+    "sm90": (90, 232448, True),  # H100 / H200: 227 KiB
+    "sm80": (80, 166912, False),  # A100: 163 KiB, no float8e4nv
+    "sm89": (89, 101376, True),  # L4, RTX 40xx (and sm86's A10 / RTX 30xx: the same 99 KiB): 99 KiB
+}
+FP8_LAUNCHES = [False]  # set while the FP8 wrappers run: their launches are compiled for FP8 targets only
 TYPES = {torch.float32: "fp32", torch.float16: "fp16", torch.bfloat16: "bf16", torch.int32: "i32",
          torch.int64: "i64", torch.int8: "i8", torch.uint8: "u8", torch.float8_e4m3fn: "fp8e4nv", torch.bool: "i1"}
 
@@ -28,16 +34,19 @@ def record_launches() -> list:
     launches = []
 
     def record(self, *args, grid, warmup, **kwargs):
-        launches.append((self, args, kwargs))
+        launches.append((self, args, kwargs, FP8_LAUNCHES[0]))
 
     JITFunction.run = record
     return launches
 
 
-def signature(fn, args, kwargs) -> tuple[dict, dict]:
-    """Triton's signature ({name: type}) and constexprs ({name: value}) of one recorded launch."""
-    values = dict(zip([p.name for p in fn.params], args))
-    values.update(kwargs)
+def signature(fn, args, kwargs) -> tuple[dict, dict, dict]:
+    """Triton's signature ({name: type}), constexprs ({name: value}) and launch options (num_stages, num_warps) of
+    one recorded launch."""
+    names = [p.name for p in fn.params]
+    values = dict(zip(names, args))
+    values.update({k: v for k, v in kwargs.items() if k in names})
+    options = {k: v for k, v in kwargs.items() if k not in names}
     sig, constexprs = {}, {}
     for param in fn.params:
         value = values[param.name]
@@ -53,7 +62,7 @@ def signature(fn, args, kwargs) -> tuple[dict, dict]:
             sig[param.name] = "fp32"
         else:
             raise TypeError(f"{fn.__name__}: argument {param.name} of type {type(value).__name__}")
-    return sig, constexprs
+    return sig, constexprs, options
 
 
 def launch_every_kernel() -> None:
@@ -97,12 +106,16 @@ def launch_every_kernel() -> None:
                 groups = -(-hidden // group)
                 sparse24_matmul(x, positions, torch.zeros(hidden // 16, 1536, dtype=torch.int32),
                                 torch.ones(groups, 1536, dtype=dtype), torch.zeros(groups, 1536, dtype=dtype), group)
-            float_weight_matmul(x, torch.zeros(1536, hidden, dtype=torch.float8_e4m3fn), torch.ones(1536, 1), hidden)
             float_weight_matmul(x, torch.zeros(1536, hidden // 2, dtype=torch.uint8),
                                 torch.zeros(1536, hidden // 16, dtype=torch.uint8), 16, torch.ones(256))
-            for operand in (torch.int8, torch.float8_e4m3fn):
-                scaled_matmul(torch.zeros(rows, hidden, dtype=operand), torch.zeros(1536, hidden, dtype=operand),
-                              torch.ones(rows), torch.ones(1536), dtype)
+            scaled_matmul(torch.zeros(rows, hidden, dtype=torch.int8), torch.zeros(1536, hidden, dtype=torch.int8),
+                          torch.ones(rows), torch.ones(1536), dtype)
+            FP8_LAUNCHES[0] = True  # (the runtime's FP8 methods accept FP8 GPUs only: linear.base.fp8_tensor_cores)
+            float_weight_matmul(x, torch.zeros(1536, hidden, dtype=torch.float8_e4m3fn), torch.ones(1536, 1), hidden)
+            scaled_matmul(torch.zeros(rows, hidden, dtype=torch.float8_e4m3fn),
+                          torch.zeros(1536, hidden, dtype=torch.float8_e4m3fn), torch.ones(rows), torch.ones(1536),
+                          dtype)
+            FP8_LAUNCHES[0] = False
             ops = TritonFusedOps()
             weight = torch.ones(hidden, dtype=dtype)
             ops.rms_norm(x, weight, 1e-6)
@@ -117,33 +130,44 @@ def main() -> int:
     if os.environ.get("TRITON_INTERPRET", "0") not in ("", "0"):
         print("run without TRITON_INTERPRET: the kernels must be JIT functions to compile", file=sys.stderr)
         return 2
+    if len(sys.argv) != 2 or sys.argv[1] not in TARGETS:
+        print(f"usage: python -m tests.runtime.triton_targets {{{','.join(TARGETS)}}}", file=sys.stderr)
+        return 2
     import triton
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
 
+    from llmopt.runtime.executor.kernels import triton_sparse24
+
+    capability, shared_limit, fp8 = TARGETS[sys.argv[1]]
+    triton_sparse24.shared_per_block = lambda device: shared_limit  # (the wrappers size their pipelines by it)
     launches = record_launches()
     launch_every_kernel()
     seen, failures = set(), 0
-    for fn, args, kwargs in launches:
-        sig, constexprs = signature(fn, args, kwargs)
-        key = (fn.__name__, tuple(sig.items()), tuple(sorted(constexprs.items(), key=str)))
+    for fn, args, kwargs, fp8_launch in launches:
+        if fp8_launch and not fp8:
+            continue
+        sig, constexprs, options = signature(fn, args, kwargs)
+        key = (fn.__name__, tuple(sig.items()), tuple(sorted(constexprs.items(), key=str)), tuple(options.items()))
         if key in seen:
             continue
         seen.add(key)
-        row = {"kernel": fn.__name__, "signature": {k: v for k, v in sig.items() if v != "constexpr"},
-               "constexprs": {k: str(v) for k, v in constexprs.items()}}
+        row = {"target": sys.argv[1], "kernel": fn.__name__,
+               "signature": {k: v for k, v in sig.items() if v != "constexpr"},
+               "constexprs": {k: str(v) for k, v in constexprs.items()}, "options": options}
         try:
-            compiled = triton.compile(ASTSource(fn, sig, constexprs), target=GPUTarget("cuda", 90, 32))
+            compiled = triton.compile(ASTSource(fn, sig, constexprs), target=GPUTarget("cuda", capability, 32),
+                                      options=options)
             row["shared"] = compiled.metadata.shared
-            row["ok"] = compiled.metadata.shared <= SM90_SHARED_BYTES
+            row["ok"] = compiled.metadata.shared <= shared_limit
             if not row["ok"]:
-                row["error"] = f"shared memory {compiled.metadata.shared} > {SM90_SHARED_BYTES}"
+                row["error"] = f"shared memory {compiled.metadata.shared} > {shared_limit}"
         except Exception as error:  # noqa: BLE001  (a compile error: the kernel would fail on a GPU alike)
             cause = error.__cause__ or error
             row["ok"], row["error"] = False, f"{type(cause).__name__}: {str(cause).strip()[-300:]}"
         failures += not row["ok"]
         print(json.dumps(row), flush=True)
-    print(json.dumps({"compiled": len(seen), "failed": failures}), flush=True)
+    print(json.dumps({"target": sys.argv[1], "compiled": len(seen), "failed": failures}), flush=True)
     return 1 if failures else 0
 
 
