@@ -124,7 +124,8 @@ def main() -> None:
                 row["profile B=1"]["top_python_self"] = python_profile(engine, args.steps, args.top)
             engine.close()
         results.append(row)
-        print(f"{name} ({path} path): " + ", ".join(f"{k} {v}" for k, v in row.items() if k.endswith("ms/step")), flush=True)
+        steps = ", ".join(f"{k} {v}" for k, v in row.items() if k.endswith("ms/step"))
+        print(f"{name} ({path} path): {steps}", flush=True)
         prof = row.get("profile B=1")
         if prof:
             print(f"  batch-1 step under the profiler: {prof['profiled_step_ms']} ms wall, GPU busy "
