@@ -22,7 +22,7 @@ if importlib.util.find_spec("triton") is None:
 
 ROOT = Path(__file__).resolve().parents[2]
 TARGETS = ("sm90", "sm80", "sm89")
-COMPILE_SECONDS = 900  # ~100 kernels a target, ~1.5 minutes for all three on a 2-core machine
+COMPILE_SECONDS = 900  # ~160 kernels a target, ~2.5 minutes for all three on a 2-core machine
 
 
 def test_every_kernel_compiles_for_each_target_within_its_shared_memory():
@@ -45,7 +45,7 @@ def test_every_kernel_compiles_for_each_target_within_its_shared_memory():
                   for r in rows if r.get("ok") is False]
         assert not failed, "\n".join(failed)
         assert runs[target].returncode == 0 and rows, stderr[-2000:]
-        assert rows[-1]["failed"] == 0 and rows[-1]["compiled"] >= 90
+        assert rows[-1]["failed"] == 0 and rows[-1]["compiled"] >= 150
         # every wrapper launched (decode / prefill attention, KV store, W4A16, 2:4, W8A8, FP8 / FP4 weights, fused)
         assert {r["kernel"] for r in rows[:-1]} >= {
             "_decode_split_kernel", "_merge_splits_kernel", "_prefill_kernel", "_store_kv_kernel", "_w4a16_kernel",

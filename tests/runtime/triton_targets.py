@@ -66,8 +66,9 @@ def signature(fn, args, kwargs) -> tuple[dict, dict, dict]:
 
 
 def launch_every_kernel() -> None:
-    """Each wrapper at the shapes the runtime gives it (SmolLM2-135M's: 9 / 3 heads of 64, hidden 576), in fp32,
-    fp16 and bf16, at decode (1 row) and batch (64 rows) tiles, with float and 8-bit KV caches."""
+    """Each wrapper at the shapes the runtime gives it (SmolLM2-135M's: 9 / 3 heads of 64, hidden 576; attention
+    and the fused ops at Llama-3-8B's too: 32 / 8 heads of 128, hidden 4096), in fp32, fp16 and bf16, at decode
+    (1 row) and batch (64 rows) tiles, with float and 8-bit KV caches."""
     from llmopt.runtime.executor.kernels.triton_decode_attention import decode_attention
     from llmopt.runtime.executor.kernels.triton_fused import TritonFusedOps
     from llmopt.runtime.executor.kernels.triton_lowprec import float_weight_matmul, scaled_matmul
@@ -76,11 +77,10 @@ def launch_every_kernel() -> None:
     from llmopt.runtime.executor.kernels.triton_store_kv import store_kv
     from llmopt.runtime.executor.kernels.triton_w4a16 import w4a16_matmul
 
-    heads, kv_heads, head_dim, hidden = 9, 3, 64, 576
     caches = [(dt, None) for dt in (torch.float32, torch.float16, torch.bfloat16)]
     caches += [(torch.int8, "int8"), (torch.float8_e4m3fn, "fp8")]
-    for page in (16, 8):
-        for cache_dtype, code in caches:
+    for heads, kv_heads, head_dim in ((9, 3, 64), (32, 8, 128)):  # SmolLM2's attention, and Llama-3-8B's
+        for page, (cache_dtype, code) in ((p, c) for p in (16, 8) for c in caches):
             k = torch.zeros(8, page, kv_heads, head_dim, dtype=cache_dtype)
             scales = (torch.ones(8, page, kv_heads), torch.ones(8, page, kv_heads)) if code else None
             q_dtype = torch.float16 if code else cache_dtype
@@ -88,16 +88,18 @@ def launch_every_kernel() -> None:
             lens = torch.tensor([40, 17], dtype=torch.int32)
             decode_attention(torch.zeros(2, heads, head_dim, dtype=q_dtype), k, k.clone(), tables, lens, 0.125,
                              scales=scales)
-            prefill_attention(torch.zeros(8, heads, head_dim, dtype=q_dtype), k, k.clone(),
-                              torch.tensor([0, 4, 8], dtype=torch.int32), lens, tables, 0.125, 4, block_m=32,
-                              scales=scales)
+            for block_m in (16, 64):  # (attention.triton_paged_attention's two prefill tiles)
+                prefill_attention(torch.zeros(8, heads, head_dim, dtype=q_dtype), k, k.clone(),
+                                  torch.tensor([0, 4, 8], dtype=torch.int32), lens, tables, 0.125, 4, block_m=block_m,
+                                  scales=scales)
             new = torch.zeros(3, kv_heads, head_dim, dtype=q_dtype)
             store_kv(new, new, k, k.clone(), torch.tensor([0, 5, 9]), scales)
+    heads, kv_heads, head_dim, hidden = 9, 3, 64, 576
     for dtype in (torch.float32, torch.float16, torch.bfloat16):
         for rows in (1, 64):
             x = torch.zeros(rows, hidden, dtype=dtype)
-            for group in (32, 64, 128, hidden):
-                groups = hidden // group
+            for group in (32, 64, 128, hidden, 4096):  # (4096: a per-channel scale of Llama-3-8B's hidden width)
+                groups = -(-hidden // group)
                 w4a16_matmul(x, torch.zeros(hidden // 8, 1536, dtype=torch.int32),
                              torch.ones(groups, 1536, dtype=dtype), torch.zeros(groups, 1536, dtype=dtype), group)
             positions = torch.zeros(hidden // 32, 1536, dtype=torch.int32)
@@ -124,6 +126,9 @@ def launch_every_kernel() -> None:
                         torch.ones(rows, head_dim, dtype=dtype), torch.zeros(rows, head_dim, dtype=dtype),
                         heads + kv_heads)
             ops.silu_mul(torch.zeros(rows, 2 * 1536, dtype=dtype))
+            ops.rms_norm(torch.zeros(rows, 4096, dtype=dtype), torch.ones(4096, dtype=dtype), 1e-6)
+            ops.rotary_(torch.zeros(rows, 48 * 128, dtype=dtype), torch.ones(rows, 128, dtype=dtype),
+                        torch.zeros(rows, 128, dtype=dtype), 40)
 
 
 def main() -> int:
