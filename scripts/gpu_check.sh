@@ -29,6 +29,12 @@ date -u
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader || true
 $PY -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__, 'cuda', torch.cuda.is_available())"
 $PY -m pip install -q --no-deps --no-build-isolation -e . >/dev/null 2>&1 || export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH}
+# stop at once (device time is scarce) when llmopt cannot import: every step would fail the same way
+if ! missing=$($PY -c "import llmopt.cli.main, triton, pytest" 2>&1); then
+  echo "llmopt does not import here; install what it names (pydantic, gguf, typing-inspection are often missing):"
+  echo "$missing" | tail -3
+  exit 1
+fi
 # pytest-xdist where installed: each shape compiles its own kernels, and the compiles share the CPU cores
 PARALLEL=$($PY -c "import xdist" 2>/dev/null && echo "-n 8 -p no:benchmark" || true)
 step "kernel tests on CUDA" timeout 240 $PY -m pytest -q -p no:cacheprovider $PARALLEL tests/runtime/test_triton_kernels.py \
