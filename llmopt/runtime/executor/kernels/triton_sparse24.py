@@ -58,6 +58,7 @@ def _sparse24_kernel(x_ptr, pos_ptr, val_ptr, scales_ptr, zeros_ptr, y_ptr, M, N
 
 
 FULL_PIPELINE_SHARED = 160 * 1024  # a block's shared memory from which 3 pipelined stages of a 2:4 tile fit
+HOPPER_SHARED = 232448  # 227 KiB: the most one block may take on an H100 / H200
 
 
 def pipeline_stages(shared_per_block: int) -> int:
@@ -67,20 +68,18 @@ def pipeline_stages(shared_per_block: int) -> int:
     return 3 if shared_per_block >= FULL_PIPELINE_SHARED else 2
 
 
-def shared_per_block(device: torch.device) -> int:
-    """The most shared memory one block may take on `device` (CUDA), or Hopper's where there is no GPU."""
-    if device.type != "cuda" or not torch.cuda.is_available():
-        return 232448
-    return _device_shared(device.index if device.index is not None else torch.cuda.current_device())
-
-
 @functools.cache
-def _device_shared(index: int) -> int:
-    optin = getattr(torch.cuda.get_device_properties(index), "shared_memory_per_block_optin", None)
+def shared_per_block(device: torch.device) -> int:
+    """The most shared memory one block may take on `device` (CUDA; asked once per device, not per launch), or
+    Hopper's where there is no GPU."""
+    if device.type != "cuda" or not torch.cuda.is_available():
+        return HOPPER_SHARED
+    optin = getattr(torch.cuda.get_device_properties(device), "shared_memory_per_block_optin", None)
     if optin:
         return optin
-    from triton.runtime import driver
+    from triton.runtime import driver  # (torch builds without the property: Triton's driver reads it)
 
+    index = device.index if device.index is not None else torch.cuda.current_device()
     return driver.active.utils.get_device_properties(index)["max_shared_mem"]
 
 
