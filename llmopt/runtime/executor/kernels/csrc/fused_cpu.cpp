@@ -288,38 +288,47 @@ void store_kv_(at::Tensor& k_cache, at::Tensor& v_cache, const at::Tensor& k, co
 }
 
 constexpr int64_t GEMV_MAX_ROWS = 8;  // x rows one pass of gemv serves (cpu_ops.GEMV_MAX_ROWS); more go 8 at a time
-#if defined(__AVX512F__)
-constexpr int GEMV_ROW_STREAMS = 4;  // weight rows one x row meets at a time (gemv_rows)
-#else
-constexpr int GEMV_ROW_STREAMS = 1;
+// Weight rows one x row meets at a time in gemv_rows; with more than one, the rows 2 x that many ahead are also
+// requested early. Chosen per CPU when the kernels are built (cpu_ops.gemv_row_streams): 4 on Intel AVX-512, 1 on
+// AMD and on AVX2 builds.
+#ifndef LLMOPT_GEMV_STREAMS
+#define LLMOPT_GEMV_STREAMS 1
 #endif
+constexpr int GEMV_ROW_STREAMS = LLMOPT_GEMV_STREAMS;
+static_assert(GEMV_ROW_STREAMS == 1 || GEMV_ROW_STREAMS == 2 || GEMV_ROW_STREAMS == 4, "1, 2 or 4 row streams");
 
 // y [1, N] = x [1, K] @ weight [N, K]^T for one row, fp32 accumulation, in x's dtype (batch-1 decode's lm_head:
 // 49152 x 576 for SmolLM2, read once per token, usually from memory). The weight may be stored narrower than x
 // (an fp32 model whose lm_head holds exactly fp16 or bf16 values, as an artifact's does: half the bytes, the
-// same result). AVX-512 builds take 4 rows at a time (4 independent accumulation chains and 4 memory streams) with
-// the rows 8 ahead requested early (measured on a Xeon). AVX2 builds take one row at a time, a single sequential
-// stream the hardware prefetcher follows alone: on an AVX2 EPYC the 4 streams with their requests ran 49152 x 576
-// fp16 at ~23 GB/s, without the requests at ~18, one stream at ~25 (a plain read of the same bytes: ~27); the fp32
-// layers of a token likewise (one stream 10-20% faster than 4 with requests). Each row's sum is the same Vec chain
-// either way: the same bits. With AVX512_BF16 and both in bf16 the products come straight from the stored pairs
-// (vdpbf16ps): ~15% more bandwidth than oneDNN's linear reaches on it.
+// same result). Row streams, measured with the weights from memory (2 cores): on a Xeon (AVX-512) 4 rows at a
+// time (4 independent accumulation chains and 4 memory streams) with the rows 8 ahead requested early; on AMD
+// CPUs one row at a time, a single sequential stream the hardware prefetcher follows alone. AVX2 EPYC (Zen 3):
+// 49152 x 576 fp16 4 streams with the requests ~23 GB/s, without them ~18, one stream ~25 (a plain read ~27); a
+// token's fp32 layers one stream 10-20% faster. AVX-512 EPYC (Zen 4), 4 streams with the requests -> one stream:
+// a token's 30 fp32 layers 20.4-22.8 -> 15.1-19.5 ms, the head 49152 x 576 fp16 2.0-3.6 -> 1.3-2.0 ms, bf16 1.6-2.4
+// -> 1.3-1.9 ms (4 streams without the requests and 2 streams were slower still). Each row's sum is the same Vec
+// chain either way: the same bits. With AVX512_BF16 and both in bf16 the products come straight from the stored
+// pairs (vdpbf16ps): ~15% more bandwidth than oneDNN's linear reaches on it.
 template <typename TX, typename TW>
 void gemv_rows(const TX* xp, const TW* wp, TX* yp, int64_t K, int64_t begin, int64_t end) {
   int64_t n = begin;
 #if defined(__AVX512BF16__)
   if constexpr (std::is_same_v<TX, at::BFloat16> && std::is_same_v<TW, at::BFloat16>) {
     const int64_t vec_k = K - K % 32;
-    for (; n + 4 <= end; n += 4) {
+    constexpr int S = GEMV_ROW_STREAMS;
+    for (; n + S <= end; n += S) {
       const TW* row = wp + n * K;
-      for (int64_t off = 0; off < 4 * K * 2; off += 64) _mm_prefetch(reinterpret_cast<const char*>(row + 8 * K) + off, _MM_HINT_T0);
-      __m512 acc[4] = {_mm512_setzero_ps(), _mm512_setzero_ps(), _mm512_setzero_ps(), _mm512_setzero_ps()};
+      if constexpr (S > 1)
+        for (int64_t off = 0; off < S * K * 2; off += 64)
+          _mm_prefetch(reinterpret_cast<const char*>(row + 2 * S * K) + off, _MM_HINT_T0);
+      __m512 acc[S];
+      for (int r = 0; r < S; ++r) acc[r] = _mm512_setzero_ps();
       for (int64_t k = 0; k < vec_k; k += 32) {
         const __m512bh xv = (__m512bh)_mm512_loadu_si512(xp + k);
-        for (int r = 0; r < 4; ++r)
+        for (int r = 0; r < S; ++r)
           acc[r] = _mm512_dpbf16_ps(acc[r], (__m512bh)_mm512_loadu_si512(row + r * K + k), xv);
       }
-      for (int r = 0; r < 4; ++r) {
+      for (int r = 0; r < S; ++r) {
         float sum = _mm512_reduce_add_ps(acc[r]);
         for (int64_t k = vec_k; k < K; ++k) sum += to_float(row[r * K + k]) * to_float(xp[k]);
         yp[n + r] = from_float<TX>(sum);
@@ -331,10 +340,9 @@ void gemv_rows(const TX* xp, const TW* wp, TX* yp, int64_t K, int64_t begin, int
   const int64_t vec_k = K - K % 16;
   for (; n + GEMV_ROW_STREAMS <= end; n += GEMV_ROW_STREAMS) {
     const TW* row = wp + n * K;
-#if defined(__AVX512F__)
-    for (int64_t off = 0; off < GEMV_ROW_STREAMS * K * static_cast<int64_t>(sizeof(TW)); off += 64)
-      _mm_prefetch(reinterpret_cast<const char*>(row + 2 * GEMV_ROW_STREAMS * K) + off, _MM_HINT_T0);
-#endif
+    if constexpr (GEMV_ROW_STREAMS > 1)
+      for (int64_t off = 0; off < GEMV_ROW_STREAMS * K * static_cast<int64_t>(sizeof(TW)); off += 64)
+        _mm_prefetch(reinterpret_cast<const char*>(row + 2 * GEMV_ROW_STREAMS * K) + off, _MM_HINT_T0);
     Vec acc[GEMV_ROW_STREAMS];
     for (int r = 0; r < GEMV_ROW_STREAMS; ++r) acc[r] = vzero();
     for (int64_t k = 0; k < vec_k; k += 16) {
