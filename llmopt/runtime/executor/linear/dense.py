@@ -60,7 +60,9 @@ class FusedDenseLinear(RowPathsMixin, nn.Module):
     prepacked into oneDNN's blocked layout once (2-3x faster at decode batch sizes than plain F.linear).
 
     Paths (row_paths.py): `blas` (F.linear, or oneDNN's prepacked linear) at any row count and, for unpacked
-    fp32 weights on CPU, `gemv` (kernels.cpu_ops: each weight row streamed once for 1-8 rows). Which is faster
+    fp32 weights on CPU, `gemv` (kernels.cpu_ops: each weight row streamed once for 1-8 rows) and, for prefill
+    chunks, `onednn` (oneDNN's linear on the plain weight, no second copy; on an AVX-512 EPYC, Zen 4, where MKL's
+    sgemm reached 150-180 G flop/s at 512 rows, oneDNN's reached 170-200 on the taller shapes). Which is faster
     differs by CPU more than any fixed rule captures: on an AVX-512 Xeon MKL's sgemm matched gemv at 1-2 rows and
     beat it on weights taller than wide; on an AVX2 EPYC gemv was 1.6-3.3x faster than MKL at every shape and
     1-8 rows (weights streamed from memory). So the engine times both per shape (measured plans); the default
@@ -69,6 +71,9 @@ class FusedDenseLinear(RowPathsMixin, nn.Module):
     oneDNN's prepacked linear at ~50-60 (64 rows 58.5 -> 31.6 ms)."""
 
     name = "dense"
+    # `onednn` is timed for prefill-sized steps only: decode steps (up to 16 rows) run in the decode graph, which
+    # calls the plain-layout kernels (`gemv`, `linear`) itself
+    ONEDNN_MIN_ROWS = 32
     PACK_BATCH_HINT = 256  # oneDNN picks its blocking for this M; measured best over M in 1..2048
 
     def __init__(self, parts: list[nn.Linear], prepack: bool, pack_float32: bool = False):
@@ -91,10 +96,17 @@ class FusedDenseLinear(RowPathsMixin, nn.Module):
         # the compiled few-rows kernel serves an fp32 weight on CPU
         self._gemv = not self.packed and weight.device.type == "cpu" and self.dtype == torch.float32 \
             and cpu_ops() is not None
+        self._onednn = not self.packed and weight.device.type == "cpu" and self.dtype == torch.float32 \
+            and torch.backends.mkldnn.is_available()
 
     # --- paths (row_paths.py) --------------------------------------------------------------------------------
     def row_paths(self) -> dict[str, int | None]:
-        return {"blas": None, "gemv": GEMV_MAX_ROWS} if self._gemv else {"blas": None}
+        return {"blas": None} | ({"gemv": GEMV_MAX_ROWS} if self._gemv else {}) \
+            | ({"onednn": None} if self._onednn else {})
+
+    def candidate_paths(self, rows: int, paths: dict[str, int | None]) -> list[str]:
+        names = super().candidate_paths(rows, paths)
+        return names if rows >= self.ONEDNN_MIN_ROWS else [name for name in names if name != "onednn"]
 
     def default_path(self, rows: int) -> str:
         # MKL's sgemm packs the weight from ~3 rows (2x slower than streaming it once); weights taller than wide
@@ -110,6 +122,10 @@ class FusedDenseLinear(RowPathsMixin, nn.Module):
         linear = F.linear
         return lambda x: linear(x, weight, bias)
 
+    def _bind_onednn(self):
+        linear, weight, bias = torch.ops.mkldnn._linear_pointwise, self.weight, self.bias
+        return lambda x: linear(x, weight, bias, "none", [], "")
+
     def _bind_gemv(self):
         gemv, weight, bias = cpu_ops().gemv, self.weight, self.bias
         return (lambda x: gemv(x, weight)) if bias is None else (lambda x: gemv(x, weight) + bias)
@@ -123,6 +139,9 @@ class FusedDenseLinear(RowPathsMixin, nn.Module):
 
     def _path_gemv(self, x: torch.Tensor) -> torch.Tensor:
         return self._bind_gemv()(x)
+
+    def _path_onednn(self, x: torch.Tensor) -> torch.Tensor:
+        return self._bind_onednn()(x)
 
     def forward_2d(self):
         """A callable for [T, in] inputs (bias included): the plan's path for the step's rows. The decoder's fast
