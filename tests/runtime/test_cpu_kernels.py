@@ -71,8 +71,22 @@ def test_paged_decode_attention_takes_fp32_queries_over_a_16_bit_cache(ops, cach
     tol = 1e-5 if cache_dtype == torch.float16 else 2e-2  # (the AVX512_BF16 build's key pass rounds q to bf16)
     torch.testing.assert_close(out, expected, rtol=tol, atol=tol)
     with pytest.raises(RuntimeError, match="share a dtype"):
-        ops.paged_decode_attention(q.to(torch.float16), k_cache.to(torch.bfloat16), v_cache.to(torch.bfloat16),
+        ops.paged_decode_attention(q.to(torch.float16), k_cache.float(), v_cache.float(),
                                    meta.decode.block_tables, meta.decode.context_lens, 0.125)
+
+
+@pytest.mark.parametrize("q_dtype,cache_dtype", [(torch.bfloat16, torch.float16), (torch.float16, torch.bfloat16)])
+def test_paged_decode_attention_takes_16_bit_queries_over_the_other_16_bit_cache(ops, q_dtype, cache_dtype):
+    # a bf16 model over an fp16 cache (llama.cpp's default type): the queries read in fp32, the output in q's dtype
+    q, k_cache, v_cache, meta = paged_setup([40, 3, 16, 31, 64], 9, 3, 64, 16, cache_dtype)
+    q = q.to(q_dtype)
+    expected = paged_attention(q.float(), k_cache.float(), v_cache.float(), meta, 0.125)  # fp32: torch path
+    out = ops.paged_decode_attention(q, k_cache, v_cache, meta.decode.block_tables, meta.decode.context_lens, 0.125)
+    assert out.dtype == q_dtype
+    torch.testing.assert_close(out.float(), expected, rtol=2e-2, atol=2e-2)
+    fp32_queries = ops.paged_decode_attention(q.float(), k_cache, v_cache, meta.decode.block_tables,
+                                              meta.decode.context_lens, 0.125)
+    assert torch.equal(out, fp32_queries.to(q_dtype))
 
 
 def test_paged_decode_attention_reads_q_as_a_view_of_wider_rows(ops):
@@ -185,9 +199,11 @@ def test_decoder_with_fused_ops_matches_the_torch_ops():
 
 
 @pytest.mark.parametrize("dtype,cache_dtype", [(torch.float32, torch.float32), (torch.bfloat16, torch.bfloat16),
-                                               (torch.float32, torch.float16), (torch.float32, torch.bfloat16)])
+                                               (torch.float32, torch.float16), (torch.float32, torch.bfloat16),
+                                               (torch.bfloat16, torch.float16), (torch.float16, torch.bfloat16)])
 def test_store_kv_writes_strided_rows_into_their_slots(ops, dtype, cache_dtype):
-    # (fp32 keys and values into a 16-bit cache: each value rounded as .to() rounds it)
+    # (fp32 keys and values into a 16-bit cache, or one 16-bit type into the other: each value rounded as .to()
+    # rounds it)
     g = torch.Generator().manual_seed(0)
     num_blocks, block_size, kv_heads, head_dim, tokens = 6, 4, 2, 8, 5
     qkv = torch.randn(tokens, (3 + 2 * kv_heads) * head_dim, generator=g).to(dtype)  # k, v: views into it

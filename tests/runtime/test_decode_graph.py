@@ -32,8 +32,8 @@ def int8_artifact(tmp_path_factory):
                                 "compressed-tensors", config.record(), {"stages": []}, dense_dtype=torch.float32)
 
 
-def engine(path, decode_graph: bool, activations: str = "int8", **settings) -> Engine:
-    checkpoint, tok, _ = load_runtime_model(str(path), activations=activations)
+def engine(path, decode_graph: bool, activations: str = "int8", dtype: str = "float32", **settings) -> Engine:
+    checkpoint, tok, _ = load_runtime_model(str(path), dtype=dtype, activations=activations)
     # (the fixed row plans: the same paths on every machine)
     return Engine(checkpoint, tok, EngineConfig(block_size=4, kv_cache_bytes=2**20, activations=activations,
                                                 decode_graph=decode_graph, linear_kernels="fixed", **settings))
@@ -59,7 +59,8 @@ def run_counting_graph_steps(e: Engine, monkeypatch) -> tuple[list, list[int]]:
 
 @pytest.mark.parametrize("kind", ["int4 8-bit inputs", "int4 float inputs", "int8 8-bit inputs", "fp32 dense",
                                   "fp32 dense int8 head", "int8 kv cache", "fp8 kv cache", "fp16 kv cache",
-                                  "bf16 kv cache", "qwen2 biases"])
+                                  "bf16 kv cache", "bf16 model fp16 kv cache", "fp16 model bf16 kv cache",
+                                  "qwen2 biases"])
 def test_the_graph_computes_what_the_layer_loop_does(kind, tiny_gptq_artifact, int8_artifact, tiny_llama_dir,
                                                      tiny_qwen2_dir, monkeypatch):
     path, settings = {
@@ -73,6 +74,10 @@ def test_the_graph_computes_what_the_layer_loop_does(kind, tiny_gptq_artifact, i
         # an fp32 model over a 16-bit cache: the store rounds fp32 keys and values, the decode reads fp32 queries
         "fp16 kv cache": (tiny_gptq_artifact, {"kv_cache_dtype": "float16"}),
         "bf16 kv cache": (tiny_llama_dir, {"kv_cache_dtype": "bfloat16"}),
+        # a 16-bit model over the other 16-bit cache type (a bf16 model beside llama.cpp's default f16 cache): the
+        # store converts through fp32, the decode reads the queries in fp32
+        "bf16 model fp16 kv cache": (tiny_gptq_artifact, {"dtype": "bfloat16", "kv_cache_dtype": "float16"}),
+        "fp16 model bf16 kv cache": (tiny_llama_dir, {"dtype": "float16", "kv_cache_dtype": "bfloat16"}),
         "qwen2 biases": (tiny_qwen2_dir, {}),
     }[kind]
     with_graph = engine(path, True, **settings)

@@ -153,8 +153,11 @@ def store_kv(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: t
 
 def narrowing_cache(dtype: torch.dtype, cache_dtype: torch.dtype) -> bool:
     """Whether the compiled CPU store and decode take `dtype` tensors for a `cache_dtype` cache as they are: fp32
-    keys, values and queries over an fp16 / bf16 cache (the store rounds each value as `.to()` does)."""
-    return dtype == torch.float32 and cache_dtype in (torch.float16, torch.bfloat16)
+    keys, values and queries over an fp16 / bf16 cache, or those of the other 16-bit type (a bf16 model beside an
+    fp16 cache, llama.cpp's default type). The store rounds each value as `.to()` does; the decode reads the
+    queries in fp32 and rounds its output once to their dtype."""
+    return dtype != cache_dtype and dtype in (torch.float32, torch.float16, torch.bfloat16) \
+        and cache_dtype in (torch.float16, torch.bfloat16)
 
 
 def compiled_store_kv(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,

@@ -235,12 +235,13 @@ at::Tensor argmax_rows(const at::Tensor& logits) {
 }
 
 
-// One token's fp32 row into a 16-bit cache slot, each value rounded to nearest even as torch's .to() does
-template <typename TC>
+// One token's row into a 16-bit cache slot of another type (fp32 into fp16 / bf16, or one 16-bit type into the
+// other through fp32, which holds either exactly), each value rounded to nearest even as torch's .to() does
+template <typename TS, typename TC>
 inline void narrow_row(char* dst, const char* src, int64_t width) {
   TC* d = reinterpret_cast<TC*>(dst);
-  const float* x = reinterpret_cast<const float*>(src);
-  for (int64_t j = 0; j < width; ++j) d[j] = static_cast<TC>(x[j]);
+  const TS* x = reinterpret_cast<const TS*>(src);
+  for (int64_t j = 0; j < width; ++j) d[j] = static_cast<TC>(static_cast<float>(x[j]));
 }
 
 // k, v [T, kv_heads, head_dim] (rows may be strided: views into the fused qkv output) -> their cache slots
@@ -264,10 +265,15 @@ void store_kv_(at::Tensor& k_cache, at::Tensor& v_cache, const at::Tensor& k, co
   using RowStore = void (*)(char*, const char*, int64_t);
   RowStore narrow = nullptr;
   if (k.scalar_type() != k_cache.scalar_type()) {
-    TORCH_CHECK(k.scalar_type() == at::kFloat && (k_cache.scalar_type() == at::kHalf ||
-                                                  k_cache.scalar_type() == at::kBFloat16),
-                "k, v must have the cache's dtype (or be fp32 for fp16 / bf16 caches)");
-    narrow = k_cache.scalar_type() == at::kHalf ? narrow_row<at::Half> : narrow_row<at::BFloat16>;
+    const auto src = k.scalar_type(), dst = k_cache.scalar_type();
+    TORCH_CHECK((src == at::kFloat || src == at::kHalf || src == at::kBFloat16) &&
+                    (dst == at::kHalf || dst == at::kBFloat16),
+                "k, v must have the cache's dtype (or be fp32 / fp16 / bf16 for fp16 / bf16 caches)");
+    if (src == at::kFloat) {
+      narrow = dst == at::kHalf ? narrow_row<float, at::Half> : narrow_row<float, at::BFloat16>;
+    } else {
+      narrow = dst == at::kHalf ? narrow_row<at::BFloat16, at::Half> : narrow_row<at::Half, at::BFloat16>;
+    }
   }
   const int64_t width = k.size(1) * k.size(2), row_bytes = width * k_cache.element_size();
   char* kc = static_cast<char*>(k_cache.data_ptr());

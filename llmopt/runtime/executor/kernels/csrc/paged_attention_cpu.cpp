@@ -426,10 +426,17 @@ at::Tensor paged_decode_attention(const at::Tensor& q, const at::Tensor& k_cache
                                   const at::Tensor& block_tables, const at::Tensor& context_lens, double scale) {
   TORCH_CHECK(q.dim() == 3 && k_cache.dim() == 4 && v_cache.sizes() == k_cache.sizes(),
               "q [B, H, D] and caches [blocks, block_size, kv_heads, D] expected");
-  const bool mixed = q.scalar_type() == at::kFloat && (k_cache.scalar_type() == at::kHalf ||
-                                                       k_cache.scalar_type() == at::kBFloat16);
+  const bool cache16 = k_cache.scalar_type() == at::kHalf || k_cache.scalar_type() == at::kBFloat16;
+  const bool mixed = q.scalar_type() == at::kFloat && cache16;
+  // bf16 queries over an fp16 cache (or fp16 over bf16: a model computing in one 16-bit type, a cache in the
+  // other, as llama.cpp's default f16 cache beside a bf16 model): the queries read in fp32 (exact), the output
+  // rounded once to q's dtype
+  if (cache16 && q.scalar_type() != k_cache.scalar_type() &&
+      (q.scalar_type() == at::kHalf || q.scalar_type() == at::kBFloat16))
+    return paged_decode_attention(q.to(at::kFloat), k_cache, v_cache, block_tables, context_lens, scale)
+        .to(q.scalar_type());
   TORCH_CHECK((q.scalar_type() == k_cache.scalar_type() || mixed) && k_cache.scalar_type() == v_cache.scalar_type(),
-              "q and the caches must share a dtype (or q fp32 over fp16 / bf16 caches)");
+              "q and the caches must share a dtype (or q fp32 / fp16 / bf16 over fp16 / bf16 caches)");
   TORCH_CHECK(q.size(2) == k_cache.size(3) && q.size(1) % k_cache.size(2) == 0, "head counts or sizes disagree");
   TORCH_CHECK(block_tables.scalar_type() == at::kLong && context_lens.scalar_type() == at::kLong,
               "block_tables and context_lens must be int64");
