@@ -94,10 +94,9 @@ class FusedDenseLinear(RowPathsMixin, nn.Module):
         self.register_buffer("weight", weight)
         self.register_buffer("bias", bias)
         # the compiled few-rows kernel serves an fp32 weight on CPU
-        self._gemv = not self.packed and weight.device.type == "cpu" and self.dtype == torch.float32 \
-            and cpu_ops() is not None
-        self._onednn = not self.packed and weight.device.type == "cpu" and self.dtype == torch.float32 \
-            and torch.backends.mkldnn.is_available()
+        plain_fp32_cpu = not self.packed and weight.device.type == "cpu" and self.dtype == torch.float32
+        self._gemv = plain_fp32_cpu and cpu_ops() is not None
+        self._onednn = plain_fp32_cpu and torch.backends.mkldnn.is_available()
 
     # --- paths (row_paths.py) --------------------------------------------------------------------------------
     def row_paths(self) -> dict[str, int | None]:

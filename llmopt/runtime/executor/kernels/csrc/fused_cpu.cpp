@@ -303,6 +303,16 @@ constexpr int64_t GEMV_MAX_ROWS = 8;  // x rows one pass of gemv serves (cpu_ops
 constexpr int GEMV_ROW_STREAMS = LLMOPT_GEMV_STREAMS;
 static_assert(GEMV_ROW_STREAMS == 1 || GEMV_ROW_STREAMS == 2 || GEMV_ROW_STREAMS == 4, "1, 2 or 4 row streams");
 
+#if defined(LLMOPT_VEC)
+// With several row streams: the GEMV_ROW_STREAMS rows after the next group's, requested early (rows [K] from `row`)
+template <typename TW>
+inline void request_rows_ahead(const TW* row, int64_t K) {
+  if constexpr (GEMV_ROW_STREAMS > 1)
+    for (int64_t off = 0; off < GEMV_ROW_STREAMS * K * static_cast<int64_t>(sizeof(TW)); off += 64)
+      _mm_prefetch(reinterpret_cast<const char*>(row + 2 * GEMV_ROW_STREAMS * K) + off, _MM_HINT_T0);
+}
+#endif
+
 // y [1, N] = x [1, K] @ weight [N, K]^T for one row, fp32 accumulation, in x's dtype (batch-1 decode's lm_head:
 // 49152 x 576 for SmolLM2, read once per token, usually from memory). The weight may be stored narrower than x
 // (an fp32 model whose lm_head holds exactly fp16 or bf16 values, as an artifact's does: half the bytes, the
@@ -324,9 +334,7 @@ void gemv_rows(const TX* xp, const TW* wp, TX* yp, int64_t K, int64_t begin, int
     constexpr int S = GEMV_ROW_STREAMS;
     for (; n + S <= end; n += S) {
       const TW* row = wp + n * K;
-      if constexpr (S > 1)
-        for (int64_t off = 0; off < S * K * 2; off += 64)
-          _mm_prefetch(reinterpret_cast<const char*>(row + 2 * S * K) + off, _MM_HINT_T0);
+      request_rows_ahead(row, K);
       __m512 acc[S];
       for (int r = 0; r < S; ++r) acc[r] = _mm512_setzero_ps();
       for (int64_t k = 0; k < vec_k; k += 32) {
@@ -346,9 +354,7 @@ void gemv_rows(const TX* xp, const TW* wp, TX* yp, int64_t K, int64_t begin, int
   const int64_t vec_k = K - K % 16;
   for (; n + GEMV_ROW_STREAMS <= end; n += GEMV_ROW_STREAMS) {
     const TW* row = wp + n * K;
-    if constexpr (GEMV_ROW_STREAMS > 1)
-      for (int64_t off = 0; off < GEMV_ROW_STREAMS * K * static_cast<int64_t>(sizeof(TW)); off += 64)
-        _mm_prefetch(reinterpret_cast<const char*>(row + 2 * GEMV_ROW_STREAMS * K) + off, _MM_HINT_T0);
+    request_rows_ahead(row, K);
     Vec acc[GEMV_ROW_STREAMS];
     for (int r = 0; r < GEMV_ROW_STREAMS; ++r) acc[r] = vzero();
     for (int64_t k = 0; k < vec_k; k += 16) {
