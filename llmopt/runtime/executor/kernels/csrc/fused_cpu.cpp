@@ -313,6 +313,69 @@ inline void request_rows_ahead(const TW* row, int64_t K) {
 }
 #endif
 
+#if defined(LLMOPT_VEC)
+// R weight rows from `row` against M inputs: y[m * N + r] (yp at the first row's column), one accumulation chain
+// per weight row and input, the same chain at any R and M: so an input's outputs are the same bits whether it is
+// alone (gemv_rows) or with others (gemm_few_rows), and whichever rows a thread's range starts or ends with. With
+// AVX512_BF16 and both in bf16 the products come straight from the stored pairs (vdpbf16ps); else 16-wide FMAs.
+// A column remainder is added in plain order after the vector sum.
+template <typename TX, typename TW, int M, int R>
+inline void vec_rows(const TX* xp, const TW* row, TX* yp, int64_t K, int64_t N) {
+#if defined(__AVX512BF16__)
+  if constexpr (std::is_same_v<TX, at::BFloat16> && std::is_same_v<TW, at::BFloat16>) {
+    const int64_t vec_k = K - K % 32;
+    __m512 acc[R][M];
+    for (int r = 0; r < R; ++r)
+      for (int m = 0; m < M; ++m) acc[r][m] = _mm512_setzero_ps();
+    for (int64_t k = 0; k < vec_k; k += 32) {
+      __m512bh w[R];
+      for (int r = 0; r < R; ++r) w[r] = (__m512bh)_mm512_loadu_si512(row + r * K + k);
+      for (int m = 0; m < M; ++m) {
+        const __m512bh xv = (__m512bh)_mm512_loadu_si512(xp + m * K + k);
+        for (int r = 0; r < R; ++r) acc[r][m] = _mm512_dpbf16_ps(acc[r][m], w[r], xv);
+      }
+    }
+    for (int r = 0; r < R; ++r)
+      for (int m = 0; m < M; ++m) {
+        float sum = _mm512_reduce_add_ps(acc[r][m]);
+        for (int64_t k = vec_k; k < K; ++k) sum += to_float(row[r * K + k]) * to_float(xp[m * K + k]);
+        yp[m * N + r] = from_float<TX>(sum);
+      }
+    return;
+  }
+#endif
+  const int64_t vec_k = K - K % 16;
+  Vec acc[R][M];
+  for (int r = 0; r < R; ++r)
+    for (int m = 0; m < M; ++m) acc[r][m] = vzero();
+  for (int64_t k = 0; k < vec_k; k += 16) {
+    Vec w[R];
+    for (int r = 0; r < R; ++r) w[r] = load16(row + r * K + k);
+    for (int m = 0; m < M; ++m) {
+      const Vec xv = load16(xp + m * K + k);
+      for (int r = 0; r < R; ++r) acc[r][m] = vfma(w[r], xv, acc[r][m]);
+    }
+  }
+  for (int r = 0; r < R; ++r)
+    for (int m = 0; m < M; ++m) {
+      float sum = reduce_add(acc[r][m]);
+      for (int64_t k = vec_k; k < K; ++k) sum += to_float(row[r * K + k]) * to_float(xp[m * K + k]);
+      yp[m * N + r] = from_float<TX>(sum);
+    }
+}
+#endif
+
+// Without vectors: each output in plain order.
+template <typename TX, typename TW>
+void scalar_rows(int64_t rows, const TX* xp, const TW* wp, TX* yp, int64_t K, int64_t N, int64_t begin, int64_t end) {
+  for (int64_t n = begin; n < end; ++n)
+    for (int64_t m = 0; m < rows; ++m) {
+      float sum = 0.f;
+      for (int64_t k = 0; k < K; ++k) sum += to_float(wp[n * K + k]) * to_float(xp[m * K + k]);
+      yp[m * N + n] = from_float<TX>(sum);
+    }
+}
+
 // y [1, N] = x [1, K] @ weight [N, K]^T for one row, fp32 accumulation, in x's dtype (batch-1 decode's lm_head:
 // 49152 x 576 for SmolLM2, read once per token, usually from memory). The weight may be stored narrower than x
 // (an fp32 model whose lm_head holds exactly fp16 or bf16 values, as an artifact's does: half the bytes, the
@@ -327,53 +390,16 @@ inline void request_rows_ahead(const TW* row, int64_t K) {
 // pairs (vdpbf16ps): ~15% more bandwidth than oneDNN's linear reaches on it.
 template <typename TX, typename TW>
 void gemv_rows(const TX* xp, const TW* wp, TX* yp, int64_t K, int64_t begin, int64_t end) {
-  int64_t n = begin;
-#if defined(__AVX512BF16__)
-  if constexpr (std::is_same_v<TX, at::BFloat16> && std::is_same_v<TW, at::BFloat16>) {
-    const int64_t vec_k = K - K % 32;
-    constexpr int S = GEMV_ROW_STREAMS;
-    for (; n + S <= end; n += S) {
-      const TW* row = wp + n * K;
-      request_rows_ahead(row, K);
-      __m512 acc[S];
-      for (int r = 0; r < S; ++r) acc[r] = _mm512_setzero_ps();
-      for (int64_t k = 0; k < vec_k; k += 32) {
-        const __m512bh xv = (__m512bh)_mm512_loadu_si512(xp + k);
-        for (int r = 0; r < S; ++r)
-          acc[r] = _mm512_dpbf16_ps(acc[r], (__m512bh)_mm512_loadu_si512(row + r * K + k), xv);
-      }
-      for (int r = 0; r < S; ++r) {
-        float sum = _mm512_reduce_add_ps(acc[r]);
-        for (int64_t k = vec_k; k < K; ++k) sum += to_float(row[r * K + k]) * to_float(xp[k]);
-        yp[n + r] = from_float<TX>(sum);
-      }
-    }
-  }
-#endif
 #if defined(LLMOPT_VEC)
-  const int64_t vec_k = K - K % 16;
+  int64_t n = begin;
   for (; n + GEMV_ROW_STREAMS <= end; n += GEMV_ROW_STREAMS) {
-    const TW* row = wp + n * K;
-    request_rows_ahead(row, K);
-    Vec acc[GEMV_ROW_STREAMS];
-    for (int r = 0; r < GEMV_ROW_STREAMS; ++r) acc[r] = vzero();
-    for (int64_t k = 0; k < vec_k; k += 16) {
-      const Vec xv = load16(xp + k);
-      for (int r = 0; r < GEMV_ROW_STREAMS; ++r) acc[r] = vfma(load16(row + r * K + k), xv, acc[r]);
-    }
-    for (int r = 0; r < GEMV_ROW_STREAMS; ++r) {
-      float sum = reduce_add(acc[r]);
-      for (int64_t k = vec_k; k < K; ++k) sum += to_float(row[r * K + k]) * to_float(xp[k]);
-      yp[n + r] = from_float<TX>(sum);
-    }
+    request_rows_ahead(wp + n * K, K);
+    vec_rows<TX, TW, 1, GEMV_ROW_STREAMS>(xp, wp + n * K, yp + n, K, 0);
   }
+  for (; n < end; ++n) vec_rows<TX, TW, 1, 1>(xp, wp + n * K, yp + n, K, 0);
+#else
+  scalar_rows<TX, TW>(1, xp, wp, yp, K, 0, begin, end);
 #endif
-  for (; n < end; ++n) {
-    const TW* row = wp + n * K;
-    float sum = 0.f;
-    for (int64_t k = 0; k < K; ++k) sum += to_float(row[k]) * to_float(xp[k]);
-    yp[n] = from_float<TX>(sum);
-  }
 }
 
 // M (2..8) inputs against weight rows n in [begin, end): each weight row is streamed once for all M inputs (an
@@ -433,41 +459,18 @@ void gemm_few_rows(const TX* xp, const TW* wp, TX* yp, int64_t K, int64_t N, int
 #else
   constexpr int R = M <= 2 ? 2 : 1;
 #endif
-  int64_t n = begin;
 #if defined(LLMOPT_VEC)
-  const int64_t vec_k = K - K % 16;
+  int64_t n = begin;
   for (; n + R <= end; n += R) {
     const TW* row = wp + n * K;
     for (int64_t off = 0; off < R * K * static_cast<int64_t>(sizeof(TW)); off += 64)
       _mm_prefetch(reinterpret_cast<const char*>(row + 2 * R * K) + off, _MM_HINT_T0);
-    Vec acc[R][M];
-    for (int r = 0; r < R; ++r)
-      for (int m = 0; m < M; ++m) acc[r][m] = vzero();
-    for (int64_t k = 0; k < vec_k; k += 16) {
-      Vec w[R];
-      for (int r = 0; r < R; ++r) w[r] = load16(row + r * K + k);
-      for (int m = 0; m < M; ++m) {
-        const Vec xv = load16(xp + m * K + k);
-        for (int r = 0; r < R; ++r) acc[r][m] = vfma(w[r], xv, acc[r][m]);
-      }
-    }
-    for (int r = 0; r < R; ++r) {
-      for (int m = 0; m < M; ++m) {
-        float sum = reduce_add(acc[r][m]);
-        for (int64_t k = vec_k; k < K; ++k) sum += to_float(row[r * K + k]) * to_float(xp[m * K + k]);
-        yp[m * N + n + r] = from_float<TX>(sum);
-      }
-    }
+    vec_rows<TX, TW, M, R>(xp, row, yp + n, K, N);
   }
+  for (; n < end; ++n) vec_rows<TX, TW, M, 1>(xp, wp + n * K, yp + n, K, N);
+#else
+  scalar_rows<TX, TW>(M, xp, wp, yp, K, N, begin, end);
 #endif
-  for (; n < end; ++n) {
-    const TW* row = wp + n * K;
-    for (int m = 0; m < M; ++m) {
-      float sum = 0.f;
-      for (int64_t k = 0; k < K; ++k) sum += to_float(row[k]) * to_float(xp[m * K + k]);
-      yp[m * N + n] = from_float<TX>(sum);
-    }
-  }
 }
 
 // rows (1..8) inputs from xp against weight rows [begin, end), into yp [rows, N]
