@@ -233,10 +233,50 @@ def test_gemv_matches_a_float_matmul(ops, dtype, k, rows):
     torch.testing.assert_close(ops.gemv(x, weight), expected, rtol=tol, atol=tol)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("seqs,new,ctx,heads,kv_heads,head_dim", [
+    (1, 1, 1, 2, 1, 16), (3, 37, 37, 9, 3, 64), (2, 20, 150, 4, 2, 128), (1, 70, 70, 6, 6, 32),
+    (2, 33, 100, 8, 1, 48)])
+def test_causal_prefill_attention_matches_masked_sdpa(ops, dtype, seqs, new, ctx, heads, kv_heads, head_dim):
+    # each sequence's new queries (its last `new` positions) over its ctx keys: GQA groups 1-8, row tiles with a
+    # remainder, keys past one key panel, a head_dim past whole 64-column tiles; q a view of wider rows (as the
+    # qkv projection's output is)
+    g = torch.Generator().manual_seed(0)
+    q = torch.randn(seqs * new, heads + 7, head_dim, generator=g).to(dtype)[:, 3:3 + heads]
+    k, v = (torch.randn(seqs * ctx, kv_heads, head_dim, generator=g).to(dtype) for _ in range(2))
+    if not ops.vectorized():
+        with pytest.raises(RuntimeError, match="vector build"):
+            ops.causal_prefill_attention(q, k, v, new, head_dim ** -0.5)
+        return
+    out = ops.causal_prefill_attention(q, k, v, new, head_dim ** -0.5)
+    qb, kb, vb = (x.reshape(seqs, -1, x.shape[1], head_dim).transpose(1, 2).float() for x in (q, k, v))
+    mask = torch.ones(new, ctx, dtype=torch.bool).tril(ctx - new)
+    expected = torch.nn.functional.scaled_dot_product_attention(qb, kb, vb, attn_mask=mask, scale=head_dim ** -0.5,
+                                                                enable_gqa=True)
+    expected = expected.transpose(1, 2).reshape(seqs * new, heads, head_dim)
+    assert out.dtype == dtype and out.shape == expected.shape
+    tol = {torch.float32: 1e-5, torch.bfloat16: 1e-2, torch.float16: 2e-3}[dtype]
+    torch.testing.assert_close(out.float(), expected, atol=tol, rtol=tol)
+
+
+def test_causal_prefill_attention_refuses_what_it_cannot_attend(ops):
+    if not ops.vectorized():
+        pytest.skip("the scalar build refuses every call")
+    q, k = torch.randn(8, 4, 64), torch.randn(8, 2, 64)
+    with pytest.raises(RuntimeError, match="ctx >= new"):
+        ops.causal_prefill_attention(q, k[:4], k[:4], 8, 0.125)
+    with pytest.raises(RuntimeError, match="multiple of 16"):
+        ops.causal_prefill_attention(q[..., :40], k[..., :40], k[..., :40], 8, 0.125)
+    with pytest.raises(RuntimeError, match="share a dtype"):
+        ops.causal_prefill_attention(q, k.bfloat16(), k.bfloat16(), 8, 0.125)
+
+
+@pytest.mark.parametrize("compiled", [None, True])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_prefill_attention_over_this_steps_keys_matches_the_cache_path(dtype):
-    # fresh prompts (nothing cached before: equal-length neighbours batched into one causal SDPA) next to a
-    # decode and a prompt with a cached prefix (those keep the per-sequence path): same output either way
+def test_prefill_attention_over_this_steps_keys_matches_the_cache_path(monkeypatch, dtype, compiled):
+    # fresh prompts (nothing cached before: equal-length neighbours batched into one causal SDPA, or with
+    # compiled=True the compiled prefill kernel) next to a decode and a prompt with a cached prefix (those keep the
+    # per-sequence path, or the same kernel over the gathered blocks): same output either way
     from llmopt.runtime.executor.kernels.attention import _fresh_runs, paged_attention
 
     new_lens = [5, 5, 5, 7, 1, 9, 5]
@@ -256,7 +296,19 @@ def test_prefill_attention_over_this_steps_keys_matches_the_cache_path(dtype):
     k_new = k_cache.view(-1, num_kv_heads, head_dim)[slots]
     v_new = v_cache.view(-1, num_kv_heads, head_dim)[slots]
     expected = paged_attention(q, k_cache, v_cache, meta, head_dim ** -0.5)
-    out = paged_attention(q, k_cache, v_cache, meta, head_dim ** -0.5, k_new, v_new)
+    calls = []
+    real = attention.compiled_prefill_kernel
+
+    def counted(q):
+        kernel = real(q)
+        return None if kernel is None else (lambda *args: calls.append(args[3]) or kernel(*args))
+
+    monkeypatch.setattr(attention, "compiled_prefill_kernel", counted)
+    out = paged_attention(q, k_cache, v_cache, meta, head_dim ** -0.5, k_new, v_new, compiled=compiled)
+    if compiled and real(q) is not None:  # the three fresh runs, then the 9 tokens after a cached prefix
+        assert calls == [5, 7, 5, 9]
+    else:
+        assert calls == []
     tol = {"atol": 1e-5, "rtol": 1e-5} if dtype == torch.float32 else {"atol": 2e-2, "rtol": 2e-2}
     torch.testing.assert_close(out, expected, **tol)
 

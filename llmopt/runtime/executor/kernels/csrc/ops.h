@@ -20,6 +20,11 @@ bool vectorized();
 std::string isa();
 }  // namespace llmopt_cpu::attention
 
+namespace llmopt_cpu::prefill {
+at::Tensor causal_prefill_attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
+                                    int64_t new_tokens, double scale);
+}  // namespace llmopt_cpu::prefill
+
 namespace llmopt_cpu::fused {
 at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& weight, double eps);
 at::Tensor add_rms_norm_(at::Tensor& residual, const at::Tensor& delta, const at::Tensor& weight, double eps);

@@ -819,3 +819,6 @@ bool vectorized() { return kVectorized; }
 std::string isa() { return LLMOPT_STR(LLMOPT_ISA); }
 
 }  // namespace llmopt_cpu::attention
+
+// prefill attention over the step's own keys: the same unit (it uses max_of and softmax_numerators above)
+#include "prefill_attention_cpu.cpp"

@@ -17,6 +17,7 @@ LLMOPT_LIBRARY(LLMOPT_NS, m) {
         "Tensor v_scales, Tensor block_tables, Tensor context_lens, float scale, bool fp8) -> Tensor");
   m.def("store_kv_quantized_(Tensor(a!) k_codes, Tensor(b!) v_codes, Tensor(c!) k_scales, Tensor(d!) v_scales, "
         "Tensor k, Tensor v, Tensor slot_mapping) -> ()");
+  m.def("causal_prefill_attention(Tensor q, Tensor k, Tensor v, int new_tokens, float scale) -> Tensor");
   m.def("vectorized", &attention::vectorized);  // whether this build has the vector (AVX2 or AVX-512) paths
   m.def("isa", &attention::isa);  // the instruction set this build was compiled for
   m.def("rms_norm(Tensor x, Tensor weight, float eps) -> Tensor");
@@ -71,6 +72,7 @@ LLMOPT_LIBRARY_IMPL(LLMOPT_NS, CPU, m) {
   m.impl("paged_decode_attention", attention::paged_decode_attention);
   m.impl("paged_decode_attention_quantized", attention::paged_decode_attention_quantized);
   m.impl("store_kv_quantized_", attention::store_kv_quantized_);
+  m.impl("causal_prefill_attention", prefill::causal_prefill_attention);
   m.impl("rms_norm", fused::rms_norm);
   m.impl("add_rms_norm_", fused::add_rms_norm_);
   m.impl("silu_mul", fused::silu_mul);
