@@ -236,11 +236,11 @@ def test_gemv_matches_a_float_matmul(ops, dtype, k, rows):
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("seqs,new,ctx,heads,kv_heads,head_dim", [
     (1, 1, 1, 2, 1, 16), (3, 37, 37, 9, 3, 64), (2, 20, 150, 4, 2, 128), (1, 70, 70, 6, 6, 32),
-    (2, 33, 100, 8, 1, 48)])
+    (2, 33, 100, 8, 1, 48), (1, 300, 300, 3, 1, 32), (2, 40, 600, 4, 2, 64)])
 def test_causal_prefill_attention_matches_masked_sdpa(ops, dtype, seqs, new, ctx, heads, kv_heads, head_dim):
     # each sequence's new queries (its last `new` positions) over its ctx keys: GQA groups 1-8, row tiles with a
-    # remainder, keys past one key panel, a head_dim past whole 64-column tiles; q a view of wider rows (as the
-    # qkv projection's output is)
+    # remainder, keys past one key panel and past one 256-key chunk (the running softmax), a head_dim past whole
+    # 64-column tiles; q a view of wider rows (as the qkv projection's output is)
     g = torch.Generator().manual_seed(0)
     q = torch.randn(seqs * new, heads + 7, head_dim, generator=g).to(dtype)[:, 3:3 + heads]
     k, v = (torch.randn(seqs * ctx, kv_heads, head_dim, generator=g).to(dtype) for _ in range(2))

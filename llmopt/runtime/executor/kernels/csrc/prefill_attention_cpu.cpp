@@ -18,7 +18,9 @@
 #include <algorithm>
 #include <atomic>
 #include <cmath>
+#include <cstring>
 #include <limits>
+#include <type_traits>
 #include <vector>
 
 #include "ops.h"
@@ -38,8 +40,25 @@ constexpr int MR = 6, KV = 1, DV = 1;
 #endif
 constexpr int64_t KEY_TILE = 16 * KV;
 
+// Keys per chunk: the chunk's keys (transposed) and values in fp32 stay in L2 while every row tile of the item
+// passes over them (64 KB each at head_dim 64), and a tile's scores [MR, KEY_CHUNK] in L1.
+constexpr int64_t KEY_CHUNK = 4 * KEY_TILE * (4 / KV);
+
+// Per thread: one item's queries, scores, probabilities, outputs and running softmax.
 struct Buffers {
-  std::vector<float> q, kt, v, scores, inv_sum;
+  std::vector<float> q, scores, o, max, sum, factor;
+  std::vector<uint16_t> q16, p16;  // the bf16-pairs path's (see score_tile_pairs)
+};
+
+// Every sequence's keys and values, packed once per call for all the items that read them: per (sequence, KV
+// head, chunk of KEY_CHUNK keys) the keys in panels and the values (fp32, or the raw bf16 pairs).
+struct Packed {
+  std::vector<float> kt, v;
+  std::vector<uint16_t> kt16, v16;
+  int64_t chunks;
+  int64_t at(int64_t s, int64_t h, int64_t chunk, int64_t kv_heads, int64_t D) const {
+    return ((s * kv_heads + h) * chunks + chunk) * KEY_CHUNK * D;
+  }
 };
 
 // scores[r, j0 : j0 + 16 * NV] for R rows: sum over d of q[r, d] * kt[d, j]
@@ -71,13 +90,13 @@ inline void score_rows(const float* q, const float* kt, float* s, int64_t D, int
     score_tile<R, 1>(q, kt + j / KEY_TILE * KEY_TILE * D + j % KEY_TILE, s + j, D, KEY_TILE, s_stride);
 }
 
-// out[r, c0 : c0 + 16 * NV] = sum over keys j of p[r, j] * v[j, c], times inv_sum[r], in T
-template <int R, int NV, typename T>
-inline void value_tile(const float* p, const float* v, const float* inv_sum, T* const* out, int64_t keys, int64_t D,
+// o[r, c0 : c0 + 16 * NV] = o[r, ...] * factor[r] + sum over keys j of p[r, j] * v[j, c] (o fp32, [R rows, D])
+template <int R, int NV>
+inline void value_tile(const float* p, const float* v, const float* factor, float* o, int64_t keys, int64_t D,
                        int64_t p_stride, int64_t c0) {
   Vec acc[R][NV];
   for (int r = 0; r < R; ++r)
-    for (int c = 0; c < NV; ++c) acc[r][c] = vzero();
+    for (int c = 0; c < NV; ++c) acc[r][c] = load16(o + r * D + c0 + 16 * c) * vset1(factor[r]);
   for (int64_t j = 0; j < keys; ++j) {
     Vec vv[NV];
     for (int c = 0; c < NV; ++c) vv[c] = load16(v + j * D + c0 + 16 * c);
@@ -87,16 +106,85 @@ inline void value_tile(const float* p, const float* v, const float* inv_sum, T* 
     }
   }
   for (int r = 0; r < R; ++r)
-    for (int c = 0; c < NV; ++c) store16(out[r] + c0 + 16 * c, acc[r][c] * vset1(inv_sum[r]));
+    for (int c = 0; c < NV; ++c) store16(o + r * D + c0 + 16 * c, acc[r][c]);
 }
 
-template <int R, typename T>
-inline void value_rows(const float* p, const float* v, const float* inv_sum, T* const* out, int64_t keys, int64_t D,
+template <int R>
+inline void value_rows(const float* p, const float* v, const float* factor, float* o, int64_t keys, int64_t D,
                        int64_t p_stride) {
   int64_t c = 0;
-  for (; c + 16 * DV <= D; c += 16 * DV) value_tile<R, DV>(p, v, inv_sum, out, keys, D, p_stride, c);
-  for (; c < D; c += 16) value_tile<R, 1>(p, v, inv_sum, out, keys, D, p_stride, c);
+  for (; c + 16 * DV <= D; c += 16 * DV) value_tile<R, DV>(p, v, factor, o, keys, D, p_stride, c);
+  for (; c < D; c += 16) value_tile<R, 1>(p, v, factor, o, keys, D, p_stride, c);
 }
+
+#if defined(__AVX512BF16__)
+// bf16 inputs on AVX512_BF16: the products from bf16 pairs (vdpbf16ps: 32 multiply-adds an instruction, twice an
+// fp32 FMA's), summed in fp32. Layouts (raw bf16 bits): q as stored (unscaled: the scale multiplies the fp32
+// scores); the keys in panels [D / 2, KEY_TILE, 2] (a d pair of 16 keys per vector); the values [keys / 2, D, 2]
+// (a key pair of 16 columns); the probabilities rounded to bf16 once (as torch's bf16 flash attention does).
+inline __m512bh pair_of(const uint16_t* p) {  // the 2 bf16 at p in every 32-bit lane
+  int32_t bits;
+  std::memcpy(&bits, p, 4);
+  return (__m512bh)_mm512_set1_epi32(bits);
+}
+
+template <int R, int NV>
+inline void score_tile_pairs(const uint16_t* q, const uint16_t* kt, float* s, int64_t D, int64_t s_stride,
+                             float scale) {
+  __m512 acc[R][NV];
+  for (int r = 0; r < R; ++r)
+    for (int c = 0; c < NV; ++c) acc[r][c] = _mm512_setzero_ps();
+  for (int64_t dp = 0; dp < D / 2; ++dp) {
+    __m512bh k[NV];
+    for (int c = 0; c < NV; ++c) k[c] = (__m512bh)_mm512_loadu_si512(kt + dp * 2 * KEY_TILE + 32 * c);
+    for (int r = 0; r < R; ++r) {
+      const __m512bh qp = pair_of(q + r * D + 2 * dp);
+      for (int c = 0; c < NV; ++c) acc[r][c] = _mm512_dpbf16_ps(acc[r][c], k[c], qp);
+    }
+  }
+  for (int r = 0; r < R; ++r)
+    for (int c = 0; c < NV; ++c) _mm512_storeu_ps(s + r * s_stride + 16 * c, _mm512_mul_ps(acc[r][c], _mm512_set1_ps(scale)));
+}
+
+template <int R>
+inline void score_rows_pairs(const uint16_t* q, const uint16_t* kt, float* s, int64_t D, int64_t keys,
+                             int64_t s_stride, float scale) {
+  int64_t j = 0;
+  for (; j + KEY_TILE <= keys; j += KEY_TILE) score_tile_pairs<R, KV>(q, kt + j * D, s + j, D, s_stride, scale);
+  for (; j < keys; j += 16)
+    score_tile_pairs<R, 1>(q, kt + j / KEY_TILE * KEY_TILE * D + j % KEY_TILE * 2, s + j, D, s_stride, scale);
+}
+
+template <int R, int NV>
+inline void value_tile_pairs(const uint16_t* p, const uint16_t* v, const float* factor, float* o, int64_t keys,
+                             int64_t D, int64_t p_stride, int64_t c0) {
+  __m512 acc[R][NV];
+  for (int r = 0; r < R; ++r)
+    for (int c = 0; c < NV; ++c)
+      acc[r][c] = _mm512_mul_ps(_mm512_loadu_ps(o + r * D + c0 + 16 * c), _mm512_set1_ps(factor[r]));
+  for (int64_t j = 0; j < keys; j += 2) {
+    __m512bh vv[NV];
+    for (int c = 0; c < NV; ++c) vv[c] = (__m512bh)_mm512_loadu_si512(v + j * D + (c0 + 16 * c) * 2);
+    for (int r = 0; r < R; ++r) {
+      const __m512bh pp = pair_of(p + r * p_stride + j);
+      for (int c = 0; c < NV; ++c) acc[r][c] = _mm512_dpbf16_ps(acc[r][c], vv[c], pp);
+    }
+  }
+  for (int r = 0; r < R; ++r)
+    for (int c = 0; c < NV; ++c) _mm512_storeu_ps(o + r * D + c0 + 16 * c, acc[r][c]);
+}
+
+template <int R>
+inline void value_rows_pairs(const uint16_t* p, const uint16_t* v, const float* factor, float* o, int64_t keys,
+                             int64_t D, int64_t p_stride) {
+  int64_t c = 0;
+  for (; c + 16 * DV <= D; c += 16 * DV) value_tile_pairs<R, DV>(p, v, factor, o, keys, D, p_stride, c);
+  for (; c < D; c += 16) value_tile_pairs<R, 1>(p, v, factor, o, keys, D, p_stride, c);
+}
+constexpr bool kPairs = true;
+#else
+constexpr bool kPairs = false;
+#endif
 #endif
 
 struct Shape {
@@ -108,65 +196,116 @@ struct Shape {
 inline int64_t block_positions(const Shape& sh) { return std::max<int64_t>(1, 64 / sh.group); }
 
 #if defined(LLMOPT_VEC)
-// One item: sequence s, KV head h, query positions [i0, i1) of the sequence's new tokens.
+// Whether T's products come from bf16 pairs (score_tile_pairs) in this build.
 template <typename T>
-void attend_block(const T* q, const T* k, const T* v, T* out, const Shape& sh, float scale, int64_t s, int64_t h,
-                  int64_t i0, int64_t i1, Buffers& b) {
-  const int64_t D = sh.D, G = sh.group, rows = (i1 - i0) * G;
-  const int64_t offset = sh.ctx - sh.new_tokens;           // position of new token 0
-  const int64_t keys = offset + i1;                        // the last row's causal limit
-  const int64_t padded = (keys + KEY_TILE - 1) / KEY_TILE * KEY_TILE;
-  b.q.resize(rows * D);
-  b.kt.assign(D * padded, 0.f);
-  b.v.resize(keys * D);
-  b.scores.resize(rows * padded);
-  b.inv_sum.resize(rows);
-  // rows in (position, head of the group) order: the MR rows of a tile share one or two causal limits
-  for (int64_t i = i0; i < i1; ++i)
-    for (int64_t g = 0; g < G; ++g) {
-      const T* src = q + (s * sh.new_tokens + i) * sh.q_stride + (h * G + g) * D;
-      float* dst = b.q.data() + ((i - i0) * G + g) * D;
-      for (int64_t d = 0; d < D; ++d) dst[d] = to_float(src[d]) * scale;
-    }
-  for (int64_t j = 0; j < keys; ++j) {
-    const T* ks = k + (s * sh.ctx + j) * sh.k_stride + h * D;
-    const T* vs = v + (s * sh.ctx + j) * sh.v_stride + h * D;
-    float* vd = b.v.data() + j * D;
-    float* kd = b.kt.data() + j / KEY_TILE * KEY_TILE * D + j % KEY_TILE;
-    for (int64_t d = 0; d < D; ++d) {
-      kd[d * KEY_TILE] = to_float(ks[d]);
-      vd[d] = to_float(vs[d]);
+constexpr bool pairs_for = kPairs && std::is_same_v<T, at::BFloat16>;
+
+// The keys [c0, c1) of one sequence and KV head into the chunk's key panels and values (zero keys up to a whole
+// panel): fp32, or the raw bf16 pairs.
+template <typename T>
+void pack_chunk(const T* k, const T* v, const Shape& sh, int64_t s, int64_t h, int64_t chunk, Packed& pk) {
+  const int64_t D = sh.D, c0 = chunk * KEY_CHUNK, c1 = std::min(sh.ctx, c0 + KEY_CHUNK);
+  const int64_t padded = (c1 - c0 + KEY_TILE - 1) / KEY_TILE * KEY_TILE, base = pk.at(s, h, chunk, sh.kv_heads, D);
+  for (int64_t jj = 0; jj < padded; ++jj) {
+    const bool key = c0 + jj < c1;
+    const T* ks = k + (s * sh.ctx + c0 + jj) * sh.k_stride + h * D;
+    const T* vs = v + (s * sh.ctx + c0 + jj) * sh.v_stride + h * D;
+    const int64_t panel = jj / KEY_TILE * KEY_TILE * D;
+    if constexpr (pairs_for<T>) {
+      uint16_t* kd = pk.kt16.data() + base + panel + jj % KEY_TILE * 2;  // + (d / 2) * 2 * KEY_TILE + d % 2
+      uint16_t* vd = pk.v16.data() + base + jj / 2 * 2 * D + jj % 2;     // + 2 * d
+      for (int64_t d = 0; d < D; ++d) {
+        kd[d / 2 * 2 * KEY_TILE + d % 2] = key ? ks[d].x : 0;
+        vd[2 * d] = key ? vs[d].x : 0;
+      }
+    } else {
+      float* kd = pk.kt.data() + base + panel + jj % KEY_TILE;
+      float* vd = pk.v.data() + base + jj * D;
+      for (int64_t d = 0; d < D; ++d) {
+        kd[d * KEY_TILE] = key ? to_float(ks[d]) : 0.f;
+        vd[d] = key ? to_float(vs[d]) : 0.f;
+      }
     }
   }
-  for (int64_t r0 = 0; r0 < rows; r0 += MR) {
-    const int64_t r1 = std::min(rows, r0 + MR);
-    const int64_t limit = offset + i0 + (r1 - 1) / G + 1;  // keys the tile's last row attends
-    const int64_t tile_keys = (limit + 15) / 16 * 16;
-    float* s_rows = b.scores.data() + r0 * padded;
-    const float* q_rows = b.q.data() + r0 * D;
-    if (r1 - r0 == MR) {
-      score_rows<MR>(q_rows, b.kt.data(), s_rows, D, tile_keys, padded);
-    } else {
-      for (int64_t r = r0; r < r1; ++r)
-        score_rows<1>(q_rows + (r - r0) * D, b.kt.data(), s_rows + (r - r0) * padded, D, tile_keys, padded);
+}
+
+// Rows [r0, r0 + R) (their causal limits own[0..R)) over the packed chunk's keys [c0, c1): scores, then the
+// running softmax per row (max, sum, and the factor by which its earlier output shrinks), then o += p . v.
+template <int R, bool PAIRS>
+void chunk_rows(int64_t r0, const int64_t* own, int64_t c0, int64_t c1, const Packed& pk, int64_t base, Buffers& b,
+                int64_t D, float scale) {
+  const int64_t keys = (std::min(own[R - 1], c1) - c0 + 15) / 16 * 16;  // the last row's, in whole vectors
+  float* s = b.scores.data();
+#if defined(__AVX512BF16__)
+  if constexpr (PAIRS) score_rows_pairs<R>(b.q16.data() + r0 * D, pk.kt16.data() + base, s, D, keys, KEY_CHUNK, scale);
+#endif
+  if constexpr (!PAIRS) score_rows<R>(b.q.data() + r0 * D, pk.kt.data() + base, s, D, keys, KEY_CHUNK);
+  for (int r = 0; r < R; ++r) {
+    float* row = s + r * KEY_CHUNK;
+    const int64_t n = std::min(own[r], c1) - c0;  // this row's keys in the chunk (> 0: rows before are skipped)
+    float& max = b.max[r0 + r];
+    const float chunk_max = std::max(max, attention::max_of(row, n));
+    b.factor[r] = std::exp(max - chunk_max);  // (0 on the first chunk: max is -inf)
+    b.sum[r0 + r] = b.sum[r0 + r] * b.factor[r] + attention::softmax_numerators(row, n, chunk_max);
+    max = chunk_max;
+    std::fill(row + n, row + keys, 0.f);  // keys past this row's limit
+  }
+  float* o = b.o.data() + r0 * D;
+#if defined(__AVX512BF16__)
+  if constexpr (PAIRS) {
+    for (int r = 0; r < R; ++r)
+      for (int64_t j = 0; j < keys; j += 16)
+        store16(reinterpret_cast<at::BFloat16*>(b.p16.data()) + r * KEY_CHUNK + j, load16(s + r * KEY_CHUNK + j));
+    value_rows_pairs<R>(b.p16.data(), pk.v16.data() + base, b.factor.data(), o, keys, D, KEY_CHUNK);
+  }
+#endif
+  if constexpr (!PAIRS) value_rows<R>(s, pk.v.data() + base, b.factor.data(), o, keys, D, KEY_CHUNK);
+}
+
+// One item: sequence s, KV head h, query positions [i0, i1) of the sequence's new tokens.
+template <typename T>
+void attend_block(const T* q, const Packed& pk, T* out, const Shape& sh, float scale, int64_t s, int64_t h,
+                  int64_t i0, int64_t i1, Buffers& b) {
+  constexpr bool PAIRS = pairs_for<T>;
+  const int64_t D = sh.D, G = sh.group, rows = (i1 - i0) * G;
+  const int64_t offset = sh.ctx - sh.new_tokens;  // position of new token 0
+  const int64_t keys = offset + i1;               // the last row's causal limit
+  if constexpr (PAIRS) {
+    b.q16.resize(rows * D);
+    b.p16.resize(MR * KEY_CHUNK);
+  } else {
+    b.q.resize(rows * D);
+  }
+  b.scores.resize(MR * KEY_CHUNK);
+  b.o.assign(rows * D, 0.f);
+  b.max.assign(rows, -std::numeric_limits<float>::infinity());
+  b.sum.assign(rows, 0.f);
+  b.factor.resize(MR);
+  // rows in (position, head of the group) order: the MR rows of a tile share one or two causal limits
+  std::vector<int64_t> own(rows);
+  for (int64_t i = i0; i < i1; ++i)
+    for (int64_t g = 0; g < G; ++g) {
+      const int64_t r = (i - i0) * G + g;
+      const T* src = q + (s * sh.new_tokens + i) * sh.q_stride + (h * G + g) * D;
+      if constexpr (PAIRS) {
+        std::memcpy(b.q16.data() + r * D, src, D * sizeof(T));
+      } else {
+        for (int64_t d = 0; d < D; ++d) b.q[r * D + d] = to_float(src[d]) * scale;
+      }
+      own[r] = offset + i + 1;
     }
-    T* out_rows[MR];
-    for (int64_t r = r0; r < r1; ++r) {
-      const int64_t own = offset + i0 + r / G + 1;  // this row's causal limit
-      float* row = b.scores.data() + r * padded;
-      const float sum = attention::softmax_numerators(row, own, attention::max_of(row, own));
-      std::fill(row + own, row + limit, 0.f);  // the tile's later keys: not this row's
-      b.inv_sum[r] = 1.f / sum;
-      const int64_t i = i0 + r / G, g = r % G;
-      out_rows[r - r0] = out + (s * sh.new_tokens + i) * sh.heads * D + (h * G + g) * D;
-    }
-    if (r1 - r0 == MR) {
-      value_rows<MR>(s_rows, b.v.data(), b.inv_sum.data() + r0, out_rows, limit, D, padded);
-    } else {
-      for (int64_t r = r0; r < r1; ++r)
-        value_rows<1>(s_rows + (r - r0) * padded, b.v.data(), b.inv_sum.data() + r, out_rows + (r - r0), limit, D,
-                      padded);
-    }
+  for (int64_t c0 = 0; c0 < keys; c0 += KEY_CHUNK) {
+    const int64_t c1 = std::min(keys, c0 + KEY_CHUNK), base = pk.at(s, h, c0 / KEY_CHUNK, sh.kv_heads, D);
+    int64_t r0 = 0;
+    while (r0 < rows && own[r0] <= c0) ++r0;  // rows whose keys all came before this chunk
+    for (; r0 + MR <= rows; r0 += MR) chunk_rows<MR, PAIRS>(r0, own.data() + r0, c0, c1, pk, base, b, D, scale);
+    for (; r0 < rows; ++r0) chunk_rows<1, PAIRS>(r0, own.data() + r0, c0, c1, pk, base, b, D, scale);
+  }
+  for (int64_t r = 0; r < rows; ++r) {
+    const int64_t i = i0 + r / G, g = r % G;
+    T* dst = out + (s * sh.new_tokens + i) * sh.heads * D + (h * G + g) * D;
+    const Vec inv = vset1(1.f / b.sum[r]);
+    for (int64_t d = 0; d < D; d += 16) store16(dst + d, load16(b.o.data() + r * D + d) * inv);
   }
 }
 #endif
@@ -195,13 +334,27 @@ at::Tensor causal_prefill_attention(const at::Tensor& q, const at::Tensor& k, co
     const auto* kp = k.data_ptr<scalar_t>();
     const auto* vp = v.data_ptr<scalar_t>();
     auto* op = out.data_ptr<scalar_t>();
+    Packed pk;
+    pk.chunks = (sh.ctx + KEY_CHUNK - 1) / KEY_CHUNK;
+    const int64_t packed = seqs * sh.kv_heads * pk.chunks * KEY_CHUNK * sh.D;
+    if constexpr (pairs_for<scalar_t>) {
+      pk.kt16.resize(packed);
+      pk.v16.resize(packed);
+    } else {
+      pk.kt.resize(packed);
+      pk.v.resize(packed);
+    }
+    at::parallel_for(0, seqs * sh.kv_heads * pk.chunks, 1, [&](int64_t begin, int64_t end) {
+      for (int64_t t = begin; t < end; ++t)
+        pack_chunk(kp, vp, sh, t / (sh.kv_heads * pk.chunks), t / pk.chunks % sh.kv_heads, t % pk.chunks, pk);
+    });
     at::parallel_for(0, at::get_num_threads(), 1, [&](int64_t, int64_t) {
       Buffers buffers;
       for (int64_t item = next++; item < items; item = next++) {
         const int64_t block = blocks - 1 - item / (seqs * sh.kv_heads), rest = item % (seqs * sh.kv_heads);
         const int64_t i0 = block * per, i1 = std::min(new_tokens, i0 + per);
-        attend_block<scalar_t>(qp, kp, vp, op, sh, static_cast<float>(scale), rest / sh.kv_heads,
-                               rest % sh.kv_heads, i0, i1, buffers);
+        attend_block<scalar_t>(qp, pk, op, sh, static_cast<float>(scale), rest / sh.kv_heads, rest % sh.kv_heads,
+                               i0, i1, buffers);
       }
     });
   });
