@@ -160,15 +160,19 @@ def test_fast_path_matches_the_exact_path(tiny):
     assert token_ids(Engine(model, tok, EngineConfig(block_size=4, fast_path=True)).generate(ps, GREEDY)) == exact
     # bf16 (prepacked oneDNN weights where available) against bf16 through the model's own modules
     bf16 = build_tiny_model(model.config.model_type, seed=0)[0].to(torch.bfloat16)
-    params = SamplingParams(max_tokens=4, ignore_eos=True, logprobs=1)
+    params = SamplingParams(max_tokens=4, ignore_eos=True, logprobs=5)
     runs = []
     for fast in (False, True):
         engine = Engine(bf16, tok, EngineConfig(block_size=4, fast_path=fast))
         finished = run_all(engine, [(p, params) for p in ps])
         runs.append([o.logprobs[0] for o in finished])  # the first step: same inputs for both
     for plain, fast in zip(*runs):
-        (token, value), = [(t, v) for t, v in plain.items()][:1]
-        assert token in fast and abs(fast[token] - value) < 0.1
+        # the plain path's top token among the fast path's top 5, and every token both list within 0.1: the order
+        # of two tokens one bf16 step apart (0.016 at these magnitudes) may differ between the paths' roundings
+        top = max(plain, key=plain.get)
+        assert top in fast and abs(fast[top] - plain[top]) < 0.1
+        for token in plain.keys() & fast.keys():
+            assert abs(fast[token] - plain[token]) < 0.1
 
 
 def test_fast_fp32_logprobs_stay_within_1e4_of_the_exact_mode(tiny):
