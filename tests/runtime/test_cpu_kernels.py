@@ -47,6 +47,9 @@ def test_cpu_kernels_build(ops):
     ([45, 12, 77], 8, 4, 128, 16),  # group 2, head_dim 128: on AVX2 pass 2 runs over the values in 4 column runs
     ([33, 50, 8, 9], 16, 2, 32, 8),  # block size 8: one row at a time
     ([20] * 6, 18, 2, 64, 16),  # group 9: beyond the specialized ones
+    ([3000], 9, 3, 64, 16),  # one long context: split across threads (bf16 from pairs), the splits merged
+    ([2100, 40], 6, 2, 24, 8),  # split, scalar path; the short sequence's second split is empty
+    ([2500, 1100], 8, 4, 128, 8),  # split, block size 8 (one row at a time)
 ])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
 def test_paged_decode_attention_matches_reference(ops, context_lens, num_heads, num_kv_heads, head_dim, page, dtype):

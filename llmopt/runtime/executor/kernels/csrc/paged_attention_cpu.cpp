@@ -88,6 +88,22 @@ struct Layout {
   int64_t block_size, num_kv_heads, head_dim, group, block_stride, token_stride;
 };
 
+struct Range {  // tokens [begin, end) of the item's sequence
+  int64_t begin, end;
+};
+
+// Softmax over each query head's scores [rows][n] in place; writes 1 / sum to inv_sum and, when lse is given,
+// max + log(sum) per row.
+inline void softmax_rows(float* scores, int64_t rows, int64_t n, float* inv_sum, float* lse) {
+  for (int64_t j = 0; j < rows; ++j) {
+    float* s = scores + j * n;
+    const float max = max_of(s, n);
+    const float sum = softmax_numerators(s, n, max);
+    inv_sum[j] = 1.f / sum;
+    if (lse) lse[j] = max + std::log(sum);
+  }
+}
+
 // q [B, H, D] over a cache [blocks, block_size, KVH, D] (strides in elements of the cache)
 inline Layout layout_of(const at::Tensor& q, const at::Tensor& cache) {
   const int64_t block_size = cache.size(1), kv_heads = cache.size(2), head_dim = cache.size(3);
@@ -173,11 +189,11 @@ void key_pass(const float* q_f, const T* k_ptr, const T* v_ptr, const Item& it, 
   }
 }
 
-// Pass 1 of a float cache over the item's whole context
+// Pass 1 of a float cache over the item's tokens r
 template <typename T, int G, int CH>
-void scores_rows(const float* q_f, const T* k_ptr, const T* v_ptr, const Item& it, const Layout& L, float scale,
-                 float* scores) {
-  key_pass<G, CH>(q_f, k_ptr, v_ptr, it, L, 0, it.ctx, scores, [](const T* p) { return load16(p); },
+void scores_rows(const float* q_f, const T* k_ptr, const T* v_ptr, const Item& it, const Range& r, const Layout& L,
+                 float scale, float* scores) {
+  key_pass<G, CH>(q_f, k_ptr, v_ptr, it, L, r.begin, r.end, scores, [](const T* p) { return load16(p); },
                   [scale](int64_t, int64_t, int64_t) { return scale; });
 }
 
@@ -192,8 +208,8 @@ void scores_rows(const float* q_f, const T* k_ptr, const T* v_ptr, const Item& i
 // block at once, and took the kernel from ~9 to ~16 GB/s on a cold cache (the machine's streaming rate).
 template <int G, int CH>
 void scores_bf16(const float* q_f, const at::BFloat16* k_ptr, const at::BFloat16* v_ptr, const Item& it,
-                 const Layout& L, float scale, float* scores) {
-  const int64_t ctx = it.ctx, nh = it.h1 - it.h0;
+                 const Range& r, const Layout& L, float scale, float* scores) {
+  const int64_t ctx = r.end, n_all = r.end - r.begin, nh = it.h1 - it.h0;  // (r.begin: a whole number of blocks)
   static thread_local std::vector<__m512bh> qb_buf;
   static thread_local std::vector<__m512> parts_buf;
   if (qb_buf.size() < static_cast<size_t>(nh * G * CH / 2)) qb_buf.resize(nh * G * CH / 2);
@@ -206,7 +222,7 @@ void scores_bf16(const float* q_f, const at::BFloat16* k_ptr, const at::BFloat16
         const float* qg = q_f + ((it.h0 + h) * G + g) * CH * 16 + c * 32;
         qb[(h * G + g) * (CH / 2) + c] = _mm512_cvtne2ps_pbh(_mm512_loadu_ps(qg + 16), _mm512_loadu_ps(qg));
       }
-  for (int64_t t0 = 0; t0 < ctx; t0 += 16) {
+  for (int64_t t0 = r.begin; t0 < ctx; t0 += 16) {
     const at::BFloat16* rows = k_ptr + it.table[t0 / L.block_size] * L.block_stride + (t0 % L.block_size) * L.token_stride;
     const int64_t n = std::min<int64_t>(16, ctx - t0);
     const int64_t next = t0 + 16;
@@ -230,7 +246,7 @@ void scores_bf16(const float* q_f, const at::BFloat16* k_ptr, const at::BFloat16
     }
     for (int64_t j = 0; j < nh * G; ++j) {
       const __m512 sums = _mm512_mul_ps(reduce16x16(parts + j * 16), _mm512_set1_ps(scale));
-      _mm512_mask_storeu_ps(scores + j * ctx + t0, (__mmask16)((1u << n) - 1), sums);
+      _mm512_mask_storeu_ps(scores + j * n_all + t0 - r.begin, (__mmask16)((1u << n) - 1), sums);
     }
   }
 }
@@ -293,58 +309,53 @@ void value_pass(const T* v_ptr, const float* scores, const float* inv_sum, const
 
 // G = group size and CH = head_dim / 16 known at compile time: key/value chunks and the output accumulators
 // stay in registers.
+// Tokens r of the item; lse (when the context is split): each query head's max + log(sum) for the merge.
 template <typename T, int G, int CH>
-void attend_heads(const float* q_f, const T* k_ptr, const T* v_ptr, const Item& it, const Layout& L, float scale,
-                  float* scores, float* out) {
-  const int64_t ctx = it.ctx, nh = it.h1 - it.h0;
+void attend_heads(const float* q_f, const T* k_ptr, const T* v_ptr, const Item& it, const Range& r, const Layout& L,
+                  float scale, float* scores, float* out, float* lse) {
+  const int64_t nh = it.h1 - it.h0;
 #if defined(__AVX512BF16__)
   if constexpr (std::is_same_v<T, at::BFloat16> && CH % 2 == 0) {
-    if (L.block_size % 16 == 0) scores_bf16<G, CH>(q_f, k_ptr, v_ptr, it, L, scale, scores);
-    else scores_rows<T, G, CH>(q_f, k_ptr, v_ptr, it, L, scale, scores);
+    if (L.block_size % 16 == 0) scores_bf16<G, CH>(q_f, k_ptr, v_ptr, it, r, L, scale, scores);
+    else scores_rows<T, G, CH>(q_f, k_ptr, v_ptr, it, r, L, scale, scores);
   } else {
-    scores_rows<T, G, CH>(q_f, k_ptr, v_ptr, it, L, scale, scores);
+    scores_rows<T, G, CH>(q_f, k_ptr, v_ptr, it, r, L, scale, scores);
   }
 #else
-  scores_rows<T, G, CH>(q_f, k_ptr, v_ptr, it, L, scale, scores);
+  scores_rows<T, G, CH>(q_f, k_ptr, v_ptr, it, r, L, scale, scores);
 #endif
   float inv_sum[8 * 64];  // G <= 8 query heads per KV head, at most 64 KV heads
-  for (int64_t j = 0; j < nh * G; ++j) {
-    float* s = scores + j * ctx;
-    inv_sum[j] = 1.f / softmax_numerators(s, ctx, max_of(s, ctx));
-  }
-  value_pass<G, CH>(v_ptr, scores, inv_sum, it, L, 0, ctx, out, [](const T* p) { return load16(p); },
+  softmax_rows(scores, nh * G, r.end - r.begin, inv_sum, lse);
+  value_pass<G, CH>(v_ptr, scores, inv_sum, it, L, r.begin, r.end, out, [](const T* p) { return load16(p); },
                     [](int64_t, int64_t, int64_t) { return 1.0f; });
 }
 #endif
 
 // Any shape, any build: the same two passes in scalar code.
 template <typename T>
-void attend_heads_generic(const float* q_f, const T* k_ptr, const T* v_ptr, const Item& it, const Layout& L,
-                          float scale, float* scores, float* out) {
-  const int64_t ctx = it.ctx, G = L.group, D = L.head_dim, nh = it.h1 - it.h0;
-  for (int64_t t = 0; t < ctx; ++t) {
+void attend_heads_generic(const float* q_f, const T* k_ptr, const T* v_ptr, const Item& it, const Range& r,
+                          const Layout& L, float scale, float* scores, float* out, float* lse) {
+  const int64_t ctx = r.end - r.begin, G = L.group, D = L.head_dim, nh = it.h1 - it.h0;
+  for (int64_t t = r.begin; t < r.end; ++t) {
     const T* krow = k_ptr + it.table[t / L.block_size] * L.block_stride + (t % L.block_size) * L.token_stride;
     for (int64_t h = it.h0; h < it.h1; ++h)
       for (int64_t g = 0; g < G; ++g) {
         const float* qg = q_f + (h * G + g) * D;
         float s = 0.f;
         for (int64_t d = 0; d < D; ++d) s += qg[d] * to_float(krow[h * D + d]);
-        scores[((h - it.h0) * G + g) * ctx + t] = s * scale;
+        scores[((h - it.h0) * G + g) * ctx + t - r.begin] = s * scale;
       }
   }
   std::vector<float> inv_sum(nh * G);
-  for (int64_t j = 0; j < nh * G; ++j) {
-    float* s = scores + j * ctx;
-    inv_sum[j] = 1.f / softmax_numerators(s, ctx, max_of(s, ctx));
-  }
+  softmax_rows(scores, nh * G, ctx, inv_sum.data(), lse);
   float* acc = out + it.h0 * G * D;
   std::fill(acc, acc + nh * G * D, 0.f);
-  for (int64_t t = 0; t < ctx; ++t) {
+  for (int64_t t = r.begin; t < r.end; ++t) {
     const T* vrow = v_ptr + it.table[t / L.block_size] * L.block_stride + (t % L.block_size) * L.token_stride;
     for (int64_t h = it.h0; h < it.h1; ++h)
       for (int64_t g = 0; g < G; ++g) {
         const int64_t j = (h - it.h0) * G + g;
-        const float p = scores[j * ctx + t];
+        const float p = scores[j * ctx + t - r.begin];
         for (int64_t d = 0; d < D; ++d) acc[j * D + d] += p * to_float(vrow[h * D + d]);
       }
   }
@@ -353,7 +364,8 @@ void attend_heads_generic(const float* q_f, const T* k_ptr, const T* v_ptr, cons
 }
 
 template <typename T>
-using AttendFn = void (*)(const float*, const T*, const T*, const Item&, const Layout&, float, float*, float*);
+using AttendFn = void (*)(const float*, const T*, const T*, const Item&, const Range&, const Layout&, float, float*,
+                          float*, float*);
 
 #if defined(LLMOPT_VEC)
 template <typename T, int CH>
@@ -384,7 +396,59 @@ AttendFn<T> pick_attend(const Layout& L) {
   return attend_heads_generic<T>;
 }
 
-// TQ: q's and the output's dtype, T: the caches' (an fp32 model's fp16 / bf16 cache: TQ float)
+constexpr int64_t kMinSplitTokens = 1024;  // a context shorter than this is never split
+
+// Splits of each of `items` items' context: enough for ~4 items per thread, each split at least kMinSplitTokens
+// long.
+inline int64_t context_splits(int64_t items, int64_t max_ctx, int64_t threads) {
+  const int64_t wanted = (4 * threads + items - 1) / items;
+  return std::max<int64_t>(1, std::min(wanted, max_ctx / kMinSplitTokens));
+}
+
+// How a decode call's work is cut into items: whole sequences per item when there are enough to keep every thread
+// busy; else, at long contexts, splits of each sequence's context with all KV heads (each item streams whole cache
+// rows, where one KV head per item reads a third of every row: SmolLM2 at 8,128 tokens, bf16 cache, 2-core Zen 4,
+// 30 layers of a batch-1 step 13.8 ms with a head per item unsplit, 12.3 split, 8.6 split with whole rows);
+// else one KV head per item.
+struct WorkSplit {
+  int64_t heads_per_item, splits;
+};
+
+inline WorkSplit work_split(int64_t num_seqs, int64_t num_kv_heads, int64_t max_ctx, int64_t threads) {
+  if (num_seqs >= 2 * threads) return {num_kv_heads, 1};
+  int64_t splits = context_splits(num_seqs, max_ctx, threads);
+  if (splits > threads) splits -= splits % threads;  // whole rounds of the threads
+  return splits > 1 ? WorkSplit{num_kv_heads, splits} : WorkSplit{1, 1};
+}
+
+// The splits' outputs merged (as flash-decoding does): per sequence and query head, out = sum over splits of
+// exp(lse_s - max) x out_s, over the sum of those weights. part_out [seq][split][H * D] (each split's normalized
+// output), part_lse [seq][split][H] (-inf: a split beyond the sequence's context).
+template <typename T>
+void merge_splits(const std::vector<float>& part_out, const std::vector<float>& part_lse, int64_t num_seqs,
+                  int64_t splits, int64_t num_heads, int64_t head_dim, T* out_ptr) {
+  at::parallel_for(0, num_seqs * num_heads, 1, [&](int64_t begin, int64_t end) {
+    std::vector<float> merged(head_dim);
+    for (int64_t idx = begin; idx < end; ++idx) {
+      const int64_t seq = idx / num_heads, head = idx % num_heads;
+      float max = -std::numeric_limits<float>::infinity();
+      for (int64_t s = 0; s < splits; ++s) max = std::max(max, part_lse[(seq * splits + s) * num_heads + head]);
+      float total = 0.f;
+      std::fill(merged.begin(), merged.end(), 0.f);
+      for (int64_t s = 0; s < splits; ++s) {
+        const float w = std::exp(part_lse[(seq * splits + s) * num_heads + head] - max);
+        if (w == 0.f) continue;
+        total += w;
+        const float* o = part_out.data() + ((seq * splits + s) * num_heads + head) * head_dim;
+        for (int64_t d = 0; d < head_dim; ++d) merged[d] += w * o[d];
+      }
+      T* os = out_ptr + (seq * num_heads + head) * head_dim;
+      for (int64_t d = 0; d < head_dim; ++d) os[d] = static_cast<T>(merged[d] / total);
+    }
+  });
+}
+
+// TQ: q's and the output's dtype, T: the caches' (an fp32 model's fp16 / bf16 cache: TQ float). Items: work_split.
 template <typename TQ, typename T>
 void decode_attention_impl(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
                            const at::Tensor& block_tables, const at::Tensor& context_lens, double scale,
@@ -401,25 +465,41 @@ void decode_attention_impl(const at::Tensor& q, const at::Tensor& k_cache, const
   TQ* out_ptr = out.data_ptr<TQ>();
   const float fscale = static_cast<float>(scale);
   const AttendFn<T> attend = pick_attend<T>(L);
-  // Whole sequences per item when there are enough to keep every thread busy; else split the KV heads too.
-  const int64_t heads_per_item = num_seqs >= 2 * at::get_num_threads() ? num_kv_heads : 1;
+  const int64_t max_ctx = num_seqs ? *std::max_element(lens, lens + num_seqs) : 0;
+  const WorkSplit work = work_split(num_seqs, num_kv_heads, max_ctx, at::get_num_threads());
+  const int64_t heads_per_item = work.heads_per_item, splits = work.splits;
   const int64_t items_per_seq = num_kv_heads / heads_per_item;
+  const int64_t split_len = ((max_ctx + splits - 1) / splits + block_size - 1) / block_size * block_size;
+  std::vector<float> part_out(splits > 1 ? num_seqs * splits * num_heads * head_dim : 0);
+  std::vector<float> part_lse(splits > 1 ? num_seqs * splits * num_heads : 0);
 
-  at::parallel_for(0, num_seqs * items_per_seq, 1, [&](int64_t begin, int64_t end) {
+  at::parallel_for(0, num_seqs * items_per_seq * splits, 1, [&](int64_t begin, int64_t end) {
     std::vector<float> q_f(num_heads * head_dim), acc(num_heads * head_dim), scores;
     for (int64_t idx = begin; idx < end; ++idx) {
-      const int64_t seq = idx / items_per_seq, h0 = (idx % items_per_seq) * heads_per_item;
+      const int64_t split = idx % splits, item = idx / splits;
+      const int64_t seq = item / items_per_seq, h0 = (item % items_per_seq) * heads_per_item;
       const Item it{tables + seq * max_blocks, lens[seq], h0, h0 + heads_per_item};
       TORCH_CHECK(it.ctx >= 1 && it.ctx <= max_blocks * block_size, "context length outside its block table");
+      const Range r{std::min(split * split_len, it.ctx), std::min((split + 1) * split_len, it.ctx)};
       const int64_t first = h0 * L.group * head_dim, count = heads_per_item * L.group * head_dim;
+      float* lse = splits > 1 ? part_lse.data() + (seq * splits + split) * num_heads + h0 * L.group : nullptr;
+      float* dst = splits > 1 ? part_out.data() + (seq * splits + split) * num_heads * head_dim : acc.data();
+      if (r.begin == r.end) {  // a split beyond this sequence's context
+        for (int64_t j = 0; j < heads_per_item * L.group; ++j) lse[j] = -std::numeric_limits<float>::infinity();
+        std::fill(dst + first, dst + first + count, 0.f);
+        continue;
+      }
       const TQ* qs = q_ptr + seq * q.stride(0);
       for (int64_t j = first; j < first + count; ++j) q_f[j] = to_float(qs[j]);
-      scores.resize(heads_per_item * L.group * it.ctx);
-      attend(q_f.data(), k_ptr, v_ptr, it, L, fscale, scores.data(), acc.data());
-      TQ* os = out_ptr + seq * num_heads * head_dim;
-      for (int64_t j = first; j < first + count; ++j) os[j] = static_cast<TQ>(acc[j]);
+      scores.resize(heads_per_item * L.group * (r.end - r.begin));
+      attend(q_f.data(), k_ptr, v_ptr, it, r, L, fscale, scores.data(), dst, lse);
+      if (splits == 1) {
+        TQ* os = out_ptr + seq * num_heads * head_dim;
+        for (int64_t j = first; j < first + count; ++j) os[j] = static_cast<TQ>(acc[j]);
+      }
     }
   });
+  if (splits > 1) merge_splits(part_out, part_lse, num_seqs, splits, num_heads, head_dim, out_ptr);
 }
 
 at::Tensor paged_decode_attention(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
@@ -478,22 +558,6 @@ struct Scales {
   const float* k;
   const float* v;
 };
-
-struct Range {  // tokens [begin, end) of the item's sequence
-  int64_t begin, end;
-};
-
-// Softmax over each query head's scores [rows][n] in place; writes 1 / sum to inv_sum and, when lse is given,
-// max + log(sum) per row.
-inline void softmax_rows(float* scores, int64_t rows, int64_t n, float* inv_sum, float* lse) {
-  for (int64_t j = 0; j < rows; ++j) {
-    float* s = scores + j * n;
-    const float max = max_of(s, n);
-    const float sum = softmax_numerators(s, n, max);
-    inv_sum[j] = 1.f / sum;
-    if (lse) lse[j] = max + std::log(sum);
-  }
-}
 
 // Any shape, any build: the two passes in scalar code. out: [num_heads, head_dim] (this item's heads written).
 template <bool FP8>
@@ -643,15 +707,6 @@ AttendQ8Fn pick_attend_q8(const Layout& L) {
   return attend_heads_q8_generic<FP8>;
 }
 
-constexpr int64_t kMinSplitTokens = 1024;  // a context shorter than this is never split
-
-// Splits per (sequence, KV head) item: enough items for ~4 per thread when there are few sequences, each split
-// at least kMinSplitTokens long.
-inline int64_t context_splits(int64_t items, int64_t max_ctx, int64_t threads) {
-  const int64_t wanted = (4 * threads + items - 1) / items;
-  return std::max<int64_t>(1, std::min(wanted, max_ctx / kMinSplitTokens));
-}
-
 template <typename T>
 void decode_attention_q8_impl(const at::Tensor& q, const at::Tensor& k_codes, const at::Tensor& v_codes,
                               const at::Tensor& k_scales, const at::Tensor& v_scales, const at::Tensor& block_tables,
@@ -669,11 +724,10 @@ void decode_attention_q8_impl(const at::Tensor& q, const at::Tensor& k_codes, co
   T* out_ptr = out.data_ptr<T>();
   const float fscale = static_cast<float>(scale);
   const AttendQ8Fn attend = fp8 ? pick_attend_q8<true>(L) : pick_attend_q8<false>(L);
-  const int64_t threads = at::get_num_threads();
-  const int64_t heads_per_item = num_seqs >= 2 * threads ? num_kv_heads : 1;
-  const int64_t items_per_seq = num_kv_heads / heads_per_item;
   const int64_t max_ctx = *std::max_element(lens, lens + num_seqs);
-  const int64_t splits = heads_per_item == 1 ? context_splits(num_seqs * items_per_seq, max_ctx, threads) : 1;
+  const WorkSplit work = work_split(num_seqs, num_kv_heads, max_ctx, at::get_num_threads());
+  const int64_t heads_per_item = work.heads_per_item, splits = work.splits;
+  const int64_t items_per_seq = num_kv_heads / heads_per_item;
   // each split's tokens: a whole number of blocks
   const int64_t split_len = ((max_ctx + splits - 1) / splits + block_size - 1) / block_size * block_size;
   // with splits: each split's normalized output [seq][split][H * D] and log-sum-exp [seq][split][H]
@@ -706,27 +760,7 @@ void decode_attention_q8_impl(const at::Tensor& q, const at::Tensor& k_codes, co
       }
     }
   });
-  if (splits == 1) return;
-  // merge: out = sum over splits of exp(lse_s - lse_total) x out_s, per sequence and query head
-  at::parallel_for(0, num_seqs * num_heads, 1, [&](int64_t begin, int64_t end) {
-    std::vector<float> merged(head_dim);
-    for (int64_t idx = begin; idx < end; ++idx) {
-      const int64_t seq = idx / num_heads, head = idx % num_heads;
-      float max = -std::numeric_limits<float>::infinity();
-      for (int64_t s = 0; s < splits; ++s) max = std::max(max, part_lse[(seq * splits + s) * num_heads + head]);
-      float total = 0.f;
-      std::fill(merged.begin(), merged.end(), 0.f);
-      for (int64_t s = 0; s < splits; ++s) {
-        const float w = std::exp(part_lse[(seq * splits + s) * num_heads + head] - max);
-        if (w == 0.f) continue;
-        total += w;
-        const float* o = part_out.data() + ((seq * splits + s) * num_heads + head) * head_dim;
-        for (int64_t d = 0; d < head_dim; ++d) merged[d] += w * o[d];
-      }
-      T* os = out_ptr + (seq * num_heads + head) * head_dim;
-      for (int64_t d = 0; d < head_dim; ++d) os[d] = static_cast<T>(merged[d] / total);
-    }
-  });
+  if (splits > 1) merge_splits(part_out, part_lse, num_seqs, splits, num_heads, head_dim, out_ptr);
 }
 
 at::Tensor paged_decode_attention_quantized(const at::Tensor& q, const at::Tensor& k_codes, const at::Tensor& v_codes,
