@@ -1,6 +1,7 @@
 """The compiled CPU backend (kernels/csrc/paged_attention_cpu.cpp): decodes read the paged blocks in place (8-bit
-ones too), the store is one compiled copy (or quantization); prefill chunks run as the reference does. The fast
-path's default on CPU."""
+ones too), the store is one compiled copy (or quantization); prompts and prefill chunks attend through the compiled
+prefill attention (csrc/prefill_attention_cpu.cpp: fresh prompts over this step's keys, chunks after a cached
+prefix over the gathered blocks). The fast path's default on CPU."""
 
 from __future__ import annotations
 
