@@ -63,6 +63,13 @@ def test_paged_decode_attention_matches_reference(ops, context_lens, num_heads, 
     torch.testing.assert_close(out.float(), expected, rtol=tol, atol=tol)
 
 
+def test_paged_decode_attention_of_no_sequences_is_empty(ops):
+    q, k_cache, v_cache, meta = paged_setup([3000], 9, 3, 64, 16, torch.bfloat16)
+    out = ops.paged_decode_attention(q[:0], k_cache, v_cache, meta.decode.block_tables[:0],
+                                     meta.decode.context_lens[:0], 0.125)
+    assert out.shape == (0, 9, 64)
+
+
 @pytest.mark.parametrize("cache_dtype", [torch.float16, torch.bfloat16])
 def test_paged_decode_attention_takes_fp32_queries_over_a_16_bit_cache(ops, cache_dtype):
     # an fp32 model's fp16 / bf16 cache: q and the output stay fp32 (q is not rounded to the cache's dtype)

@@ -415,7 +415,7 @@ struct WorkSplit {
 };
 
 inline WorkSplit work_split(int64_t num_seqs, int64_t num_kv_heads, int64_t max_ctx, int64_t threads) {
-  if (num_seqs >= 2 * threads) return {num_kv_heads, 1};
+  if (num_seqs == 0 || num_seqs >= 2 * threads) return {num_kv_heads, 1};
   int64_t splits = context_splits(num_seqs, max_ctx, threads);
   if (splits > threads) splits -= splits % threads;  // whole rounds of the threads
   return splits > 1 ? WorkSplit{num_kv_heads, splits} : WorkSplit{1, 1};
@@ -448,31 +448,27 @@ void merge_splits(const std::vector<float>& part_out, const std::vector<float>& 
   });
 }
 
-// TQ: q's and the output's dtype, T: the caches' (an fp32 model's fp16 / bf16 cache: TQ float). Items: work_split.
-template <typename TQ, typename T>
-void decode_attention_impl(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
-                           const at::Tensor& block_tables, const at::Tensor& context_lens, double scale,
-                           at::Tensor& out) {
+// The items of a decode call (work_split) over the threads: each item's queries in fp32, then attend(q_f, it, r,
+// scores, dst, lse) over its tokens r into an fp32 [H * D] buffer, then the item's heads rounded into out (TQ) or,
+// with splits, the merge. q [B, H, D]: a view whose heads may be strided (the fused q/k/v rows).
+template <typename TQ, typename Attend>
+void decode_items(const at::Tensor& q, const Layout& L, const at::Tensor& block_tables, const at::Tensor& context_lens,
+                  at::Tensor& out, Attend attend) {
   const int64_t num_seqs = q.size(0), num_heads = q.size(1), head_dim = q.size(2);
-  const Layout L = layout_of(q, k_cache);
-  const int64_t num_kv_heads = L.num_kv_heads, block_size = L.block_size;
-  const int64_t max_blocks = block_tables.size(1);
+  const int64_t num_kv_heads = L.num_kv_heads, block_size = L.block_size, max_blocks = block_tables.size(1);
   const TQ* q_ptr = q.data_ptr<TQ>();
-  const T* k_ptr = k_cache.data_ptr<T>();
-  const T* v_ptr = v_cache.data_ptr<T>();
   const int64_t* tables = block_tables.data_ptr<int64_t>();
   const int64_t* lens = context_lens.data_ptr<int64_t>();
   TQ* out_ptr = out.data_ptr<TQ>();
-  const float fscale = static_cast<float>(scale);
-  const AttendFn<T> attend = pick_attend<T>(L);
   const int64_t max_ctx = num_seqs ? *std::max_element(lens, lens + num_seqs) : 0;
   const WorkSplit work = work_split(num_seqs, num_kv_heads, max_ctx, at::get_num_threads());
   const int64_t heads_per_item = work.heads_per_item, splits = work.splits;
   const int64_t items_per_seq = num_kv_heads / heads_per_item;
+  // each split's tokens: a whole number of blocks
   const int64_t split_len = ((max_ctx + splits - 1) / splits + block_size - 1) / block_size * block_size;
+  // with splits: each split's normalized output [seq][split][H * D] and log-sum-exp [seq][split][H]
   std::vector<float> part_out(splits > 1 ? num_seqs * splits * num_heads * head_dim : 0);
   std::vector<float> part_lse(splits > 1 ? num_seqs * splits * num_heads : 0);
-
   at::parallel_for(0, num_seqs * items_per_seq * splits, 1, [&](int64_t begin, int64_t end) {
     std::vector<float> q_f(num_heads * head_dim), acc(num_heads * head_dim), scores;
     for (int64_t idx = begin; idx < end; ++idx) {
@@ -490,9 +486,9 @@ void decode_attention_impl(const at::Tensor& q, const at::Tensor& k_cache, const
         continue;
       }
       const TQ* qs = q_ptr + seq * q.stride(0);
-      for (int64_t j = first; j < first + count; ++j) q_f[j] = to_float(qs[j]);
+      for (int64_t j = first; j < first + count; ++j) q_f[j] = to_float(qs[(j / head_dim) * q.stride(1) + j % head_dim]);
       scores.resize(heads_per_item * L.group * (r.end - r.begin));
-      attend(q_f.data(), k_ptr, v_ptr, it, r, L, fscale, scores.data(), dst, lse);
+      attend(q_f.data(), it, r, scores.data(), dst, lse);
       if (splits == 1) {
         TQ* os = out_ptr + seq * num_heads * head_dim;
         for (int64_t j = first; j < first + count; ++j) os[j] = static_cast<TQ>(acc[j]);
@@ -500,6 +496,22 @@ void decode_attention_impl(const at::Tensor& q, const at::Tensor& k_cache, const
     }
   });
   if (splits > 1) merge_splits(part_out, part_lse, num_seqs, splits, num_heads, head_dim, out_ptr);
+}
+
+// TQ: q's and the output's dtype, T: the caches' (an fp32 model's fp16 / bf16 cache: TQ float)
+template <typename TQ, typename T>
+void decode_attention_impl(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
+                           const at::Tensor& block_tables, const at::Tensor& context_lens, double scale,
+                           at::Tensor& out) {
+  const Layout L = layout_of(q, k_cache);
+  const T* k_ptr = k_cache.data_ptr<T>();
+  const T* v_ptr = v_cache.data_ptr<T>();
+  const float fscale = static_cast<float>(scale);
+  const AttendFn<T> attend = pick_attend<T>(L);
+  decode_items<TQ>(q, L, block_tables, context_lens, out,
+                   [&](const float* q_f, const Item& it, const Range& r, float* scores, float* dst, float* lse) {
+                     attend(q_f, k_ptr, v_ptr, it, r, L, fscale, scores, dst, lse);
+                   });
 }
 
 at::Tensor paged_decode_attention(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
@@ -711,56 +723,16 @@ template <typename T>
 void decode_attention_q8_impl(const at::Tensor& q, const at::Tensor& k_codes, const at::Tensor& v_codes,
                               const at::Tensor& k_scales, const at::Tensor& v_scales, const at::Tensor& block_tables,
                               const at::Tensor& context_lens, double scale, bool fp8, at::Tensor& out) {
-  const int64_t num_seqs = q.size(0), num_heads = q.size(1), head_dim = q.size(2);
   const Layout L = layout_of(q, k_codes);
-  const int64_t num_kv_heads = L.num_kv_heads, block_size = L.block_size;
-  const int64_t max_blocks = block_tables.size(1);
-  const T* q_ptr = q.data_ptr<T>();
   const uint8_t* k_ptr = k_codes.data_ptr<uint8_t>();
   const uint8_t* v_ptr = v_codes.data_ptr<uint8_t>();
   const Scales S{k_scales.data_ptr<float>(), v_scales.data_ptr<float>()};
-  const int64_t* tables = block_tables.data_ptr<int64_t>();
-  const int64_t* lens = context_lens.data_ptr<int64_t>();
-  T* out_ptr = out.data_ptr<T>();
   const float fscale = static_cast<float>(scale);
   const AttendQ8Fn attend = fp8 ? pick_attend_q8<true>(L) : pick_attend_q8<false>(L);
-  const int64_t max_ctx = *std::max_element(lens, lens + num_seqs);
-  const WorkSplit work = work_split(num_seqs, num_kv_heads, max_ctx, at::get_num_threads());
-  const int64_t heads_per_item = work.heads_per_item, splits = work.splits;
-  const int64_t items_per_seq = num_kv_heads / heads_per_item;
-  // each split's tokens: a whole number of blocks
-  const int64_t split_len = ((max_ctx + splits - 1) / splits + block_size - 1) / block_size * block_size;
-  // with splits: each split's normalized output [seq][split][H * D] and log-sum-exp [seq][split][H]
-  std::vector<float> part_out(splits > 1 ? num_seqs * splits * num_heads * head_dim : 0);
-  std::vector<float> part_lse(splits > 1 ? num_seqs * splits * num_heads : 0);
-  at::parallel_for(0, num_seqs * items_per_seq * splits, 1, [&](int64_t begin, int64_t end) {
-    std::vector<float> q_f(num_heads * head_dim), acc(num_heads * head_dim), scores;
-    for (int64_t idx = begin; idx < end; ++idx) {
-      const int64_t split = idx % splits, item = idx / splits;
-      const int64_t seq = item / items_per_seq, h0 = (item % items_per_seq) * heads_per_item;
-      const Item it{tables + seq * max_blocks, lens[seq], h0, h0 + heads_per_item};
-      TORCH_CHECK(it.ctx >= 1 && it.ctx <= max_blocks * block_size, "context length outside its block table");
-      const Range r{std::min(split * split_len, it.ctx), std::min((split + 1) * split_len, it.ctx)};
-      const int64_t first = h0 * L.group * head_dim, count = heads_per_item * L.group * head_dim;
-      float* lse = splits > 1 ? part_lse.data() + (seq * splits + split) * num_heads + h0 * L.group : nullptr;
-      float* dst = splits > 1 ? part_out.data() + (seq * splits + split) * num_heads * head_dim : acc.data();
-      if (r.begin == r.end) {  // a split beyond this sequence's context
-        for (int64_t j = 0; j < heads_per_item * L.group; ++j) lse[j] = -std::numeric_limits<float>::infinity();
-        std::fill(dst + first, dst + first + count, 0.f);
-        continue;
-      }
-      const T* qs = q_ptr + seq * q.stride(0);
-      for (int64_t j = first; j < first + count; ++j)
-        q_f[j] = to_float(qs[(j / head_dim) * q.stride(1) + j % head_dim]);  // (q: a view of the fused q/k/v rows)
-      scores.resize(heads_per_item * L.group * (r.end - r.begin));
-      attend(q_f.data(), k_ptr, v_ptr, S, it, r, L, fscale, scores.data(), dst, lse);
-      if (splits == 1) {
-        T* os = out_ptr + seq * num_heads * head_dim;
-        for (int64_t j = first; j < first + count; ++j) os[j] = static_cast<T>(acc[j]);
-      }
-    }
-  });
-  if (splits > 1) merge_splits(part_out, part_lse, num_seqs, splits, num_heads, head_dim, out_ptr);
+  decode_items<T>(q, L, block_tables, context_lens, out,
+                  [&](const float* q_f, const Item& it, const Range& r, float* scores, float* dst, float* lse) {
+                    attend(q_f, k_ptr, v_ptr, S, it, r, L, fscale, scores, dst, lse);
+                  });
 }
 
 at::Tensor paged_decode_attention_quantized(const at::Tensor& q, const at::Tensor& k_codes, const at::Tensor& v_codes,
