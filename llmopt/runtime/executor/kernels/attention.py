@@ -7,7 +7,8 @@ k_cache / v_cache [num_blocks, block_size, num_kv_heads, head_dim].
 On CUDA tensors the Triton kernels (triton_store_kv, triton_decode_attention, triton_prefill_attention) run
 instead; on CPU, decodes go to the compiled kernel (csrc/paged_attention_cpu.cpp) that reads the blocks in
 place: by default for bf16/fp16 caches, and for fp32 when the caller asks (`compiled=True`: the runtime's fast
-mode). These functions stay their reference (and the exact fp32 mode, which must match transformers token for
+mode, whose prompts and prefill chunks also go to the compiled prefill attention, csrc/prefill_attention_cpu.cpp).
+These functions stay their reference (and the exact fp32 mode, which must match transformers token for
 token, keeps them).
 
 Per step the metadata is built once (`AttentionMetadata.build`) and read by every layer: sequences whose
@@ -273,7 +274,8 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
 def reference_paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, meta: AttentionMetadata,
                               scale: float, k_new: torch.Tensor | None = None, v_new: torch.Tensor | None = None,
                               compiled: bool | None = None, scales: Scales = None) -> torch.Tensor:
-    """paged_attention in torch (decodes through the compiled CPU kernel when `compiled`).
+    """paged_attention in torch (decodes through the compiled CPU kernel when `compiled`; with compiled=True the
+    prompts and chunks through the compiled prefill attention too, compiled_prefill_kernel).
 
     An 8-bit cache's values are what attention sees everywhere: this step's keys and values are taken as the
     cache holds them (fake_quantize_kv), so a prompt attends to the same numbers whether its prefix was just
@@ -289,7 +291,8 @@ def reference_paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: t
     prefills = meta.prefills
     prefill_kernel = compiled_prefill_kernel(q) if compiled else None
     if k_new is None or (scales is None and k_new.dtype != k_cache.dtype) or q.device.type != "cpu":
-        # (callers without this step's keys, and devices without the tiled CPU kernel: one masked SDPA each)
+        # (callers without this step's keys, and devices without the tiled CPU kernel: one masked SDPA each, or the
+        # compiled prefill kernel over the gathered blocks)
         for p in prefills:
             out[p.start:p.end] = _attend_masked(q[p.start:p.end], k_cache, v_cache, p, scale, scales, prefill_kernel)
         return out
