@@ -297,8 +297,9 @@ def reference_paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: t
             out[p.start:p.end] = _attend_masked(q[p.start:p.end], k_cache, v_cache, p, scale, scales, prefill_kernel)
         return out
     runs, prefills = _fresh_runs(prefills)
-    if scales is not None and (runs or any(_tiled(p) for p in prefills)):
-        # this step's keys are attended directly: taken as the cache holds them
+    if scales is not None and (runs or (prefill_kernel is None and any(_tiled(p) for p in prefills))):
+        # this step's keys are attended directly (the compiled kernel reads a prefixed chunk's from the cache):
+        # taken as the cache holds them
         k_new, v_new = (fake_quantize_kv(x, c.dtype).to(q.dtype) for x, c in ((k_new, k_cache), (v_new, v_cache)))
     for start, count, length in runs:
         end = start + count * length

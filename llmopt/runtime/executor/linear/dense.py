@@ -114,11 +114,9 @@ class FusedDenseLinear(RowPathsMixin, nn.Module):
         return "gemv" if self._gemv and wide and rows in GEMV_BATCHED_ROWS else "blas"
 
     def _bind_blas(self):
-        weight, bias = self.weight, self.bias
         if self.packed:
-            linear = torch.ops.mkldnn._linear_pointwise
-            return lambda x: linear(x, weight, bias, "none", [], "")
-        linear = F.linear
+            return self._bind_onednn()  # (the prepacked weight)
+        linear, weight, bias = F.linear, self.weight, self.bias
         return lambda x: linear(x, weight, bias)
 
     def _bind_onednn(self):

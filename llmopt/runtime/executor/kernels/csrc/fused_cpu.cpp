@@ -304,12 +304,12 @@ constexpr int GEMV_ROW_STREAMS = LLMOPT_GEMV_STREAMS;
 static_assert(GEMV_ROW_STREAMS == 1 || GEMV_ROW_STREAMS == 2 || GEMV_ROW_STREAMS == 4, "1, 2 or 4 row streams");
 
 #if defined(LLMOPT_VEC)
-// With several row streams: the GEMV_ROW_STREAMS rows after the next group's, requested early (rows [K] from `row`)
-template <typename TW>
+// The R weight rows after the next R (rows [K] from `row`), requested early: the group a loop taking R rows at a
+// time reads two groups from now
+template <int R, typename TW>
 inline void request_rows_ahead(const TW* row, int64_t K) {
-  if constexpr (GEMV_ROW_STREAMS > 1)
-    for (int64_t off = 0; off < GEMV_ROW_STREAMS * K * static_cast<int64_t>(sizeof(TW)); off += 64)
-      _mm_prefetch(reinterpret_cast<const char*>(row + 2 * GEMV_ROW_STREAMS * K) + off, _MM_HINT_T0);
+  for (int64_t off = 0; off < R * K * static_cast<int64_t>(sizeof(TW)); off += 64)
+    _mm_prefetch(reinterpret_cast<const char*>(row + 2 * R * K) + off, _MM_HINT_T0);
 }
 #endif
 
@@ -393,7 +393,7 @@ void gemv_rows(const TX* xp, const TW* wp, TX* yp, int64_t K, int64_t begin, int
 #if defined(LLMOPT_VEC)
   int64_t n = begin;
   for (; n + GEMV_ROW_STREAMS <= end; n += GEMV_ROW_STREAMS) {
-    request_rows_ahead(wp + n * K, K);
+    if constexpr (GEMV_ROW_STREAMS > 1) request_rows_ahead<GEMV_ROW_STREAMS>(wp + n * K, K);
     vec_rows<TX, TW, 1, GEMV_ROW_STREAMS>(xp, wp + n * K, yp + n, K, 0);
   }
   for (; n < end; ++n) vec_rows<TX, TW, 1, 1>(xp, wp + n * K, yp + n, K, 0);
@@ -462,10 +462,8 @@ void gemm_few_rows(const TX* xp, const TW* wp, TX* yp, int64_t K, int64_t N, int
 #if defined(LLMOPT_VEC)
   int64_t n = begin;
   for (; n + R <= end; n += R) {
-    const TW* row = wp + n * K;
-    for (int64_t off = 0; off < R * K * static_cast<int64_t>(sizeof(TW)); off += 64)
-      _mm_prefetch(reinterpret_cast<const char*>(row + 2 * R * K) + off, _MM_HINT_T0);
-    vec_rows<TX, TW, M, R>(xp, row, yp + n, K, N);
+    request_rows_ahead<R>(wp + n * K, K);
+    vec_rows<TX, TW, M, R>(xp, wp + n * K, yp + n, K, N);
   }
   for (; n < end; ++n) vec_rows<TX, TW, M, 1>(xp, wp + n * K, yp + n, K, N);
 #else

@@ -485,8 +485,10 @@ void decode_items(const at::Tensor& q, const Layout& L, const at::Tensor& block_
         std::fill(dst + first, dst + first + count, 0.f);
         continue;
       }
-      const TQ* qs = q_ptr + seq * q.stride(0);
-      for (int64_t j = first; j < first + count; ++j) q_f[j] = to_float(qs[(j / head_dim) * q.stride(1) + j % head_dim]);
+      for (int64_t head = first / head_dim; head < (first + count) / head_dim; ++head) {
+        const TQ* qh = q_ptr + seq * q.stride(0) + head * q.stride(1);
+        for (int64_t d = 0; d < head_dim; ++d) q_f[head * head_dim + d] = to_float(qh[d]);
+      }
       scores.resize(heads_per_item * L.group * (r.end - r.begin));
       attend(q_f.data(), it, r, scores.data(), dst, lse);
       if (splits == 1) {

@@ -8,7 +8,7 @@
 //
 // Shapes: q [S * new, num_heads, head_dim], k, v [S * ctx, num_kv_heads, head_dim] (S sequences; rows of one token
 // contiguous, any token stride); query i of sequence s sits at position ctx - new + i and attends keys 0..that.
-// Returns [S * new, num_heads, head_dim] in q's dtype. First every sequence's keys (transposed, in panels of 64) and
+// Returns [S * new, num_heads, head_dim] in q's dtype. First every sequence's keys (transposed, in panels of KEY_TILE) and
 // values are packed once, in chunks of 256 keys; then per item and chunk: scores = q . k for each register tile of
 // MR rows up to its last row's limit, the running softmax of each row (max, sum, the factor by which its earlier
 // output shrinks: the chunk stays in L2 at any context length), out += p . v in fp32; the output divided by the
@@ -195,7 +195,8 @@ struct Shape {
   int64_t q_stride, k_stride, v_stride;  // elements between tokens
 };
 
-// Query positions per work item: ~64 rows (positions x the group's heads) whose scores stay in L2.
+// Query positions per work item: ~64 rows (positions x the group's heads): enough items for the threads to share
+// evenly, each row tile's queries and outputs [rows, head_dim] in L1 / L2.
 inline int64_t block_positions(const Shape& sh) { return std::max<int64_t>(1, 64 / sh.group); }
 
 #if defined(LLMOPT_VEC)
