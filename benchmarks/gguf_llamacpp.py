@@ -5,9 +5,12 @@ fp32 model exported as an F32 GGUF, all scored by llama.cpp on the same windows;
 same artifacts scored by llmopt (transformers forward over the artifact's weights): the export must agree within
 1%; and the greedy tokens of llama.cpp vs llmopt's runtime on the exported GPTQ weights.
 
+`--rotate R1` first folds a random rotation of the residual stream into the fp model (compress.rotation: the same
+function, weights off any grid an earlier quantization left) and runs every row on that model.
+
     python benchmarks/gguf_llamacpp.py --json docs/results/data/gguf-llamacpp.json [--model smollm2-135m]
         [--max-tokens 16384] [--seqlen 512]
-        [--only gptq,rtn,gptq-asym,rtn-asym,gptq-fzp,rtn-fzp,Q4_0,Q4_1,Q4_K_M,Q4_1-f16emb,f32]
+        [--only gptq,rtn,gptq-asym,rtn-asym,gptq-fzp,rtn-fzp,Q4_0,Q4_1,Q4_K_M,Q4_1-f16emb,f32] [--rotate R1[,R2]]
 """
 
 from __future__ import annotations
@@ -21,12 +24,14 @@ import numpy as np
 import torch
 
 from llmopt.compress.api import make_config
+from llmopt.compress.rotation import rotate_model
 from llmopt.core.datasets import tokenize_corpus
 from llmopt.core.hardware import cpu_line
 from llmopt.core.io import write_json
 from llmopt.core.models import load_tokenizer, resolve_model
 from llmopt.eval.perplexity import perplexity
 from llmopt.export.gguf import export_gguf
+from llmopt.export.load import load_model
 from llmopt.export.read import load_artifact_model
 from llmopt.pipelines.quantize import quantize_to_artifact
 from llmopt.runtime.engine.config import EngineConfig
@@ -81,6 +86,15 @@ class LlamaCppModel:
         return out
 
 
+def rotated_copy(model_name: str, rotations: list[str], out: Path) -> Path:
+    """The fp model with `rotations` folded in (seed 0), saved as a Hugging Face folder at `out`."""
+    model, tokenizer, _ = load_model(model_name, dtype="float32")
+    rotate_model(model, rotations, seed=0)
+    model.save_pretrained(out)
+    tokenizer.save_pretrained(out)
+    return out
+
+
 def main() -> None:
     import llama_cpp
 
@@ -90,6 +104,7 @@ def main() -> None:
     parser.add_argument("--seqlen", type=int, default=512)
     parser.add_argument("--only", help="these rows only, comma-separated: gptq, rtn, gptq-asym, rtn-asym, gptq-fzp, "
                         "rtn-fzp, Q4_0, Q4_1, Q4_K_M, Q4_1-f16emb, f32")
+    parser.add_argument("--rotate", help="rotate the fp model first: R1 or R1,R2 (seed 0)")
     parser.add_argument("--json", type=Path)
     args = parser.parse_args()
     only = set(args.only.split(",")) if args.only else None
@@ -100,6 +115,8 @@ def main() -> None:
     rows, facts = [], {}
     with tempfile.TemporaryDirectory() as folder:
         root = Path(folder)
+        if args.rotate:
+            args.model = str(rotated_copy(args.model, args.rotate.split(","), root / "rotated"))
         artifacts = {}
         for stem, (method, settings) in LLMOPT_ROWS.items():
             if only is not None and stem not in only:
@@ -155,6 +172,7 @@ def main() -> None:
         print(f"| {r['weights']} | {r['gguf_mb']:.1f} | {r['llama_cpp_ppl']:.3f} | {ours} | {diff} |")
     if args.json:
         write_json(args.json, {"cpu": cpu_line(), "max_tokens": args.max_tokens, "seqlen": args.seqlen,
+                               "rotate": args.rotate,
                                "rows": rows, **{k: v for k, v in facts.items() if not k.endswith("_export")},
                                "exports": {k: v for k, v in facts.items() if k.endswith("_export")},
                                "llama_cpp_version": getattr(llama_cpp, "__version__", "?"),

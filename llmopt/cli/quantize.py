@@ -12,7 +12,7 @@ from llmopt.cli.options import (
 from llmopt.cli.options import QuantMethod as Method
 from llmopt.cli.options import TrustRemoteCodeOpt, calib_dtype_label, with_calibration_options
 from llmopt.cli.output import print_json, print_table, progress_bar
-from llmopt.compress.defaults import CALIBRATION, QUANTIZE
+from llmopt.compress.defaults import CALIBRATION, QUANTIZE, ROTATION_SEED
 
 METHOD_ONLY = {  # option -> the methods it applies to
     "act_order": ("gptq",), "damp": ("gptq",), "static_groups": ("gptq",), "prune_pattern": ("gptq",),
@@ -60,6 +60,12 @@ def quantize(
         "--smoothquant-alpha", help="SmoothQuant before quantizing (schemes with quantized inputs): migration "
         "strength in [0, 1] (0.5 is the paper's), or 'search' to pick it per group on the calibration data.")
     ] = None,
+    rotate: Annotated[Optional[str], typer.Option(
+        "--rotate", help="Fold random orthogonal rotations into the weights first (QuaRot / SpinQuant style, exact "
+        "in full precision): R1 the residual stream, R2 each attention head's values; e.g. R1,R2. Spreads outlier "
+        "channels; the lm_head is untied.")] = None,
+    rotate_seed: Annotated[Optional[int], typer.Option(
+        "--rotate-seed", help=f"Seed of the --rotate matrices (default {ROTATION_SEED}).")] = None,
     mse: Annotated[Optional[bool], typer.Option(
         "--mse/--no-mse", help="Choose group ranges by minimising weight error (default: on for GPTQ).")] = None,
     num_samples: Annotated[int, typer.Option(
@@ -96,6 +102,8 @@ def quantize(
         settings["zero_point"] = zero_point.value
     if smoothquant_alpha is not None:
         settings["smoothquant_alpha"] = smoothquant_alpha
+    if rotate is not None or rotate_seed is not None:
+        settings.update(rotate=rotate, rotate_seed=rotate_seed)
     if method is Method.gptq:
         settings.update({k: v for k, v in given.items() if k != "awq_search" and v is not None})
     if awq_search is not None:

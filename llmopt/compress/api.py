@@ -8,18 +8,20 @@ from dataclasses import dataclass, field
 from typing import Callable
 
 import torch
-from pydantic import BaseModel
+from pydantic import BaseModel, ValidationError
 
 from llmopt.compress.base import (
     PRUNE_METHODS, QUANT_METHODS, MethodSpec, Pruner, Quantizer, ignore_matches, quantizable_linears,
 )
-from llmopt.compress.config import SmoothQuantConfig, SparsityConfig, StructuredConfig, build_config
+from llmopt.compress.config import (
+    RotationConfig, SmoothQuantConfig, SparsityConfig, StructuredConfig, build_config,
+)
 from llmopt.compress.defaults import SPARSEGPT_DAMP
 from llmopt.compress.masks import check_nm_fits
 from llmopt.compress.modifier_list import ModifierList
 from llmopt.core.adapters import modules_beside_layers
 from llmopt.core.contract import QuantizedWeight, sparsity_entry
-from llmopt.core.errors import ConfigError
+from llmopt.core.errors import ConfigError, invalid_settings
 from llmopt.core.registry import import_submodules
 
 
@@ -51,14 +53,16 @@ def make_structured_config(**settings) -> StructuredConfig:
 def quantize_configs(method: str, settings: dict) -> list[BaseModel]:
     """The modifiers' configs a quantize command asks for. `prune_pattern` (with `prune_damp`) puts a SparseGPT
     N:M pruner before the quantizer, in the same calibration pass; `smoothquant_alpha` (a number in [0, 1] or
-    "search") puts SmoothQuant first, in a pass of its own."""
+    "search") puts SmoothQuant first, in a pass of its own; `rotate` ("R1", "R1,R2" or a list; `rotate_seed`) folds
+    random rotations into the weights before anything else."""
     settings = dict(settings)
     pattern, prune_damp = settings.pop("prune_pattern", None), settings.pop("prune_damp", SPARSEGPT_DAMP)
     alpha = settings.pop("smoothquant_alpha", None)
+    rotate, rotate_seed = settings.pop("rotate", None), settings.pop("rotate_seed", None)
     quantizer = make_config(method, **settings)
-    smoother = [] if alpha is None else [smoothquant_config(alpha, quantizer)]
+    before = [*rotation_config(rotate, rotate_seed), *([] if alpha is None else [smoothquant_config(alpha, quantizer)])]
     if pattern is None:
-        return [*smoother, quantizer]
+        return [*before, quantizer]
     if method != "gptq":
         raise ConfigError(f"--prune-pattern applies to gptq only, not {method}")
     calibration = quantizer.calibration.model_dump()
@@ -66,7 +70,21 @@ def quantize_configs(method: str, settings: dict) -> list[BaseModel]:
                                   **calibration)
     if not quantizer.sym:
         raise ConfigError("--prune-pattern needs sym quantization (zero must be representable)")
-    return [*smoother, pruner, quantizer]
+    return [*before, pruner, quantizer]
+
+
+def rotation_config(rotate, seed) -> list[RotationConfig]:
+    """[] for no rotation, else the rotations named by `rotate` ("R1,R2" or a list, any case)."""
+    if rotate is None:
+        if seed is not None:
+            raise ConfigError("--rotate-seed seeds a rotation: give --rotate R1 (or R1,R2) too")
+        return []
+    names = rotate.split(",") if isinstance(rotate, str) else list(rotate)
+    names = [str(name).strip().upper() for name in names if str(name).strip()]
+    try:
+        return [RotationConfig(rotations=names, **({} if seed is None else {"seed": seed}))]
+    except ValidationError as e:
+        raise invalid_settings(e, "rotation") from None
 
 
 def smoothquant_config(alpha, quantizer) -> SmoothQuantConfig:
@@ -167,6 +185,11 @@ def check_model_fits(model, configs: list[BaseModel]) -> None:
                 example = next(iter(linears), "")
                 raise ConfigError(f"--ignore {pattern!r} matches no linear (names look like {example!r} or "
                                   f"{example.split('.', 3)[-1]!r}): fix the pattern")
+        if isinstance(config, RotationConfig):
+            from llmopt.compress.rotation import check_rotatable
+
+            check_rotatable(model, config.rotations)
+            continue
         if isinstance(config, SmoothQuantConfig):
             continue
         if isinstance(config, SparsityConfig):
@@ -190,11 +213,16 @@ def compress_model(model, tokenizer, configs: list[BaseModel],
 
     check_model_fits(model, configs)
     start = time.perf_counter()
+    rotation = next((c for c in configs if isinstance(c, RotationConfig)), None)
     smoothing = [c for c in configs if isinstance(c, SmoothQuantConfig)]
-    configs = [c for c in configs if not isinstance(c, SmoothQuantConfig)]
+    configs = [c for c in configs if not isinstance(c, (SmoothQuantConfig, RotationConfig))]
     if smoothing and streaming is not None:
         raise ConfigError("--smoothquant-alpha needs a pass of its own over the whole model, which --max-memory "
                           "does not make: quantize without --max-memory, or without SmoothQuant")
+    if rotation is not None and streaming is not None:
+        raise ConfigError("--rotate changes the embedding and every layer before the first calibration forward, "
+                          "which --max-memory (one layer in memory) cannot: quantize without one of them")
+    rotated = {} if rotation is None else rotate(model, rotation)
     smoothed = smooth_model(model, tokenizer, smoothing[0], progress) if smoothing else None
     modifiers = [method_spec(c.method).modifier_cls(c, model) for c in configs]
     algorithm = modifiers[0] if len(modifiers) == 1 else ModifierList(modifiers)
@@ -224,10 +252,18 @@ def compress_model(model, tokenizer, configs: list[BaseModel],
                                                       pruner.ignore, measured, suffixes)
         facts["measured_sparsity"] = measured
     extra = algorithm.extra_tensors()
+    facts.update(rotated)
     if smoothed is not None:
         facts.update(smoothed.facts())
         extra.update(smoothed.extra_tensors())
     return CompressResult(qweights, masks, extra, facts)
+
+
+def rotate(model, config: RotationConfig) -> dict:
+    """The rotations of `config` folded into `model` in place; the facts to record."""
+    from llmopt.compress.rotation import rotate_model
+
+    return rotate_model(model, config.rotations, config.seed)
 
 
 def smooth_model(model, tokenizer, config: SmoothQuantConfig, progress=None):

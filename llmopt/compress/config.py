@@ -10,7 +10,7 @@ from typing import Literal, Optional
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 from llmopt.compress.defaults import (
-    CALIBRATION, QUANTIZE, SCORES_FILE, SEARCH_FILE, SPARSEGPT_DAMP, STRUCTURED_NUM_SAMPLES,
+    CALIBRATION, QUANTIZE, ROTATION_SEED, SCORES_FILE, SEARCH_FILE, SPARSEGPT_DAMP, STRUCTURED_NUM_SAMPLES,
 )
 from llmopt.core.contract import PRESETS, QUANTIZE_PRESETS, SUPPORTED_BITS, QuantRecord, QuantScheme, parse_nm
 
@@ -249,6 +249,26 @@ class SmoothQuantConfig(BaseModel):
     @property
     def needs_calibration(self) -> bool:
         return True
+
+
+class RotationConfig(BaseModel):
+    """Random orthogonal rotations folded into the weights before quantizing (compress.rotation): R1 the residual
+    stream, R2 each attention head's values. Exact in full precision; no calibration."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    method: Literal["rotation"] = "rotation"
+    rotations: list[Literal["R1", "R2"]] = Field(min_length=1)
+    seed: int = Field(ROTATION_SEED, description="seeds the random orthogonal matrices (R2 uses seed + 1)")
+
+    @field_validator("rotations")
+    @classmethod
+    def _unique(cls, value):
+        return sorted(set(value))
+
+    @property
+    def needs_calibration(self) -> bool:
+        return False
 
 
 class SparsityConfig(BaseModel):

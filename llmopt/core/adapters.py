@@ -43,6 +43,8 @@ class ArchAdapter:
         ("post_attention_layernorm", ("mlp.gate_proj", "mlp.up_proj")),
         ("mlp.up_proj", ("mlp.down_proj",)),
     )
+    # The linears whose outputs are added to the residual stream (a rotation of the stream rotates their rows)
+    residual_writers: tuple[str, ...] = ("self_attn.o_proj", "mlp.down_proj")
     notes: str = ""
     # (config attribute, whether it must be set): for families whose layers differ with the config (DeepSeek's
     # q_lora_rank: low-rank queries or one q_proj); adapter_for takes the first adapter whose test passes

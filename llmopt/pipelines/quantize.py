@@ -10,7 +10,7 @@ import torch
 
 from llmopt.compress.api import check_model_fits, compress_model
 from llmopt.compress.base import QUANT_METHODS, quantizable_linears
-from llmopt.compress.config import SmoothQuantConfig, SparsityConfig
+from llmopt.compress.config import RotationConfig, SmoothQuantConfig, SparsityConfig
 from llmopt.core.adapters import get_module
 from llmopt.core.contract import QuantizedWeight
 from llmopt.core.io import check_output_free
@@ -46,6 +46,8 @@ def stage_of(config) -> str:
     """The llmopt.json stage a config is recorded as."""
     if isinstance(config, SparsityConfig):
         return "prune"
+    if isinstance(config, RotationConfig):
+        return "rotate"
     return "smooth" if isinstance(config, SmoothQuantConfig) else "quantize"
 
 
@@ -121,7 +123,7 @@ def quantize_to_artifact(
         "group_size": config.group_size, "sym": config.sym,
         "num_quantized_linears": num_quantized,
         "quantize_wall_s": round(result.facts["quantize_wall_s"], 2),
-        **{k: v for k, v in result.facts.items() if k.startswith("smoothquant_")},
+        **{k: v for k, v in result.facts.items() if k.startswith(("smoothquant_", "rotation"))},
         "total_wall_s": round(time.perf_counter() - start, 2),
         "peak_rss_bytes": peak_rss_bytes(), "max_memory_bytes": max_memory,
         "artifact_weights_bytes": weights_bytes(output),
