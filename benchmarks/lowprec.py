@@ -43,6 +43,12 @@ ROWS = {  # name -> quantize options (None: the dense model)
     "NVFP4 GPTQ mse": ["--scheme", "nvfp4", *GPTQ, "--mse"],
     "NVFP4-A4 GPTQ": ["--scheme", "nvfp4-a4", *GPTQ],
     "W8A8 FP8 SmoothQuant search + GPTQ": ["--scheme", "w8a8-fp8", *GPTQ, "--smoothquant-alpha", "search"],
+    # random rotations folded in first (--rotate): the inputs' outlier channels spread over all of them
+    "W8A8 rotated R1,R2 + RTN": [*W8A8, "--method", "rtn", "--rotate", "R1,R2"],
+    "W8A8 rotated R1,R2 + GPTQ": [*W8A8, *GPTQ, "--rotate", "R1,R2"],
+    "NVFP4-A4 RTN": ["--scheme", "nvfp4-a4", "--method", "rtn"],
+    "NVFP4-A4 rotated R1,R2 + RTN": ["--scheme", "nvfp4-a4", "--method", "rtn", "--rotate", "R1,R2"],
+    "NVFP4-A4 rotated R1,R2 + GPTQ": ["--scheme", "nvfp4-a4", *GPTQ, "--rotate", "R1,R2"],
 }
 SPEED_DTYPES = ("float32", "bfloat16")
 SPEED_ROWS = ("fp32", "W8A8 RTN", "NVFP4 RTN")
