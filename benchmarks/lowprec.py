@@ -46,6 +46,8 @@ ROWS = {  # name -> quantize options (None: the dense model)
     # random rotations folded in first (--rotate): the inputs' outlier channels spread over all of them
     "W8A8 rotated R1,R2 + RTN": [*W8A8, "--method", "rtn", "--rotate", "R1,R2"],
     "W8A8 rotated R1,R2 + GPTQ": [*W8A8, *GPTQ, "--rotate", "R1,R2"],
+    "W8A8 rotated R1,R2 + SmoothQuant search + GPTQ": [*W8A8, *GPTQ, "--rotate", "R1,R2", "--smoothquant-alpha",
+                                                       "search"],
     "NVFP4-A4 RTN": ["--scheme", "nvfp4-a4", "--method", "rtn"],
     "NVFP4-A4 rotated R1,R2 + RTN": ["--scheme", "nvfp4-a4", "--method", "rtn", "--rotate", "R1,R2"],
     "NVFP4-A4 rotated R1,R2 + GPTQ": ["--scheme", "nvfp4-a4", *GPTQ, "--rotate", "R1,R2"],

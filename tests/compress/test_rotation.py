@@ -63,6 +63,22 @@ def test_the_rotated_model_computes_what_the_original_does(family, overrides, ro
     assert facts == {"rotations": sorted(rotations), "rotation_seed": 0}
 
 
+def test_rotation_then_smoothquant_still_computes_what_the_original_does():
+    from llmopt.compress.api import smooth_model
+
+    model, tokenizer = build_tiny_model("llama", seed=0)
+    randomize_norms(model)
+    with torch.no_grad():
+        before = model(input_ids=IDS).logits
+    rotation, smoother, _ = quantize_configs("rtn", {"scheme": "w8a8-int8", "smoothquant_alpha": 0.5, "rotate": "R1,R2",
+                                                     "num_samples": 4, "seqlen": 32, "calib": "pystdlib",
+                                                     "compute_dtype": "float32"})
+    rotate(model, rotation)
+    assert smooth_model(model, tokenizer, smoother).facts()["smoothquant_groups"] > 0
+    with torch.no_grad():
+        assert torch.allclose(model(input_ids=IDS).logits, before, atol=1e-4 * before.abs().max())
+
+
 def test_r2_is_refused_where_values_are_not_per_head_linears():
     model, _ = build_tiny_model("deepseek", seed=0)
     [config] = quantize_configs("rtn", {"bits": 4, "group_size": 32, "rotate": "R1,R2"})[:1]
