@@ -23,8 +23,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from llmopt.compress.api import make_config
-from llmopt.compress.rotation import rotate_model
+from llmopt.compress.api import make_config, rotate, rotation_config
 from llmopt.core.datasets import tokenize_corpus
 from llmopt.core.hardware import cpu_line
 from llmopt.core.io import write_json
@@ -86,10 +85,12 @@ class LlamaCppModel:
         return out
 
 
-def rotated_copy(model_name: str, rotations: list[str], out: Path) -> Path:
-    """The fp model with `rotations` folded in (seed 0), saved as a Hugging Face folder at `out`."""
+def rotated_copy(model_name: str, rotations: str, out: Path) -> Path:
+    """The fp model with `rotations` ("R1" or "R1,R2", as --rotate takes them; the default seed) folded in, saved
+    as a Hugging Face folder at `out`."""
+    [config] = rotation_config(rotations, None)  # checked as the CLI checks them: an unknown name is an error
     model, tokenizer, _ = load_model(model_name, dtype="float32")
-    rotate_model(model, rotations, seed=0)
+    rotate(model, config)
     model.save_pretrained(out)
     tokenizer.save_pretrained(out)
     return out
@@ -116,7 +117,7 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as folder:
         root = Path(folder)
         if args.rotate:
-            args.model = str(rotated_copy(args.model, args.rotate.split(","), root / "rotated"))
+            args.model = str(rotated_copy(args.model, args.rotate, root / "rotated"))
         artifacts = {}
         for stem, (method, settings) in LLMOPT_ROWS.items():
             if only is not None and stem not in only:
