@@ -12,7 +12,8 @@ row's activations, what `llmopt bench` uses). Each round measures every row in t
 - beside the fp32 rows, the machine's memory speed at that moment: every fp32 weight read once by torch's sum (the
   bytes each fp32 batch-1 token reads; both runtimes' TPOT over that time is printed);
 the int4 row also with `--lm-head int8` (the logits head rounded to int8 at load, as llama.cpp's file holds its
-head in Q6_K), against the same llama.cpp figures.
+head in Q6_K), against the same llama.cpp figures; with --small-pages also the int4 and fp32 rows with the weights left
+in malloc's 4 KiB pages (LLMOPT_WEIGHTS_HUGE_PAGES=0; the default moves them into transparent huge pages).
 Then the profile of 16 int4 batch-1 decode steps (torch.profiler): the linears' kernels, attention, the lm_head,
 the other ops, and the rest of the step's wall time (Python, dispatch). With --llama-server (the path of
 llama.cpp's `llama-server`, built from source here), serving: `llmopt serve` on the int4 artifact against
@@ -22,13 +23,15 @@ same tokens committed at start and of the same dtype (--serve-kv-cache-dtype: fl
 default cache type; --serve-rounds rounds, medians).
 
     python benchmarks/peers.py --json docs/results/data/peers.json [--model smollm2-135m] [--rounds 3]
-        [--llama-server PATH] [--clients 8,64] [--serve-rounds 1] [--serve-kv-cache-dtype float16]
+        [--llama-server PATH] [--clients 8,64] [--serve-rounds 1] [--serve-kv-cache-dtype float16] [--small-pages]
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import multiprocessing as mp
+import os
 import random
 import statistics
 import sys
@@ -91,6 +94,21 @@ def llmopt_engine(model: str, dtype: str, lm_head: str = "model"):
     from llmopt.runtime.parallel.engines import create_engine
 
     return create_engine(model, EngineConfig(max_num_seqs=8, lm_head=lm_head), dtype=dtype)
+
+
+@contextlib.contextmanager
+def weights_in_small_pages(small: bool):
+    """Engines created inside leave their weights where the loader put them (LLMOPT_WEIGHTS_HUGE_PAGES=0: malloc's
+    4 KiB pages) when `small`; else as the default, moved into transparent huge pages."""
+    previous = os.environ.get("LLMOPT_WEIGHTS_HUGE_PAGES")
+    if small:
+        os.environ["LLMOPT_WEIGHTS_HUGE_PAGES"] = "0"
+    try:
+        yield
+    finally:
+        if small:
+            os.environ.pop("LLMOPT_WEIGHTS_HUGE_PAGES") if previous is None else \
+                os.environ.__setitem__("LLMOPT_WEIGHTS_HUGE_PAGES", previous)
 
 
 def llmopt_run(engine, args, decode_prompts, long_prompt) -> dict:
@@ -239,6 +257,8 @@ def main() -> None:
                         help="`llmopt serve --lm-head` in the serving rows")
     parser.add_argument("--serve-kv-cache-dtype", default="float16", choices=tuple(LLAMA_CACHE_TYPES),
                         help="both servers' KV cache dtype in the serving rows (float16: llama-server's default)")
+    parser.add_argument("--small-pages", action="store_true",
+                        help="also the int4 and fp32 rows with the weights in 4 KiB pages (LLMOPT_WEIGHTS_HUGE_PAGES=0)")
     parser.add_argument("--work", default=None, help="where the artifacts and GGUF files go (default: a temp dir)")
     parser.add_argument("--json", default=None)
     args = parser.parse_args()
@@ -266,6 +286,8 @@ def main() -> None:
     # artifact with its logits head rounded to int8 at load (llama.cpp's Q4_1 file keeps its head as Q6_K)
     pairs = {"int4": (str(int4), "auto", "model", "int4"), "int4 int8-head": (str(int4), "auto", "int8", "int4"),
              "fp32": (args.model, "float32", "model", "fp32")}
+    if args.small_pages:  # the same engines with their weights left in malloc's 4 KiB pages
+        pairs |= {"int4 4k-pages": pairs["int4"], "fp32 4k-pages": pairs["fp32"]}
     rows = {f"{kind} llmopt": [] for kind in pairs} | {f"{kind} llama.cpp": [] for kind in ggufs}
     numerics = {}  # what llmopt's engine computed with (int4: 8-bit inputs by default), per kind
     weights = fp32_weights(resolve_model(args.model).path)
@@ -274,7 +296,8 @@ def main() -> None:
         for kind, (model, dtype, lm_head, theirs) in pairs.items():
             if kind == "fp32":
                 reads.append(weight_read_ms(weights, args.threads))
-            engine = llmopt_engine(model, dtype, lm_head)
+            with weights_in_small_pages(kind.endswith("4k-pages")):
+                engine = llmopt_engine(model, dtype, lm_head)
             numerics.setdefault(kind, engine.numerics())
             rows[f"{kind} llmopt"].append(llmopt_run(engine, args, decode_prompts, long_prompt))
             del engine

@@ -71,3 +71,121 @@ def test_the_cpu_kv_budget_stays_inside_the_cgroup(monkeypatch):
     assert model_runner.available_memory(torch.device("cpu")) == 1 << 20
     monkeypatch.setattr(model_runner, "cgroup_memory_headroom", lambda: None)
     assert model_runner.available_memory(torch.device("cpu")) == psutil.virtual_memory().available
+
+
+# --- weights in transparent huge pages ------------------------------------------------------------------------------
+def thp_offered() -> bool:
+    """Whether this kernel hands out transparent huge pages on request (its mode is `always` or `madvise`)."""
+    try:
+        with open("/sys/kernel/mm/transparent_hugepage/enabled") as f:
+            return "[never]" not in f.read()
+    except OSError:
+        return False
+
+
+def anon_huge_kb(address: int) -> int:
+    """AnonHugePages of the mapping holding `address` (/proc/self/smaps), in kB."""
+    inside, huge = False, 0
+    with open("/proc/self/smaps") as f:
+        for line in f:
+            head = line.split()[0]
+            if "-" in head and ":" not in head:
+                start, end = (int(a, 16) for a in head.split("-"))
+                inside = start <= address < end
+            elif inside and head == "AnonHugePages:":
+                huge = int(line.split()[1])
+    return huge
+
+
+def tied_model():
+    """An embedding and a head tied to it (4 MiB between them), a buffer, a detached view kept as a plain
+    attribute; and a second module holding another view of the embedding (the checkpoint's model) beside a
+    weight of its own."""
+    import torch
+    from torch import nn
+
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Embedding(2048, 256), nn.Linear(256, 2048))
+    model[1].weight = model[0].weight
+    model[1].register_buffer("codes", torch.randint(-8, 8, (1001,), dtype=torch.int8))
+    model[1].narrow = model[1].weight.detach()[3:7]
+    checkpoint = nn.Module()
+    checkpoint.embed = nn.Parameter(model[0].weight.detach(), requires_grad=False)
+    checkpoint.own = nn.Linear(8, 8)
+    return model, checkpoint
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="anonymous mappings with madvise")
+def test_weights_move_into_one_huge_page_region_keeping_identity_values_and_ties():
+    import mmap
+
+    import torch
+
+    model, checkpoint = tied_model()
+    tensors = {"embed": model[0].weight, "bias": model[1].bias, "codes": model[1].codes,
+               "narrow": model[1].narrow, "checkpoint": checkpoint.embed}
+    values = {name: t.clone() for name, t in tensors.items()}
+    own = checkpoint.own.weight.data_ptr()
+    moved = host_memory.weights_to_huge_pages(model, sharing=(checkpoint,))
+    # the embedding's storage once (tied), the bias and the codes, each rounded up to a cache line
+    assert moved == 2048 * 256 * 4 + 2048 * 4 + 1024
+    base = model[0].weight.data_ptr()
+    for name, t in tensors.items():
+        assert t is {"embed": model[0].weight, "bias": model[1].bias, "codes": model[1].codes,
+                     "narrow": model[1].narrow, "checkpoint": checkpoint.embed}[name]  # the same objects
+        assert torch.equal(t, values[name]), name
+        assert base <= t.data_ptr() < base + moved, name
+    assert model[1].weight.data_ptr() == base == checkpoint.embed.data_ptr()  # still one storage
+    assert model[1].narrow.data_ptr() == base + 3 * 256 * 4
+    assert checkpoint.own.weight.data_ptr() == own  # the sharing module's own weights stay where they were
+    model[0].weight.data[5, 1] = 42.0  # still views of one memory
+    assert model[1].narrow[2, 1].item() == 42.0 == checkpoint.embed[5, 1].item()
+    if hasattr(mmap, "MADV_HUGEPAGE"):
+        assert base % host_memory.HUGE_PAGE_BYTES == 0
+        if thp_offered():
+            assert anon_huge_kb(base) >= 2048  # (at least one 2 MiB page of the 4 MiB written)
+
+
+def test_weights_stay_put_when_asked_or_too_small(monkeypatch):
+    from torch import nn
+
+    model, checkpoint = tied_model()
+    before = model[0].weight.data_ptr()
+    monkeypatch.setenv("LLMOPT_WEIGHTS_HUGE_PAGES", "0")
+    assert host_memory.weights_to_huge_pages(model, sharing=(checkpoint,)) == 0
+    monkeypatch.delenv("LLMOPT_WEIGHTS_HUGE_PAGES")
+    small = nn.Linear(64, 64)  # (less than a huge page: not worth a mapping)
+    small_ptr = small.weight.data_ptr()
+    assert host_memory.weights_to_huge_pages(small) == 0 and small.weight.data_ptr() == small_ptr
+    assert model[0].weight.data_ptr() == before
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="anonymous mappings with madvise")
+def test_an_engine_over_weights_in_huge_pages_generates_what_it_did_before(monkeypatch):
+    import torch
+
+    from llmopt.core.tiny import build_tiny_model
+    from llmopt.runtime.engine.engine import Engine
+    from llmopt.runtime.engine.sampling import SamplingParams
+
+    params = SamplingParams(max_tokens=6, ignore_eos=True, logprobs=2)
+    prompts = [[5, 9, 200, 31], list(range(40, 77))]
+    runs = {}
+    for setting in ("0", "1"):
+        monkeypatch.setenv("LLMOPT_WEIGHTS_HUGE_PAGES", setting)
+        model, tok = build_tiny_model(vocab_size=8192)  # a 2 MiB embedding and head: enough to move
+        engine = Engine(model, tok, EngineConfig(block_size=4, kv_cache_bytes=1 << 20))
+        runner = engine.runner
+        runs[setting] = [(o.token_ids, o.logprobs) for o in engine.generate(prompts, params)]
+        if setting == "1":
+            assert runner.weights_in_huge_pages >= 2 * 8192 * 64 * 4
+            weights = dict(runner.decoder.named_parameters())
+            base = min(t.data_ptr() for t in weights.values())  # (one region holds them all)
+            for name, tensor in weights.items():
+                assert base <= tensor.data_ptr() < base + runner.weights_in_huge_pages, name
+            # the checkpoint's model shares the moved memory rather than holding a second copy
+            assert model.model.embed_tokens.weight.data_ptr() == runner.decoder.embed.weight.data_ptr()
+            assert torch.equal(model.lm_head.weight, runner.decoder.lm_head.weight)
+        else:
+            assert runner.weights_in_huge_pages == 0
+    assert runs["1"] == runs["0"]

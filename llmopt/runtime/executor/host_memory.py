@@ -17,6 +17,9 @@ import sys
 from functools import lru_cache
 from pathlib import Path
 
+import torch
+from torch import nn
+
 log = logging.getLogger(__name__)
 
 M_TRIM_THRESHOLD = -1  # mallopt parameters (malloc.h)
@@ -52,6 +55,110 @@ def keep_freed_host_memory() -> bool:
     if not done:
         log.info("mallopt refused the thresholds; host allocations keep glibc's defaults")
     return done
+
+
+HUGE_PAGE_BYTES = 2 << 20  # x86-64's transparent huge page
+TENSOR_ALIGN = 64  # bytes: each weight in the huge-page arena starts on a cache line
+TRIM_EVERY_BYTES = 256 << 20  # weights moved between two returns of the freed heap to the OS
+
+
+def huge_page_zeros(nbytes: int) -> torch.Tensor | None:
+    """An anonymous mapping of at least nbytes (zero-filled, committed on first write) advised into huge pages
+    from a 2 MiB boundary, as a uint8 tensor that keeps the mapping alive; None where mmap or madvise cannot."""
+    import mmap
+
+    if not hasattr(mmap, "MADV_HUGEPAGE"):
+        return None
+    try:
+        region = mmap.mmap(-1, nbytes + HUGE_PAGE_BYTES, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+        region.madvise(mmap.MADV_HUGEPAGE)
+    except (OSError, ValueError):
+        return None
+    whole = torch.frombuffer(region, dtype=torch.uint8)  # (holds a reference to the mapping)
+    offset = -whole.data_ptr() % HUGE_PAGE_BYTES  # the first huge page boundary inside it
+    return whole[offset:offset + nbytes]
+
+
+def _plain_cpu_tensors(module: nn.Module):
+    """The module's parameters, buffers and tensor attributes (a detached view of a weight kept for one kernel)
+    that live in ordinary CPU memory: not oneDNN's prepacked weights, which are opaque tensors, nor inference
+    tensors, which cannot be moved outside inference mode."""
+    for sub in module.modules():
+        attributes = [value for value in vars(sub).values() if isinstance(value, torch.Tensor)]
+        for tensor in [*sub._parameters.values(), *sub._buffers.values(), *attributes]:
+            if (tensor is not None and tensor.device.type == "cpu" and tensor.layout == torch.strided
+                    and not tensor.is_inference()):
+                yield tensor
+
+
+def _weight_storages(module: nn.Module, sharing: tuple[nn.Module, ...]) -> dict[int, list[torch.Tensor]]:
+    """Every plain CPU tensor of `module`, grouped by the storage it views (a tied head and its embedding share
+    one), keyed by that storage's address; with the tensors of `sharing` that view one of those storages."""
+    storages: dict[int, list[torch.Tensor]] = {}
+    seen: set[int] = set()
+    for owner in (module, *sharing):
+        for tensor in _plain_cpu_tensors(owner):
+            key = tensor.untyped_storage().data_ptr()
+            if id(tensor) in seen or (owner is not module and key not in storages):
+                continue
+            seen.add(id(tensor))
+            storages.setdefault(key, []).append(tensor)
+    return storages
+
+
+def weights_to_huge_pages(module: nn.Module, sharing: tuple[nn.Module, ...] = ()) -> int:
+    """Move the module's CPU weights into one mapping advised into transparent huge pages; returns the bytes moved
+    (0 where the OS gives no such mapping, or LLMOPT_WEIGHTS_HUGE_PAGES=0).
+
+    A decode step streams every weight once, and torch's weights come from malloc in 4 KiB pages: the hardware
+    prefetchers stop at each 4 KiB page boundary and every page costs a TLB entry. From 2 MiB pages the same read
+    is faster (a Zen 4 EPYC VM: a 538 MB fp32 read 18.8 -> 15.3 ms). Each tensor keeps its identity (its storage
+    is swapped in place with `set_`), so references taken at build time stay valid. sharing: modules whose tensors
+    may view the same memory (the checkpoint's model the runtime's was built from): those views move with it, so
+    nothing holds the old memory, which goes back to the OS as the move goes (at most TRIM_EVERY_BYTES held
+    twice)."""
+    if os.environ.get("LLMOPT_WEIGHTS_HUGE_PAGES", "1") == "0":
+        return 0
+    storages = _weight_storages(module, sharing)
+    offsets, total = {}, 0
+    for key, tensors in storages.items():
+        offsets[key] = total
+        total += -(-tensors[0].untyped_storage().nbytes() // TENSOR_ALIGN) * TENSOR_ALIGN
+    arena = huge_page_zeros(total) if total >= HUGE_PAGE_BYTES else None
+    if arena is None:
+        return 0
+    since_trim = 0
+    for key, tensors in storages.items():
+        since_trim += _move_storage(tensors, arena, offsets[key])
+        if since_trim >= TRIM_EVERY_BYTES:
+            release_free_heap()
+            since_trim = 0
+    release_free_heap()
+    return total
+
+
+@torch.no_grad()
+def _move_storage(tensors: list[torch.Tensor], arena: torch.Tensor, offset: int) -> int:
+    """Copy the storage these tensors view to arena[offset:] and point each of them there (same offsets, sizes,
+    strides); returns its bytes."""
+    old = tensors[0].untyped_storage()
+    nbytes = old.nbytes()
+    arena[offset:offset + nbytes].copy_(torch.empty(0, dtype=torch.uint8).set_(old))
+    start = arena.storage_offset() + offset
+    for tensor in tensors:
+        size = tensor.element_size()
+        tensor.set_(arena.untyped_storage(), start // size + tensor.storage_offset(), tensor.size(), tensor.stride())
+    return nbytes
+
+
+def release_free_heap() -> None:
+    """Give the C heap's free pages back to the OS (glibc's malloc_trim: free chunks inside the heap too, not only
+    its top, which keep_freed_host_memory keeps); nothing elsewhere."""
+    libc = linux_libc()
+    trim = getattr(libc, "malloc_trim", None) if libc is not None else None
+    if trim is not None:
+        trim.argtypes, trim.restype = [ctypes.c_size_t], ctypes.c_int
+        trim(0)
 
 
 CGROUP_ROOT = "/sys/fs/cgroup"

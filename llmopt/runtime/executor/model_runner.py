@@ -12,7 +12,9 @@ import torch
 from llmopt.core.errors import ConfigError, ParallelError
 from llmopt.runtime.engine.config import ACTIVATION_SCHEMES, KV_CACHE_8BIT, KV_CACHE_DTYPES, EngineConfig
 from llmopt.runtime.executor.attention.kv_commit import commit_kv_cache
-from llmopt.runtime.executor.host_memory import cgroup_memory_headroom, keep_freed_host_memory
+from llmopt.runtime.executor.host_memory import (
+    cgroup_memory_headroom, keep_freed_host_memory, weights_to_huge_pages,
+)
 from llmopt.runtime.executor.kernels.attention import AttentionMetadata
 from llmopt.runtime.executor.kernels.cpu_ops import cpu_ops
 from llmopt.runtime.executor.kernels.kv_quant import KV_CODE_DTYPES
@@ -115,10 +117,16 @@ class ModelRunner:
         self.linear_methods = dict(sorted(self.decoder.linear_methods.items()))
         if config.lm_head == "int8":
             self._quantize_lm_head()
-        self.linear_paths = plan_linears(self.decoder, config.linear_kernels)
         self.device = next(hf_model.parameters()).device
+        self.weights_in_huge_pages = 0  # bytes
         if self.device.type == "cpu":
             keep_freed_host_memory()  # each step's activations reuse freed memory instead of new pages
+            # (before any path is timed)
+            self.weights_in_huge_pages = weights_to_huge_pages(self.decoder, sharing=(hf_model,))
+            if self.weights_in_huge_pages:
+                log.info("weights: %.1f MB in transparent huge pages (LLMOPT_WEIGHTS_HUGE_PAGES=0: malloc's pages)",
+                         self.weights_in_huge_pages / 1e6)
+        self.linear_paths = plan_linears(self.decoder, config.linear_kernels)
         self.kv_dtype = kv_cache_torch_dtype(config.kv_cache_dtype, self.decoder.dtype)
         self.kv_dtype_label = kv_dtype_name(self.kv_dtype)  # as --kv-cache-dtype spells it
         self.block_size = block_size

@@ -19,6 +19,7 @@ from typing import Literal
 import numpy as np
 import torch
 
+from llmopt.runtime.executor.host_memory import HUGE_PAGE_BYTES, huge_page_zeros
 from llmopt.runtime.executor.kernels.kv_quant import is_quantized_kv
 
 SCALE_DTYPE = torch.float32  # an 8-bit cache's per-vector scales
@@ -113,9 +114,6 @@ class KVCache:
         return self.layers[layer]
 
 
-HUGE_PAGE_BYTES = 2 << 20  # x86-64's transparent huge page
-
-
 def zeros_lazily(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
     """A zero tensor; on CPU from memory whose pages the OS commits on first write (a GBs-sized cache costs
     nothing until used), asked for in transparent huge pages where the kernel gives them (madvise: Linux's
@@ -125,24 +123,7 @@ def zeros_lazily(shape: tuple[int, ...], dtype: torch.dtype, device: torch.devic
     if device.type != "cpu":
         return torch.zeros(shape, dtype=dtype, device=device)
     nbytes = int(np.prod(shape)) * dtype.itemsize
-    raw = _huge_page_zeros(nbytes) if nbytes >= HUGE_PAGE_BYTES else None
+    raw = huge_page_zeros(nbytes) if nbytes >= HUGE_PAGE_BYTES else None
     if raw is None:
         return torch.from_numpy(np.zeros(nbytes, dtype=np.uint8)).view(dtype).view(shape)  # calloc'ed
     return raw.view(dtype).view(shape)
-
-
-def _huge_page_zeros(nbytes: int) -> torch.Tensor | None:
-    """An anonymous mapping of at least nbytes (zero-filled, committed on first write) advised into huge pages
-    from a 2 MiB boundary, as a uint8 tensor that keeps the mapping alive; None where mmap or madvise cannot."""
-    import mmap
-
-    if not hasattr(mmap, "MADV_HUGEPAGE"):
-        return None
-    try:
-        region = mmap.mmap(-1, nbytes + HUGE_PAGE_BYTES, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
-        region.madvise(mmap.MADV_HUGEPAGE)
-    except (OSError, ValueError):
-        return None
-    whole = torch.frombuffer(region, dtype=torch.uint8)  # (holds a reference to the mapping)
-    offset = -whole.data_ptr() % HUGE_PAGE_BYTES  # the first huge page boundary inside it
-    return whole[offset:offset + nbytes]
