@@ -11,8 +11,8 @@ row's activations, what `llmopt bench` uses). Each round measures every row in t
 - TTFT of a 512-token prompt (a fresh cache each time, the prompt never seen before);
 - beside the fp32 rows, the machine's memory speed at that moment: every fp32 weight read once by torch's sum (the
   bytes each fp32 batch-1 token reads; both runtimes' TPOT over that time is printed);
-the int4 row also with `--lm-head int8` (the logits head rounded to int8 at load, as llama.cpp's file holds its
-head in Q6_K), against the same llama.cpp figures; with --small-pages also the int4 and fp32 rows with the weights left
+the int4 row also with `--lm-head int8` and `int8-g32` (the logits head rounded to int8 at load per row, or per 32
+columns as Q8_0; llama.cpp's own Q4_1 file holds its head in Q6_K), against the same llama.cpp figures; with --small-pages also the int4 and fp32 rows with the weights left
 in malloc's 4 KiB pages (LLMOPT_WEIGHTS_HUGE_PAGES=0; the default moves them into transparent huge pages).
 Then the profile of 16 int4 batch-1 decode steps (torch.profiler): the linears' kernels, attention, the lm_head,
 the other ops, and the rest of the step's wall time (Python, dispatch). With --llama-server (the path of
@@ -253,7 +253,7 @@ def main() -> None:
     parser.add_argument("--llama-server", default=None, help="llama.cpp's llama-server binary: adds the serving rows")
     parser.add_argument("--clients", default="8,64")
     parser.add_argument("--serve-rounds", type=int, default=1, help="serving rounds per client count (medians)")
-    parser.add_argument("--serve-lm-head", default="model", choices=("model", "int8"),
+    parser.add_argument("--serve-lm-head", default="model", choices=("model", "int8", "int8-g32"),
                         help="`llmopt serve --lm-head` in the serving rows")
     parser.add_argument("--serve-kv-cache-dtype", default="float16", choices=tuple(LLAMA_CACHE_TYPES),
                         help="both servers' KV cache dtype in the serving rows (float16: llama-server's default)")
@@ -285,6 +285,7 @@ def main() -> None:
     # kind -> (model, dtype, --lm-head, the llama.cpp row it is compared with); "int4 int8-head": the same int4
     # artifact with its logits head rounded to int8 at load (llama.cpp's Q4_1 file keeps its head as Q6_K)
     pairs = {"int4": (str(int4), "auto", "model", "int4"), "int4 int8-head": (str(int4), "auto", "int8", "int4"),
+             "int4 int8-g32-head": (str(int4), "auto", "int8-g32", "int4"),
              "fp32": (args.model, "float32", "model", "fp32")}
     if args.small_pages:  # the same engines with their weights left in malloc's 4 KiB pages
         pairs |= {"int4 4k-pages": pairs["int4"], "fp32 4k-pages": pairs["fp32"]}

@@ -579,6 +579,41 @@ def test_int8_matmul_q8_is_exact_for_its_8_bit_inputs(ops, dtype, n, k, act_grou
     torch.testing.assert_close(out.double(), expected, rtol=tol, atol=tol * expected.abs().max().item())
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("n,k,group,act_group", [(112, 192, 32, 32), (48, 256, 64, 32), (80, 1536, 128, 64),
+                                                 (16, 96, 32, 96)])
+@pytest.mark.parametrize("rows", [1, 3, 9, 16, 64, 257])
+def test_int8_matmul_q8_with_grouped_scales_is_exact_for_its_8_bit_inputs(ops, dtype, n, k, group, act_group,
+                                                                         rows):
+    # each block's integer sum times its own input scale and its group's weight scale: groups of 1-4 blocks, input
+    # groups narrower and wider than the weight's
+    from llmopt.runtime.executor.kernels.quant_matmul import int8_group_scales, pack_int8_q8
+
+    g = torch.Generator().manual_seed(n + k + rows + group)
+    signed = torch.randint(-128, 128, (n, k), generator=g, dtype=torch.int8)
+    signed[0, :40], signed[1, :40], signed[2, :40] = 127, -127, -128
+    scales = torch.rand(n, k // group, generator=g) * 0.01 + 0.001  # (every group its own: a mix-up shows)
+    zeros = torch.full((n, k // group), 128, dtype=torch.int32)
+    x = torch.randn(rows, k, generator=g).to(dtype)
+    x[0, :32] = 0  # an all-zero block
+    group_scale = int8_group_scales(scales, zeros)
+    assert group_scale.shape == (k // group, n) and group_scale.dtype == torch.float32
+    out = ops.int8_matmul_q8(x, pack_int8_q8(signed), group_scale, None, act_group)
+    weight = (scales.double().repeat_interleave(group, dim=1) * signed.double())  # [N, K]
+    expected = q8_rounded_inputs(x, act_group) @ weight.t()
+    tol = {torch.float32: 1e-5, torch.bfloat16: 1e-2}[dtype]
+    assert out.dtype == dtype and out.shape == (rows, n)
+    torch.testing.assert_close(out.double(), expected, rtol=tol, atol=tol * expected.abs().max().item())
+
+
+def test_grouped_int8_scales_exist_only_for_symmetric_weights():
+    from llmopt.runtime.executor.kernels.quant_matmul import int8_group_scales
+
+    zeros = torch.full((16, 2), 128, dtype=torch.int32)
+    zeros[3, 1] = 127
+    assert int8_group_scales(torch.ones(16, 2), zeros) is None
+
+
 def test_int8_matmul_q8_refuses_what_its_layout_cannot_hold(ops):
     from llmopt.runtime.executor.kernels.quant_matmul import pack_int8_q8
 
@@ -591,6 +626,10 @@ def test_int8_matmul_q8_refuses_what_its_layout_cannot_hold(ops):
         ops.int8_matmul_q8(torch.randn(1, 64), codes, scale[:8], None, 32)
     with pytest.raises(RuntimeError, match="shift"):
         ops.int8_matmul_q8(torch.randn(1, 64), codes, scale, scale[:8], 32)
+    with pytest.raises(RuntimeError, match="groups of a multiple of 32"):  # (64 columns in 4 groups of 16)
+        ops.int8_matmul_q8(torch.randn(1, 64), codes, torch.ones(4, 16), None, 32)
+    with pytest.raises(RuntimeError, match="no shift"):
+        ops.int8_matmul_q8(torch.randn(1, 64), codes, torch.ones(2, 16), scale, 32)
 
 
 @pytest.mark.parametrize("compiled", [False, True])

@@ -127,3 +127,43 @@ def test_an_fp32_head_is_prepacked_for_onednn_and_the_layers_are_not():
         hidden = torch.randn(rows, weight.shape[1])
         expected = hidden @ weight.t()
         torch.testing.assert_close(head(hidden), expected, rtol=1e-4, atol=1e-4 * expected.abs().max())
+
+
+@pytest.fixture(scope="module")
+def tiny_llama_320_dir(tmp_path_factory):
+    """A tiny llama whose vocabulary (320) is whole panels of 16, as real vocabularies are."""
+    from llmopt.core.tiny import save_tiny_model
+
+    return save_tiny_model(tmp_path_factory.mktemp("tiny320") / "model", vocab_size=320)
+
+
+def test_the_grouped_int8_head_computes_the_rounded_weights_logits(tiny_llama_320_dir):
+    from llmopt.runtime.executor.linear.int8_cpu import Int8GroupedQ8Linear
+    from tests.runtime.test_cpu_kernels import q8_rounded_inputs
+
+    runner = engine(tiny_llama_320_dir, "int8", "int8-g32").runner
+    decoder = runner.decoder
+    head = decoder.logits_head
+    assert type(head) is Int8GroupedQ8Linear and decoder._gemv_weight is None
+    assert runner.linear_methods["lm_head: int8-grouped-q8-cpu"] == 1
+    weight = decoder.lm_head.weight.detach().float()
+    rounded = quantize_rtn(weight, QuantScheme(8, 32, True)).dequantize(torch.float32)
+    per_row = quantize_rtn(weight, QuantScheme(8, -1, True)).dequantize(torch.float32)
+    # a scale per 32 columns: a finer grid than one per row (on this random head's i.i.d. rows ~0.9x the error; on
+    # a real head's rows, with their outliers, far less)
+    assert (rounded - weight).abs().mean() < 0.95 * (per_row - weight).abs().mean()
+    for rows in (1, 5, 40):
+        hidden = torch.randn(rows, weight.shape[1])
+        expected = q8_rounded_inputs(hidden, 32) @ rounded.double().t()  # the 8-bit inputs times the Q8_0 weight
+        torch.testing.assert_close(decoder.logits(hidden).double(), expected, rtol=1e-5,
+                                   atol=1e-5 * expected.abs().max().item())
+    prompts = [[5, 9, 200, 31], list(range(40, 77))]
+    params = SamplingParams(max_tokens=6, ignore_eos=True)
+    grouped = engine(tiny_llama_320_dir, "int8", "int8-g32").generate(prompts, params)
+    float_head = engine(tiny_llama_320_dir, "int8", "model").generate(prompts, params)
+    assert [o.token_ids[:2] for o in grouped] == [o.token_ids[:2] for o in float_head]
+
+
+def test_the_grouped_int8_head_needs_8_bit_inputs(tiny_llama_320_dir):
+    with pytest.raises(ConfigError, match="needs 8-bit inputs"):
+        engine(tiny_llama_320_dir, "float", "int8-g32")

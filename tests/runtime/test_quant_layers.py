@@ -14,7 +14,7 @@ from llmopt.runtime.executor.kernels.quant_matmul import reference_quant_matmul
 from llmopt.core.contract import INT8_GROUP_ACTIVATIONS, LinearScheme
 from llmopt.runtime.executor.linear import make_linear as quantized_linear, select_linear_method
 from llmopt.runtime.executor.linear.int4_cpu import Int4PackedLinear, Int4Q8Linear
-from llmopt.runtime.executor.linear.int8_cpu import Int8PackedLinear, Int8Q8Linear
+from llmopt.runtime.executor.linear.int8_cpu import Int8GroupedQ8Linear, Int8PackedLinear, Int8Q8Linear
 
 
 def packed_kind(qw, device, activations=None):
@@ -256,7 +256,8 @@ def int8_with_8_bit_inputs_reference(x, qw, block=32):
     """The dequantized int8 weight times the inputs rounded to int8 per row and block of 32, in float64."""
     from tests.runtime.test_cpu_kernels import q8_rounded_inputs
 
-    y = q8_rounded_inputs(x, block) @ (qw.scales.double() * (qw.q.double() - qw.zeros.double())).t()
+    g = qw.g_idx.long()  # (a scale per row or per group of columns)
+    y = q8_rounded_inputs(x, block) @ (qw.scales.double()[:, g] * (qw.q.double() - qw.zeros.double()[:, g])).t()
     return y + qw.bias.double() if qw.bias is not None else y
 
 
@@ -283,6 +284,49 @@ def test_int8_weights_with_8_bit_inputs_multiply_integers(dtype, kernel_calls):
     for name in paths:
         torch.testing.assert_close(layer.run_path(name, x).float(), exact, rtol=0.05,
                                    atol=0.05 * exact.abs().max().item())
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("group", [32, 64])
+def test_grouped_int8_weights_with_8_bit_inputs_multiply_integers(dtype, group, kernel_calls):
+    # symmetric 8-bit groups (GPTQ's bits=8 group_size=128, a Q8_0-style head) run the integer kernel with their
+    # grouped scales; without 8-bit inputs, or with zero points off 128, they stay dequantized (as before)
+    qw = qweight(48, 192, 8, group, True, bias=True)
+    layer = quantized_linear(qw, dtype, "cpu", INT8_GROUP_ACTIVATIONS)
+    assert type(layer) is Int8GroupedQ8Linear
+    assert packed_kind(qw, "cpu") == "dense"
+    assert packed_kind(qweight(48, 192, 8, group, False), "cpu", INT8_GROUP_ACTIVATIONS) == "dense"
+    for rows in (1, 3, 16):
+        x = torch.randn(rows, 192).to(dtype)
+        kernel_calls.clear()
+        y = layer(x)
+        assert kernel_calls == ["int8_matmul_q8"], rows
+        expected = int8_with_8_bit_inputs_reference(x, qw)
+        tol = 1e-5 if dtype == torch.float32 else 1e-2
+        torch.testing.assert_close(y.double(), expected, rtol=tol, atol=tol * expected.abs().max().item())
+    paths = layer.row_paths()
+    assert layer.candidate_paths(layer.q8_only_rows, paths) == ["q8"]
+    assert set(layer.candidate_paths(layer.q8_only_rows + 1, paths)) == {"q8", "dequantize"}
+    x = torch.randn(64, 192).to(dtype)
+    tol = 1e-4 if dtype == torch.float32 else 2e-2
+    exact = reference(x.float(), qw) - qw.bias  # the dequantized path: the exact product (the bias is forward's)
+    torch.testing.assert_close(layer.run_path("dequantize", x).float(), exact, rtol=tol,
+                               atol=tol * exact.abs().max().item())
+    assert layer.graph_call(1)[0] == "int8_matmul_q8"
+
+
+def test_stacked_grouped_int8_layers_equal_their_parts():
+    from llmopt.runtime.executor.linear import fuse_linears
+
+    parts = [quantized_linear(qweight(n, 128, 8, 32, True, seed=n), torch.float32, "cpu", INT8_GROUP_ACTIVATIONS)
+             for n in (48, 16, 32)]
+    fused = fuse_linears(parts, prepack=True)
+    assert type(fused) is Int8GroupedQ8Linear and fused.out_features == 96
+    for rows in (1, 3, 20):
+        x = torch.randn(rows, 128)
+        for path in ("q8", "dequantize"):
+            torch.testing.assert_close(fused.run_path(path, x), torch.cat([p.run_path(path, x) for p in parts], -1),
+                                       rtol=0, atol=0)
 
 
 def test_stacked_int8_layers_with_8_bit_inputs_equal_their_parts():

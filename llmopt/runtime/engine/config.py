@@ -67,6 +67,7 @@ ACTIVATION_MODES = ("auto", "float", "int8")
 LINEAR_KERNEL_MODES = ("measured", "fixed")  # how quantized linears pick a kernel per row count (row_paths.py)
 # EngineConfig.activations -> the input-activation scheme linear methods are chosen for (None: the compute dtype)
 ACTIVATION_SCHEMES = {"float": None, "int8": INT8_GROUP_ACTIVATIONS}
+LM_HEAD_GROUPS = {"int8": -1, "int8-g32": 32}  # --lm-head -> the columns per scale of its int8 rounding (-1: a row)
 
 
 def option(default, help: str, flag: str | None = None, numerics: bool = False):
@@ -119,12 +120,13 @@ class EngineConfig:
         "activations do (int4: ~0.5% error per output, +0.2% wikitext2 ppl, 2-3x faster linears); float: inputs in "
         "the compute dtype; auto: int8 on CPU with the fast path, else float.", flag="int4-activations",
         numerics=True)
-    lm_head: Literal["model", "int8"] = option(
+    lm_head: Literal["model", "int8", "int8-g32"] = option(
         "model", "The logits head (vocab x hidden, the largest single weight of a small model): model (as the "
-        "checkpoint has it) or int8 (rounded at load to int8 per vocabulary row, symmetric round-to-nearest as "
+        "checkpoint has it), int8 (rounded at load to int8 per vocabulary row, symmetric round-to-nearest as "
         "`llmopt quantize --method rtn --bits 8` rounds, and multiplied as the int8 linears are: with 8-bit inputs "
         "where --int4-activations gives them; a quarter of fp32's bytes per token, as llama.cpp's quantized output "
-        "tensor).", flag="lm-head", numerics=True)
+        "tensor) or int8-g32 (the same with a scale per 32 columns, llama.cpp's Q8_0: a third of int8's weight error "
+        "on SmolLM2's head for 1/8 more bytes; needs 8-bit inputs).", flag="lm-head", numerics=True)
     linear_kernels: Literal["measured", "fixed"] = option(
         "measured", "How quantized linears pick their kernel for each step's row count: measured (every path timed "
         "once per layer shape on this machine at start, kept in $LLMOPT_HOME/kernels/) or fixed (built-in row "

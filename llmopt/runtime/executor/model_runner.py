@@ -10,7 +10,9 @@ import psutil
 import torch
 
 from llmopt.core.errors import ConfigError, ParallelError
-from llmopt.runtime.engine.config import ACTIVATION_SCHEMES, KV_CACHE_8BIT, KV_CACHE_DTYPES, EngineConfig
+from llmopt.runtime.engine.config import (
+    ACTIVATION_SCHEMES, KV_CACHE_8BIT, KV_CACHE_DTYPES, LM_HEAD_GROUPS, EngineConfig,
+)
 from llmopt.runtime.executor.attention.kv_commit import commit_kv_cache
 from llmopt.runtime.executor.host_memory import (
     cgroup_memory_headroom, keep_freed_host_memory, weights_to_huge_pages,
@@ -115,8 +117,8 @@ class ModelRunner:
                                            config.quantized_kv_cache, group=group)
         self.group, self.workers, self.stages = group, workers, stages
         self.linear_methods = dict(sorted(self.decoder.linear_methods.items()))
-        if config.lm_head == "int8":
-            self._quantize_lm_head()
+        if config.lm_head != "model":
+            self._quantize_lm_head(config.lm_head)
         self.device = next(hf_model.parameters()).device
         self.weights_in_huge_pages = 0  # bytes
         if self.device.type == "cpu":
@@ -170,15 +172,18 @@ class ModelRunner:
         self.keep_last_hidden = False
         self.last_hidden: dict[int, torch.Tensor] = {}
 
-    def _quantize_lm_head(self) -> None:
-        """--lm-head int8 (EngineConfig.lm_head): the decoder's logits head rounded to int8, counted with the
-        linear methods."""
+    def _quantize_lm_head(self, mode: str) -> None:
+        """--lm-head int8 / int8-g32 (EngineConfig.lm_head): the decoder's logits head rounded to int8, counted with
+        the linear methods."""
         quantize = getattr(self.decoder, "quantize_lm_head", None)
         if quantize is None or self.stages is not None:
             why = "pipeline stages" if self.stages is not None else f"not for {type(self.decoder).__name__}"
-            raise ConfigError(f"--lm-head int8 runs on llama-family models in one process ({why}): use --lm-head "
+            raise ConfigError(f"--lm-head {mode} runs on llama-family models in one process ({why}): use --lm-head "
                               "model", param="lm_head")
-        method = quantize(ACTIVATION_SCHEMES[self.activations])
+        method = quantize(ACTIVATION_SCHEMES[self.activations], LM_HEAD_GROUPS[mode])
+        if method == "dense":  # (a grouped head no kernel holds with these inputs: dequantized, nothing gained)
+            raise ConfigError(f"--lm-head {mode} needs 8-bit inputs (--int4-activations int8, the CPU default with "
+                              "the fast path) and the compiled CPU kernels: use --lm-head int8", param="lm_head")
         self.linear_methods = dict(sorted({**self.linear_methods, f"lm_head: {method}": 1}.items()))
 
     def kv_cache_summary(self) -> str:

@@ -144,6 +144,14 @@ def int8_scale_shift(scales: torch.Tensor, zeros: torch.Tensor) -> tuple[torch.T
     return scale, shift.contiguous() if bool(shift.abs().max() > 0) else None
 
 
+def int8_group_scales(scales: torch.Tensor, zeros: torch.Tensor) -> torch.Tensor | None:
+    """Grouped symmetric 8-bit scales [N, G] (every zero point 128) -> float32 [G, N], group-major as
+    `int8_matmul_q8` reads grouped scales; None for zero points off 128 (no kernel takes their per-group shift)."""
+    if not bool((zeros == 128).all()):
+        return None
+    return scales.float().t().contiguous()
+
+
 def int8_matmul(x: torch.Tensor, signed: torch.Tensor, scale: torch.Tensor,
                 correction: torch.Tensor | None) -> torch.Tensor:
     y = torch.ops.aten._weight_int8pack_mm(x, signed, scale)

@@ -1,7 +1,8 @@
 """int8 weights, one scale per output channel, on CPU: the compiled kernels (kernels/csrc/int8_weight_cpu.cpp) for
 few rows and, tile by tile, for batches; the whole weight dequantized before one GEMM for prefill chunks; aten's
 int8 weight-only kernel for bf16 inputs and where the compiled kernels are absent. With 8-bit inputs (the engine's
---int4-activations int8, the CPU default) integer dot products (kernels/csrc/int8_q8_cpu.cpp)."""
+--int4-activations int8, the CPU default) integer dot products (kernels/csrc/int8_q8_cpu.cpp), which also take
+symmetric weights with a scale per group of columns (GPTQ's 8-bit groups, a logits head rounded per 32 columns)."""
 
 from __future__ import annotations
 
@@ -10,6 +11,7 @@ import torch.nn.functional as F
 
 from llmopt.runtime.executor.kernels.cpu_ops import cpu_ops
 from llmopt.runtime.executor.kernels.quant_matmul import (
+    int8_group_scales,
     int8_matmul,
     int8_scale_shift,
     pack_int8,
@@ -168,3 +170,83 @@ class Int8Q8Linear(Q8InputsMixin, Int8PackedLinear):
         op, codes, scale, shift = cpu_ops().int8_matmul_q8.default, self.q8_codes, self.q8_scale, self.q8_shift
         block = self.q8_input_block
         return lambda x2d: op(x2d, codes, scale, shift, block)
+
+
+class GroupedInt8Linear(RowPathsMixin, LinearMethod):
+    """Symmetric int8 weights with one scale per output and group of G columns, dequantized whole for one GEMM: the
+    float path of Int8GroupedQ8Linear (not registered: with float inputs such a weight takes the dense method)."""
+
+    prefill_only_buffers = ("signed",)  # (eval.speed.model_cost: a decode step reads the q8 layout)
+
+    def __init__(self, qweight, dtype, device="cpu"):
+        super().__init__(qweight, dtype, device)
+        self.register_buffer("signed", qweight.signed_codes().contiguous())  # [N, K] int8
+        self.register_buffer("q8_group_scale", int8_group_scales(qweight.scales, qweight.zeros))  # [G, N] float32
+
+    def plan_key_detail(self) -> str:
+        return f"|g{self.in_features // self.q8_group_scale.shape[0]}"
+
+    def row_paths(self) -> dict[str, int | None]:
+        return {"dequantize": None}
+
+    def default_path(self, rows: int) -> str:
+        return "dequantize"
+
+    def _path_dequantize(self, x2d):
+        """The whole weight dequantized into a reused buffer, then one dense GEMM (prefill chunks)."""
+        n, k = self.out_features, self.in_features
+        groups = self.q8_group_scale.shape[0]
+        weight = dequantize_buffer(n * k, self.dtype).view(n, groups, k // groups)
+        torch.mul(self.signed.view(n, groups, k // groups), self.q8_group_scale.t().unsqueeze(-1), out=weight)
+        return F.linear(x2d, weight.view(n, k))
+
+
+@register_linear_method
+class Int8GroupedQ8Linear(Q8InputsMixin, GroupedInt8Linear):
+    """Symmetric int8 weights with one scale per output and group of G columns (G a multiple of 32 dividing K:
+    GPTQ's 8-bit groups; `--lm-head int8-g32`, a logits head rounded per 32 columns as llama.cpp's Q8_0) with
+    8-bit inputs: `int8_matmul_q8` with grouped scales (each block's integer sum times its input scale and its
+    group's weight scale). Beyond decode sizes it is timed against the weight dequantized whole."""
+
+    name, priority = "int8-grouped-q8-cpu", 20
+
+    def __init__(self, qweight, dtype, device="cpu"):
+        super().__init__(qweight, dtype, device)
+        self.register_buffer("q8_codes", pack_int8_q8(self.signed))  # [N/16, K/4, 64]
+
+    @classmethod
+    def accepts(cls, qweight, scheme, device):
+        acts, w = scheme.input_activations, qweight.scheme
+        if device.type != "cpu" or cpu_ops() is None or not takes_int8_inputs(acts) or acts.strategy != "group":
+            return False
+        n, k = qweight.shape
+        groups = qweight.scales.shape[1]
+        return (w.type == "int" and w.bits == 8 and 1 < groups and k % groups == 0
+                and (k // groups) % cls.q8_input_block == 0 and n % 16 == 0 and qweight.has_trivial_g_idx
+                and int8_group_scales(qweight.scales, qweight.zeros) is not None)
+
+    @staticmethod
+    def can_stack(parts) -> bool:
+        first = parts[0]
+        return all(type(p) is type(first) and p.in_features == first.in_features and p.dtype == first.dtype
+                   and p.q8_group_scale.shape[0] == first.q8_group_scale.shape[0] for p in parts)
+
+    @classmethod
+    def stack(cls, parts):
+        """One layer computing cat([part(x) for part in parts], -1) in one call (exact: each output is its own)."""
+        fused = new_stacked(cls, parts[0], sum(p.out_features for p in parts), parts)
+        fused.register_buffer("signed", torch.cat([p.signed for p in parts]))
+        fused.register_buffer("q8_group_scale", torch.cat([p.q8_group_scale for p in parts], dim=1))
+        fused.register_buffer("q8_codes", torch.cat([p.q8_codes for p in parts]))  # (panels of whole parts)
+        return fused
+
+    def _path_q8(self, x2d):
+        return cpu_ops().int8_matmul_q8(x2d, self.q8_codes, self.q8_group_scale, None, self.q8_input_block)
+
+    def _bind_q8(self):
+        op, codes, scale, block = (cpu_ops().int8_matmul_q8.default, self.q8_codes, self.q8_group_scale,
+                                   self.q8_input_block)
+        return lambda x2d: op(x2d, codes, scale, None, block)
+
+    def graph_kernels(self):
+        return {"q8": ("int8_matmul_q8", [self.q8_codes, self.q8_group_scale], [self.q8_input_block])}

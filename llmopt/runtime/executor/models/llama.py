@@ -168,11 +168,11 @@ class LlamaFamilyDecoder(nn.Module):
             if type(self.lm_head) is nn.Linear and self.lm_head.bias is None and hasattr(self.fused_ops, "gemv"):
                 self._gemv_weight = exactly_narrowed(self.lm_head.weight.detach())
 
-    def quantize_lm_head(self, input_activations) -> str:
-        """`--lm-head int8`: the logits head rounded to int8 per vocabulary row (symmetric round-to-nearest, the
-        RTN quantizer's) and built as the registry's int8 linear for `input_activations` (8-bit inputs: integer
-        dots), in place of the checkpoint's float head; the embedding keeps its float weight (tied or not).
-        Returns the head's linear method."""
+    def quantize_lm_head(self, input_activations, group_size: int = -1) -> str:
+        """`--lm-head int8` / `int8-g32`: the logits head rounded to int8 per vocabulary row or per group_size
+        columns (symmetric round-to-nearest, the RTN quantizer's) and built as the registry's int8 linear for
+        `input_activations` (8-bit inputs: integer dots), in place of the checkpoint's float head; the embedding
+        keeps its float weight (tied or not). Returns the head's linear method."""
         from llmopt.compress.quant import quantize_rtn
         from llmopt.core.contract import QuantScheme
         from llmopt.core.errors import ConfigError
@@ -183,7 +183,7 @@ class LlamaFamilyDecoder(nn.Module):
                               f"{type(self.lm_head).__name__}{', tensor-parallel' if self.group else ''}): use "
                               "--lm-head model", param="lm_head")
         weight = self.lm_head.weight.detach()
-        qweight = quantize_rtn(weight.float(), QuantScheme(8, -1, True), bias=self.lm_head.bias)
+        qweight = quantize_rtn(weight.float(), QuantScheme(8, group_size, True), bias=self.lm_head.bias)
         self.logits_head = make_linear(qweight, weight.dtype, weight.device, input_activations)
         self._gemv_weight = None  # (the head's own kernels serve batch 1 too)
         return method_name(self.logits_head)

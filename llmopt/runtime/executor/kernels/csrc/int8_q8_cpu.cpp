@@ -5,6 +5,11 @@
 // multiply-adds per instruction than fp32 FMAs (fp32 GEMMs are compute-bound there, so an int8 weight that is
 // widened to fp32 can at best tie them).
 //
+// Grouped weights (symmetric, one scale per output and group of G columns, G a multiple of 32: GPTQ's 8-bit groups, a
+// logits head rounded per block of 32 as llama.cpp's Q8_0): scale [K/G, N], group-major so that a panel's 16 scales of
+// one group are one load; each block's integer sum is scaled by the input's d times its group's weight scale:
+//   y = sum_blocks d * scale[g(block)] * sum(w * xq)
+//
 // Layout (quant_matmul.pack_int8_q8): the outputs in panels of 16, the columns in chunks of 4. codes [N/16, K/4, 64]
 // int8: in chunk c of panel p, bytes 4j..4j+3 are output 16p + j's columns 4c..4c+3; one 64-byte load gives every
 // output of the panel a 32-bit lane of 4 codes, and one broadcast of 4 input bytes feeds all 16 lanes.
@@ -36,10 +41,13 @@ using int4::quantize_inputs;
 
 constexpr int64_t CHUNK = 4;  // columns per 32-bit lane
 
-// What follows the integer sums, per output: y = scale * sums + shift * sum(inputs)
+// What follows the integer sums, per output: y = scale * sums + shift * sum(inputs); grouped weights: each block's
+// sum times its group's scale (group_scale [K/G, N], G = group_blocks * 32), no shift
 struct Epilogue {
-  const float* scale;
+  const float* scale;  // [N] (null when grouped)
   const float* shift;  // or null
+  const float* group_scale = nullptr;
+  int64_t group_blocks = 0;
 };
 
 // 16 int32 lanes, one per output of a panel. Codes: a chunk's 64 codes as |w| and sign, made once per row tile;
@@ -97,7 +105,7 @@ inline Vec to_vec(QVec a) { return {_mm256_cvtepi32_ps(a.lo), _mm256_cvtepi32_ps
 
 #if defined(LLMOPT_VEC)
 // NP panels from panel p, rows m0..m0+MB: results into y (row stride N), rounded once to its dtype
-template <int MB, int NP, typename T>
+template <int MB, int NP, bool GROUPED, typename T>
 void q8_panels(const Q8Inputs& q, int64_t m0, const int8_t* codes, const Epilogue& e, int64_t act_group, int64_t p,
                T* y, int64_t N) {
   const int64_t K = q.K, chunks = K / CHUNK, blocks = K / Q8_BLOCK;
@@ -116,15 +124,23 @@ void q8_panels(const Q8Inputs& q, int64_t m0, const int8_t* codes, const Epilogu
         for (int i = 0; i < NP; ++i) qdot(acc[i][m], w[i], in);
       }
     }
+    Vec weight_scale[NP];  // (grouped: this block's group's scale for each panel's 16 outputs)
+    if constexpr (GROUPED)
+      for (int i = 0; i < NP; ++i) weight_scale[i] = load16(e.group_scale + (blk / e.group_blocks) * N + (p + i) * 16);
     for (int m = 0; m < MB; ++m) {
       const Vec d = vset1(q.d[(m0 + m) * q.act_groups + blk * Q8_BLOCK / act_group]);
-      for (int i = 0; i < NP; ++i) total[i][m] = vfma(to_vec(acc[i][m]), d, total[i][m]);
+      for (int i = 0; i < NP; ++i) {
+        if constexpr (GROUPED)
+          total[i][m] = vfma(to_vec(acc[i][m]), d * weight_scale[i], total[i][m]);
+        else
+          total[i][m] = vfma(to_vec(acc[i][m]), d, total[i][m]);
+      }
     }
   }
   for (int i = 0; i < NP; ++i) {
-    const Vec s = load16(e.scale + (p + i) * 16);
+    const Vec s = GROUPED ? vset1(1.f) : load16(e.scale + (p + i) * 16);
     for (int m = 0; m < MB; ++m) {
-      Vec out = total[i][m] * s;
+      Vec out = GROUPED ? total[i][m] : total[i][m] * s;
       if (e.shift != nullptr) out = vfma(load16(e.shift + (p + i) * 16), vset1(q.xsum[m0 + m]), out);
       store16(y + (m0 + m) * N + (p + i) * 16, out);
     }
@@ -146,10 +162,13 @@ void q8_panel_scalar(const Q8Inputs& q, int64_t m, const int8_t* codes, const Ep
         const int8_t* x = q.xq.data() + m * K + c * CHUNK;
         for (int b = 0; b < 4; ++b) dot += static_cast<int32_t>(lane[b]) * x[b];
       }
-      total = std::fma(static_cast<float>(dot), q.d[m * q.act_groups + blk * Q8_BLOCK / act_group], total);
+      const float d = q.d[m * q.act_groups + blk * Q8_BLOCK / act_group];
+      const int64_t n = p * 16 + j;
+      total = std::fma(static_cast<float>(dot),
+                       e.group_scale != nullptr ? d * e.group_scale[(blk / e.group_blocks) * N + n] : d, total);
     }
     const int64_t n = p * 16 + j;
-    float out = total * e.scale[n];
+    float out = e.group_scale != nullptr ? total : total * e.scale[n];
     if (e.shift != nullptr) out = std::fma(e.shift[n], q.xsum[m], out);
     y[m * N + n] = from_float<T>(out);
   }
@@ -161,7 +180,10 @@ void q8_rows(const Q8Inputs& q, int64_t M, const int8_t* codes, const Epilogue& 
              int64_t begin, int64_t end, T* y, int64_t N) {
 #if defined(LLMOPT_VEC)
   int4::for_panel_tiles(M, begin, end, [&](int64_t m0, auto rows, auto panels, int64_t p) {
-    q8_panels<decltype(rows)::value, decltype(panels)::value, T>(q, m0, codes, e, act_group, p, y, N);
+    if (e.group_scale != nullptr)
+      q8_panels<decltype(rows)::value, decltype(panels)::value, true, T>(q, m0, codes, e, act_group, p, y, N);
+    else
+      q8_panels<decltype(rows)::value, decltype(panels)::value, false, T>(q, m0, codes, e, act_group, p, y, N);
   });
 #else
   for (int64_t p = begin; p < end; ++p)
@@ -192,13 +214,22 @@ at::Tensor int8_matmul_q8(const at::Tensor& x, const at::Tensor& codes, const at
   TORCH_CHECK(K % Q8_BLOCK == 0, "K must be a multiple of 32");
   TORCH_CHECK(act_group > 0 && act_group % Q8_BLOCK == 0 && K % act_group == 0,
               "the activation group must be a multiple of 32 dividing K");
-  TORCH_CHECK(scale.dim() == 1 && scale.size(0) == N && scale.scalar_type() == at::kFloat,
-              "scale [N] float32 expected");
-  TORCH_CHECK(!shift.has_value() || (shift->dim() == 1 && shift->size(0) == N && shift->scalar_type() == at::kFloat),
-              "shift [N] float32 expected");
+  const bool grouped = scale.dim() == 2;
+  TORCH_CHECK(scale.scalar_type() == at::kFloat && scale.size(-1) == N && (scale.dim() == 1 || grouped),
+              "scale [N] or, for grouped weights, [K/G, N] float32 expected");
+  const int64_t groups = grouped ? scale.size(0) : 1;
+  TORCH_CHECK(!grouped || (groups > 0 && K % groups == 0 && (K / groups) % Q8_BLOCK == 0),
+              "grouped scales need groups of a multiple of 32 columns dividing K");
+  TORCH_CHECK(!shift.has_value() || (!grouped && shift->dim() == 1 && shift->size(0) == N &&
+                                     shift->scalar_type() == at::kFloat),
+              "shift [N] float32 expected (grouped weights are symmetric: no shift)");
   const at::Tensor xc = x.contiguous(), cc = codes.contiguous(), sc = scale.contiguous();
   const at::Tensor hc = shift.has_value() ? shift->contiguous() : at::Tensor();
-  const Epilogue e{sc.data_ptr<float>(), shift.has_value() ? hc.data_ptr<float>() : nullptr};
+  Epilogue e{grouped ? nullptr : sc.data_ptr<float>(), shift.has_value() ? hc.data_ptr<float>() : nullptr};
+  if (grouped) {
+    e.group_scale = sc.data_ptr<float>();
+    e.group_blocks = K / groups / Q8_BLOCK;
+  }
   at::Tensor y = at::empty({x.size(0), N}, x.options());
   LLMOPT_DISPATCH(xc, [&] { int8_q8_matmul_impl<scalar_t>(xc, cc, e, act_group, y); });
   return y;
