@@ -1,11 +1,14 @@
 """Is a quantized SmolLM2 faster than the dense one at every batch size? Output tok/s of GPTQ w4g64 and RTN int8
-weight-only vs fp32 dense at concurrency 1, 4, 16, 64 (128 in / 128 out), all in one run: the variants alternate
-within each round and each ratio is the median over rounds. Every run records which kernel each linear shape
-chose per row bucket (`linear_paths`, measured at engine start).
+weight-only (per channel, and with --int8-grouped in groups of 64 columns) vs fp32 dense at concurrency 1, 4, 16,
+64 (128 in / 128 out), all in one run: the variants alternate within each round and each ratio is the median over
+rounds. Every run records which kernel each linear shape chose per row bucket (`linear_paths`, measured at engine
+start).
 
     llmopt quantize smollm2-135m --method gptq --bits 4 --group-size 64 -o /tmp/gptq
     llmopt quantize smollm2-135m --method rtn --bits 8 --group-size -1 -o /tmp/int8
-    python benchmarks/int4_batch.py --gptq /tmp/gptq --int8 /tmp/int8 --json docs/results/data/int4_batch.json
+    llmopt quantize smollm2-135m --method rtn --bits 8 --group-size 64 -o /tmp/int8-g64
+    python benchmarks/int4_batch.py --gptq /tmp/gptq --int8 /tmp/int8 [--int8-grouped /tmp/int8-g64] \
+        --json docs/results/data/int4_batch.json
 """
 
 from __future__ import annotations
@@ -18,12 +21,14 @@ from rows import alternating_rounds, concurrency_run, emit, save_rows
 
 DENSE = "smollm2-135m"
 TARGETS = {"gptq": {1: 1.8, 4: 1.5, 16: 1.2, 64: 1.0}, "int8": {1: 1.5, 4: 1.3, 16: 1.1, 64: 1.0}}
+TARGETS["int8-grouped"] = TARGETS["int8"]  # (the same bytes per weight, and 1/16 more for the scales)
 
 
 def parse_args():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--gptq", required=True, help="a GPTQ w4g64 artifact of SmolLM2-135M")
     parser.add_argument("--int8", default=None, help="an RTN int8 (per channel) artifact of SmolLM2-135M")
+    parser.add_argument("--int8-grouped", default=None, help="an RTN int8 artifact with groups of columns (SmolLM2: 64)")
     parser.add_argument("--dtype", default="float32", help="compute dtype of every variant (default float32)")
     parser.add_argument("--concurrency", default="1,4,16,64")
     parser.add_argument("--input-len", type=int, default=128)
@@ -59,6 +64,8 @@ def main() -> None:
     variants = {"dense": DENSE, "gptq": args.gptq}
     if args.int8:
         variants["int8"] = args.int8
+    if args.int8_grouped:
+        variants["int8-grouped"] = args.int8_grouped
     levels = [int(c) for c in args.concurrency.split(",")]
 
     def measure(model: str, level: int) -> dict:

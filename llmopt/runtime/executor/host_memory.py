@@ -60,6 +60,7 @@ def keep_freed_host_memory() -> bool:
 HUGE_PAGE_BYTES = 2 << 20  # x86-64's transparent huge page
 TENSOR_ALIGN = 64  # bytes: each weight in the huge-page arena starts on a cache line
 TRIM_EVERY_BYTES = 256 << 20  # weights moved between two returns of the freed heap to the OS
+MOVE_MIN_BYTES = HUGE_PAGE_BYTES  # weights smaller than one huge page in all stay where they are
 
 
 def huge_page_zeros(nbytes: int) -> torch.Tensor | None:
@@ -124,7 +125,7 @@ def weights_to_huge_pages(module: nn.Module, sharing: tuple[nn.Module, ...] = ()
     for key, tensors in storages.items():
         offsets[key] = total
         total += -(-tensors[0].untyped_storage().nbytes() // TENSOR_ALIGN) * TENSOR_ALIGN
-    arena = huge_page_zeros(total) if total >= HUGE_PAGE_BYTES else None
+    arena = huge_page_zeros(total) if total >= MOVE_MIN_BYTES else None
     if arena is None:
         return 0
     since_trim = 0
