@@ -403,6 +403,24 @@ def cpu_line() -> str:
             f"auto dtype {resolve_dtype('auto')}")
 
 
+THP_ROOT = "/sys/kernel/mm/transparent_hugepage"
+
+
+def thp_mode(root: str = THP_ROOT) -> str | None:
+    """Linux's transparent huge page settings as "MODE, defrag DEFRAG" (the bracketed choice of each file:
+    "madvise, defrag madvise" gives huge pages only to memory that asks, as the runtime's weights and KV cache do;
+    "never": none), or None where the files are absent (not Linux)."""
+    chosen = {}
+    for name in ("enabled", "defrag"):
+        try:
+            text = Path(root, name).read_text()
+        except OSError:
+            return None
+        match = re.search(r"\[([^\]]+)\]", text)
+        chosen[name] = match.group(1) if match else text.strip()
+    return f"{chosen['enabled']}, defrag {chosen['defrag']}"
+
+
 def hardware_facts(measure: bool = True, refresh: bool = False) -> dict:
     """Everything above as one JSON-able dict (for `llmopt env` and benchmark JSON); measure=False leaves out
     the measured rates (which `auto` still reads where the CPU has bf16 units)."""
@@ -416,6 +434,7 @@ def hardware_facts(measure: bool = True, refresh: bool = False) -> dict:
         "simulated_level": _cap_level(), "kernel_isa": kernel_isa(), "supported_kernel_isas": supported_kernel_isas(),
         "native_bf16": native_bf16(), "auto_dtype": resolve_dtype("auto"),
         "torch_cpu_capability": torch.backends.cpu.get_cpu_capability(),
+        "transparent_huge_pages": thp_mode(),
     }
     if measure:
         rates = measured_rates(refresh)

@@ -195,3 +195,15 @@ def test_forced_isa_loads_that_build_of_the_kernels(isa):
     out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True,
                          timeout=limit(600))
     assert out.stdout.strip() == isa
+
+
+def test_thp_mode_reads_the_bracketed_choices(tmp_path):
+    from llmopt.core.hardware import hardware_facts, thp_mode
+
+    (tmp_path / "enabled").write_text("always [madvise] never\n")
+    (tmp_path / "defrag").write_text("always defer defer+madvise [madvise] never\n")
+    assert thp_mode(str(tmp_path)) == "madvise, defrag madvise"
+    (tmp_path / "enabled").write_text("[never]\n")
+    assert thp_mode(str(tmp_path)).startswith("never,")
+    assert thp_mode(str(tmp_path / "absent")) is None
+    assert "transparent_huge_pages" in hardware_facts(measure=False)
