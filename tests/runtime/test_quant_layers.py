@@ -261,6 +261,21 @@ def int8_with_8_bit_inputs_reference(x, qw, block=32):
     return y + qw.bias.double() if qw.bias is not None else y
 
 
+def assert_decode_rows_run_the_8_bit_kernel(layer, qw, dtype, kernel_calls, row_counts):
+    """At each decode row count the layer calls int8_matmul_q8 alone and computes the rounded inputs' product;
+    only the 8-bit kernel is a candidate there."""
+    k = qw.shape[1]
+    for rows in row_counts:
+        x = torch.randn(rows, k).to(dtype)
+        kernel_calls.clear()
+        y = layer(x)
+        assert kernel_calls == ["int8_matmul_q8"], rows
+        expected = int8_with_8_bit_inputs_reference(x, qw)
+        tol = 1e-5 if dtype == torch.float32 else 1e-2
+        torch.testing.assert_close(y.double(), expected, rtol=tol, atol=tol * expected.abs().max().item())
+    assert layer.candidate_paths(layer.q8_only_rows, layer.row_paths()) == ["q8"]
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_int8_weights_with_8_bit_inputs_multiply_integers(dtype, kernel_calls):
     # the engine's int8 inputs (the CPU default) reach int8 weight-only layers too: the 8-bit kernel at decode
@@ -268,16 +283,8 @@ def test_int8_weights_with_8_bit_inputs_multiply_integers(dtype, kernel_calls):
     qw = qweight(48, 192, 8, -1, True, bias=True)
     layer = quantized_linear(qw, dtype, "cpu", INT8_GROUP_ACTIVATIONS)
     assert type(layer) is Int8Q8Linear and type(quantized_linear(qw, dtype)) is Int8PackedLinear
-    for rows in (1, 3, 8, 9, 16):
-        x = torch.randn(rows, 192).to(dtype)
-        kernel_calls.clear()
-        y = layer(x)
-        assert kernel_calls == ["int8_matmul_q8"], rows
-        expected = int8_with_8_bit_inputs_reference(x, qw)
-        tol = 1e-5 if dtype == torch.float32 else 1e-2
-        torch.testing.assert_close(y.double(), expected, rtol=tol, atol=tol * expected.abs().max().item())
+    assert_decode_rows_run_the_8_bit_kernel(layer, qw, dtype, kernel_calls, (1, 3, 8, 9, 16))
     paths = layer.row_paths()
-    assert layer.candidate_paths(layer.q8_only_rows, paths) == ["q8"]
     assert {"q8", "tiled", "dequantize"} <= set(layer.candidate_paths(layer.q8_only_rows + 1, paths))
     x = torch.randn(64, 192).to(dtype)  # every path beyond decode: close to the exact product
     exact = reference(x.float(), qw)
@@ -296,16 +303,8 @@ def test_grouped_int8_weights_with_8_bit_inputs_multiply_integers(dtype, group, 
     assert type(layer) is Int8GroupedQ8Linear
     assert packed_kind(qw, "cpu") == "dense"
     assert packed_kind(qweight(48, 192, 8, group, False), "cpu", INT8_GROUP_ACTIVATIONS) == "dense"
-    for rows in (1, 3, 16):
-        x = torch.randn(rows, 192).to(dtype)
-        kernel_calls.clear()
-        y = layer(x)
-        assert kernel_calls == ["int8_matmul_q8"], rows
-        expected = int8_with_8_bit_inputs_reference(x, qw)
-        tol = 1e-5 if dtype == torch.float32 else 1e-2
-        torch.testing.assert_close(y.double(), expected, rtol=tol, atol=tol * expected.abs().max().item())
+    assert_decode_rows_run_the_8_bit_kernel(layer, qw, dtype, kernel_calls, (1, 3, 16))
     paths = layer.row_paths()
-    assert layer.candidate_paths(layer.q8_only_rows, paths) == ["q8"]
     assert set(layer.candidate_paths(layer.q8_only_rows + 1, paths)) == {"q8", "dequantize"}
     x = torch.randn(64, 192).to(dtype)
     tol = 1e-4 if dtype == torch.float32 else 2e-2
