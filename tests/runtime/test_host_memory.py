@@ -189,3 +189,24 @@ def test_an_engine_over_weights_in_huge_pages_generates_what_it_did_before(monke
         else:
             assert runner.weights_in_huge_pages == 0
     assert runs["1"] == runs["0"]
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="anonymous mappings with madvise")
+def test_buffers_only_prefill_reads_stay_where_they_are():
+    # another layout of the same codes, read by compute-bound prefill GEMMs (a linear method's
+    # prefill_only_buffers), is not worth the move's start-up time
+    import torch
+    from torch import nn
+
+    class Method(nn.Module):
+        prefill_only_buffers = ("panels",)
+
+        def __init__(self):
+            super().__init__()
+            self.register_buffer("codes", torch.ones(3 << 20, dtype=torch.int8))
+            self.register_buffer("panels", torch.ones(3 << 20, dtype=torch.int8))
+
+    method = Method()
+    panels = method.panels.data_ptr()
+    assert host_memory.weights_to_huge_pages(nn.Sequential(method)) == 3 << 20
+    assert method.panels.data_ptr() == panels and method.codes.data_ptr() % host_memory.HUGE_PAGE_BYTES == 0

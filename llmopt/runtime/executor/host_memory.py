@@ -83,10 +83,14 @@ def huge_page_zeros(nbytes: int) -> torch.Tensor | None:
 def _plain_cpu_tensors(module: nn.Module):
     """The module's parameters, buffers and tensor attributes (a detached view of a weight kept for one kernel)
     that live in ordinary CPU memory: not oneDNN's prepacked weights, which are opaque tensors, nor inference
-    tensors, which cannot be moved outside inference mode."""
+    tensors, which cannot be moved outside inference mode, nor the buffers a linear method reads only for
+    prefill-sized steps (its `prefill_only_buffers`: other layouts of the same codes, read by compute-bound GEMMs;
+    an int4 artifact's decode reads a quarter of its layers' bytes)."""
     for sub in module.modules():
+        prefill_only = set(getattr(sub, "prefill_only_buffers", ()))
+        buffers = [t for name, t in sub._buffers.items() if name not in prefill_only]
         attributes = [value for value in vars(sub).values() if isinstance(value, torch.Tensor)]
-        for tensor in [*sub._parameters.values(), *sub._buffers.values(), *attributes]:
+        for tensor in [*sub._parameters.values(), *buffers, *attributes]:
             if (tensor is not None and tensor.device.type == "cpu" and tensor.layout == torch.strided
                     and not tensor.is_inference()):
                 yield tensor
