@@ -244,6 +244,9 @@ def bench_runtime(name: str, model_name: str, spec: WorkloadSpec, config: BenchC
         records, duration = run_engine(engine, requests, config.max_concurrency, progress)
         stats, kv, numerics = engine.stats(), engine.kv_cache_info(), engine.numerics()
         cost = model_cost(engine.runner.decoder, kv["bytes_per_token"]) if single else None
+        # (the weights' pages change decode speed, not numbers: runtime/executor/host_memory.py; None: another
+        # process's runner)
+        huge_pages = getattr(engine.runner, "weights_in_huge_pages", None)
     finally:
         engine.close()  # (the other ranks or replicas)
     peaks = measure_peaks(DTYPES[config.dtype], config.peak_bandwidth, config.peak_flops, config.device)
@@ -261,7 +264,7 @@ def bench_runtime(name: str, model_name: str, spec: WorkloadSpec, config: BenchC
         metrics.update({f"spec_{key}": value for key, value in stats.spec_decode.to_json().items()})
     return RunResult(name, model_name, {"backend": "runtime", **asdict(config), "workload": asdict(spec),
                                         "kv_cache": kv["summary"], "numerics": numerics,
-                                        "hardware": _hardware(config)},
+                                        "weights_in_huge_pages_bytes": huge_pages, "hardware": _hardware(config)},
                      metrics, records, [s.num_seqs for s in stats.steps])
 
 

@@ -32,6 +32,7 @@ def test_bench_with_hf_baseline_writes_json(tiny_llama_dir, tmp_path):
     # the tiny model's linears are dense: int8 inputs resolved, but no int4 linear to use them
     assert numerics["activations"] == "auto" and numerics["activations_resolved"] == "int8"
     assert numerics["attention_backend_resolved"] == "cpu"
+    assert runs[0]["config"]["weights_in_huge_pages_bytes"] == 0  # (a tiny model: less than one huge page)
 
 
 def test_bench_engine_options_reach_the_engine(tiny_llama_dir, tmp_path):
