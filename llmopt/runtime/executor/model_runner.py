@@ -183,7 +183,8 @@ class ModelRunner:
         method = quantize(ACTIVATION_SCHEMES[self.activations], LM_HEAD_GROUPS[mode])
         if method == "dense":  # (a grouped head no kernel holds with these inputs: dequantized, nothing gained)
             raise ConfigError(f"--lm-head {mode} needs 8-bit inputs (--int4-activations int8, the CPU default with "
-                              "the fast path) and the compiled CPU kernels: use --lm-head int8", param="lm_head")
+                              "the fast path), the compiled CPU kernels, a vocabulary of a multiple of 16 and a "
+                              "hidden size of a multiple of 32: use --lm-head int8", param="lm_head")
         self.linear_methods = dict(sorted({**self.linear_methods, f"lm_head: {method}": 1}.items()))
 
     def kv_cache_summary(self) -> str:
