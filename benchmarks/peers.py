@@ -12,8 +12,9 @@ row's activations, what `llmopt bench` uses). Each round measures every row in t
 - beside the fp32 rows, the machine's memory speed at that moment: every fp32 weight read once by torch's sum (the
   bytes each fp32 batch-1 token reads; both runtimes' TPOT over that time is printed);
 the int4 row also with `--lm-head int8` and `int8-g32` (the logits head rounded to int8 at load per row, or per 32
-columns as Q8_0; llama.cpp's own Q4_1 file holds its head in Q6_K), against the same llama.cpp figures; with --small-pages also the int4 and fp32 rows with the weights left
-in malloc's 4 KiB pages (LLMOPT_WEIGHTS_HUGE_PAGES=0; the default moves them into transparent huge pages).
+columns as Q8_0; llama.cpp's own Q4_1 file holds its head in Q6_K), against the same llama.cpp figures; with
+--small-pages also the int4 and fp32 rows with the weights left in malloc's 4 KiB pages (LLMOPT_WEIGHTS_HUGE_PAGES=0;
+the default moves them into transparent huge pages).
 Then the profile of 16 int4 batch-1 decode steps (torch.profiler): the linears' kernels, attention, the lm_head,
 the other ops, and the rest of the step's wall time (Python, dispatch). With --llama-server (the path of
 llama.cpp's `llama-server`, built from source here), serving: `llmopt serve` on the int4 artifact against
@@ -29,7 +30,6 @@ default cache type; --serve-rounds rounds, medians).
 from __future__ import annotations
 
 import argparse
-import contextlib
 import multiprocessing as mp
 import os
 import random
@@ -38,6 +38,7 @@ import sys
 import tempfile
 import time
 from pathlib import Path
+from unittest.mock import patch
 
 from serve import free_port, started  # (benchmarks/serve.py: a server subprocess, once its /health answers)
 
@@ -96,19 +97,11 @@ def llmopt_engine(model: str, dtype: str, lm_head: str = "model"):
     return create_engine(model, EngineConfig(max_num_seqs=8, lm_head=lm_head), dtype=dtype)
 
 
-@contextlib.contextmanager
 def weights_in_small_pages(small: bool):
-    """Engines created inside leave their weights where the loader put them (LLMOPT_WEIGHTS_HUGE_PAGES=0: malloc's
-    4 KiB pages) when `small`; else as the default, moved into transparent huge pages."""
-    previous = os.environ.get("LLMOPT_WEIGHTS_HUGE_PAGES")
-    if small:
-        os.environ["LLMOPT_WEIGHTS_HUGE_PAGES"] = "0"
-    try:
-        yield
-    finally:
-        if small:
-            os.environ.pop("LLMOPT_WEIGHTS_HUGE_PAGES") if previous is None else \
-                os.environ.__setitem__("LLMOPT_WEIGHTS_HUGE_PAGES", previous)
+    """A context in which engines created leave their weights where the loader put them (LLMOPT_WEIGHTS_HUGE_PAGES=0:
+    malloc's 4 KiB pages) when `small`; else as the default, moved into transparent huge pages. The environment is
+    restored on leaving."""
+    return patch.dict(os.environ, {"LLMOPT_WEIGHTS_HUGE_PAGES": "0"} if small else {})
 
 
 def llmopt_run(engine, args, decode_prompts, long_prompt) -> dict:

@@ -76,11 +76,10 @@ def test_the_cpu_kv_budget_stays_inside_the_cgroup(monkeypatch):
 # --- weights in transparent huge pages ------------------------------------------------------------------------------
 def thp_offered() -> bool:
     """Whether this kernel hands out transparent huge pages on request (its mode is `always` or `madvise`)."""
-    try:
-        with open("/sys/kernel/mm/transparent_hugepage/enabled") as f:
-            return "[never]" not in f.read()
-    except OSError:
-        return False
+    from llmopt.core.hardware import thp_mode
+
+    mode = thp_mode()
+    return mode is not None and not mode.startswith("never")
 
 
 def anon_huge_kb(address: int) -> int:
