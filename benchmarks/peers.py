@@ -1,9 +1,11 @@
-"""llmopt against llama.cpp on the same weights and machine: batch-1 decode and a 512-token prompt's TTFT, int4 and
-fp32, plus where the time of llmopt's batch-1 decode step goes.
+"""llmopt against llama.cpp on the same weights and machine: batch-1 decode and a 512-token prompt's TTFT, int4,
+fp32 and bf16, plus where the time of llmopt's batch-1 decode step goes.
 
 Weights: an int4 artifact of --model (RTN w4 g32 asymmetric: the layout of llama.cpp's Q4_1, so `llmopt export
 --format gguf` writes the very same codes; GPTQ codes share the layout and so the speed) run by llmopt's runtime,
-and its GGUF export run by llama.cpp; fp32: the model run by llmopt in fp32 and its F32 GGUF export by llama.cpp.
+and its GGUF export run by llama.cpp; fp32: the model run by llmopt in fp32 and its F32 GGUF export by llama.cpp;
+bf16: the model run by llmopt in bf16 (`--dtype auto` on CPUs with AVX512-BF16 or AMX) and by llama.cpp from a BF16
+file its own quantizer made of the F32 one (the same rounding to nearest even).
 llama.cpp runs in its own process (llama-cpp-python, `Llama.generate` greedy, n_threads = --threads), so neither
 runtime's thread pool spins beside the other's; llmopt runs its Engine in this one (`--dtype auto` for the int4
 row's activations, what `llmopt bench` uses). Each round measures every row in turn (medians over --rounds):
@@ -23,7 +25,7 @@ both driven by `llmopt bench --base-url`'s client (`llmopt.eval.speed.bench_http
 same tokens committed at start and of the same dtype (--serve-kv-cache-dtype: float16 by default, llama-server's own
 default cache type; --serve-rounds rounds, medians).
 
-    python benchmarks/peers.py --json docs/results/data/peers.json [--model smollm2-135m] [--rounds 3]
+    python benchmarks/peers.py --json docs/results/data/peers.json [--model smollm2-135m] [--rounds 3] [--pairs fp32,bf16]
         [--llama-server PATH] [--clients 8,64] [--serve-rounds 1] [--serve-kv-cache-dtype float16] [--small-pages]
 """
 
@@ -76,6 +78,24 @@ def llamacpp_run(gguf: str, threads: int, decode_prompts: list[list[int]], out_t
         tpots.append((t[-1] - t[1]) / (len(t) - 2))
     t = generate(long_prompt, 1)
     result.put({"tpot_ms": statistics.median(tpots) * 1e3, "ttft512_ms": (t[1] - t[0]) * 1e3})
+
+
+def llamacpp_quantize(source: Path, output: Path, ftype_name: str, threads: int) -> None:
+    """llama.cpp's own conversion of a GGUF file (its quantizer, `llama-quantize`), in a process of its own."""
+    context = mp.get_context("spawn")
+    process = context.Process(target=_llamacpp_quantize, args=(str(source), str(output), ftype_name, threads))
+    process.start()
+    process.join(timeout=600)
+    if process.exitcode != 0:
+        raise RuntimeError(f"llama.cpp's quantizer failed for {output.name} (exit code {process.exitcode})")
+
+
+def _llamacpp_quantize(source: str, output: str, ftype_name: str, threads: int) -> None:
+    import llama_cpp
+
+    params = llama_cpp.llama_model_quantize_default_params()
+    params.ftype, params.nthread = getattr(llama_cpp, ftype_name), threads
+    sys.exit(llama_cpp.llama_model_quantize(source.encode(), output.encode(), params))
 
 
 def llamacpp(gguf: str, args, decode_prompts, long_prompt) -> dict:
@@ -252,6 +272,9 @@ def main() -> None:
                         help="both servers' KV cache dtype in the serving rows (float16: llama-server's default)")
     parser.add_argument("--small-pages", action="store_true",
                         help="also the int4 and fp32 rows with the weights in 4 KiB pages (LLMOPT_WEIGHTS_HUGE_PAGES=0)")
+    parser.add_argument("--pairs", default=None,
+                        help="only these rows, comma-separated (int4, int4 int8-head, int4 int8-g32-head, fp32, bf16, "
+                             "and with --small-pages int4 4k-pages, fp32 4k-pages)")
     parser.add_argument("--work", default=None, help="where the artifacts and GGUF files go (default: a temp dir)")
     parser.add_argument("--json", default=None)
     args = parser.parse_args()
@@ -269,20 +292,24 @@ def main() -> None:
     if not (int4 / "llmopt.json").is_file():
         quantize_to_artifact(args.model, int4, [make_config("rtn", bits=4, group_size=32, sym=False)],
                              overwrite=True)
-    ggufs = {"int4": work / "int4-q4_1.gguf", "fp32": work / "f32.gguf"}
+    ggufs = {"int4": work / "int4-q4_1.gguf", "fp32": work / "f32.gguf", "bf16": work / "bf16.gguf"}
     for kind, source in (("int4", int4), ("fp32", resolve_model(args.model).path)):
         if not ggufs[kind].is_file():
             export_gguf(source, ggufs[kind])
+    if not ggufs["bf16"].is_file():  # llama.cpp's own rounding of the F32 file (to nearest even, as torch's)
+        llamacpp_quantize(ggufs["fp32"], ggufs["bf16"], "LLAMA_FTYPE_MOSTLY_BF16", args.threads)
     decode_prompts = prompts(args.requests, 128, 0)
     long_prompt = prompts(1, 512, 1)[0]
     # kind -> (model, dtype, --lm-head, the llama.cpp row it is compared with); "int4 int8-head": the same int4
     # artifact with its logits head rounded to int8 at load (llama.cpp's Q4_1 file keeps its head as Q6_K)
     pairs = {"int4": (str(int4), "auto", "model", "int4"), "int4 int8-head": (str(int4), "auto", "int8", "int4"),
              "int4 int8-g32-head": (str(int4), "auto", "int8-g32", "int4"),
-             "fp32": (args.model, "float32", "model", "fp32")}
+             "fp32": (args.model, "float32", "model", "fp32"), "bf16": (args.model, "bfloat16", "model", "bf16")}
     if args.small_pages:  # the same engines with their weights left in malloc's 4 KiB pages
         pairs |= {"int4 4k-pages": pairs["int4"], "fp32 4k-pages": pairs["fp32"]}
-    rows = {f"{kind} llmopt": [] for kind in pairs} | {f"{kind} llama.cpp": [] for kind in ggufs}
+    if args.pairs:
+        pairs = {kind: pairs[kind] for kind in args.pairs.split(",")}
+    rows = {f"{kind} llmopt": [] for kind in pairs} | {f"{theirs} llama.cpp": [] for *_, theirs in pairs.values()}
     numerics = {}  # what llmopt's engine computed with (int4: 8-bit inputs by default), per kind
     weights = fp32_weights(resolve_model(args.model).path)
     reads = []  # every fp32 weight read once, measured beside each round's fp32 rows
@@ -300,21 +327,23 @@ def main() -> None:
             print(f"round {round_index} {kind}: llmopt {rows[f'{kind} llmopt'][-1]}, llama.cpp "
                   f"{rows[f'{theirs} llama.cpp'][-1]}", flush=True)
     medians = {name: {k: statistics.median(r[k] for r in runs) for k in runs[0]} for name, runs in rows.items()}
-    profile_split = step_profile(llmopt_engine(str(int4), "auto"))
-    profile_int8_head = step_profile(llmopt_engine(str(int4), "auto", "int8"))
+    profile_split = step_profile(llmopt_engine(str(int4), "auto")) if "int4" in pairs else {}
+    profile_int8_head = step_profile(llmopt_engine(str(int4), "auto", "int8")) if "int4" in pairs else {}
     print("\n| row | llmopt | llama.cpp | llmopt / llama.cpp |\n|---|---:|---:|---:|")
     for kind, (*_, their_kind) in pairs.items():
         ours, theirs = medians[f"{kind} llmopt"], medians[f"{their_kind} llama.cpp"]
         for key, label in (("tpot_ms", "batch-1 TPOT ms"), ("ttft512_ms", "TTFT of a 512-token prompt, ms")):
             print(f"| {kind} {label} | {ours[key]:.1f} | {theirs[key]:.1f} | {ours[key] / theirs[key]:.2f}x |")
-    read = {k: statistics.median(r[k] for r in reads) for k in reads[0]}
-    for kind in ("fp32 llmopt", "fp32 llama.cpp"):
-        read[f"{kind} tpot / read"] = round(medians[kind]["tpot_ms"] / read["read_once_ms"], 2)
-    print(f"\nfp32 weights read once by torch.sum: {read['fp32_weight_mb']:.0f} MB in {read['read_once_ms']:.1f} ms "
-          f"({read['gb_per_s']:.1f} GB/s); batch-1 TPOT / that: llmopt {read['fp32 llmopt tpot / read']:.2f}, "
-          f"llama.cpp {read['fp32 llama.cpp tpot / read']:.2f}")
-    print("\nllmopt int4 batch-1 decode step, ms per step by part:", profile_split)
-    print("the same with --lm-head int8:", profile_int8_head)
+    read = {k: statistics.median(r[k] for r in reads) for k in reads[0]} if reads else {}
+    if reads:
+        for kind in ("fp32 llmopt", "fp32 llama.cpp"):
+            read[f"{kind} tpot / read"] = round(medians[kind]["tpot_ms"] / read["read_once_ms"], 2)
+        print(f"\nfp32 weights read once by torch.sum: {read['fp32_weight_mb']:.0f} MB in {read['read_once_ms']:.1f} "
+              f"ms ({read['gb_per_s']:.1f} GB/s); batch-1 TPOT / that: llmopt {read['fp32 llmopt tpot / read']:.2f}, "
+              f"llama.cpp {read['fp32 llama.cpp tpot / read']:.2f}")
+    if profile_split:
+        print("\nllmopt int4 batch-1 decode step, ms per step by part:", profile_split)
+        print("the same with --lm-head int8:", profile_int8_head)
     served = {}
     if args.llama_server:
         for clients in (int(c) for c in args.clients.split(",")):

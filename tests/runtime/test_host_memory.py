@@ -65,11 +65,11 @@ def test_the_cpu_kv_budget_stays_inside_the_cgroup(monkeypatch):
     import psutil
     import torch
 
-    from llmopt.runtime.executor import model_runner
+    from llmopt.runtime.executor import host_memory, model_runner
 
-    monkeypatch.setattr(model_runner, "cgroup_memory_headroom", lambda: 1 << 20)  # a container with 1 MiB left
+    monkeypatch.setattr(host_memory, "cgroup_memory_headroom", lambda: 1 << 20)  # a container with 1 MiB left
     assert model_runner.available_memory(torch.device("cpu")) == 1 << 20
-    monkeypatch.setattr(model_runner, "cgroup_memory_headroom", lambda: None)
+    monkeypatch.setattr(host_memory, "cgroup_memory_headroom", lambda: None)
     assert model_runner.available_memory(torch.device("cpu")) == psutil.virtual_memory().available
 
 

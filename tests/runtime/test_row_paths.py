@@ -17,7 +17,7 @@ from llmopt.runtime.executor.kernels.quant_matmul import (
     int4_dequantize, pack_int4_panels, pack_int8, pack_int8_panels, pack_nibbles, reference_quant_matmul,
 )
 from llmopt.runtime.executor.linear import make_linear
-from llmopt.runtime.executor.linear import row_paths
+from llmopt.runtime.executor.linear import dense, row_paths
 from llmopt.runtime.executor.linear.int4_cpu import Int4PackedLinear
 from llmopt.runtime.executor.linear.int8_cpu import Int8PackedLinear
 from llmopt.runtime.executor.linear.row_paths import ROW_BUCKETS, RowPlan, choose, measure_plan, plan_for
@@ -198,7 +198,6 @@ def test_the_engine_records_each_shapes_choice(tiny_gptq_artifact, isolated_home
 def test_dense_fp32_linears_have_blas_gemv_and_onednn_paths_and_run_the_planned_one(monkeypatch):
     from torch import nn
 
-    from llmopt.runtime.executor.linear import dense
     from llmopt.runtime.executor.linear.dense import FusedDenseLinear, fuse_linears
 
     torch.manual_seed(0)
@@ -238,10 +237,84 @@ def test_dense_fp32_linears_have_blas_gemv_and_onednn_paths_and_run_the_planned_
         x = torch.randn(rows, 192)
         torch.testing.assert_close(forward(x), torch.cat([p(x) for p in parts], dim=-1), rtol=1e-5, atol=1e-5)
     assert calls == [1, 3] and onednn_rows == [64]
-    # no choice for a bf16 (prepacked) weight: one path, which forward_2d returns as is
-    bf16 = fuse_linears([nn.Linear(192, 48).to(torch.bfloat16)], prepack=True)
-    assert list(bf16.row_paths()) == ["blas"]
-    x = torch.randn(3, 192).to(torch.bfloat16)
-    torch.testing.assert_close(bf16.forward_2d()(x), bf16(x))
+    # a prepacked fp32 head: one path, which forward_2d returns as is
+    head = fuse_linears([nn.Linear(192, 48, bias=False)], prepack=True, pack_float32=True)
+    assert head.packed and list(head.row_paths()) == ["blas"]
+    x = torch.randn(3, 192)
+    torch.testing.assert_close(head.forward_2d()(x), head(x))
     monkeypatch.setattr(row_paths, "cache_evictor", lambda: pytest.fail("no choice, nothing to time"))
-    assert set(measure_plan(bf16)[0].choices.values()) == {"blas"}
+    assert set(measure_plan(head)[0].choices.values()) == {"blas"}
+
+
+def bf16_reference(parts, x):
+    return torch.cat([x.float() @ p.weight.float().t() + (p.bias.float() if p.bias is not None else 0)
+                      for p in parts], dim=-1)
+
+
+@pytest.mark.skipif(not dense._mkldnn_bf16(), reason="no oneDNN bf16 on this CPU")
+def test_dense_bf16_linears_run_gemv_on_the_plain_weight_and_oneDNN_on_a_prepacked_copy_for_more_rows():
+    """A bf16 weight on CPU is kept plain (gemv, the kernel the decode graph calls) and prepacked for oneDNN
+    (faster from 16 rows on an AVX-512 BF16 CPU); the copy is timed only beyond gemv's rows, and freed when the
+    plan runs it at no row count."""
+    from torch import nn
+
+    from llmopt.runtime.executor.linear.dense import FusedDenseLinear, fuse_linears
+
+    torch.manual_seed(0)
+    parts = [nn.Linear(192, 48, bias=True).to(torch.bfloat16), nn.Linear(192, 16, bias=False).to(torch.bfloat16)]
+    layer = fuse_linears(parts, prepack=True)
+    assert type(layer) is FusedDenseLinear and not layer.packed and layer.weight.layout == torch.strided
+    assert layer.row_paths() == {"blas": None, "gemv": 8, "prepacked": None}
+    assert layer.row_plan_key() == "dense|bfloat16|64x192|prepacked copy"
+    assert layer.graph_kernels() == {"gemv": ("gemv", [layer.weight], []), "blas": ("linear", [layer.weight], [])}
+    for rows in (*ROWS, 32):
+        x = torch.randn(rows, 192).to(torch.bfloat16)
+        candidates = layer.candidate_paths(rows, layer.row_paths())
+        assert ("prepacked" in candidates) == (rows > 8) and ("gemv" in candidates) == (rows <= 8)
+        assert layer.default_path(rows) == ("gemv" if rows <= 8 else "prepacked")
+        expected = bf16_reference(parts, x)
+        for name in candidates:
+            got = layer.run_path(name, x)
+            assert got.dtype == torch.bfloat16
+            torch.testing.assert_close(got.float(), expected, rtol=2e-2, atol=2e-2)
+    x = torch.randn(2, 5, 192).to(torch.bfloat16)  # forward: any leading shape, the default path
+    torch.testing.assert_close(layer(x).float(), bf16_reference(parts, x), rtol=2e-2, atol=2e-2)
+    # a plan running the copy keeps it; one that does not frees it (and the layer then offers no such path)
+    layer.set_row_plan(RowPlan({8: "gemv", 16: "prepacked", 1024: "blas"}))
+    assert layer.prepacked_weight is not None
+    layer.set_row_plan(RowPlan({8: "gemv", 1024: "blas"}))
+    assert layer.prepacked_weight is None and "prepacked" not in layer.row_paths()
+    assert layer.row_plan_key().endswith("|prepacked copy")  # (what the plan was measured with)
+    x = torch.randn(20, 192).to(torch.bfloat16)
+    torch.testing.assert_close(layer.forward_2d()(x).float(), bf16_reference(parts, x), rtol=2e-2, atol=2e-2)
+
+
+def test_a_bf16_weight_gets_no_prepacked_copy_where_memory_is_short(monkeypatch):
+    """A second copy of every bf16 weight would not fit beside a large model: without room the layer keeps the
+    plain weight alone (gemv up to 8 rows, then oneDNN's GEMM on it), under a plan key of its own."""
+    from torch import nn
+
+    from llmopt.runtime.executor import host_memory
+
+    monkeypatch.setattr(host_memory, "host_available_bytes", lambda: 0)
+    layer = dense.fuse_linears([nn.Linear(192, 48, bias=False).to(torch.bfloat16)], prepack=True)
+    assert layer.prepacked_weight is None and not layer.with_prepacked_copy
+    assert "prepacked" not in layer.row_paths() and layer.row_plan_key() == "dense|bfloat16|48x192"
+    gemv = "gemv" if cpu_ops() is not None else "blas"
+    assert [layer.default_path(rows) for rows in (1, 8, 9, 512)] == [gemv, gemv, "blas", "blas"]
+    x = torch.randn(9, 192).to(torch.bfloat16)
+    torch.testing.assert_close(layer(x).float(), x.float() @ layer.weight.float().t(), rtol=2e-2, atol=2e-2)
+
+
+def test_room_for_a_second_copy_keeps_half_the_host_memory_available(monkeypatch):
+    import psutil
+
+    from llmopt.runtime.executor import host_memory
+
+    total = psutil.virtual_memory().total
+    monkeypatch.setattr(host_memory, "host_available_bytes", lambda: int(total * 0.75))
+    assert host_memory.room_for_second_copy(int(total * 0.25))
+    assert not host_memory.room_for_second_copy(int(total * 0.25) + 1)
+    monkeypatch.undo()
+    monkeypatch.setattr(host_memory, "cgroup_memory_headroom", lambda: 1 << 20)  # a container with 1 MiB left
+    assert host_memory.host_available_bytes() == 1 << 20 and not host_memory.room_for_second_copy(1)

@@ -17,6 +17,7 @@ import sys
 from functools import lru_cache
 from pathlib import Path
 
+import psutil
 import torch
 from torch import nn
 
@@ -193,6 +194,25 @@ def cgroup_memory_headroom(proc_cgroup: str = "/proc/self/cgroup", root: str = C
             if room is not None:
                 headroom = room if headroom is None else min(headroom, room)
     return headroom
+
+
+def host_available_bytes() -> int:
+    """Bytes of host memory this process may still take: the host's available memory (psutil), no more than its
+    memory cgroup leaves (a container's limit)."""
+    host = psutil.virtual_memory().available
+    cgroup = cgroup_memory_headroom()
+    return host if cgroup is None else min(host, cgroup)
+
+
+# a second copy of a weight in another layout (a faster kernel for some row counts) is made only while this fraction
+# of the host's memory stays available after it: the KV cache and the rest of the machine come first
+SECOND_COPY_SPARE_FRACTION = 0.5
+
+
+def room_for_second_copy(nbytes: int) -> bool:
+    """Whether a weight's second copy of `nbytes` leaves SECOND_COPY_SPARE_FRACTION of the host's memory available
+    (a 135M model's copies fit anywhere; a 7B bf16 model's 13.5 GB on a 24 GiB machine leaves no room for them)."""
+    return host_available_bytes() - nbytes >= SECOND_COPY_SPARE_FRACTION * psutil.virtual_memory().total
 
 
 def _cgroup_room(directory: str, limit_file: str, usage_file: str) -> int | None:

@@ -6,7 +6,6 @@ from __future__ import annotations
 import logging
 from dataclasses import dataclass, field, replace
 
-import psutil
 import torch
 
 from llmopt.core.errors import ConfigError, ParallelError
@@ -15,7 +14,7 @@ from llmopt.runtime.engine.config import (
 )
 from llmopt.runtime.executor.attention.kv_commit import commit_kv_cache
 from llmopt.runtime.executor.host_memory import (
-    cgroup_memory_headroom, keep_freed_host_memory, weights_to_huge_pages,
+    host_available_bytes, keep_freed_host_memory, weights_to_huge_pages,
 )
 from llmopt.runtime.executor.kernels.attention import AttentionMetadata
 from llmopt.runtime.executor.kernels.cpu_ops import cpu_ops
@@ -63,9 +62,7 @@ def available_memory(device: torch.device) -> int:
     than the process's memory cgroup leaves: a container's limit)."""
     if device.type == "cuda":
         return torch.cuda.mem_get_info(device)[0]
-    host = psutil.virtual_memory().available
-    cgroup = cgroup_memory_headroom()
-    return host if cgroup is None else min(host, cgroup)
+    return host_available_bytes()
 
 
 def default_kv_cache_bytes(device: torch.device, fraction: float, max_useful_bytes: int | None = None) -> int:

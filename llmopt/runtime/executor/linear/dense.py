@@ -1,6 +1,6 @@
 """Dense linears: the fallback for any quantized weight no kernel holds (dequantized once at load: act-order
 checkpoints with permuted groups, odd shapes), and the runtime's fused dense projections (q/k/v, gate/up as one
-matmul; bf16 weights prepacked for oneDNN on CPU)."""
+matmul; on CPU the few-rows `gemv` kernel, and bf16 weights prepacked for oneDNN for more rows)."""
 
 from __future__ import annotations
 
@@ -9,6 +9,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from llmopt.core.contract.activations import InputQuantizedLinear
+from llmopt.runtime.executor.host_memory import room_for_second_copy
 from llmopt.runtime.executor.kernels.cpu_ops import GEMV_BATCHED_ROWS, GEMV_MAX_ROWS, cpu_ops
 from llmopt.runtime.executor.linear.base import (
     FALLBACK_PRIORITY, LinearMethod, register_linear_method,
@@ -56,71 +57,105 @@ class ConcatLinears(nn.Module):
 
 
 class FusedDenseLinear(RowPathsMixin, nn.Module):
-    """Dense linears fed the same input as one matmul over their stacked weights; on CPU in bf16 the weight is
-    prepacked into oneDNN's blocked layout once (2-3x faster at decode batch sizes than plain F.linear).
+    """Dense linears fed the same input as one matmul over their stacked weights.
 
-    Paths (row_paths.py): `blas` (F.linear, or oneDNN's prepacked linear) at any row count and, for unpacked
-    fp32 weights on CPU, `gemv` (kernels.cpu_ops: each weight row streamed once for 1-8 rows) and, for prefill
-    chunks, `onednn` (oneDNN's linear on the plain weight, no second copy; on an AVX-512 EPYC, Zen 4, at 512 rows
-    MKL's sgemm took 2.9 / 9.9 / 5.0 ms on 960x576 / 3072x576 / 576x1536, oneDNN's 3.0 / 8.8 / 4.2). Which is faster
-    differs by CPU more than any fixed rule captures: on an AVX-512 Xeon MKL's sgemm matched gemv at 1-2 rows and
-    beat it on weights taller than wide; on an AVX2 EPYC gemv was 1.6-3.3x faster than MKL at every shape and
-    1-8 rows (weights streamed from memory). So the engine times both per shape (measured plans); the default
-    (`--linear-kernels fixed`, no engine) is the Xeon's rule. A logits head in fp32 is prepacked too
-    (pack_float32): MKL's sgemm ran the 49152 x 576 head at ~30 G multiply-adds/s on that EPYC at 32-128 rows,
-    oneDNN's prepacked linear at ~50-60 (64 rows 58.5 -> 31.6 ms)."""
+    Paths (row_paths.py): `blas` (F.linear; for a prepacked fp32 head oneDNN's linear on it) at any row count; on
+    CPU, for plain fp32 and bf16 weights, `gemv` (kernels.cpu_ops: each weight row streamed once, for 1-8 rows;
+    the kernel a decode graph calls); for fp32 prefill chunks `onednn` (oneDNN's linear on the plain weight, no
+    second copy; on an AVX-512 EPYC, Zen 4, at 512 rows MKL's sgemm took 2.9 / 9.9 / 5.0 ms on 960x576 /
+    3072x576 / 576x1536, oneDNN's 3.0 / 8.8 / 4.2); and for bf16 from PREPACKED_MIN_ROWS rows `prepacked`
+    (oneDNN's linear on a copy of the weight in its blocked layout).
+
+    Why a bf16 weight is kept twice: on that Zen 4 (AVX512-BF16, SmolLM2-135M's 30 layers, ~212 MB) the linears
+    at one row took 12.3 ms prepacked against 6.7 by `gemv` on the plain weight, while from 16 rows the prepacked
+    layout wins (16 / 64 / 512 rows: 15.4 / 44.3 / 278 ms against 28.2 / 62.5 / 305 for oneDNN on the plain
+    weight). So the engine times them per shape (measured plans) and the prepacked copy is freed where no row
+    count chose it. Which is faster differs by CPU more than any fixed rule captures (fp32: on an AVX-512 Xeon
+    MKL's sgemm matched gemv at 1-2 rows and beat it on weights taller than wide; on an AVX2 EPYC gemv was
+    1.6-3.3x faster than MKL at every shape and 1-8 rows); the default (`--linear-kernels fixed`, no engine) is
+    the Xeon's rule for fp32, `gemv` up to 8 rows then `prepacked` for bf16. A logits head in fp32 is prepacked
+    only (pack_float32; its batch-1 rows go to gemv on an exactly narrowed 16-bit copy, models/llama.py): MKL's
+    sgemm ran the 49152 x 576 head at ~30 G multiply-adds/s on an AVX2 EPYC at 32-128 rows, oneDNN's prepacked
+    linear at ~50-60 (64 rows 58.5 -> 31.6 ms)."""
 
     name = "dense"
     # `onednn` is timed for prefill-sized steps only: decode steps (up to 16 rows) run in the decode graph, which
     # calls the plain-layout kernels (`gemv`, `linear`) itself
     ONEDNN_MIN_ROWS = 32
+    # `prepacked` is timed beyond gemv's rows: a decode graph cannot call it, and at 1-8 rows gemv matched or beat
+    # it (8 rows on the Zen 4 above: 12.2 against 11.9 ms, the graph saving more than the difference)
+    PREPACKED_MIN_ROWS = GEMV_MAX_ROWS + 1
     PACK_BATCH_HINT = 256  # oneDNN picks its blocking for this M; measured best over M in 1..2048
 
     def __init__(self, parts: list[nn.Linear], prepack: bool, pack_float32: bool = False):
-        """pack_float32: an fp32 weight prepacked for oneDNN too (a logits head, which no decode graph multiplies:
-        the graph's `linear` kernel takes the plain layout)."""
+        """prepack: a bf16 weight on CPU gets a copy prepacked for oneDNN (`prepacked` path), and with
+        pack_float32 an fp32 weight is replaced by its prepacked form (a logits head, which no decode graph
+        multiplies: the graph's kernels take the plain layout)."""
         super().__init__()
-        weight = torch.cat([p.weight.detach() for p in parts], dim=0)
+        # (one part: its own tensor, no copy; the checkpoint's module may hold it too)
+        weight = torch.cat([p.weight.detach() for p in parts], dim=0) if len(parts) > 1 else parts[0].weight.detach()
         has_bias = any(p.bias is not None for p in parts)
         bias = torch.cat([p.bias.detach() if p.bias is not None else weight.new_zeros(p.out_features)
                           for p in parts]) if has_bias else None
         self.in_features, self.out_features = weight.shape[1], weight.shape[0]
         self.dtype = weight.dtype
-        self.packed = prepack and weight.device.type == "cpu" and (
-            (weight.dtype == torch.bfloat16 and _mkldnn_bf16())
-            or (weight.dtype == torch.float32 and pack_float32 and torch.backends.mkldnn.is_available()))
+        cpu = weight.device.type == "cpu"
+        self.packed = prepack and pack_float32 and cpu and weight.dtype == torch.float32 \
+            and torch.backends.mkldnn.is_available()  # (the fp32 head: the prepacked form only)
         if self.packed:
             weight = torch.ops.mkldnn._reorder_linear_weight(weight, self.PACK_BATCH_HINT)
         self.register_buffer("weight", weight)
         self.register_buffer("bias", bias)
-        # the compiled few-rows kernel serves an fp32 weight on CPU
-        plain_fp32_cpu = not self.packed and weight.device.type == "cpu" and self.dtype == torch.float32
-        self._gemv = plain_fp32_cpu and cpu_ops() is not None
-        self._onednn = plain_fp32_cpu and torch.backends.mkldnn.is_available()
+        with_copy = prepack and cpu and weight.dtype == torch.bfloat16 and _mkldnn_bf16() \
+            and room_for_second_copy(weight.numel() * weight.element_size())
+        self.with_prepacked_copy = with_copy
+        self.register_buffer("prepacked_weight", torch.ops.mkldnn._reorder_linear_weight(
+            weight, self.PACK_BATCH_HINT) if with_copy else None)
+        # the compiled few-rows kernel serves a plain fp32 or bf16 weight on CPU
+        plain_cpu = not self.packed and cpu and self.dtype in (torch.float32, torch.bfloat16)
+        self._gemv = plain_cpu and cpu_ops() is not None
+        self._onednn = plain_cpu and self.dtype == torch.float32 and torch.backends.mkldnn.is_available()
 
     # --- paths (row_paths.py) --------------------------------------------------------------------------------
     def row_paths(self) -> dict[str, int | None]:
         return {"blas": None} | ({"gemv": GEMV_MAX_ROWS} if self._gemv else {}) \
-            | ({"onednn": None} if self._onednn else {})
+            | ({"onednn": None} if self._onednn else {}) \
+            | ({"prepacked": None} if self.prepacked_weight is not None else {})
 
     def candidate_paths(self, rows: int, paths: dict[str, int | None]) -> list[str]:
-        names = super().candidate_paths(rows, paths)
-        return names if rows >= self.ONEDNN_MIN_ROWS else [name for name in names if name != "onednn"]
+        floors = {"onednn": self.ONEDNN_MIN_ROWS, "prepacked": self.PREPACKED_MIN_ROWS}
+        return [name for name in super().candidate_paths(rows, paths) if rows >= floors.get(name, 0)]
 
     def default_path(self, rows: int) -> str:
+        if self.dtype == torch.bfloat16:  # (oneDNN on the plain bf16 weight took ~3x gemv's time at 1-8 rows, Zen 4)
+            if self._gemv and rows <= GEMV_MAX_ROWS:
+                return "gemv"
+            return "prepacked" if self.prepacked_weight is not None else "blas"
         # MKL's sgemm packs the weight from ~3 rows (2x slower than streaming it once); weights taller than wide
         # kept it (measured on a Xeon; cpu_ops.GEMV_BATCHED_ROWS)
         wide = self.out_features >= self.in_features
         return "gemv" if self._gemv and wide and rows in GEMV_BATCHED_ROWS else "blas"
 
+    def plan_key_detail(self) -> str:
+        return "|prepacked copy" if self.with_prepacked_copy else ""  # (made at load; freed if unused)
+
+    def set_row_plan(self, plan) -> None:
+        super().set_row_plan(plan)
+        if self.prepacked_weight is not None and "prepacked" not in self._row_plan.choices.values():
+            self.prepacked_weight = None  # (no row count runs it: its bytes back)
+
     def _bind_blas(self):
         if self.packed:
-            return self._bind_onednn()  # (the prepacked weight)
+            return self._bind_onednn()  # (the prepacked fp32 weight)
         linear, weight, bias = F.linear, self.weight, self.bias
         return lambda x: linear(x, weight, bias)
 
     def _bind_onednn(self):
         linear, weight, bias = torch.ops.mkldnn._linear_pointwise, self.weight, self.bias
+        return lambda x: linear(x, weight, bias, "none", [], "")
+
+    def _bind_prepacked(self):
+        linear, weight, bias = torch.ops.mkldnn._linear_pointwise, self.prepacked_weight, self.bias
         return lambda x: linear(x, weight, bias, "none", [], "")
 
     def _bind_gemv(self):
@@ -140,19 +175,18 @@ class FusedDenseLinear(RowPathsMixin, nn.Module):
     def _path_onednn(self, x: torch.Tensor) -> torch.Tensor:
         return self._bind_onednn()(x)
 
+    def _path_prepacked(self, x: torch.Tensor) -> torch.Tensor:
+        return self._bind_prepacked()(x)
+
     def forward_2d(self):
         """A callable for [T, in] inputs (bias included): the plan's path for the step's rows. The decoder's fast
         loop binds it at build time, before the engine sets the plan (_matmul reads the plan per call); with a
-        single path (bf16 prepacked, GPU), that path's call itself (120 calls a batch-1 step: no frame to spare)."""
+        single path (the prepacked fp32 head, GPU), that path's call itself (no frame to spare)."""
         return self._bind_blas() if len(self.row_paths()) == 1 else self._matmul
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.packed:
-            lead = x.shape[:-1]
-            y = torch.ops.mkldnn._linear_pointwise(x.reshape(-1, self.in_features), self.weight, self.bias,
-                                                   "none", [], "")
-            return y.reshape(*lead, self.out_features)
-        return F.linear(x, self.weight, self.bias)
+        lead = x.shape[:-1]
+        return self._matmul(x.reshape(-1, self.in_features)).reshape(*lead, self.out_features)
 
 
 def fuse_linears(parts: list[nn.Module], prepack: bool, pack_float32: bool = False) -> nn.Module:
