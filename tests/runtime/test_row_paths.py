@@ -195,7 +195,7 @@ def test_the_engine_records_each_shapes_choice(tiny_gptq_artifact, isolated_home
         EngineConfig(linear_kernels="fastest")
 
 
-def test_dense_fp32_linears_have_blas_gemv_and_onednn_paths_and_run_the_planned_one(monkeypatch):
+def test_dense_fp32_linears_have_blas_gemv_onednn_and_prepacked_paths_and_run_the_planned_one(monkeypatch):
     from torch import nn
 
     from llmopt.runtime.executor.linear.dense import FusedDenseLinear, fuse_linears
@@ -203,14 +203,17 @@ def test_dense_fp32_linears_have_blas_gemv_and_onednn_paths_and_run_the_planned_
     torch.manual_seed(0)
     parts = [nn.Linear(192, 48, bias=True), nn.Linear(192, 16, bias=False)]  # stacked: q/k/v-like, one bias
     layer = fuse_linears(parts, prepack=True)
-    assert type(layer) is FusedDenseLinear and layer.row_paths() == {"blas": None, "gemv": 8, "onednn": None}
-    assert layer.row_plan_key() == "dense|float32|64x192"
+    assert type(layer) is FusedDenseLinear and not layer.packed
+    assert layer.row_paths() == {"blas": None, "gemv": 8, "onednn": None, "prepacked": None}
+    assert layer.row_plan_key() == "dense|float32|64x192|prepacked copy"
     for rows in (*ROWS, 32, 300):
         x = torch.randn(rows, 192)
         expected = torch.cat([p(x) for p in parts], dim=-1)
         candidates = layer.candidate_paths(rows, layer.row_paths())
         # oneDNN's linear only for prefill-sized steps (decode steps stay with the kernels the decode graph calls)
         assert ("onednn" in candidates) == (rows >= FusedDenseLinear.ONEDNN_MIN_ROWS > 16)
+        # oneDNN's prepacked copy beyond gemv's rows
+        assert ("prepacked" in candidates) == (rows > 8) and ("gemv" in candidates) == (rows <= 8)
         for name in candidates:
             torch.testing.assert_close(layer.run_path(name, x), expected, rtol=1e-5, atol=1e-5)
     # the plan decides, per row count, after forward_2d was bound (the decoder binds it at build time)
@@ -231,12 +234,12 @@ def test_dense_fp32_linears_have_blas_gemv_and_onednn_paths_and_run_the_planned_
         return linear_pointwise(x, *rest)
 
     monkeypatch.setattr(torch.ops.mkldnn, "_linear_pointwise", counting_linear, raising=False)
-    layer.set_row_plan(RowPlan({1: "gemv", 2: "blas", 4: "gemv", 8: "blas", 16: "blas", 64: "onednn",
+    layer.set_row_plan(RowPlan({1: "gemv", 2: "blas", 4: "gemv", 8: "blas", 16: "prepacked", 64: "onednn",
                                 1024: "blas"}))
     for rows in (1, 2, 3, 8, 9, 64, 65):
         x = torch.randn(rows, 192)
         torch.testing.assert_close(forward(x), torch.cat([p(x) for p in parts], dim=-1), rtol=1e-5, atol=1e-5)
-    assert calls == [1, 3] and onednn_rows == [64]
+    assert calls == [1, 3] and onednn_rows == [9, 64] and layer.prepacked_weight is not None
     # a prepacked fp32 head: one path, which forward_2d returns as is
     head = fuse_linears([nn.Linear(192, 48, bias=False)], prepack=True, pack_float32=True)
     assert head.packed and list(head.row_paths()) == ["blas"]

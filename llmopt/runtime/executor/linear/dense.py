@@ -61,22 +61,23 @@ class FusedDenseLinear(RowPathsMixin, nn.Module):
 
     Paths (row_paths.py): `blas` (F.linear; for a prepacked fp32 head oneDNN's linear on it) at any row count; on
     CPU, for plain fp32 and bf16 weights, `gemv` (kernels.cpu_ops: each weight row streamed once, for 1-8 rows;
-    the kernel a decode graph calls); for fp32 prefill chunks `onednn` (oneDNN's linear on the plain weight, no
-    second copy; on an AVX-512 EPYC, Zen 4, at 512 rows MKL's sgemm took 2.9 / 9.9 / 5.0 ms on 960x576 /
-    3072x576 / 576x1536, oneDNN's 3.0 / 8.8 / 4.2); and for bf16 from PREPACKED_MIN_ROWS rows `prepacked`
-    (oneDNN's linear on a copy of the weight in its blocked layout).
+    the kernel a decode graph calls); for fp32 prefill chunks `onednn` (oneDNN's linear on the plain weight; on an
+    AVX-512 EPYC, Zen 4, at 512 rows MKL's sgemm took 2.9 / 9.9 / 5.0 ms on 960x576 / 3072x576 / 576x1536,
+    oneDNN's 3.0 / 8.8 / 4.2); and from PREPACKED_MIN_ROWS rows `prepacked` (oneDNN's linear on a copy of the
+    weight in its blocked layout, made where the host has room: host_memory.room_for_second_copy).
 
-    Why a bf16 weight is kept twice: on that Zen 4 (AVX512-BF16, SmolLM2-135M's 30 layers, ~212 MB) the linears
-    at one row took 12.3 ms prepacked against 6.7 by `gemv` on the plain weight, while from 16 rows the prepacked
-    layout wins (16 / 64 / 512 rows: 15.4 / 44.3 / 278 ms against 28.2 / 62.5 / 305 for oneDNN on the plain
-    weight). So the engine times them per shape (measured plans) and the prepacked copy is freed where no row
-    count chose it. Which is faster differs by CPU more than any fixed rule captures (fp32: on an AVX-512 Xeon
-    MKL's sgemm matched gemv at 1-2 rows and beat it on weights taller than wide; on an AVX2 EPYC gemv was
-    1.6-3.3x faster than MKL at every shape and 1-8 rows); the default (`--linear-kernels fixed`, no engine) is
-    the Xeon's rule for fp32, `gemv` up to 8 rows then `prepacked` for bf16. A logits head in fp32 is prepacked
-    only (pack_float32; its batch-1 rows go to gemv on an exactly narrowed 16-bit copy, models/llama.py): MKL's
-    sgemm ran the 49152 x 576 head at ~30 G multiply-adds/s on an AVX2 EPYC at 32-128 rows, oneDNN's prepacked
-    linear at ~50-60 (64 rows 58.5 -> 31.6 ms)."""
+    Why a weight is kept twice: on that Zen 4 (SmolLM2-135M's 30 layers) the bf16 linears at one row took 12.3 ms
+    prepacked against 6.7 by `gemv` on the plain weight, while from 16 rows the prepacked layout won (16 / 64 / 512
+    rows: 15.4 / 44.3 / 278 ms against 28.2 / 62.5 / 305 for oneDNN on the plain weight; fp32 9 / 16 / 64 / 512 rows:
+    19.3 / 28.0 / 76.6 / 529 against 31.5 / 42.6 / 95.7 / 557, MKL's sgemm 54.9 / 58.5 / 130 / 650). So the engine
+    times the paths per shape (measured plans) and frees a copy no row count chose. Which is faster differs by CPU
+    more than any fixed rule captures (fp32: on an AVX-512 Xeon MKL's sgemm matched gemv at 1-2 rows and beat it on
+    weights taller than wide; on an AVX2 EPYC gemv was 1.6-3.3x faster than MKL at every shape and 1-8 rows); the
+    default (`--linear-kernels fixed`, no engine) is, up to 8 rows, the Xeon's rule for fp32 and `gemv` for bf16,
+    beyond, `prepacked` where the copy exists. A logits head in fp32 is prepacked only (pack_float32; its batch-1
+    rows go to gemv on an exactly narrowed 16-bit copy, models/llama.py): MKL's sgemm ran the 49152 x 576 head at
+    ~30 G multiply-adds/s on an AVX2 EPYC at 32-128 rows, oneDNN's prepacked linear at ~50-60 (64 rows 58.5 ->
+    31.6 ms)."""
 
     name = "dense"
     # `onednn` is timed for prefill-sized steps only: decode steps (up to 16 rows) run in the decode graph, which
@@ -88,8 +89,8 @@ class FusedDenseLinear(RowPathsMixin, nn.Module):
     PACK_BATCH_HINT = 256  # oneDNN picks its blocking for this M; measured best over M in 1..2048
 
     def __init__(self, parts: list[nn.Linear], prepack: bool, pack_float32: bool = False):
-        """prepack: a bf16 weight on CPU gets a copy prepacked for oneDNN (`prepacked` path), and with
-        pack_float32 an fp32 weight is replaced by its prepacked form (a logits head, which no decode graph
+        """prepack: an fp32 or bf16 weight on CPU gets a copy prepacked for oneDNN (`prepacked` path); with
+        pack_float32 an fp32 weight is replaced by its prepacked form instead (a logits head, which no decode graph
         multiplies: the graph's kernels take the plain layout)."""
         super().__init__()
         # (one part: its own tensor, no copy; the checkpoint's module may hold it too)
@@ -106,13 +107,14 @@ class FusedDenseLinear(RowPathsMixin, nn.Module):
             weight = torch.ops.mkldnn._reorder_linear_weight(weight, self.PACK_BATCH_HINT)
         self.register_buffer("weight", weight)
         self.register_buffer("bias", bias)
-        with_copy = prepack and cpu and weight.dtype == torch.bfloat16 and _mkldnn_bf16() \
+        # the compiled few-rows kernel serves a plain fp32 or bf16 weight on CPU, and oneDNN a prepacked copy of it
+        plain_cpu = not self.packed and cpu and self.dtype in (torch.float32, torch.bfloat16)
+        with_copy = plain_cpu and prepack and (_mkldnn_bf16() if self.dtype == torch.bfloat16
+                                               else torch.backends.mkldnn.is_available()) \
             and room_for_second_copy(weight.numel() * weight.element_size())
         self.with_prepacked_copy = with_copy
         self.register_buffer("prepacked_weight", torch.ops.mkldnn._reorder_linear_weight(
             weight, self.PACK_BATCH_HINT) if with_copy else None)
-        # the compiled few-rows kernel serves a plain fp32 or bf16 weight on CPU
-        plain_cpu = not self.packed and cpu and self.dtype in (torch.float32, torch.bfloat16)
         self._gemv = plain_cpu and cpu_ops() is not None
         self._onednn = plain_cpu and self.dtype == torch.float32 and torch.backends.mkldnn.is_available()
 
@@ -127,10 +129,10 @@ class FusedDenseLinear(RowPathsMixin, nn.Module):
         return [name for name in super().candidate_paths(rows, paths) if rows >= floors.get(name, 0)]
 
     def default_path(self, rows: int) -> str:
-        if self.dtype == torch.bfloat16:  # (oneDNN on the plain bf16 weight took ~3x gemv's time at 1-8 rows, Zen 4)
-            if self._gemv and rows <= GEMV_MAX_ROWS:
-                return "gemv"
+        if rows > GEMV_MAX_ROWS:
             return "prepacked" if self.prepacked_weight is not None else "blas"
+        if self.dtype == torch.bfloat16:  # (oneDNN on the plain bf16 weight took ~3x gemv's time at 1-8 rows, Zen 4)
+            return "gemv" if self._gemv else "blas"
         # MKL's sgemm packs the weight from ~3 rows (2x slower than streaming it once); weights taller than wide
         # kept it (measured on a Xeon; cpu_ops.GEMV_BATCHED_ROWS)
         wide = self.out_features >= self.in_features
