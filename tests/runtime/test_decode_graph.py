@@ -9,7 +9,7 @@ from llmopt.runtime.engine.engine import Engine, EngineConfig
 from llmopt.runtime.engine.sampling import SamplingParams
 from llmopt.runtime.executor.kernels.cpu_ops import cpu_ops, decode_graph_class
 from llmopt.runtime.executor.loader import load_runtime_model
-from llmopt.runtime.executor.models.decode_graph import GRAPH_MAX_ROWS, DecodeGraphs
+from llmopt.runtime.executor.models.decode_graph import GRAPH_MAX_ROWS, DecodeGraphs, graph_calls
 
 pytestmark = pytest.mark.skipif(cpu_ops() is None, reason="the compiled CPU kernels are not available here")
 
@@ -60,7 +60,7 @@ def run_counting_graph_steps(e: Engine, monkeypatch) -> tuple[list, list[int]]:
 @pytest.mark.parametrize("kind", ["int4 8-bit inputs", "int4 float inputs", "int8 8-bit inputs", "fp32 dense",
                                   "fp32 dense int8 head", "int8 kv cache", "fp8 kv cache", "fp16 kv cache",
                                   "bf16 kv cache", "bf16 model fp16 kv cache", "fp16 model bf16 kv cache",
-                                  "qwen2 biases", "bf16 dense"])
+                                  "qwen2 biases", "bf16 dense", "fp32 dense prepacked", "bf16 dense prepacked"])
 def test_the_graph_computes_what_the_layer_loop_does(kind, tiny_gptq_artifact, int8_artifact, tiny_llama_dir,
                                                      tiny_qwen2_dir, monkeypatch):
     path, settings = {
@@ -80,12 +80,25 @@ def test_the_graph_computes_what_the_layer_loop_does(kind, tiny_gptq_artifact, i
         "fp16 model bf16 kv cache": (tiny_llama_dir, {"dtype": "float16", "kv_cache_dtype": "bfloat16"}),
         "qwen2 biases": (tiny_qwen2_dir, {}),
         # gemv on the plain bf16 weights up to 8 rows; beyond, oneDNN on their prepacked copies where the CPU has
-        # oneDNN's bf16 (which no graph calls: those steps keep the loop), else oneDNN's GEMM on the plain weights
+        # oneDNN's bf16, else oneDNN's GEMM on the plain weights
         "bf16 dense": (tiny_llama_dir, {"dtype": "bfloat16"}),
+        # every dense layer through oneDNN on its prepacked copy (a plan's `prepacked` path), which the graph calls
+        # through the dispatcher
+        "fp32 dense prepacked": (tiny_llama_dir, {}),
+        "bf16 dense prepacked": (tiny_llama_dir, {"dtype": "bfloat16"}),
     }[kind]
+    if kind.endswith("prepacked"):
+        from llmopt.runtime.executor.linear.dense import FusedDenseLinear, _mkldnn_bf16
+
+        if not (_mkldnn_bf16() if "bf16" in kind else torch.backends.mkldnn.is_available()):
+            pytest.skip("no oneDNN for this dtype here")
+        default = FusedDenseLinear.default_path  # (the fp32 logits head has no copy: it is prepacked itself)
+        monkeypatch.setattr(FusedDenseLinear, "default_path", lambda self, rows: (
+            "prepacked" if self.prepacked_weight is not None else default(self, rows)))
     with_graph = engine(path, True, **settings)
-    copies = any(getattr(m, "prepacked_weight", None) is not None for m in with_graph.runner.decoder.blocks.modules())
-    assert with_graph.runner.decode_graph_rows == list(range(1, (8 if copies else GRAPH_MAX_ROWS) + 1))
+    assert with_graph.runner.decode_graph_rows == list(range(1, GRAPH_MAX_ROWS + 1))
+    if kind.endswith("prepacked"):
+        assert {op for op, *_ in graph_calls(with_graph.runner.decoder, 1)} == {"onednn_linear"}
     assert with_graph.numerics()["decode_graph_rows"] == with_graph.runner.decode_graph_rows
     expected, loop_rows = run_counting_graph_steps(engine(path, False, **settings), monkeypatch)
     assert loop_rows == []

@@ -204,18 +204,19 @@ def test_dense_fp32_linears_have_blas_gemv_onednn_and_prepacked_paths_and_run_th
     parts = [nn.Linear(192, 48, bias=True), nn.Linear(192, 16, bias=False)]  # stacked: q/k/v-like, one bias
     layer = fuse_linears(parts, prepack=True)
     assert type(layer) is FusedDenseLinear and not layer.packed
-    assert layer.row_paths() == {"blas": None, "gemv": 8, "onednn": None, "prepacked": None}
+    # (gemv timed up to 2 rows beside the copy: FP32_GEMV_ROWS_BESIDE_COPY)
+    assert layer.row_paths() == {"blas": None, "gemv": 2, "onednn": None, "prepacked": None}
     assert layer.row_plan_key() == "dense|float32|64x192|prepacked copy"
     for rows in (*ROWS, 32, 300):
         x = torch.randn(rows, 192)
         expected = torch.cat([p(x) for p in parts], dim=-1)
         candidates = layer.candidate_paths(rows, layer.row_paths())
-        # oneDNN's linear only for prefill-sized steps (decode steps stay with the kernels the decode graph calls)
-        assert ("onednn" in candidates) == (rows >= FusedDenseLinear.ONEDNN_MIN_ROWS > 16)
-        # oneDNN's prepacked copy beyond gemv's rows
-        assert ("prepacked" in candidates) == (rows > 8) and ("gemv" in candidates) == (rows <= 8)
-        for name in candidates:
-            torch.testing.assert_close(layer.run_path(name, x), expected, rtol=1e-5, atol=1e-5)
+        # beyond 2 rows the prepacked copy, untimed (FP32_GEMV_ROWS_BESIDE_COPY)
+        assert candidates == (["blas", "gemv", "prepacked"] if rows <= 2 else ["prepacked"])
+        assert (layer.default_path(rows) == "prepacked") == (rows > 2)
+        for name in layer.row_paths():
+            if name != "gemv" or rows <= 8:  # (gemv's kernel takes up to 8 rows a pass)
+                torch.testing.assert_close(layer.run_path(name, x), expected, rtol=1e-5, atol=1e-5)
     # the plan decides, per row count, after forward_2d was bound (the decoder binds it at build time)
     calls = []
     ops = cpu_ops()
@@ -256,9 +257,8 @@ def bf16_reference(parts, x):
 
 @pytest.mark.skipif(not dense._mkldnn_bf16(), reason="no oneDNN bf16 on this CPU")
 def test_dense_bf16_linears_run_gemv_on_the_plain_weight_and_oneDNN_on_a_prepacked_copy_for_more_rows():
-    """A bf16 weight on CPU is kept plain (gemv, the kernel the decode graph calls) and prepacked for oneDNN
-    (faster from 16 rows on an AVX-512 BF16 CPU); the copy is timed only beyond gemv's rows, and freed when the
-    plan runs it at no row count."""
+    """A bf16 weight on CPU is kept plain (gemv: 1-8 rows) and prepacked for oneDNN (faster from 16 rows on an
+    AVX-512 BF16 CPU); the copy is freed when the plan runs it at no row count."""
     from torch import nn
 
     from llmopt.runtime.executor.linear.dense import FusedDenseLinear, fuse_linears
@@ -269,11 +269,12 @@ def test_dense_bf16_linears_run_gemv_on_the_plain_weight_and_oneDNN_on_a_prepack
     assert type(layer) is FusedDenseLinear and not layer.packed and layer.weight.layout == torch.strided
     assert layer.row_paths() == {"blas": None, "gemv": 8, "prepacked": None}
     assert layer.row_plan_key() == "dense|bfloat16|64x192|prepacked copy"
-    assert layer.graph_kernels() == {"gemv": ("gemv", [layer.weight], []), "blas": ("linear", [layer.weight], [])}
+    assert layer.graph_kernels() == {"gemv": ("gemv", [layer.weight], []), "blas": ("linear", [layer.weight], []),
+                                     "prepacked": ("onednn_linear", [layer.prepacked_weight], [])}
     for rows in (*ROWS, 32):
         x = torch.randn(rows, 192).to(torch.bfloat16)
         candidates = layer.candidate_paths(rows, layer.row_paths())
-        assert ("prepacked" in candidates) == (rows > 8) and ("gemv" in candidates) == (rows <= 8)
+        assert candidates == (["blas", "gemv", "prepacked"] if rows <= 8 else ["prepacked"])
         assert layer.default_path(rows) == ("gemv" if rows <= 8 else "prepacked")
         expected = bf16_reference(parts, x)
         for name in candidates:
@@ -307,6 +308,14 @@ def test_a_bf16_weight_gets_no_prepacked_copy_where_memory_is_short(monkeypatch)
     assert [layer.default_path(rows) for rows in (1, 8, 9, 512)] == [gemv, gemv, "blas", "blas"]
     x = torch.randn(9, 192).to(torch.bfloat16)
     torch.testing.assert_close(layer(x).float(), x.float() @ layer.weight.float().t(), rtol=2e-2, atol=2e-2)
+    # fp32 without its copy: gemv up to 8 rows, oneDNN's linear on the plain weight only for prefill-sized steps
+    fp32 = dense.fuse_linears([nn.Linear(192, 48, bias=False)], prepack=True)
+    assert fp32.prepacked_weight is None and fp32.row_paths() == {"blas": None, "onednn": None} | (
+        {"gemv": 8} if cpu_ops() is not None else {})
+    for rows in ROWS:
+        candidates = fp32.candidate_paths(rows, fp32.row_paths())
+        assert ("onednn" in candidates) == (rows >= dense.FusedDenseLinear.ONEDNN_MIN_ROWS > 16)
+        assert ("gemv" in candidates) == (rows <= 8 and cpu_ops() is not None)
 
 
 def test_room_for_a_second_copy_keeps_half_the_host_memory_available(monkeypatch):

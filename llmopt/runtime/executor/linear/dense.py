@@ -63,29 +63,34 @@ class FusedDenseLinear(RowPathsMixin, nn.Module):
     CPU, for plain fp32 and bf16 weights, `gemv` (kernels.cpu_ops: each weight row streamed once, for 1-8 rows;
     the kernel a decode graph calls); for fp32 prefill chunks `onednn` (oneDNN's linear on the plain weight; on an
     AVX-512 EPYC, Zen 4, at 512 rows MKL's sgemm took 2.9 / 9.9 / 5.0 ms on 960x576 / 3072x576 / 576x1536,
-    oneDNN's 3.0 / 8.8 / 4.2); and from PREPACKED_MIN_ROWS rows `prepacked` (oneDNN's linear on a copy of the
-    weight in its blocked layout, made where the host has room: host_memory.room_for_second_copy).
+    oneDNN's 3.0 / 8.8 / 4.2); and at any row count `prepacked` (oneDNN's linear on a copy of the weight in its
+    blocked layout, made where the host has room: host_memory.room_for_second_copy). The decode graph calls
+    `gemv`, `blas` and `prepacked` itself.
 
     Why a weight is kept twice: on that Zen 4 (SmolLM2-135M's 30 layers) the bf16 linears at one row took 12.3 ms
-    prepacked against 6.7 by `gemv` on the plain weight, while from 16 rows the prepacked layout won (16 / 64 / 512
-    rows: 15.4 / 44.3 / 278 ms against 28.2 / 62.5 / 305 for oneDNN on the plain weight; fp32 9 / 16 / 64 / 512 rows:
-    19.3 / 28.0 / 76.6 / 529 against 31.5 / 42.6 / 95.7 / 557, MKL's sgemm 54.9 / 58.5 / 130 / 650). So the engine
-    times the paths per shape (measured plans) and frees a copy no row count chose. Which is faster differs by CPU
-    more than any fixed rule captures (fp32: on an AVX-512 Xeon MKL's sgemm matched gemv at 1-2 rows and beat it on
-    weights taller than wide; on an AVX2 EPYC gemv was 1.6-3.3x faster than MKL at every shape and 1-8 rows); the
-    default (`--linear-kernels fixed`, no engine) is, up to 8 rows, the Xeon's rule for fp32 and `gemv` for bf16,
-    beyond, `prepacked` where the copy exists. A logits head in fp32 is prepacked only (pack_float32; its batch-1
-    rows go to gemv on an exactly narrowed 16-bit copy, models/llama.py): MKL's sgemm ran the 49152 x 576 head at
-    ~30 G multiply-adds/s on an AVX2 EPYC at 32-128 rows, oneDNN's prepacked linear at ~50-60 (64 rows 58.5 ->
-    31.6 ms)."""
+    prepacked against 6.7 by `gemv` on the plain weight, while from 16 rows the prepacked layout won (BESIDE_COPY
+    below). The engine times the paths per shape (measured plans) where the choice is open, and frees a copy no row
+    count runs. Which is faster differs by CPU more than any fixed rule captures (fp32: on an AVX-512 Xeon MKL's
+    sgemm matched gemv at 1-2 rows and beat it on weights taller than wide; on an AVX2 EPYC gemv was 1.6-3.3x
+    faster than MKL at every shape and 1-8 rows); the default (`--linear-kernels fixed`, no engine) is `prepacked`
+    where the copy exists beyond 2 rows (fp32) or 8 (bf16), else up to 8 rows the Xeon's rule for fp32 and `gemv`
+    for bf16, `blas` beyond. A logits head in fp32 is prepacked only (pack_float32; its batch-1 rows go to gemv on an exactly narrowed 16-bit copy,
+    models/llama.py): MKL's sgemm ran the 49152 x 576 head at ~30 G multiply-adds/s on an AVX2 EPYC at 32-128
+    rows, oneDNN's prepacked linear at ~50-60 (64 rows 58.5 -> 31.6 ms)."""
 
     name = "dense"
     # `onednn` is timed for prefill-sized steps only: decode steps (up to 16 rows) run in the decode graph, which
     # calls the plain-layout kernels (`gemv`, `linear`) itself
     ONEDNN_MIN_ROWS = 32
-    # `prepacked` is timed beyond gemv's rows: a decode graph cannot call it, and at 1-8 rows gemv matched or beat
-    # it (8 rows on the Zen 4 above: 12.2 against 11.9 ms, the graph saving more than the difference)
-    PREPACKED_MIN_ROWS = GEMV_MAX_ROWS + 1
+    # BESIDE_COPY: where a weight has its prepacked copy, `gemv` is timed up to 2 rows (fp32) or 8 (bf16), and beyond
+    # the copy runs, untimed. Each layer timed alone (its weight from memory, row_paths.measure_plan) favours the
+    # plain-layout kernels over oneDNN's prepacked one by up to 2x against the same calls made in a row as a step
+    # makes them: timed alone gemv (and at 8-16 rows MKL's sgemm) won at 4-16 fp32 rows, while in the engine the
+    # copy made 4 and 8 sequences 1.2x and 1.4x faster; 30 layers' linears in a row (Zen 4, SmolLM2): fp32 at 8 /
+    # 9 / 16 / 64 / 512 rows 20.8 / 19.3 / 28.0 / 76.6 / 529 ms prepacked against gemv's 32.3 at 8, MKL's 54.9 /
+    # 58.5 / 130 / 650 and oneDNN's on the plain weight 31.5 / 42.6 / 95.7 / 557; bf16 at 16 / 64 / 512 rows 15.4 /
+    # 44.3 / 278 against 28.2 / 62.5 / 305, and at 8 rows gemv 14.5 against 14.7.
+    FP32_GEMV_ROWS_BESIDE_COPY = 2
     PACK_BATCH_HINT = 256  # oneDNN picks its blocking for this M; measured best over M in 1..2048
 
     def __init__(self, parts: list[nn.Linear], prepack: bool, pack_float32: bool = False):
@@ -120,17 +125,25 @@ class FusedDenseLinear(RowPathsMixin, nn.Module):
 
     # --- paths (row_paths.py) --------------------------------------------------------------------------------
     def row_paths(self) -> dict[str, int | None]:
-        return {"blas": None} | ({"gemv": GEMV_MAX_ROWS} if self._gemv else {}) \
+        return {"blas": None} | ({"gemv": self._gemv_rows()} if self._gemv else {}) \
             | ({"onednn": None} if self._onednn else {}) \
             | ({"prepacked": None} if self.prepacked_weight is not None else {})
 
+    def _gemv_rows(self) -> int:
+        beside_copy = self.prepacked_weight is not None and self.dtype == torch.float32
+        return self.FP32_GEMV_ROWS_BESIDE_COPY if beside_copy else GEMV_MAX_ROWS
+
     def candidate_paths(self, rows: int, paths: dict[str, int | None]) -> list[str]:
-        floors = {"onednn": self.ONEDNN_MIN_ROWS, "prepacked": self.PREPACKED_MIN_ROWS}
-        return [name for name in super().candidate_paths(rows, paths) if rows >= floors.get(name, 0)]
+        if "prepacked" in paths and rows > self._gemv_rows():
+            return ["prepacked"]  # (beyond gemv's rows the copy: see BESIDE_COPY below)
+        names = super().candidate_paths(rows, paths)
+        return names if rows >= self.ONEDNN_MIN_ROWS else [name for name in names if name != "onednn"]
 
     def default_path(self, rows: int) -> str:
+        if self.prepacked_weight is not None and rows > self._gemv_rows():
+            return "prepacked"
         if rows > GEMV_MAX_ROWS:
-            return "prepacked" if self.prepacked_weight is not None else "blas"
+            return "blas"
         if self.dtype == torch.bfloat16:  # (oneDNN on the plain bf16 weight took ~3x gemv's time at 1-8 rows, Zen 4)
             return "gemv" if self._gemv else "blas"
         # MKL's sgemm packs the weight from ~3 rows (2x slower than streaming it once); weights taller than wide
@@ -166,6 +179,8 @@ class FusedDenseLinear(RowPathsMixin, nn.Module):
 
     def graph_kernels(self):
         kernels = {"gemv": ("gemv", [self.weight], [])} if self._gemv else {}
+        if self.prepacked_weight is not None:
+            kernels["prepacked"] = ("onednn_linear", [self.prepacked_weight], [])
         return kernels if self.packed else {**kernels, "blas": ("linear", [self.weight], [])}
 
     def _path_blas(self, x: torch.Tensor) -> torch.Tensor:

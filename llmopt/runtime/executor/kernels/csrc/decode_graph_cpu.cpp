@@ -8,6 +8,8 @@
 #include <torch/custom_class.h>
 
 #include <ATen/ATen.h>
+#include <ATen/core/dispatch/Dispatcher.h>
+#include <ATen/core/stack.h>
 #include <ATen/record_function.h>
 
 #include <iterator>
@@ -31,11 +33,29 @@ auto recorded(const char* name, F&& f) {
 // in the enum's order.
 enum class Kernel {
   int4_matmul_q8, int4_matmul_q8_amx, int8_matmul_q8, int4_matmul_rows, int4_matmul_panels, int4_matmul_tiled, gemv,
-  linear
+  linear, onednn_linear
 };
 constexpr const char* KERNEL_NAMES[] = {"int4_matmul_q8",   "int4_matmul_q8_amx", "int8_matmul_q8",
                                         "int4_matmul_rows", "int4_matmul_panels", "int4_matmul_tiled",
-                                        "gemv",             "linear"};
+                                        "gemv",             "linear",             "onednn_linear"};
+
+// torch.ops.mkldnn._linear_pointwise(x, weight, bias, "none", [], "") (oneDNN's linear on a weight prepacked by
+// mkldnn._reorder_linear_weight: a dense layer's `prepacked` path), through the dispatcher: the op is torch's own,
+// registered by libtorch, with no C++ API of its own.
+at::Tensor onednn_linear(const at::Tensor& x, const at::Tensor& weight, const std::optional<at::Tensor>& bias) {
+  static const c10::OperatorHandle op =
+      c10::Dispatcher::singleton().findSchemaOrThrow("mkldnn::_linear_pointwise", "");
+  torch::jit::Stack stack;
+  stack.reserve(6);
+  stack.emplace_back(x);
+  stack.emplace_back(weight);
+  stack.emplace_back(bias);
+  stack.emplace_back(std::string("none"));
+  stack.emplace_back(c10::List<std::optional<at::Scalar>>());
+  stack.emplace_back(std::string(""));
+  op.callBoxed(&stack);
+  return stack[0].toTensor();
+}
 
 Kernel kernel_named(const std::string& name) {
   for (size_t i = 0; i < std::size(KERNEL_NAMES); ++i)
@@ -48,7 +68,8 @@ struct Linear {
   Kernel kernel;
   // the op's arguments after x, tensors first, in its order: int4_matmul_q8(_amx): codes, scales_biases, group,
   // act_group; int8_matmul_q8: codes, scale[, shift], act_group; int4_matmul_rows / _tiled: nibbles,
-  // scales_and_offsets, group (, tile_bytes); int4_matmul_panels: codes, scales_biases, group; gemv, linear: weight
+  // scales_and_offsets, group (, tile_bytes); int4_matmul_panels: codes, scales_biases, group; gemv, linear: weight;
+  // onednn_linear: the prepacked weight
   std::vector<at::Tensor> tensors;
   std::vector<int64_t> ints;
   std::optional<at::Tensor> bias;
@@ -71,6 +92,7 @@ struct Linear {
       case Kernel::int4_matmul_tiled: return with_bias(int4::int4_matmul_tiled(x, t[0], t[1], ints[0], ints[1]));
       case Kernel::gemv: return with_bias(fused::gemv(x, t[0]));
       case Kernel::linear: return at::linear(x, t[0], bias);  // (F.linear's own bias handling, as the layer's)
+      case Kernel::onednn_linear: return onednn_linear(x, t[0], bias);  // (the op adds the bias, as the layer's)
     }
     TORCH_CHECK(false, "unreachable");
   }
