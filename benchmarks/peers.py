@@ -25,8 +25,9 @@ both driven by `llmopt bench --base-url`'s client (`llmopt.eval.speed.bench_http
 same tokens committed at start and of the same dtype (--serve-kv-cache-dtype: float16 by default, llama-server's own
 default cache type; --serve-rounds rounds, medians).
 
-    python benchmarks/peers.py --json docs/results/data/peers.json [--model smollm2-135m] [--rounds 3] [--pairs fp32,bf16]
-        [--llama-server PATH] [--clients 8,64] [--serve-rounds 1] [--serve-kv-cache-dtype float16] [--small-pages]
+    python benchmarks/peers.py --json docs/results/data/peers.json [--model smollm2-135m] [--rounds 3]
+        [--pairs fp32,bf16] [--llama-server PATH] [--clients 8,64] [--serve-rounds 1] [--serve-kv-cache-dtype float16]
+        [--small-pages]
 """
 
 from __future__ import annotations

@@ -1,6 +1,6 @@
 """Dense linears: the fallback for any quantized weight no kernel holds (dequantized once at load: act-order
 checkpoints with permuted groups, odd shapes), and the runtime's fused dense projections (q/k/v, gate/up as one
-matmul; on CPU the few-rows `gemv` kernel, and bf16 weights prepacked for oneDNN for more rows)."""
+matmul; on CPU the few-rows `gemv` kernel on the plain weight, and a copy prepacked for oneDNN for more rows)."""
 
 from __future__ import annotations
 
@@ -74,9 +74,9 @@ class FusedDenseLinear(RowPathsMixin, nn.Module):
     sgemm matched gemv at 1-2 rows and beat it on weights taller than wide; on an AVX2 EPYC gemv was 1.6-3.3x
     faster than MKL at every shape and 1-8 rows); the default (`--linear-kernels fixed`, no engine) is `prepacked`
     where the copy exists beyond 2 rows (fp32) or 8 (bf16), else up to 8 rows the Xeon's rule for fp32 and `gemv`
-    for bf16, `blas` beyond. A logits head in fp32 is prepacked only (pack_float32; its batch-1 rows go to gemv on an exactly narrowed 16-bit copy,
-    models/llama.py): MKL's sgemm ran the 49152 x 576 head at ~30 G multiply-adds/s on an AVX2 EPYC at 32-128
-    rows, oneDNN's prepacked linear at ~50-60 (64 rows 58.5 -> 31.6 ms)."""
+    for bf16, `blas` beyond. A logits head in fp32 is prepacked only (pack_float32; its batch-1 rows go to gemv on
+    an exactly narrowed 16-bit copy, models/llama.py): MKL's sgemm ran the 49152 x 576 head at ~30 G multiply-adds/s
+    on an AVX2 EPYC at 32-128 rows, oneDNN's prepacked linear at ~50-60 (64 rows 58.5 -> 31.6 ms)."""
 
     name = "dense"
     # `onednn` is timed for prefill-sized steps only: decode steps (up to 16 rows) run in the decode graph, which
@@ -135,7 +135,7 @@ class FusedDenseLinear(RowPathsMixin, nn.Module):
 
     def candidate_paths(self, rows: int, paths: dict[str, int | None]) -> list[str]:
         if "prepacked" in paths and rows > self._gemv_rows():
-            return ["prepacked"]  # (beyond gemv's rows the copy: see BESIDE_COPY below)
+            return ["prepacked"]  # (beyond gemv's rows the copy, untimed: BESIDE_COPY, above)
         names = super().candidate_paths(rows, paths)
         return names if rows >= self.ONEDNN_MIN_ROWS else [name for name in names if name != "onednn"]
 
