@@ -204,16 +204,19 @@ def test_dense_fp32_linears_have_blas_gemv_onednn_and_prepacked_paths_and_run_th
     parts = [nn.Linear(192, 48, bias=True), nn.Linear(192, 16, bias=False)]  # stacked: q/k/v-like, one bias
     layer = fuse_linears(parts, prepack=True)
     assert type(layer) is FusedDenseLinear and not layer.packed
-    # (gemv timed up to 2 rows beside the copy: FP32_GEMV_ROWS_BESIDE_COPY)
-    assert layer.row_paths() == {"blas": None, "gemv": 2, "onednn": None, "prepacked": None}
+    # (gemv timed up to 2 rows beside the copy in the AVX-512 builds, 4 in the AVX2 one: FP32_GEMV_ROWS_BESIDE_COPY)
+    from llmopt.core.hardware import kernel_isa
+
+    limit = FusedDenseLinear.FP32_GEMV_ROWS_BESIDE_COPY.get(kernel_isa(), 8)
+    assert layer.row_paths() == {"blas": None, "gemv": limit, "onednn": None, "prepacked": None}
     assert layer.row_plan_key() == "dense|float32|64x192|prepacked copy"
     for rows in (*ROWS, 32, 300):
         x = torch.randn(rows, 192)
         expected = torch.cat([p(x) for p in parts], dim=-1)
         candidates = layer.candidate_paths(rows, layer.row_paths())
-        # beyond 2 rows the prepacked copy, untimed (FP32_GEMV_ROWS_BESIDE_COPY)
-        assert candidates == (["blas", "gemv", "prepacked"] if rows <= 2 else ["prepacked"])
-        assert (layer.default_path(rows) == "prepacked") == (rows > 2)
+        # beyond gemv's rows the prepacked copy, untimed
+        assert candidates == (["blas", "gemv", "prepacked"] if rows <= limit else ["prepacked"])
+        assert (layer.default_path(rows) == "prepacked") == (rows > limit)
         for name in layer.row_paths():
             if name != "gemv" or rows <= 8:  # (gemv's kernel takes up to 8 rows a pass)
                 torch.testing.assert_close(layer.run_path(name, x), expected, rtol=1e-5, atol=1e-5)

@@ -9,6 +9,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from llmopt.core.contract.activations import InputQuantizedLinear
+from llmopt.core.hardware import kernel_isa
 from llmopt.runtime.executor.host_memory import room_for_second_copy
 from llmopt.runtime.executor.kernels.cpu_ops import GEMV_BATCHED_ROWS, GEMV_MAX_ROWS, cpu_ops
 from llmopt.runtime.executor.linear.base import (
@@ -73,24 +74,28 @@ class FusedDenseLinear(RowPathsMixin, nn.Module):
     count runs. Which is faster differs by CPU more than any fixed rule captures (fp32: on an AVX-512 Xeon MKL's
     sgemm matched gemv at 1-2 rows and beat it on weights taller than wide; on an AVX2 EPYC gemv was 1.6-3.3x
     faster than MKL at every shape and 1-8 rows); the default (`--linear-kernels fixed`, no engine) is `prepacked`
-    where the copy exists beyond 2 rows (fp32) or 8 (bf16), else up to 8 rows the Xeon's rule for fp32 and `gemv`
-    for bf16, `blas` beyond. A logits head in fp32 is prepacked only (pack_float32; its batch-1 rows go to gemv on
-    an exactly narrowed 16-bit copy, models/llama.py): MKL's sgemm ran the 49152 x 576 head at ~30 G multiply-adds/s
-    on an AVX2 EPYC at 32-128 rows, oneDNN's prepacked linear at ~50-60 (64 rows 58.5 -> 31.6 ms)."""
+    where the copy exists beyond 2 fp32 rows (4 in the AVX2 build) or 8 bf16 rows, else up to 8 rows the Xeon's
+    rule for fp32 and `gemv` for bf16, `blas` beyond. A logits head in fp32 is prepacked only (pack_float32; its
+    batch-1 rows go to gemv on an exactly narrowed 16-bit copy, models/llama.py): MKL's sgemm ran the 49152 x 576
+    head at ~30 G multiply-adds/s on an AVX2 EPYC at 32-128 rows, oneDNN's prepacked linear at ~50-60 (64 rows
+    58.5 -> 31.6 ms)."""
 
     name = "dense"
     # `onednn` is timed for prefill-sized steps only: decode steps (up to 16 rows) run in the decode graph, which
     # calls the plain-layout kernels (`gemv`, `linear`) itself
     ONEDNN_MIN_ROWS = 32
-    # BESIDE_COPY: where a weight has its prepacked copy, `gemv` is timed up to 2 rows (fp32) or 8 (bf16), and beyond
-    # the copy runs, untimed. Each layer timed alone (its weight from memory, row_paths.measure_plan) favours the
-    # plain-layout kernels over oneDNN's prepacked one by up to 2x against the same calls made in a row as a step
-    # makes them: timed alone gemv (and at 8-16 rows MKL's sgemm) won at 4-16 fp32 rows, while in the engine the
-    # copy made 4 and 8 sequences 1.2x and 1.4x faster; 30 layers' linears in a row (Zen 4, SmolLM2): fp32 at 8 /
-    # 9 / 16 / 64 / 512 rows 20.8 / 19.3 / 28.0 / 76.6 / 529 ms prepacked against gemv's 32.3 at 8, MKL's 54.9 /
-    # 58.5 / 130 / 650 and oneDNN's on the plain weight 31.5 / 42.6 / 95.7 / 557; bf16 at 16 / 64 / 512 rows 15.4 /
-    # 44.3 / 278 against 28.2 / 62.5 / 305, and at 8 rows gemv 14.5 against 14.7.
-    FP32_GEMV_ROWS_BESIDE_COPY = 2
+    # BESIDE_COPY: where a weight has its prepacked copy, `gemv` is timed up to FP32_GEMV_ROWS_BESIDE_COPY rows
+    # (fp32, by kernel build) or 8 (bf16), and beyond the copy runs, untimed. Each layer timed alone (its weight from
+    # memory, row_paths.measure_plan) favours the plain-layout kernels over oneDNN's prepacked one by up to 2x
+    # against the same calls made in a row as a step makes them: timed alone gemv (and at 8-16 rows MKL's sgemm) won
+    # at 4-16 fp32 rows, while in the engine the copy made 4 and 8 sequences 1.2x and 1.4x faster; 30 layers'
+    # linears in a row (Zen 4, SmolLM2): fp32 at 8 / 9 / 16 / 64 / 512 rows 20.8 / 19.3 / 28.0 / 76.6 / 529 ms
+    # prepacked against gemv's 32.3 at 8, MKL's 54.9 / 58.5 / 130 / 650 and oneDNN's on the plain weight 31.5 / 42.6
+    # / 95.7 / 557; bf16 at 16 / 64 / 512 rows 15.4 / 44.3 / 278 against 28.2 / 62.5 / 305, and at 8 rows gemv 14.5
+    # against 14.7. Under the AVX2 simulation on that chip (the AVX2 kernels, oneDNN capped at AVX2), engine tok/s
+    # with gemv / the copy forced: 4 sequences 152 / 115-122, 8 sequences 148-152 / 161-179. The AVX-512 builds'
+    # figure was measured, the AVX2 one simulated; other builds time gemv at every row count it takes.
+    FP32_GEMV_ROWS_BESIDE_COPY = {"avx512": 2, "avx512_bf16": 2, "avx2": 4}
     PACK_BATCH_HINT = 256  # oneDNN picks its blocking for this M; measured best over M in 1..2048
 
     def __init__(self, parts: list[nn.Linear], prepack: bool, pack_float32: bool = False):
@@ -122,6 +127,7 @@ class FusedDenseLinear(RowPathsMixin, nn.Module):
             weight, self.PACK_BATCH_HINT) if with_copy else None)
         self._gemv = plain_cpu and cpu_ops() is not None
         self._onednn = plain_cpu and self.dtype == torch.float32 and torch.backends.mkldnn.is_available()
+        self._fp32_gemv_rows_beside_copy = self.FP32_GEMV_ROWS_BESIDE_COPY.get(kernel_isa(), GEMV_MAX_ROWS)
 
     # --- paths (row_paths.py) --------------------------------------------------------------------------------
     def row_paths(self) -> dict[str, int | None]:
@@ -131,7 +137,7 @@ class FusedDenseLinear(RowPathsMixin, nn.Module):
 
     def _gemv_rows(self) -> int:
         beside_copy = self.prepacked_weight is not None and self.dtype == torch.float32
-        return self.FP32_GEMV_ROWS_BESIDE_COPY if beside_copy else GEMV_MAX_ROWS
+        return self._fp32_gemv_rows_beside_copy if beside_copy else GEMV_MAX_ROWS
 
     def candidate_paths(self, rows: int, paths: dict[str, int | None]) -> list[str]:
         if "prepacked" in paths and rows > self._gemv_rows():
