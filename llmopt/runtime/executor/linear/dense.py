@@ -4,6 +4,8 @@ matmul; on CPU the few-rows `gemv` kernel on the plain weight, and a copy prepac
 
 from __future__ import annotations
 
+from typing import ClassVar
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -95,7 +97,7 @@ class FusedDenseLinear(RowPathsMixin, nn.Module):
     # against 14.7. Under the AVX2 simulation on that chip (the AVX2 kernels, oneDNN capped at AVX2), engine tok/s
     # with gemv / the copy forced: 4 sequences 152 / 115-122, 8 sequences 148-152 / 161-179. The AVX-512 builds'
     # figure was measured, the AVX2 one simulated; other builds time gemv at every row count it takes.
-    FP32_GEMV_ROWS_BESIDE_COPY = {"avx512": 2, "avx512_bf16": 2, "avx2": 4}
+    FP32_GEMV_ROWS_BESIDE_COPY: ClassVar[dict[str, int]] = {"avx512": 2, "avx512_bf16": 2, "avx2": 4}
     PACK_BATCH_HINT = 256  # oneDNN picks its blocking for this M; measured best over M in 1..2048
 
     def __init__(self, parts: list[nn.Linear], prepack: bool, pack_float32: bool = False):
