@@ -22,6 +22,7 @@ from pathlib import Path
 
 import numpy as np
 import torch
+from peers import llamacpp_quantize  # (benchmarks/peers.py)
 
 from llmopt.compress.api import make_config, rotate, rotation_config
 from llmopt.core.datasets import tokenize_corpus
@@ -43,7 +44,8 @@ LLMOPT_ROWS = {"gptq": ("gptq", {"sym": True}), "rtn": ("rtn", {"sym": True}),
                "gptq-asym": ("gptq", {"sym": False}), "rtn-asym": ("rtn", {"sym": False}),
                "gptq-fzp": ("gptq", {"sym": False, "zero_point": "float"}),
                "rtn-fzp": ("rtn", {"sym": False, "zero_point": "float"})}
-LLAMA_CPP_TYPES = {"Q4_0": 2, "Q4_1": 3, "Q4_K_M": 15, "Q4_1-f16emb": 3}  # llama.cpp's LLAMA_FTYPE_MOSTLY_*
+LLAMA_CPP_TYPES = {"Q4_0": "LLAMA_FTYPE_MOSTLY_Q4_0", "Q4_1": "LLAMA_FTYPE_MOSTLY_Q4_1",
+                   "Q4_K_M": "LLAMA_FTYPE_MOSTLY_Q4_K_M", "Q4_1-f16emb": "LLAMA_FTYPE_MOSTLY_Q4_1"}
 # llama.cpp's quantizer puts the token embedding (tied to the output here) in 8 bits; llmopt's artifacts keep it in
 # 16: this row asks llama.cpp for F16 there too (--token-embedding-type f16), the like-for-like control
 F16_EMBEDDING_ROWS = {"Q4_1-f16emb"}
@@ -130,13 +132,7 @@ def main() -> None:
         for name, ftype in LLAMA_CPP_TYPES.items():
             if only is not None and name not in only:
                 continue
-            params = llama_cpp.llama_model_quantize_default_params()
-            params.ftype, params.nthread = ftype, threads
-            if name in F16_EMBEDDING_ROWS:
-                params.token_embedding_type = params.output_tensor_type = llama_cpp.GGML_TYPE_F16
-            code = llama_cpp.llama_model_quantize(str(root / "f32.gguf").encode(), str(root / f"{name}.gguf").encode(),
-                                                  params)
-            assert code == 0, f"llama.cpp's quantizer failed for {name} ({code})"
+            llamacpp_quantize(root / "f32.gguf", root / f"{name}.gguf", ftype, threads, name in F16_EMBEDDING_ROWS)
         files = {"llmopt GPTQ w4 g32 -> Q4_0": "gptq", "llmopt RTN w4 g32 -> Q4_0": "rtn",
                  "llmopt GPTQ w4 g32 asym -> Q4_1": "gptq-asym", "llmopt RTN w4 g32 asym -> Q4_1": "rtn-asym",
                  "llmopt GPTQ w4 g32 float zero -> Q4_1": "gptq-fzp",

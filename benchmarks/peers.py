@@ -81,21 +81,26 @@ def llamacpp_run(gguf: str, threads: int, decode_prompts: list[list[int]], out_t
     result.put({"tpot_ms": statistics.median(tpots) * 1e3, "ttft512_ms": (t[1] - t[0]) * 1e3})
 
 
-def llamacpp_quantize(source: Path, output: Path, ftype_name: str, threads: int) -> None:
-    """llama.cpp's own conversion of a GGUF file (its quantizer, `llama-quantize`), in a process of its own."""
+def llamacpp_quantize(source: Path, output: Path, ftype_name: str, threads: int, f16_embedding: bool = False) -> None:
+    """llama.cpp's own conversion of a GGUF file (its quantizer, `llama-quantize`; ftype_name: a LLAMA_FTYPE_MOSTLY_*
+    name), in a process of its own; f16_embedding: the token embedding and output tensor in F16
+    (`--token-embedding-type f16 --output-tensor-type f16`)."""
     context = mp.get_context("spawn")
-    process = context.Process(target=_llamacpp_quantize, args=(str(source), str(output), ftype_name, threads))
+    process = context.Process(target=_llamacpp_quantize,
+                              args=(str(source), str(output), ftype_name, threads, f16_embedding))
     process.start()
     process.join(timeout=600)
     if process.exitcode != 0:
         raise RuntimeError(f"llama.cpp's quantizer failed for {output.name} (exit code {process.exitcode})")
 
 
-def _llamacpp_quantize(source: str, output: str, ftype_name: str, threads: int) -> None:
+def _llamacpp_quantize(source: str, output: str, ftype_name: str, threads: int, f16_embedding: bool) -> None:
     import llama_cpp
 
     params = llama_cpp.llama_model_quantize_default_params()
     params.ftype, params.nthread = getattr(llama_cpp, ftype_name), threads
+    if f16_embedding:
+        params.token_embedding_type = params.output_tensor_type = llama_cpp.GGML_TYPE_F16
     sys.exit(llama_cpp.llama_model_quantize(source.encode(), output.encode(), params))
 
 

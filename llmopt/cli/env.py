@@ -36,10 +36,11 @@ def runtime_facts() -> dict:
     """The runtime's registered plug-ins, and the attention backend an engine on this machine's CPU starts with."""
     from llmopt.runtime.executor.attention import ATTENTION_BACKENDS, select_attention_backend
     from llmopt.runtime.executor.linear import LINEAR_METHODS
-    from llmopt.runtime.executor.linear.w8a8_cpu import onednn_int8_gemm
+    from llmopt.runtime.executor.linear.w8a8_cpu import int_mm_exact, onednn_int8_gemm
 
     fast, exact = (select_attention_backend("auto", "cpu", "kv", f).name for f in (True, False))
-    gemm = "oneDNN, prepacked (AMX-INT8)" if onednn_int8_gemm() else "torch._int_mm"
+    gemm = ("oneDNN, prepacked (AMX-INT8)" if onednn_int8_gemm() else "torch._int_mm" if int_mm_exact()
+            else "a float64 matmul (torch._int_mm's sums are not exact here)")
     return {"attention_backends": ATTENTION_BACKENDS.names(), "linear_methods": LINEAR_METHODS.names(),
             "attention_backend_cpu": f"{fast} (fast path), {exact} (--no-fast-path)",
             "w8a8_int8_gemm_cpu": f"compiled GEMV up to 8 rows, then {gemm}"}

@@ -99,6 +99,37 @@ def test_runtime_integer_linear_matches_the_reference(rows, dtype):
     assert torch.equal(stacked(x.to(dtype)), torch.cat([p(x.to(dtype)) for p in parts], dim=-1))
 
 
+def test_the_integer_gemm_is_exact_where_torchs_is_not(monkeypatch):
+    # more rows than the GEMV's go through torch._int_mm only where it sums exactly (int_mm_exact, checked once);
+    # elsewhere through a float64 matmul: under the AVX2 simulation oneDNN's s8s8 GEMM shifted the inputs to u8 and
+    # summed byte products pairwise in saturating int16 (vpmaddubsw), as `shifted_saturating` does
+    from llmopt.runtime.executor.linear import w8a8_cpu
+
+    g = torch.Generator().manual_seed(0)
+    codes = torch.randint(-128, 128, (40, 576), generator=g, dtype=torch.int8)
+    weight = torch.randint(-128, 128, (96, 576), generator=g, dtype=torch.int8)
+    expected = codes.long() @ weight.long().t()
+    assert torch.equal(w8a8_cpu.integer_matmul(codes, weight.t()).long(), expected)
+    layer = w8a8_cpu.Int8W8A8Linear(random_qweight(), torch.float32)
+    x = torch.randn(12, 64, generator=g) * 3
+    exact = layer(x)
+
+    def shifted_saturating(a, b):  # [M, K] @ [K, N]
+        pairs = ((a.long() + 128).unsqueeze(-1) * b.long().unsqueeze(0)).reshape(a.shape[0], -1, 2, b.shape[1])
+        return (pairs.sum(2).clamp(-2 ** 15, 2 ** 15 - 1).sum(1) - 128 * b.long().sum(0)).to(torch.int32)
+
+    assert not torch.equal(shifted_saturating(codes, weight.t()).long(), expected)  # (the fake is wrong here)
+    monkeypatch.setattr(torch, "_int_mm", shifted_saturating)
+    w8a8_cpu.int_mm_exact.cache_clear()
+    try:
+        assert not w8a8_cpu.int_mm_exact()
+        assert torch.equal(w8a8_cpu.integer_matmul(codes, weight.t()).long(), expected)
+        assert torch.equal(layer(x), exact)
+    finally:
+        monkeypatch.undo()
+        w8a8_cpu.int_mm_exact.cache_clear()
+
+
 @pytest.mark.parametrize("rows", [9, 64, 1024])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_prepacked_onednn_gemm_equals_the_int_mm_path(monkeypatch, rows, dtype):

@@ -607,11 +607,12 @@ def test_int8_matmul_q8_with_grouped_scales_is_exact_for_its_8_bit_inputs(ops, d
 
 
 def test_grouped_int8_scales_exist_only_for_symmetric_weights():
-    from llmopt.runtime.executor.kernels.quant_matmul import int8_group_scales
+    from llmopt.runtime.executor.kernels.quant_matmul import int8_group_scales, int8_zeros_symmetric
 
     zeros = torch.full((16, 2), 128, dtype=torch.int32)
+    assert int8_zeros_symmetric(zeros) and int8_group_scales(torch.ones(16, 2), zeros).shape == (2, 16)
     zeros[3, 1] = 127
-    assert int8_group_scales(torch.ones(16, 2), zeros) is None
+    assert not int8_zeros_symmetric(zeros) and int8_group_scales(torch.ones(16, 2), zeros) is None
 
 
 def test_int8_matmul_q8_refuses_what_its_layout_cannot_hold(ops):
@@ -683,14 +684,16 @@ def test_w8a8_halves_equal_the_torch_reference_bit_for_bit(ops, dtype, rows, k):
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("rows,k,n", [(1, 576, 96), (3, 100, 40), (8, 1536, 64), (5, 64, 7)])  # K tails: 100, 64
-def test_int8_gemv_equals_the_int_mm_path(ops, dtype, rows, k, n):
+def test_int8_gemv_equals_the_integer_matmul_path(ops, dtype, rows, k, n):
     """The decode W8A8 product (csrc/int8_cpu.cpp int8_gemv_rows: VNNI / int16 pairs / scalar per build) equals
-    quantize -> torch._int_mm -> epilogue exactly (integer sums are exact)."""
+    quantize -> exact integer matmul -> epilogue exactly (integer sums are exact)."""
+    from llmopt.runtime.executor.linear.w8a8_cpu import exact_int_matmul
+
     g = torch.Generator().manual_seed(rows * k + n)
     x = (torch.randn(rows, k, generator=g) * 4).to(dtype)
     w = torch.randint(-128, 128, (n, k), generator=g, dtype=torch.int8)
     w_scale = torch.rand(n, generator=g)
     codes, scales = ops.quantize_rows_int8(x)
-    expected = ops.scale_int32_rows(torch._int_mm(codes, w.t()), scales, w_scale, dtype)
+    expected = ops.scale_int32_rows(exact_int_matmul(codes, w.t()), scales, w_scale, dtype)
     got = ops.int8_gemv_rows(x, w, w_scale, w.sum(dim=1, dtype=torch.int32), dtype)
     assert got.dtype == dtype and torch.equal(got, expected)

@@ -144,12 +144,16 @@ def int8_scale_shift(scales: torch.Tensor, zeros: torch.Tensor) -> tuple[torch.T
     return scale, shift.contiguous() if bool(shift.abs().max() > 0) else None
 
 
+def int8_zeros_symmetric(zeros: torch.Tensor) -> bool:
+    """Whether 8-bit codes' zero points are all 128 (symmetric weights: the only ones `int8_matmul_q8`'s grouped
+    scales take; no kernel takes a per-group shift)."""
+    return bool((zeros == 128).all())
+
+
 def int8_group_scales(scales: torch.Tensor, zeros: torch.Tensor) -> torch.Tensor | None:
     """Grouped symmetric 8-bit scales [N, G] (every zero point 128) -> float32 [G, N], group-major as
-    `int8_matmul_q8` reads grouped scales; None for zero points off 128 (no kernel takes their per-group shift)."""
-    if not bool((zeros == 128).all()):
-        return None
-    return scales.float().t().contiguous()
+    `int8_matmul_q8` reads grouped scales; None for zero points off 128 (int8_zeros_symmetric)."""
+    return scales.float().t().contiguous() if int8_zeros_symmetric(zeros) else None
 
 
 def int8_matmul(x: torch.Tensor, signed: torch.Tensor, scale: torch.Tensor,

@@ -14,6 +14,7 @@ from llmopt.runtime.executor.kernels.quant_matmul import (
     int8_group_scales,
     int8_matmul,
     int8_scale_shift,
+    int8_zeros_symmetric,
     pack_int8,
     pack_int8_panels,
     pack_int8_q8,
@@ -223,7 +224,7 @@ class Int8GroupedQ8Linear(Q8InputsMixin, GroupedInt8Linear):
         groups = qweight.scales.shape[1]
         return (w.type == "int" and w.bits == 8 and 1 < groups and k % groups == 0
                 and (k // groups) % cls.q8_input_block == 0 and n % 16 == 0 and qweight.has_trivial_g_idx
-                and int8_group_scales(qweight.scales, qweight.zeros) is not None)
+                and int8_zeros_symmetric(qweight.zeros))
 
     @staticmethod
     def can_stack(parts) -> bool:

@@ -4,7 +4,8 @@ channel's scales: up to GEMV_MAX_ROWS rows (decode) by the compiled int8 GEMV (k
 weight read once for every row, VNNI dot products where the CPU has them), more rows by an integer GEMM between the
 compiled quantization and epilogue: on CPUs with AMX-INT8 oneDNN's on a weight prepacked once at load
 (`onednn.qlinear_pointwise`, its output float(sum) * channel scale, then the token's scale), elsewhere
-`torch._int_mm` (oneDNN's s8s8s32 GEMM packing the weight per call).
+`torch._int_mm` (oneDNN's s8s8s32 GEMM packing the weight per call) where it returns exact sums (`int_mm_exact`),
+else a float64 matmul of the codes (exact too: every partial sum is an integer below 2**53).
 
 y[m, n] = (sum_k xq[m, k] * wq[n, k]) * sx[m] * sw[n]   (+ bias)"""
 
@@ -12,7 +13,7 @@ from __future__ import annotations
 
 import torch
 
-from functools import lru_cache
+from functools import cache
 
 from llmopt.core.contract import INT8_TOKEN_ACTIVATIONS, quantize_activations
 from llmopt.core.hardware import usable_features
@@ -20,12 +21,37 @@ from llmopt.runtime.executor.kernels.cpu_ops import GEMV_MAX_ROWS, cpu_ops
 from llmopt.runtime.executor.linear.base import LinearMethod, new_stacked, register_linear_method
 
 
-@lru_cache(maxsize=None)
+@cache
 def onednn_int8_gemm() -> bool:
     """Whether more than GEMV_MAX_ROWS rows go to oneDNN's prepacked int8 GEMM: where the CPU has AMX-INT8 tiles
     (measured ~1.4x `torch._int_mm` at 1,024 rows on SmolLM2's shapes, docs/results/lowprec.md) and torch has
     the op."""
     return "amx_int8" in usable_features() and hasattr(torch.ops.onednn, "qlinear_pointwise")
+
+
+@cache
+def int_mm_exact() -> bool:
+    """Whether `torch._int_mm` returns exact int32 sums on this machine, checked once on inputs at both ends of
+    int8's range. Under `ONEDNN_MAX_CPU_ISA=AVX2` on an AVX-512-VNNI CPU (the AVX2 simulation) torch 2.13's
+    oneDNN shifted the inputs to u8 and summed byte products pairwise in saturating int16 (vpmaddubsw): sums off
+    by up to ~1e5 at 576 columns. The kernels' tests that compare against it passed on a real AVX2-only EPYC and
+    on VNNI CPUs."""
+    g = torch.Generator().manual_seed(0)
+    a = torch.randint(-128, 128, (32, 256), generator=g, dtype=torch.int8)
+    w = torch.randint(-128, 128, (256, 32), generator=g, dtype=torch.int8)
+    a[0], w[:, 0] = -128, -128  # the largest pair products, 2 x 16384
+    a[1], w[:, 1] = 127, -128
+    return torch.equal(torch._int_mm(a, w), exact_int_matmul(a, w))
+
+
+def exact_int_matmul(codes: torch.Tensor, weight_t: torch.Tensor) -> torch.Tensor:
+    """[M, K] int8 @ [K, N] int8 -> [M, N] int32 in float64 (|sums| <= K * 2**14: exact for any K below 2**39)."""
+    return torch.matmul(codes.double(), weight_t.double()).to(torch.int32)
+
+
+def integer_matmul(codes: torch.Tensor, weight_t: torch.Tensor) -> torch.Tensor:
+    """codes [M, K] int8 @ weight_t [K, N] int8 -> [M, N] int32, exact: `torch._int_mm` where it is exact here."""
+    return torch._int_mm(codes, weight_t) if int_mm_exact() else exact_int_matmul(codes, weight_t)
 
 
 @register_linear_method
@@ -83,9 +109,9 @@ class Int8W8A8Linear(LinearMethod):
             return y if y.dtype == self.dtype else y.to(self.dtype)
         if ops is not None:  # the compiled halves (kernels/csrc/int8_cpu.cpp): one pass each, same numbers
             codes, scale = ops.quantize_rows_int8(x2d)  # [M, K] int8, [M] float32
-            return ops.scale_int32_rows(torch._int_mm(codes, self.weight.t()), scale, self.weight_scale, self.dtype)
+            return ops.scale_int32_rows(integer_matmul(codes, self.weight.t()), scale, self.weight_scale, self.dtype)
         codes, scale = quantize_activations(x2d, self.input_scheme)  # [M, 1, K] int8, [M, 1, 1]
-        acc = torch._int_mm(codes.reshape(x2d.shape), self.weight.t())  # [M, N] int32
+        acc = integer_matmul(codes.reshape(x2d.shape), self.weight.t())  # [M, N] int32
         # int32 x float -> float in one pass, then the tokens' scales in place
         y = torch.mul(acc, self.weight_scale).mul_(scale.reshape(-1, 1))
         return y if y.dtype == self.dtype else y.to(self.dtype)
