@@ -150,15 +150,23 @@ inline void prefetch_heads(const T* row, const Item& it, int64_t head) {
   for (int64_t off = 0; off < bytes; off += 64) _mm_prefetch(p + off, static_cast<decltype(_MM_HINT_T0)>(HINT));
 }
 
+// How far ahead pass 1 requests key and value rows into L2, in blocks (beside the next block's keys into L1). With
+// the next block alone each thread kept only ~12 lines in flight (~8 GB/s a thread from memory, against ~15 for a
+// sequential read); requesting the block after it as well, keys and values, took 64 sequences x 192 tokens x 30
+// layers of an fp16 cache from 16.6-17.0 to 12.3-13.7 ms on a 2-core Zen 4 (fp32 cache 29.0-30.8 -> 23.1-26.7; 1 x
+// 4,096 tokens 6.3-7.1 -> 4.6-6.9; ad-hoc script, 30 layers' caches in turn, builds alternating); 3 blocks ahead
+// was no better, 4 and 6 worse (requests evicting rows not yet read).
+constexpr int64_t KV_AHEAD_BLOCKS = 2;
+
 // Pass 1 over tokens [begin, end) of an item (begin a multiple of the block size), any cache: one key row at a
 // time, its chunks loaded once (load_chunk: 16 values of a float cache, or an 8-bit one's codes decoded) and reused
 // by the group's query heads; scores [nh * G][end - begin] = q . k times row_factor(block, i, h) (the softmax scale,
 // times the row's key scale for an 8-bit cache). Blocks lie anywhere in the cache, where the hardware prefetcher
-// cannot follow: with key row i this requests row i of the next block (into L1) and row i of this block's values
-// (into L2, for pass 2), a few lines per row. On a 2-core AVX2 EPYC both passes had stalled on the loads of each
-// block's rows; with these requests and pass 2's accumulators in registers (value_pass), 64 sequences x 160 tokens
-// x 30 layers from memory took 32-36 ms instead of 42-50 (fp32 cache) and 21-22 instead of 36-37 (fp16),
-// alternating the two builds (ad-hoc script).
+// cannot follow: with key row i this requests row i of the next block (into L1), row i of this block's values
+// (into L2, for pass 2) and row i of both KV_AHEAD_BLOCKS blocks on (into L2), a few lines per row. On a 2-core
+// AVX2 EPYC both passes had stalled on the loads of each block's rows; with the first two requests and pass 2's
+// accumulators in registers (value_pass), 64 sequences x 160 tokens x 30 layers from memory took 32-36 ms instead
+// of 42-50 (fp32 cache) and 21-22 instead of 36-37 (fp16), alternating the two builds (ad-hoc script).
 template <int G, int CH, typename T, typename LoadChunk, typename RowFactor>
 void key_pass(const float* q_f, const T* k_ptr, const T* v_ptr, const Item& it, const Layout& L, int64_t begin,
               int64_t end, float* scores, LoadChunk load_chunk, RowFactor row_factor) {
@@ -170,7 +178,17 @@ void key_pass(const float* q_f, const T* k_ptr, const T* v_ptr, const Item& it, 
     const int64_t n = std::min(L.block_size, end - t0), next = t0 + L.block_size;
     const T* kn = next < end ? k_ptr + it.table[next / L.block_size] * L.block_stride : nullptr;
     const int64_t n_next = kn ? std::min(L.block_size, end - next) : 0;
+    // (the far block's rows from its start: one table look-up a block, no division a row)
+    const int64_t far = t0 + KV_AHEAD_BLOCKS * L.block_size;
+    const int64_t n_far = std::max<int64_t>(0, std::min(L.block_size, end - far));
+    const int64_t far_block = n_far > 0 ? it.table[far / L.block_size] : 0;
+    const T* kf = k_ptr + far_block * L.block_stride;
+    const T* vf = v_ptr + far_block * L.block_stride;
     for (int64_t i = 0; i < n; ++i) {
+      if (i < n_far) {
+        prefetch_heads<_MM_HINT_T1>(kf + i * L.token_stride, it, CH * 16);
+        prefetch_heads<_MM_HINT_T1>(vf + i * L.token_stride, it, CH * 16);
+      }
       if (i < n_next) prefetch_heads<_MM_HINT_T0>(kn + i * L.token_stride, it, CH * 16);
       prefetch_heads<_MM_HINT_T1>(vb + i * L.token_stride, it, CH * 16);
       for (int64_t h = it.h0; h < it.h1; ++h) {
@@ -228,7 +246,14 @@ void scores_bf16(const float* q_f, const at::BFloat16* k_ptr, const at::BFloat16
     const int64_t next = t0 + 16;
     const at::BFloat16* k_next = next < ctx ? row_of(k_ptr, it, L, next) : nullptr;
     const at::BFloat16* v_this = row_of(v_ptr, it, L, t0);
+    const int64_t far = t0 + KV_AHEAD_BLOCKS * L.block_size;  // (its 16 rows are contiguous, as these are)
+    const at::BFloat16* k_far = far < ctx ? row_of(k_ptr, it, L, far) : nullptr;
+    const at::BFloat16* v_far = far < ctx ? row_of(v_ptr, it, L, far) : nullptr;
     for (int i = 0; i < 16; ++i) {
+      if (far + i < ctx) {
+        prefetch_heads<_MM_HINT_T1>(k_far + i * L.token_stride, it, CH * 16);
+        prefetch_heads<_MM_HINT_T1>(v_far + i * L.token_stride, it, CH * 16);
+      }
       if (next + i < ctx) prefetch_heads<_MM_HINT_T0>(k_next + i * L.token_stride, it, CH * 16);
       if (i < n) prefetch_heads<_MM_HINT_T2>(v_this + i * L.token_stride, it, CH * 16);
       const at::BFloat16* row = rows + i * L.token_stride + it.h0 * CH * 16;
