@@ -151,11 +151,11 @@ inline void prefetch_heads(const T* row, const Item& it, int64_t head) {
 }
 
 // How far ahead pass 1 requests key and value rows into L2, in blocks (beside the next block's keys into L1). With
-// the next block alone each thread kept only ~12 lines in flight (~8 GB/s a thread from memory, against ~15 for a
-// sequential read); requesting the block after it as well, keys and values, took 64 sequences x 192 tokens x 30
-// layers of an fp16 cache from 16.6-17.0 to 12.3-13.7 ms on a 2-core Zen 4 (fp32 cache 29.0-30.8 -> 23.1-26.7; 1 x
-// 4,096 tokens 6.3-7.1 -> 4.6-6.9; ad-hoc script, 30 layers' caches in turn, builds alternating); 3 blocks ahead
-// was no better, 4 and 6 worse (requests evicting rows not yet read).
+// the next block alone a thread read ~8 GB/s from memory (at ~100 ns a miss, ~12 lines in flight), where a
+// sequential read streams ~15; requesting the block after it as well, keys and values, cut 14-36% of the time on a 2-core
+// Zen 4 (benchmarks/decode_attention.py, 30 layers' caches from memory, two alternating runs: 64 sequences x 192
+// tokens fp16 16.5-17.1 -> 12.9-13.4 ms, 16 x 512 12.3-13.1 -> 7.9-8.8, 1 x 4,096 5.7-6.1 -> 4.4-4.6; fp32 and bf16
+// alike) and 12-29% in the AVX2 build (under its simulation). 3 blocks ahead was no better, 4 and 6 worse.
 constexpr int64_t KV_AHEAD_BLOCKS = 2;
 
 // Pass 1 over tokens [begin, end) of an item (begin a multiple of the block size), any cache: one key row at a
