@@ -152,10 +152,11 @@ inline void prefetch_heads(const T* row, const Item& it, int64_t head) {
 
 // How far ahead pass 1 requests key and value rows into L2, in blocks (beside the next block's keys into L1). With
 // the next block alone a thread read ~8 GB/s from memory (at ~100 ns a miss, ~12 lines in flight), where a
-// sequential read streams ~15; requesting the block after it as well, keys and values, cut 14-36% of the time on a 2-core
-// Zen 4 (benchmarks/decode_attention.py, 30 layers' caches from memory, two alternating runs: 64 sequences x 192
-// tokens fp16 16.5-17.1 -> 12.9-13.4 ms, 16 x 512 12.3-13.1 -> 7.9-8.8, 1 x 4,096 5.7-6.1 -> 4.4-4.6; fp32 and bf16
-// alike) and 12-29% in the AVX2 build (under its simulation). 3 blocks ahead was no better, 4 and 6 worse.
+// sequential read streams ~15; requesting the block after it as well, keys and values, cut 14-36% of the time on a
+// 2-core Zen 4 (benchmarks/decode_attention.py, 30 layers' caches from memory, two alternating runs: 64 sequences x
+// 192 tokens fp16 16.5-17.1 -> 12.9-13.4 ms, 16 x 512 12.3-13.1 -> 7.9-8.8, 1 x 4,096 5.7-6.1 -> 4.4-4.6; fp32 and
+// bf16 alike), 12-29% in the AVX2 build (under its simulation), 8-11% for an int8 cache (whose AVX-512 pass already
+// requested the next block whole). 3 blocks ahead was no better, 4 and 6 worse.
 constexpr int64_t KV_AHEAD_BLOCKS = 2;
 
 // Pass 1 over tokens [begin, end) of an item (begin a multiple of the block size), any cache: one key row at a
@@ -665,7 +666,14 @@ void scores_q8_16rows(const float* q_f, const uint8_t* k_ptr, const uint8_t* v_p
     const uint8_t* value_rows = v_ptr + block * L.block_stride + in_block * L.token_stride;
     const float* row_scales = S.k + (block * L.block_size + in_block) * KVH;
     const int64_t n = std::min<int64_t>(16, r.end - t0);
+    const int64_t far = t0 + KV_AHEAD_BLOCKS * L.block_size;  // (its 16 rows are contiguous, as these are)
+    const int64_t far_offset = far < r.end ? it.table[far / L.block_size] * L.block_stride
+                                                 + (far % L.block_size) * L.token_stride : 0;
     for (int64_t i = 0; i < 16; ++i) {
+      if (far + i < r.end) {
+        prefetch_heads<_MM_HINT_T1>(k_ptr + far_offset + i * L.token_stride, it, CH * 16);
+        prefetch_heads<_MM_HINT_T1>(v_ptr + far_offset + i * L.token_stride, it, CH * 16);
+      }
       if (i < n) prefetch_heads<_MM_HINT_T1>(value_rows + i * L.token_stride, it, CH * 16);  // for pass 2
       for (int64_t h = 0; h < nh; ++h) {
         Vec kv[CH];
