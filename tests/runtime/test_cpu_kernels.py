@@ -46,6 +46,7 @@ def test_cpu_kernels_build(ops):
     ([100, 7], 4, 4, 128, 16),  # no GQA, head_dim 128
     ([45, 12, 77], 8, 4, 128, 16),  # group 2, head_dim 128: on AVX2 pass 2 runs over the values in 4 column runs
     ([33, 50, 8, 9], 16, 2, 32, 8),  # block size 8: one row at a time
+    ([70, 33, 100, 16], 9, 3, 64, 32),  # block size 32: two groups of 16 rows a block, rows two blocks on requested
     ([20] * 6, 18, 2, 64, 16),  # group 9: beyond the specialized ones
     ([3000], 9, 3, 64, 16),  # one long context: split across threads (bf16 from pairs), the splits merged
     ([2100, 40], 6, 2, 24, 8),  # split, scalar path; the short sequence's second split is empty

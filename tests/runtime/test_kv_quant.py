@@ -88,6 +88,7 @@ DECODE_SHAPES = [
     ([40, 3, 16, 31, 64], 9, 3, 64, 16),  # SmolLM2's heads, whole sequences per item
     ([70], 8, 1, 64, 16),  # group 8, one KV head per item
     ([100, 7], 4, 4, 128, 16),  # no GQA, head_dim 128
+    ([70, 33, 100], 9, 3, 64, 32),  # block size 32: two groups of 16 rows a block
     ([20] * 6, 18, 2, 64, 16),  # group 9: the scalar path
     ([3000], 9, 3, 64, 16),  # one long context: split across threads, the splits merged
     ([2100, 40], 6, 2, 24, 8),  # split, scalar path; the short sequence's second split is empty
