@@ -13,7 +13,8 @@ side.
 They are an accelerator, not a requirement: where no compiler is available (or LLMOPT_CPU_KERNELS=0)
 `cpu_ops()` returns None and the runtime keeps its plain-torch path, which the kernels are tested against.
 torch caches each build (TORCH_EXTENSIONS_DIR, default ~/.cache/torch_extensions) and rebuilds when the source
-or flags change.
+or flags change; one process builds a folder at a time, and a build killed midway is no reason to wait
+(build_lock.py).
 """
 
 from __future__ import annotations
@@ -27,6 +28,7 @@ from pathlib import Path
 import torch
 
 from llmopt.core.hardware import X86_ISAS, cpu_info, kernel_isa
+from llmopt.runtime.executor.kernels.build_lock import exclusive_build
 
 log = logging.getLogger(__name__)
 
@@ -78,13 +80,19 @@ def sources_digest() -> str:
 
 @lru_cache(maxsize=None)
 def _load(isa: str):
-    from torch.utils.cpp_extension import load
+    from torch.utils.cpp_extension import _get_build_directory, load
 
-    load(name=f"llmopt_cpu_kernels_{isa}", sources=[str(s) for s in SOURCES], is_python_module=False,
-         extra_cflags=["-O3", "-fopenmp", *isa_flags(isa), f"-DLLMOPT_NS=llmopt_cpu_{isa}",
-                       f"-DLLMOPT_ISA={isa}", f"-DLLMOPT_SOURCES={sources_digest()}",
-                       f"-DLLMOPT_GEMV_STREAMS={gemv_row_streams(isa)}"],
-         extra_ldflags=["-fopenmp"], verbose=False)
+    name = f"llmopt_cpu_kernels_{isa}"
+    folder = Path(_get_build_directory(name, verbose=False))
+    if not any(folder.glob(f"{name}*.so")):  # (a silent pause of minutes invites an interrupt)
+        log.warning("building llmopt's CPU kernels (%s) in %s: once per machine and version, 1-4 min", isa, folder)
+    # (torch's own lock file would make this wait forever after a build that was killed: build_lock.py)
+    with exclusive_build(folder):
+        load(name=name, sources=[str(s) for s in SOURCES], is_python_module=False,
+             extra_cflags=["-O3", "-fopenmp", *isa_flags(isa), f"-DLLMOPT_NS=llmopt_cpu_{isa}",
+                           f"-DLLMOPT_ISA={isa}", f"-DLLMOPT_SOURCES={sources_digest()}",
+                           f"-DLLMOPT_GEMV_STREAMS={gemv_row_streams(isa)}"],
+             extra_ldflags=["-fopenmp"], verbose=False)
     return getattr(torch.ops, f"llmopt_cpu_{isa}")
 
 
