@@ -151,11 +151,15 @@ def test_fused_elementwise_ops_match_torch(ops, dtype, rows, hidden):
         return F.rms_norm(t.float(), (hidden,), eps=1e-5).to(dtype) * weight
 
     tol = {"rtol": 1e-6, "atol": 1e-6} if dtype == torch.float32 else {"rtol": 0, "atol": 0}
-    torch.testing.assert_close(ops.rms_norm(x, weight, 1e-5), norm(x), **tol)
+    # the norms round as torch's vectorized kernels do; torch built for no vector unit sums the squares in another
+    # order, and one 16-bit output in ~7,000 lands an ulp away
+    norm_tol = tol if torch.backends.cpu.get_cpu_capability() != "DEFAULT" or dtype == torch.float32 else {
+        "rtol": torch.finfo(dtype).eps, "atol": 0}
+    torch.testing.assert_close(ops.rms_norm(x, weight, 1e-5), norm(x), **norm_tol)
     residual = x.clone()
     normed = ops.add_rms_norm_(residual, delta, weight, 1e-5)
     assert torch.equal(residual, x + delta)
-    torch.testing.assert_close(normed, norm(x + delta), **tol)
+    torch.testing.assert_close(normed, norm(x + delta), **norm_tol)
 
     gate_up = (torch.randn(rows, 2 * hidden, generator=g) * 4).to(dtype)
     gate, up = gate_up.chunk(2, dim=-1)
