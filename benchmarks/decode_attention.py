@@ -14,12 +14,11 @@ from __future__ import annotations
 import argparse
 import random
 import statistics
-import time
 from pathlib import Path
 
 import torch
 
-from llmopt.core.hardware import best_time_of, cache_evictor, cpu_line, resolve_dtype
+from llmopt.core.hardware import best_time_of, cache_evictor, call_times, cpu_line, resolve_dtype
 from llmopt.core.io import write_json
 from llmopt.runtime.executor.kernels.cpu_ops import cpu_ops
 
@@ -43,17 +42,6 @@ def layer_caches(sequences: int, context: int, dtype: torch.dtype, rng: random.R
     return caches, lens
 
 
-def median_time(fn, repeats: int) -> float:
-    for _ in range(3):  # warm-up
-        fn()
-    times = []
-    for _ in range(repeats):
-        start = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - start)
-    return statistics.median(times)
-
-
 def row(ops, sequences: int, context: int, cache: str, q_dtype: torch.dtype, repeats: int) -> dict:
     caches, lens = layer_caches(sequences, context, CACHE_DTYPES[cache], random.Random(0))
     q = torch.randn(sequences, HEADS, HEAD_DIM).to(q_dtype)
@@ -63,7 +51,7 @@ def row(ops, sequences: int, context: int, cache: str, q_dtype: torch.dtype, rep
             ops.paged_decode_attention(q, k, v, tables, lens, HEAD_DIM ** -0.5)
 
     nbytes = int(lens.sum()) * 2 * KV_HEADS * HEAD_DIM * CACHE_DTYPES[cache].itemsize * LAYERS
-    seconds = median_time(step, repeats)
+    seconds = statistics.median(call_times(step, repeats, warmups=3))
     # the same bytes read by torch in the same run, from memory (the caches evicted before each read)
     buffer = torch.ones(nbytes // 4)
     read = best_time_of(buffer.sum, repeats, before=cache_evictor())

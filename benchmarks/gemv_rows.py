@@ -9,11 +9,10 @@ from __future__ import annotations
 
 import argparse
 import json
-import time
 
 import torch
 
-from llmopt.core.hardware import cpu_line
+from llmopt.core.hardware import best_time_of, cpu_line
 from llmopt.runtime.executor.kernels.cpu_ops import cpu_ops
 
 SHAPES = {"qkv 960x576": (960, 576), "gate_up 3072x576": (3072, 576), "down 576x1536": (576, 1536),
@@ -21,13 +20,7 @@ SHAPES = {"qkv 960x576": (960, 576), "gate_up 3072x576": (3072, 576), "down 576x
 
 
 def best_us(fn, repeats: int = 20) -> float:
-    fn()
-    times = []
-    for _ in range(repeats):
-        start = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - start)
-    return 1e6 * min(times)
+    return 1e6 * best_time_of(fn, repeats)
 
 
 def main() -> None:

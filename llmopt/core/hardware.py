@@ -280,22 +280,29 @@ class MeasuredRates:
     measured_at: str
 
 
-def best_time_of(fn, repeats: int = 3, budget_s: float = float("inf"), before=None) -> float:
-    """The fastest of `repeats` calls after one warm-up call (first-call allocations, packing buffers), stopping
-    early once the timed calls have taken `budget_s` together. `before`: called, untimed, before each timed call
-    (cache_evictor(): time a call as it runs on data streamed from memory)."""
-    fn()
-    best, spent = float("inf"), 0.0
+def call_times(fn, repeats: int = 3, budget_s: float = float("inf"), before=None, warmups: int = 1) -> list[float]:
+    """Seconds of each of `repeats` calls after `warmups` untimed ones (first-call allocations, packing buffers),
+    stopping early once the timed calls have taken `budget_s` together. `before`: called, untimed, before each timed
+    call (cache_evictor(): time a call as it runs on data streamed from memory)."""
+    for _ in range(warmups):
+        fn()
+    times: list[float] = []
+    spent = 0.0
     for _ in range(repeats):
         if before is not None:
             before()
         t = time.perf_counter()
         fn()
-        elapsed = time.perf_counter() - t
-        best, spent = min(best, elapsed), spent + elapsed
+        times.append(time.perf_counter() - t)
+        spent += times[-1]
         if spent > budget_s:
             break
-    return best
+    return times
+
+
+def best_time_of(fn, repeats: int = 3, budget_s: float = float("inf"), before=None) -> float:
+    """The fastest of `repeats` calls after one warm-up call (call_times)."""
+    return min(call_times(fn, repeats, budget_s, before))
 
 
 EVICT_MAX_BYTES = 128 << 20  # beyond this much last-level cache a model's weights may well stay cached in use
