@@ -156,7 +156,7 @@ def test_the_grouped_int8_head_computes_the_rounded_weights_logits(tiny_llama_32
         hidden = torch.randn(rows, weight.shape[1])
         # the 8-bit inputs times the Q8_0 weight; beyond decode sizes the plan times that kernel against the weight
         # dequantized whole (float inputs), and the path it chose there depends on the CPU and kernel build
-        path = head._row_plan.path(rows) if head._row_plan is not None else head.default_path(rows)
+        path = head.path_for(rows)
         assert path in ("q8", "dequantize") and (path == "q8" or rows > head.q8_only_rows)
         inputs = q8_rounded_inputs(hidden, 32) if path == "q8" else hidden.double()
         expected = inputs @ rounded.double().t()

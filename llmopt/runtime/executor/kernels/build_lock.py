@@ -60,14 +60,13 @@ def _acquire(handle, folder: Path, wait_s: float, poll_s: float) -> None:
             fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
             return
         except BlockingIOError:
-            holder = _holder(folder)
             if time.monotonic() >= deadline:
                 raise TimeoutError(
-                    f"another process ({holder}) has been building llmopt's CPU kernels in {folder} for over "
-                    f"{wait_s:.0f} s: let it finish, or stop it and run again") from None
+                    f"another process ({_holder(folder)}) has been building llmopt's CPU kernels in {folder} for "
+                    f"over {wait_s:.0f} s: let it finish, or stop it and run again") from None
             if not told:
                 log.warning("waiting for another process (%s) to finish building llmopt's CPU kernels in %s",
-                            holder, folder)
+                            _holder(folder), folder)
                 told = True
             time.sleep(poll_s)
 

@@ -204,11 +204,14 @@ class RowPathsMixin:
         graph (kernels/csrc/decode_graph_cpu.cpp) can call itself: the same op with the same arguments."""
         return {}
 
+    def path_for(self, rows: int) -> str:
+        """The path a step of `rows` rows runs: its plan's, else the default."""
+        return self._row_plan.path(rows) if self._row_plan is not None else self.default_path(rows)
+
     def graph_call(self, rows: int) -> tuple[str, list[torch.Tensor], list[int], torch.Tensor | None] | None:
         """(op, tensors, ints, bias) of the path this layer runs for a step of `rows` rows (its plan's, else the
         default), or None where a decode graph cannot call that path."""
-        path = self._row_plan.path(rows) if self._row_plan is not None else self.default_path(rows)
-        kernel = self.graph_kernels().get(path)
+        kernel = self.graph_kernels().get(self.path_for(rows))
         return None if kernel is None else (*kernel, self.bias)
 
     def forward_2d(self):
