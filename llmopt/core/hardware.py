@@ -69,6 +69,9 @@ class CpuInfo:
     physical_cores: int
     caches: dict[str, int] = field(default_factory=dict)  # "L1d", "L2", "L3" -> bytes
     mhz: float | None = None
+    # x86 "family F, model M, stepping S" (decimal, as /proc/cpuinfo gives them): two hosts a VM names alike (its
+    # CPU line identical) can differ, e.g. an "AMD EPYC" of family 23 (Zen 1/2) or 25 (Zen 3/4); "" where unknown
+    signature: str = ""
 
     @property
     def is_x86(self) -> bool:
@@ -136,7 +139,13 @@ def cpu_info() -> CpuInfo:
     vendor = fields.get("vendor_id") or fields.get("cpu implementer") or platform.system()
     mhz = float(fields["cpu mhz"]) if re.fullmatch(r"[\d.]+", fields.get("cpu mhz", "")) else None
     return CpuInfo(arch, vendor, model, frozenset(features), logical, min(len(cores) or logical, logical),
-                   _caches(), mhz)
+                   _caches(), mhz, _signature(fields))
+
+
+def _signature(fields: dict[str, str]) -> str:
+    parts = [(name, fields.get(key, "")) for name, key in (("family", "cpu family"), ("model", "model"),
+                                                            ("stepping", "stepping"))]
+    return ", ".join(f"{name} {value}" for name, value in parts) if all(v.isdigit() for _, v in parts) else ""
 
 
 # --- what this process may use -------------------------------------------------------------------------
@@ -434,7 +443,7 @@ def hardware_facts(measure: bool = True, refresh: bool = False) -> dict:
     info = cpu_info()
     facts = {
         "cpu": cpu_line(),
-        "cpu_model": info.model, "cpu_vendor": info.vendor, "arch": info.arch,
+        "cpu_model": info.model, "cpu_signature": info.signature, "cpu_vendor": info.vendor, "arch": info.arch,
         "logical_cpus": info.logical_cpus, "physical_cores": info.physical_cores, "cpu_mhz": info.mhz,
         "caches": {k: v for k, v in info.caches.items()},
         "features": sorted(info.features), "usable_features": sorted(usable_features()),

@@ -16,7 +16,10 @@ from tests.waits import limit
 
 EPYC_AVX2 = """processor\t: 0
 vendor_id\t: AuthenticAMD
+cpu family\t: 25
+model\t\t: 1
 model name\t: AMD EPYC 7B13 64-Core Processor
+stepping\t: 1
 cpu MHz\t\t: 2450.000
 physical id\t: 0
 core id\t\t: 0
@@ -75,6 +78,7 @@ def test_avx2_only_epyc_computes_in_fp32(fake_cpu):
     fake_cpu(EPYC_AVX2)
     info = hardware.cpu_info()
     assert info.vendor == "AuthenticAMD" and "EPYC" in info.model and info.mhz == 2450.0
+    assert info.signature == "family 25, model 1, stepping 1"  # Zen 3, which the model name alone may not say
     assert info.features == {"avx2", "fma", "f16c"} and info.physical_cores == min(2, info.logical_cpus)
     assert hardware.kernel_isa() == "avx2"
     assert hardware.supported_kernel_isas() == ["scalar", "avx2"]
@@ -90,6 +94,7 @@ def test_avx2_only_epyc_computes_in_fp32(fake_cpu):
 
 def test_sapphire_rapids_computes_in_bf16_on_amx(fake_cpu):
     fake_cpu(SAPPHIRE_RAPIDS)
+    assert hardware.cpu_info().signature == ""  # (its fake /proc/cpuinfo gives no family)
     assert hardware.kernel_isa() == "avx512_bf16"
     assert hardware.native_bf16() and hardware.resolve_dtype("auto") == "bfloat16"
     assert hardware.dtype_note("bfloat16") is None
