@@ -296,6 +296,36 @@ def test_dense_bf16_linears_run_gemv_on_the_plain_weight_and_oneDNN_on_a_prepack
     torch.testing.assert_close(layer.forward_2d()(x).float(), bf16_reference(parts, x), rtol=2e-2, atol=2e-2)
 
 
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_16bit_prefill_is_widened_to_fp32_where_onednn_has_no_16bit_gemm(monkeypatch, dtype):
+    """On a CPU whose oneDNN cannot multiply 16-bit (AVX2), torch's 16-bit GEMM is a slow reference loop: prefill
+    chunks (from ONEDNN_MIN_ROWS rows) take `widened`, the weight widened to fp32 for the call, the sums rounded once
+    to the layer's dtype. Where oneDNN has the 16-bit GEMM the path is not offered."""
+    from torch import nn
+
+    monkeypatch.setattr(dense, "_mkldnn_16bit", lambda dtype: False)
+    monkeypatch.setattr(dense, "_mkldnn_bf16", lambda: False)
+    torch.manual_seed(0)
+    parts = [nn.Linear(192, 48, bias=True).to(dtype), nn.Linear(192, 16, bias=False).to(dtype)]
+    layer = dense.fuse_linears(parts, prepack=True)
+    assert layer.prepacked_weight is None and layer.row_paths()["widened"] is None
+    minimum = dense.FusedDenseLinear.ONEDNN_MIN_ROWS
+    for rows in (*ROWS, minimum - 1, minimum):
+        prefill = rows >= minimum
+        assert ("widened" in layer.candidate_paths(rows, layer.row_paths())) == prefill
+        assert (layer.default_path(rows) == "widened") == prefill
+    x = torch.randn(64, 192).to(dtype)
+    got = layer.run_path("widened", x)
+    assert got.dtype == dtype
+    # exactly the fp32 product of the 16-bit values, rounded once
+    assert torch.equal(got, bf16_reference(parts, x).to(dtype))
+    torch.testing.assert_close(layer(x).float(), bf16_reference(parts, x), rtol=2e-2, atol=2e-2)
+    layer.set_row_plan(RowPlan({8: "blas", 1024: "widened"}))
+    assert torch.equal(layer.forward_2d()(x), got)
+    monkeypatch.setattr(dense, "_mkldnn_16bit", lambda dtype: True)
+    assert "widened" not in dense.fuse_linears(parts, prepack=True).row_paths()
+
+
 def test_a_bf16_weight_gets_no_prepacked_copy_where_memory_is_short(monkeypatch):
     """A second copy of every bf16 weight would not fit beside a large model: without room the layer keeps the
     plain weight alone (gemv up to 8 rows, then oneDNN's GEMM on it), under a plan key of its own."""
@@ -308,7 +338,8 @@ def test_a_bf16_weight_gets_no_prepacked_copy_where_memory_is_short(monkeypatch)
     assert layer.prepacked_weight is None and not layer.with_prepacked_copy
     assert "prepacked" not in layer.row_paths() and layer.row_plan_key() == "dense|bfloat16|48x192"
     gemv = "gemv" if cpu_ops() is not None else "blas"
-    assert [layer.default_path(rows) for rows in (1, 8, 9, 512)] == [gemv, gemv, "blas", "blas"]
+    prefill = "widened" if not dense._mkldnn_16bit(torch.bfloat16) else "blas"  # (AVX2: no oneDNN bf16 GEMM)
+    assert [layer.default_path(rows) for rows in (1, 8, 9, 512)] == [gemv, gemv, "blas", prefill]
     x = torch.randn(9, 192).to(torch.bfloat16)
     torch.testing.assert_close(layer(x).float(), x.float() @ layer.weight.float().t(), rtol=2e-2, atol=2e-2)
     # fp32 without its copy: gemv up to 8 rows, oneDNN's linear on the plain weight only for prefill-sized steps

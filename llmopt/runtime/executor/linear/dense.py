@@ -48,6 +48,14 @@ def _mkldnn_bf16() -> bool:
     return torch.backends.mkldnn.is_available() and torch.ops.mkldnn._is_mkldnn_bf16_supported()
 
 
+def _mkldnn_16bit(dtype: torch.dtype) -> bool:
+    """Whether oneDNN multiplies this 16-bit dtype on this CPU (else torch's CPU GEMM in it is a slow fallback)."""
+    if not torch.backends.mkldnn.is_available():
+        return False
+    return torch.ops.mkldnn._is_mkldnn_bf16_supported() if dtype == torch.bfloat16 \
+        else torch.ops.mkldnn._is_mkldnn_fp16_supported()
+
+
 class ConcatLinears(nn.Module):
     """Several linears fed the same input, outputs concatenated: exact (each runs as it would alone)."""
 
@@ -67,8 +75,11 @@ class FusedDenseLinear(RowPathsMixin, nn.Module):
     the kernel a decode graph calls); for fp32 prefill chunks `onednn` (oneDNN's linear on the plain weight; on an
     AVX-512 EPYC, Zen 4, at 512 rows MKL's sgemm took 2.9 / 9.9 / 5.0 ms on 960x576 / 3072x576 / 576x1536,
     oneDNN's 3.0 / 8.8 / 4.2); and at any row count `prepacked` (oneDNN's linear on a copy of the weight in its
-    blocked layout, made where the host has room: host_memory.room_for_second_copy). The decode graph calls
-    `gemv`, `blas` and `prepacked` itself.
+    blocked layout, made where the host has room: host_memory.room_for_second_copy); for 16-bit prefill chunks on a
+    CPU whose oneDNN has no 16-bit GEMM (AVX2: torch then multiplies bf16 in a slow reference loop, ~4 G
+    multiply-adds/s on an AVX2 EPYC against ~30 in fp32) `widened`: the weight widened to fp32 for the call and
+    multiplied in fp32 (bf16 and fp16 values are exact in fp32; one rounding of the sums to the layer's dtype, as
+    the 16-bit GEMM's). The decode graph calls `gemv`, `blas` and `prepacked` itself.
 
     Why a weight is kept twice: on that Zen 4 (SmolLM2-135M's 30 layers) the bf16 linears at one row took 12.3 ms
     prepacked against 6.7 by `gemv` on the plain weight, while from 16 rows the prepacked layout won (BESIDE_COPY
@@ -129,12 +140,13 @@ class FusedDenseLinear(RowPathsMixin, nn.Module):
             weight, self.PACK_BATCH_HINT) if with_copy else None)
         self._gemv = plain_cpu and cpu_ops() is not None
         self._onednn = plain_cpu and self.dtype == torch.float32 and torch.backends.mkldnn.is_available()
+        self._widened = cpu and self.dtype in (torch.bfloat16, torch.float16) and not _mkldnn_16bit(self.dtype)
         self._fp32_gemv_rows_beside_copy = self.FP32_GEMV_ROWS_BESIDE_COPY.get(kernel_isa(), GEMV_MAX_ROWS)
 
     # --- paths (row_paths.py) --------------------------------------------------------------------------------
     def row_paths(self) -> dict[str, int | None]:
         return {"blas": None} | ({"gemv": self._gemv_rows()} if self._gemv else {}) \
-            | ({"onednn": None} if self._onednn else {}) \
+            | ({"onednn": None} if self._onednn else {}) | ({"widened": None} if self._widened else {}) \
             | ({"prepacked": None} if self.prepacked_weight is not None else {})
 
     def _gemv_rows(self) -> int:
@@ -145,13 +157,14 @@ class FusedDenseLinear(RowPathsMixin, nn.Module):
         if "prepacked" in paths and rows > self._gemv_rows():
             return ["prepacked"]  # (beyond gemv's rows the copy, untimed: BESIDE_COPY, above)
         names = super().candidate_paths(rows, paths)
-        return names if rows >= self.ONEDNN_MIN_ROWS else [name for name in names if name != "onednn"]
+        prefill_only = ("onednn", "widened")
+        return names if rows >= self.ONEDNN_MIN_ROWS else [name for name in names if name not in prefill_only]
 
     def default_path(self, rows: int) -> str:
         if self.prepacked_weight is not None and rows > self._gemv_rows():
             return "prepacked"
         if rows > GEMV_MAX_ROWS:
-            return "blas"
+            return "widened" if self._widened and rows >= self.ONEDNN_MIN_ROWS else "blas"
         if self.dtype == torch.bfloat16:  # (oneDNN on the plain bf16 weight took ~3x gemv's time at 1-8 rows, Zen 4)
             return "gemv" if self._gemv else "blas"
         # MKL's sgemm packs the weight from ~3 rows (2x slower than streaming it once); weights taller than wide
@@ -181,6 +194,11 @@ class FusedDenseLinear(RowPathsMixin, nn.Module):
         linear, weight, bias = torch.ops.mkldnn._linear_pointwise, self.prepacked_weight, self.bias
         return lambda x: linear(x, weight, bias, "none", [], "")
 
+    def _bind_widened(self):
+        linear, weight = F.linear, self.weight
+        bias = None if self.bias is None else self.bias.float()
+        return lambda x: linear(x.float(), weight.float(), bias).to(x.dtype)
+
     def _bind_gemv(self):
         gemv, weight, bias = cpu_ops().gemv, self.weight, self.bias
         return (lambda x: gemv(x, weight)) if bias is None else (lambda x: gemv(x, weight) + bias)
@@ -196,6 +214,9 @@ class FusedDenseLinear(RowPathsMixin, nn.Module):
 
     def _path_gemv(self, x: torch.Tensor) -> torch.Tensor:
         return self._bind_gemv()(x)
+
+    def _path_widened(self, x: torch.Tensor) -> torch.Tensor:
+        return self._bind_widened()(x)
 
     def _path_onednn(self, x: torch.Tensor) -> torch.Tensor:
         return self._bind_onednn()(x)
