@@ -44,16 +44,16 @@ class DequantizedLinear(LinearMethod):
         return dense.requires_grad_(False)
 
 
-def _mkldnn_bf16() -> bool:
-    return torch.backends.mkldnn.is_available() and torch.ops.mkldnn._is_mkldnn_bf16_supported()
-
-
 def _mkldnn_16bit(dtype: torch.dtype) -> bool:
     """Whether oneDNN multiplies this 16-bit dtype on this CPU (else torch's CPU GEMM in it is a slow fallback)."""
     if not torch.backends.mkldnn.is_available():
         return False
     return torch.ops.mkldnn._is_mkldnn_bf16_supported() if dtype == torch.bfloat16 \
         else torch.ops.mkldnn._is_mkldnn_fp16_supported()
+
+
+def _mkldnn_bf16() -> bool:
+    return _mkldnn_16bit(torch.bfloat16)
 
 
 class ConcatLinears(nn.Module):
