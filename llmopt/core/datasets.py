@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import bz2
 import json
+import os
 import sysconfig
 from dataclasses import dataclass
 from functools import lru_cache
@@ -92,10 +93,12 @@ def _read_json_records(path: Path, field: str = "text") -> list[str]:
 @lru_cache(maxsize=1)
 def _stdlib_files() -> tuple[Path, tuple[Path, ...]]:
     root = Path(sysconfig.get_paths()["stdlib"])
-    files = [
-        p for p in root.rglob("*.py")
-        if not {"site-packages", "dist-packages"} & set(p.relative_to(root).parts)
-    ]
+    files = []
+    for folder, subfolders, names in os.walk(root):
+        # installed packages are not the standard library; pruned, not walked and filtered (a base interpreter's
+        # site-packages can hold ~700 MB: walking it took 1.3 s of a 1.4 s listing)
+        subfolders[:] = sorted(d for d in subfolders if d not in ("site-packages", "dist-packages"))
+        files.extend(Path(folder) / name for name in names if name.endswith(".py"))
     return root, tuple(sorted(files, key=lambda p: p.relative_to(root).as_posix()))
 
 

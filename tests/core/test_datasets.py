@@ -18,6 +18,10 @@ def test_pystdlib_is_the_sorted_stdlib_without_site_packages():
     rel = [f.relative_to(root).as_posix() for f in files]
     assert rel == sorted(rel) and len(rel) > 500
     assert not any("site-packages" in r for r in rel)
+    # the pruned walk lists what every *.py under the root outside installed packages is (the documented set)
+    reference = [p for p in root.rglob("*.py") if p.is_file()
+                 and not {"site-packages", "dist-packages"} & set(p.relative_to(root).parts)]
+    assert rel == sorted(p.relative_to(root).as_posix() for p in reference)
     text = ds.load_text("pystdlib", max_chars=10_000)
     assert len(text) == 10_000 and text.startswith(files[0].read_text(encoding="utf-8", errors="replace")[:100])
 
