@@ -227,11 +227,10 @@ def test_cli_generate_with_two_ranks_prints_the_one_process_text(tiny_llama_dir)
 
 
 def test_torchrun_with_two_processes_prints_the_one_process_text(tiny_llama_dir):
-    from llmopt.runtime.parallel.workers import free_port
-
     from typer.testing import CliRunner
 
     from llmopt.cli.main import app
+    from llmopt.runtime.parallel.workers import free_port
 
     args = ["generate", str(tiny_llama_dir), "--prompt", "class Foo:", "--max-tokens", "12", "--dtype", "float32"]
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
