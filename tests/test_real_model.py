@@ -166,27 +166,21 @@ def test_smollm2_two_tensor_parallel_ranks_give_the_one_process_tokens():
     from llmopt.serve.launch import in_thread, start_server
 
     params = SamplingParams(max_tokens=16, ignore_eos=True)
-    texts = {}
-    layouts = {"smollm2-135m": ({}, {"tensor_parallel_size": 2})}
-    for name, parallels in layouts.items():
-        outputs = {}
-        for parallel in parallels:
-            # (float inputs: with 8-bit ones a tensor-parallel sum's rounding can flip an input's code)
-            config = EngineConfig(**parallel, max_num_batched_tokens=64, activations="float")
-            model, tokenizer, _ = load_for_engine(name, config)
-            prompts = [tokenizer(p)["input_ids"] for p in ("def fibonacci(n):", "The capital of France is",
-                                                           "import numpy as np\n" * 8)]
-            engine = Engine(model, tokenizer, config)
-            finished = engine.generate(prompts, params)
-            outputs[tuple(parallel.items())] = [o.token_ids for o in finished]
-            texts.setdefault(name, finished[0].text)
-            engine.close()
-        one, *others = outputs.values()
-        assert all(other == one for other in others), name
+    outputs = []
+    for parallel in ({}, {"tensor_parallel_size": 2}):
+        config = EngineConfig(**parallel, max_num_batched_tokens=64)
+        model, tokenizer, _ = load_for_engine("smollm2-135m", config)
+        prompts = [tokenizer(p)["input_ids"] for p in ("def fibonacci(n):", "The capital of France is",
+                                                       "import numpy as np\n" * 8)]
+        engine = Engine(model, tokenizer, config)
+        outputs.append(engine.generate(prompts, params))
+        engine.close()
+    one, two = ([o.token_ids for o in finished] for finished in outputs)
+    assert two == one
     app, server = start_server("smollm2-135m", EngineConfig(tensor_parallel_size=2), "float32")
     with in_thread(server) as url:
         client = openai.OpenAI(base_url=url, api_key="none", max_retries=0)
         served = client.completions.create(model="smollm2-135m", prompt="def fibonacci(n):", max_tokens=16,
                                            temperature=0, extra_body={"ignore_eos": True})
     server.engine.engine.close()
-    assert served.choices[0].text == texts["smollm2-135m"]
+    assert served.choices[0].text == outputs[0][0].text

@@ -97,7 +97,7 @@ def _stdlib_files() -> tuple[Path, tuple[Path, ...]]:
     for folder, subfolders, names in os.walk(root):
         # installed packages are not the standard library; pruned, not walked and filtered (a base interpreter's
         # site-packages can hold ~700 MB: walking it took 1.3 s of a 1.4 s listing)
-        subfolders[:] = sorted(d for d in subfolders if d not in ("site-packages", "dist-packages"))
+        subfolders[:] = [d for d in subfolders if d not in ("site-packages", "dist-packages")]
         files.extend(Path(folder) / name for name in names if name.endswith(".py"))
     return root, tuple(sorted(files, key=lambda p: p.relative_to(root).as_posix()))
 
