@@ -389,6 +389,8 @@ def test_gemv_streams_one_row_at_a_time_on_amd_and_four_on_intel_avx512(monkeypa
     info = dataclasses.replace(cpu_ops_module.cpu_info(), vendor=vendor, arch="x86_64")
     monkeypatch.setattr(cpu_ops_module, "cpu_info", lambda: info)
     assert cpu_ops_module.gemv_row_streams(isa) == streams
+    # against two input rows the AVX2 build streams two weight rows on Intel, one on AMD (as for one input)
+    assert cpu_ops_module.gemv_pair_streams(isa) == (1 if vendor == "AuthenticAMD" else 2)
 
 
 def test_exactly_narrowed_keeps_every_value():

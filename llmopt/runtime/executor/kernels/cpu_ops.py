@@ -67,6 +67,15 @@ def gemv_row_streams(isa: str) -> int:
     return 4 if isa in ("avx512", "avx512_bf16") and cpu_info().vendor == "GenuineIntel" else 1
 
 
+def gemv_pair_streams(isa: str) -> int:
+    """Weight rows the AVX2 build's `gemv` streams at once against two input rows (csrc/fused_cpu.cpp; the same
+    bits either way): 2 on Intel (4 independent accumulation chains; chosen under the AVX2 simulation on a Xeon),
+    1 on AMD, as for one input row. On a 2-core AVX2 EPYC (family 23) two rows at once made 2 inputs slower than 3
+    (49152 x 576 fp16 from memory 4.6 ms against 2.9 at one input); one row at a time: measured in
+    benchmarks/gemv_rows.py."""
+    return 1 if cpu_info().vendor == "AuthenticAMD" else 2
+
+
 @lru_cache(maxsize=1)
 def sources_digest() -> str:
     """A digest of every file in csrc/, passed as a flag: torch's loader rebuilds when the sources it is given or
@@ -91,7 +100,8 @@ def _load(isa: str):
         load(name=name, sources=[str(s) for s in SOURCES], is_python_module=False,
              extra_cflags=["-O3", "-fopenmp", *isa_flags(isa), f"-DLLMOPT_NS=llmopt_cpu_{isa}",
                            f"-DLLMOPT_ISA={isa}", f"-DLLMOPT_SOURCES={sources_digest()}",
-                           f"-DLLMOPT_GEMV_STREAMS={gemv_row_streams(isa)}"],
+                           f"-DLLMOPT_GEMV_STREAMS={gemv_row_streams(isa)}",
+                           f"-DLLMOPT_GEMV_PAIR_STREAMS={gemv_pair_streams(isa)}"],
              extra_ldflags=["-fopenmp"], verbose=False)
     return getattr(torch.ops, f"llmopt_cpu_{isa}")
 

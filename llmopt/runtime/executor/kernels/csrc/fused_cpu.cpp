@@ -302,6 +302,13 @@ constexpr int64_t GEMV_MAX_ROWS = 8;  // x rows one pass of gemv serves (cpu_ops
 #endif
 constexpr int GEMV_ROW_STREAMS = LLMOPT_GEMV_STREAMS;
 static_assert(GEMV_ROW_STREAMS == 1 || GEMV_ROW_STREAMS == 2 || GEMV_ROW_STREAMS == 4, "1, 2 or 4 row streams");
+// Weight rows the AVX2 build takes at a time against two input rows (cpu_ops.gemv_pair_streams): 2 on Intel, 1 on
+// AMD (one sequential stream, as for one input row).
+#ifndef LLMOPT_GEMV_PAIR_STREAMS
+#define LLMOPT_GEMV_PAIR_STREAMS 2
+#endif
+constexpr int GEMV_PAIR_STREAMS = LLMOPT_GEMV_PAIR_STREAMS;
+static_assert(GEMV_PAIR_STREAMS == 1 || GEMV_PAIR_STREAMS == 2, "1 or 2 row streams at two inputs");
 
 #if defined(LLMOPT_VEC)
 // The R weight rows after the next R (rows [K] from `row`), requested early: the group a loop taking R rows at a
@@ -406,8 +413,8 @@ void gemv_rows(const TX* xp, const TW* wp, TX* yp, int64_t K, int64_t begin, int
 // sgemm at M = 6 packs the weight first and runs at half the speed of M = 1: speculative verification's shape).
 // y [M, N] = x [M, K] . w [N, K]^T; R weight rows at a time, each x vector loaded once per R rows. R x M fp32
 // accumulators must stay in registers: AVX-512 (32 registers, one per Vec): R = 4 up to M = 6, else 2; AVX2 (16
-// registers, two per Vec): R = 2 for M = 2, else 1 (R = 4 at M = 6 spilled 48 registers' worth), and at M = 7, 8
-// one half of each Vec at a time (gemm_few_rows_halves).
+// registers, two per Vec): R = GEMV_PAIR_STREAMS for M = 2, else 1 (R = 4 at M = 6 spilled 48 registers' worth),
+// and at M = 7, 8 one half of each Vec at a time (gemm_few_rows_halves).
 #if defined(LLMOPT_VEC) && !defined(__AVX512F__)
 // 8 lanes of a 16-column step: the low or the high half of a Vec load
 inline __m256 load8_half(const float* p, int half) { return _mm256_loadu_ps(p + 8 * half); }
@@ -457,7 +464,7 @@ void gemm_few_rows(const TX* xp, const TW* wp, TX* yp, int64_t K, int64_t N, int
 #if defined(__AVX512F__)
   constexpr int R = M <= 6 ? 4 : 2;
 #else
-  constexpr int R = M <= 2 ? 2 : 1;
+  constexpr int R = M <= 2 ? GEMV_PAIR_STREAMS : 1;
 #endif
 #if defined(LLMOPT_VEC)
   int64_t n = begin;
