@@ -468,6 +468,23 @@ def test_int4_matmul_q8_sums_blocks_of_the_largest_products_exactly(ops, rows):
     torch.testing.assert_close(out.double(), expected, rtol=1e-6, atol=1e-6 * expected.abs().max().item())
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_int4_matmul_q8_gives_a_row_the_same_bits_at_every_row_count(ops, dtype):
+    # rows 1-21: one and two rows (several panels a call), row tiles of 4, 2, 1, and from 16 rows the AVX2 loop over
+    # panels split once (int4_q8_cpu.cpp: Q8_UNPACK_ROWS): every path sums a row's products in the same order
+    from llmopt.runtime.executor.kernels.quant_matmul import pack_int4_q8
+
+    n, k, group = 112, 384, 32
+    g = torch.Generator().manual_seed(7)
+    q = torch.randint(0, 16, (n, k), generator=g)
+    codes, scales_biases = pack_int4_q8(q, torch.rand(n, k // group, generator=g) * 0.1 + 0.01,
+                                        torch.randint(0, 16, (n, k // group), generator=g).float(), group, group)
+    x = (torch.randn(21, k, generator=g) * 3).to(dtype)
+    alone = torch.cat([ops.int4_matmul_q8(x[i:i + 1], codes, scales_biases, group, group) for i in range(21)])
+    for rows in range(2, 22):
+        assert torch.equal(ops.int4_matmul_q8(x[:rows], codes, scales_biases, group, group), alone[:rows]), rows
+
+
 def amx_ops(feature="amx_int8"):
     """The build whose AMX kernels run here (avx512_bf16 on a CPU with `feature`: amx_int8 or amx_bf16), else
     None."""
