@@ -139,9 +139,9 @@ inline void dot8(IVec& a, IVec&, IVec lo, IVec hi, int32_t xl, int32_t xh) {
 }
 // A chunk of a panel whose nibbles were split once (unpack_panel_nibbles): 128 bytes, the low then the high ones
 inline void unpacked_codes(const uint8_t* p, IVec& lo, IVec& hi) {
-  lo = {_mm256_load_si256(reinterpret_cast<const __m256i*>(p)), _mm256_load_si256(reinterpret_cast<const __m256i*>(p + 32))};
-  hi = {_mm256_load_si256(reinterpret_cast<const __m256i*>(p + 64)),
-        _mm256_load_si256(reinterpret_cast<const __m256i*>(p + 96))};
+  const __m256i* v = reinterpret_cast<const __m256i*>(p);
+  lo = {_mm256_load_si256(v), _mm256_load_si256(v + 1)};
+  hi = {_mm256_load_si256(v + 2), _mm256_load_si256(v + 3)};
 }
 // One panel's codes [K/8, 64] as [K/8, 128] bytes: per chunk its 64 low nibbles, then its 64 high ones
 inline void unpack_panel_nibbles(const uint8_t* panel, int64_t chunks, uint8_t* out) {
@@ -180,7 +180,7 @@ void q8_panels(const Q8Inputs& q, int64_t m0, const uint8_t* codes, const at::Ha
   // (each panel's codes and scales are a stream the hardware prefetcher picks up late: batch-1 int4 layers -8%);
   // with more rows the step is compute-bound and the extra requests cost more than they save. (A prefetch never
   // faults, past the end too.)
-  const bool prefetch = MB <= 2 && m0 == 0;
+  const bool prefetch = !UNPACKED && MB <= 2 && m0 == 0;  // (an unpacked panel's next one: q8_rows_unpacked)
   Vec total[NP][MB];
   for (int i = 0; i < NP; ++i)
     for (int m = 0; m < MB; ++m) total[i][m] = vzero();
@@ -287,8 +287,9 @@ void for_panel_tiles(int64_t M, int64_t begin, int64_t end, Panels panels) {
 #if defined(LLMOPT_VEC) && !defined(__AVX512F__)
 // From this many rows the AVX2 loop splits each panel's nibbles once into a buffer that every row tile then loads
 // (4 loads instead of 2 loads, 2 shifts and 4 ands per chunk and tile: on a 2-core AVX2 EPYC, family 23, an ad-hoc
-// C++ copy of the 4-row loop ran 25.6-25.9 against 23.9-24.1 G multiply-adds/s). At fewer rows the split is not
-// repaid: each panel meets at most 3 row tiles.
+// C++ copy of the 4-row loop ran 25.6-25.9 against 23.9-24.1 G multiply-adds/s; the kernel at 1,024 rows +6-10%).
+// At fewer rows the split is not repaid: each panel meets at most 3 row tiles (at 8 rows, a decode step's layers
+// from memory took 26.2 ms against 24.6).
 constexpr int64_t Q8_UNPACK_ROWS = 16;
 
 // all M rows (M >= Q8_UNPACK_ROWS) of panels [begin, end), each panel's nibbles split once
@@ -297,7 +298,7 @@ void q8_rows_unpacked(const Q8Inputs& q, int64_t M, const uint8_t* codes, const 
                       int64_t act_group, int64_t begin, int64_t end, T* y, int64_t N) {
   const int64_t chunks = q.K / 8;
   struct alignas(32) Line { uint8_t b[128]; };
-  std::vector<Line> buffer(chunks);  // [K/8, 128] bytes: 18 KB at K = 1536, in L1 across the row tiles
+  std::vector<Line> buffer(chunks);  // [K/8, 128] bytes: 9 KB at K = 576, 24 KB at 1536 (L1 holds it)
   uint8_t* panel = buffer.data()->b;
   for (int64_t p = begin; p < end; ++p) {
     unpack_panel_nibbles(codes + p * chunks * 64, chunks, panel);
