@@ -70,9 +70,9 @@ def gemv_row_streams(isa: str) -> int:
 def gemv_pair_streams(isa: str) -> int:
     """Weight rows the AVX2 build's `gemv` streams at once against two input rows (csrc/fused_cpu.cpp; the same
     bits either way): 2 on Intel (4 independent accumulation chains; chosen under the AVX2 simulation on a Xeon),
-    1 on AMD, as for one input row. On a 2-core AVX2 EPYC (family 23) two rows at once made 2 inputs slower than 3
-    (49152 x 576 fp16 from memory 4.6 ms against 2.9 at one input); one row at a time: measured in
-    benchmarks/gemv_rows.py."""
+    1 on AMD, as for one input row. On a 2-core AVX2 EPYC (family 23) two rows at once made 2 inputs slower than 3;
+    one at a time, 49152 x 576 from memory at 2 inputs: fp16 4.6 -> 3.3 ms (one input 2.9), fp32 12.2 -> 9.5
+    (benchmarks/gemv_rows.py)."""
     return 1 if cpu_info().vendor == "AuthenticAMD" else 2
 
 
