@@ -258,21 +258,26 @@ constexpr int Q8_NP1 = 4, Q8_NP2 = 2;  // panels per call at one / two rows (32 
 constexpr int Q8_NP1 = 2, Q8_NP2 = 1;  // (16)
 #endif
 
-// Panels [begin, end) of all M rows through `panels(m0, MB, NP, p)` (a generic lambda; MB rows from m0 and NP panels
-// from p, both std::integral_constant): at one or two rows several panels per call (more independent chains of dot
-// products), else one panel at a time in row tiles of 4, 2, 1 (the panel's codes stay in L1 across the tiles).
+// All M rows of panel p through `panels(m0, MB, NP, p)` (a generic lambda; MB rows from m0 and NP = 1 panel, both
+// std::integral_constant) in row tiles of 4, 2, 1: the panel's codes stay in L1 across the tiles.
+template <typename Panels>
+void for_row_tiles(int64_t M, int64_t p, Panels panels) {
+  using std::integral_constant;
+  for (int64_t m = 0; m < M;) {
+    const int64_t left = M - m;
+    if (left >= 4) { panels(m, integral_constant<int, 4>{}, integral_constant<int, 1>{}, p); m += 4; }
+    else if (left >= 2) { panels(m, integral_constant<int, 2>{}, integral_constant<int, 1>{}, p); m += 2; }
+    else { panels(m, integral_constant<int, 1>{}, integral_constant<int, 1>{}, p); m += 1; }
+  }
+}
+
+// Panels [begin, end) of all M rows through `panels` (as for_row_tiles'): at one or two rows several panels per call
+// (more independent chains of dot products), else one panel at a time in row tiles (for_row_tiles).
 // int4_matmul_q8's and int8_matmul_q8's (int8_q8_cpu.cpp) loops over their own layouts.
 template <typename Panels>
 void for_panel_tiles(int64_t M, int64_t begin, int64_t end, Panels panels) {
   using std::integral_constant;
-  auto row_tiles = [&](int64_t p) {
-    for (int64_t m = 0; m < M;) {
-      const int64_t left = M - m;
-      if (left >= 4) { panels(m, integral_constant<int, 4>{}, integral_constant<int, 1>{}, p); m += 4; }
-      else if (left >= 2) { panels(m, integral_constant<int, 2>{}, integral_constant<int, 1>{}, p); m += 2; }
-      else { panels(m, integral_constant<int, 1>{}, integral_constant<int, 1>{}, p); m += 1; }
-    }
-  };
+  auto row_tiles = [&](int64_t p) { for_row_tiles(M, p, panels); };
   const int np = M == 1 ? Q8_NP1 : M == 2 ? Q8_NP2 : 1;
   int64_t p = begin;
   for (; p + np <= end; p += np) {
@@ -307,10 +312,9 @@ void q8_rows_unpacked(const Q8Inputs& q, int64_t M, const uint8_t* codes, const 
     if (p + 1 < end)
       for (int64_t off = 0; off < chunks * 64; off += 64)
         _mm_prefetch(reinterpret_cast<const char*>(codes + (p + 1) * chunks * 64 + off), _MM_HINT_T1);
-    int64_t m = 0;
-    for (; m + 4 <= M; m += 4) q8_panels<4, 1, T, true>(q, m, panel, sb, group, act_group, p, y, N);
-    if (m + 2 <= M) { q8_panels<2, 1, T, true>(q, m, panel, sb, group, act_group, p, y, N); m += 2; }
-    if (m < M) q8_panels<1, 1, T, true>(q, m, panel, sb, group, act_group, p, y, N);
+    for_row_tiles(M, p, [&](int64_t m0, auto rows, auto, int64_t) {
+      q8_panels<decltype(rows)::value, 1, T, true>(q, m0, panel, sb, group, act_group, p, y, N);
+    });
   }
 }
 #endif
