@@ -485,6 +485,53 @@ def test_int4_matmul_q8_gives_a_row_the_same_bits_at_every_row_count(ops, dtype)
         assert torch.equal(ops.int4_matmul_q8(x[:rows], codes, scales_biases, group, group), alone[:rows]), rows
 
 
+@pytest.fixture
+def thread_counts():
+    """Runs a body at 1, 2 and 3 threads, torch's count restored after."""
+    before = torch.get_num_threads()
+
+    def each(body):
+        outputs = []
+        for threads in (1, 2, 3):
+            torch.set_num_threads(threads)
+            outputs.append(body())
+        return outputs
+
+    yield each
+    torch.set_num_threads(before)
+
+
+def test_the_chunked_kernels_give_the_same_bits_at_any_thread_count(ops, thread_counts):
+    # the hot kernels hand their work out in chunks to whichever thread is free (csrc/work_queue.h): at 2 and 3
+    # threads every output is computed exactly once, as at 1, whatever thread takes its chunk. Shapes whose last
+    # chunk is partial: 37 panels (int4 and int8 with 8-bit inputs), 4,100 weight rows (gemv at 1, 3 and 12 rows),
+    # 41 decode-attention items of different lengths.
+    from llmopt.runtime.executor.kernels.quant_matmul import int8_scale_shift, pack_int4_q8, pack_int8_q8
+
+    g = torch.Generator().manual_seed(3)
+    n, k, group = 37 * 16, 192, 32
+    codes, scales_biases = pack_int4_q8(torch.randint(0, 16, (n, k), generator=g),
+                                        torch.rand(n, k // group, generator=g) * 0.1 + 0.01,
+                                        torch.randint(0, 16, (n, k // group), generator=g).float(), group, group)
+    int8_codes = pack_int8_q8(torch.randint(-128, 128, (n, k), generator=g, dtype=torch.int8))
+    int8_scale, int8_shift = int8_scale_shift(torch.rand(n, 1, generator=g) * 0.01 + 0.001,
+                                              torch.randint(100, 156, (n, 1), generator=g).float())
+    head = torch.randn(4100, 96, generator=g).half()
+    lens = [int(v) for v in torch.randint(1, 300, (41,), generator=g)]
+    q, k_cache, v_cache, meta = paged_setup(lens, 9, 3, 64, 16, torch.float16)
+    for rows in (1, 3, 12, 40):
+        x = torch.randn(rows, k, generator=g)
+        outputs = thread_counts(lambda: (ops.int4_matmul_q8(x, codes, scales_biases, group, group),
+                                         ops.int8_matmul_q8(x, int8_codes, int8_scale, int8_shift, 32),
+                                         ops.gemv(x[:, :96], head)))
+        for at_more_threads in outputs[1:]:
+            for one, more in zip(outputs[0], at_more_threads):
+                assert torch.equal(one, more), rows
+    attended = thread_counts(lambda: ops.paged_decode_attention(q, k_cache, v_cache, meta.decode.block_tables,
+                                                                meta.decode.context_lens, 0.125))
+    assert torch.equal(attended[0], attended[1]) and torch.equal(attended[0], attended[2])
+
+
 def amx_ops(feature="amx_int8"):
     """The build whose AMX kernels run here (avx512_bf16 on a CPU with `feature`: amx_int8 or amx_bf16), else
     None."""

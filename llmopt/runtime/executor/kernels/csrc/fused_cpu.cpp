@@ -16,6 +16,7 @@
 
 #include "ops.h"
 #include "simd.h"
+#include "work_queue.h"
 
 namespace llmopt_cpu::fused {  // entry points declared in ops.h, registered in register.cpp
 
@@ -501,7 +502,7 @@ void few_rows(int64_t rows, const TX* xp, const TW* wp, TX* yp, int64_t K, int64
 template <typename TX, typename TW>
 void gemv_many_impl(const TX* xp, const TW* wp, TX* yp, int64_t M, int64_t K, int64_t N) {
   const int64_t block = std::max<int64_t>(64, (256 << 10) / (K * static_cast<int64_t>(sizeof(TW))) / 64 * 64);
-  at::parallel_for(0, N, 64, [&](int64_t begin, int64_t end) {
+  parallel_chunks(N, 64, [&](int64_t begin, int64_t end) {
     for (int64_t n0 = begin; n0 < end; n0 += block) {
       const int64_t n1 = std::min(end, n0 + block);
       for (int64_t m = 0; m < M; m += GEMV_MAX_ROWS)
@@ -517,7 +518,7 @@ void gemv_impl(const at::Tensor& x, const at::Tensor& w, at::Tensor& y) {
   const TW* wp = w.data_ptr<TW>();
   TX* yp = y.data_ptr<TX>();
   if (M > GEMV_MAX_ROWS) return gemv_many_impl<TX, TW>(xp, wp, yp, M, K, N);
-  at::parallel_for(0, N, 64, [&](int64_t begin, int64_t end) { few_rows<TX, TW>(M, xp, wp, yp, K, N, begin, end); });
+  parallel_chunks(N, 64, [&](int64_t begin, int64_t end) { few_rows<TX, TW>(M, xp, wp, yp, K, N, begin, end); });
 }
 
 at::Tensor gemv(const at::Tensor& x, const at::Tensor& weight) {

@@ -25,6 +25,7 @@
 
 #include "ops.h"
 #include "simd.h"
+#include "work_queue.h"
 
 #if defined(__linux__) && defined(__x86_64__)
 #include <cpuid.h>
@@ -344,8 +345,9 @@ void int4_q8_matmul_impl(const at::Tensor& x, const at::Tensor& codes, const at:
   const uint8_t* cp = codes.data_ptr<uint8_t>();
   const at::Half* sp = sb.data_ptr<at::Half>();
   T* yp = y.data_ptr<T>();
-  // 4 panels per task at least: a panel's codes are only 8 x K bytes, a task must stream more than that
-  at::parallel_for(0, panels, 4, [&](int64_t begin, int64_t end) {
+  // chunks of 4 panels at least: a panel's codes are only 8 x K bytes, a chunk must stream more than that (and
+  // whole groups of the panels for_panel_tiles takes at a time at one or two rows)
+  parallel_chunks(panels, 4, [&](int64_t begin, int64_t end) {
     q8_rows<T>(q, M, cp, sp, group, act_group, begin, end, yp, N);
   });
 }

@@ -30,6 +30,7 @@
 
 #include "ops.h"
 #include "simd.h"
+#include "work_queue.h"
 
 namespace llmopt_cpu::int8 {
 
@@ -199,8 +200,9 @@ void int8_q8_matmul_impl(const at::Tensor& x, const at::Tensor& codes, const Epi
   const Q8Inputs q = quantize_inputs(x.data_ptr<T>(), M, K, K, act_group, M);
   const int8_t* cp = codes.data_ptr<int8_t>();
   T* yp = y.data_ptr<T>();
-  // 2 panels per task at least: a panel's codes are 16 x K bytes, a task must stream more than that
-  at::parallel_for(0, panels, 2, [&](int64_t begin, int64_t end) {
+  // chunks of 4 panels: a panel's codes are 16 x K bytes, a chunk must stream more than that (and whole groups of
+  // the panels for_panel_tiles takes at a time at one row)
+  parallel_chunks(panels, 4, [&](int64_t begin, int64_t end) {
     q8_rows<T>(q, M, cp, e, act_group, begin, end, yp, N);
   });
 }

@@ -27,6 +27,7 @@
 
 #include "ops.h"
 #include "simd.h"
+#include "work_queue.h"
 
 namespace llmopt_cpu::attention {  // entry points declared in ops.h, registered in register.cpp
 
@@ -507,7 +508,8 @@ void decode_items(const at::Tensor& q, const Layout& L, const at::Tensor& block_
   // with splits: each split's normalized output [seq][split][H * D] and log-sum-exp [seq][split][H]
   std::vector<float> part_out(splits > 1 ? num_seqs * splits * num_heads * head_dim : 0);
   std::vector<float> part_lse(splits > 1 ? num_seqs * splits * num_heads : 0);
-  at::parallel_for(0, num_seqs * items_per_seq * splits, 1, [&](int64_t begin, int64_t end) {
+  // (items differ in length with their sequences' contexts: whichever thread is free takes the next chunk)
+  parallel_chunks(num_seqs * items_per_seq * splits, 1, [&](int64_t begin, int64_t end) {
     std::vector<float> q_f(num_heads * head_dim), acc(num_heads * head_dim), scores;
     for (int64_t idx = begin; idx < end; ++idx) {
       const int64_t split = idx % splits, item = idx / splits;
