@@ -6,7 +6,7 @@
 // int4_matmul_q8 at 8 rows x 3072 x 576: one thread alone 12.7 or 20.5 G multiply-adds/s depending on the moment,
 // two threads with equal shares 25-26 (twice the slow one). Handing every chunk out from one shared counter instead
 // (as llama.cpp's matmul does) broke each thread's sequential stream of weights: a decode step's int4 linears
-// (weights from memory) took 5-20% longer at 1 and 2 rows and ~9% at 8 when both vCPUs ran alike; with a share
+// (weights from memory) took 6-20% longer at 1 and 2 rows and 8-10% at 8 when both vCPUs ran alike; with a share
 // of its own front to back a thread's chunks are one stream, as before, until it steals.
 #pragma once
 
