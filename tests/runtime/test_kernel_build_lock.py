@@ -1,15 +1,18 @@
 """A kernel build killed midway leaves torch's lock file behind; no later process may wait on it forever."""
 
 import os
+import runpy
 import signal
 import subprocess
 import sys
 import time
+from pathlib import Path
 
 import pytest
 from torch.utils import cpp_extension
 from torch.utils.file_baton import FileBaton
 
+from llmopt.core.hardware import supported_kernel_isas
 from llmopt.runtime.executor.kernels import build_lock, cpu_ops
 from llmopt.runtime.executor.kernels.build_lock import OWN_LOCK, TORCH_LOCK, exclusive_build
 from tests.waits import limit, output_of, wait_until
@@ -76,3 +79,29 @@ def test_loading_the_kernels_does_not_wait_on_a_dead_builds_lock(tmp_path, monke
     monkeypatch.setattr(cpp_extension, "load", load)
     cpu_ops._load.__wrapped__("scalar")
     assert built == ["llmopt_cpu_kernels_scalar"] and not (folder / TORCH_LOCK).exists()
+
+
+def build_script():
+    """scripts/build_kernels.py's namespace (the Makefile runs it in the background while pip installs)."""
+    return runpy.run_path(str(Path(__file__).parents[2] / "scripts" / "build_kernels.py"), run_name="build_kernels")
+
+
+def test_the_prebuild_script_builds_this_cpus_kernels_first_then_the_lower_ones(monkeypatch, capsys):
+    script = build_script()
+    asked = []
+    monkeypatch.setitem(script["main"].__globals__, "kernel_isa", lambda: "avx512")
+    monkeypatch.setitem(script["main"].__globals__, "supported_kernel_isas",
+                        lambda: ["scalar", "avx2", "avx512", "avx512_bf16"])
+    monkeypatch.setitem(script["main"].__globals__, "cpu_ops",
+                        lambda isa: asked.append(isa) or (None if isa == "avx2" else object()))
+    assert script["main"]() == 1  # one build unavailable: said, and the exit status says so
+    assert asked == ["avx512", "avx512_bf16", "avx2", "scalar"]
+    lines = capsys.readouterr().out.splitlines()
+    assert [line.split(":")[0] for line in lines] == asked and "avx2: unavailable" in lines[2]
+
+
+@pytest.mark.skipif(cpu_ops.cpu_ops() is None, reason="the compiled CPU kernels are not available here")
+def test_the_prebuild_script_leaves_every_build_of_this_cpu_loadable(capsys):
+    assert build_script()["main"]() == 0
+    out = capsys.readouterr().out
+    assert all(f"{isa}: built" in out for isa in supported_kernel_isas()), out
