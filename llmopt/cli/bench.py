@@ -74,9 +74,11 @@ def bench(
     from llmopt.eval.workloads import WorkloadSpec
 
     if json_out is not None:
-        from llmopt.core.io import check_output_file
+        from llmopt.core.io import check_not_inside, check_output_file
 
         check_output_file(json_out, "--json file")  # before minutes of benchmarking, not after
+        if Path(model).expanduser().is_dir():  # (a results file inside the model's folder would change it)
+            check_not_inside(json_out, model, "benchmarked model")
     if dataset == "sharegpt" and dataset_path and not Path(dataset_path).is_file():
         raise ConfigError(f"--dataset-path {dataset_path} does not exist")
     spec = WorkloadSpec(dataset, num_requests, input_len, output_len, range_ratio, prefix_len, num_prefixes,

@@ -169,4 +169,32 @@ def main() -> None:
     """The console entry point. SIGTERM (a scheduler's or container's stop) unwinds like Ctrl-C; commands that
     stop gracefully on it (serve, distill) install their own handler while they run."""
     signal.signal(signal.SIGTERM, _raise_terminated)
-    app()
+    try:
+        app()
+        code = 0
+    except SystemExit as e:
+        code = e.code
+    _exit(code)
+
+
+def _exit(code) -> None:
+    """End the process as the interpreter would (its other threads joined, the atexit handlers run: engine
+    processes stopped, shared memory unlinked, logs flushed), then without the interpreter's finalization, where
+    extensions built with nanobind (Triton's, imported by torch) print dozens of "nanobind: leaked" lines about
+    objects that are only alive because the process is ending."""
+    import atexit
+    import threading
+
+    if code is not None and not isinstance(code, int):
+        print(code, file=sys.stderr)
+        code = EXIT_ERROR
+    for thread in threading.enumerate():
+        if thread is not threading.current_thread() and not thread.daemon:
+            thread.join()
+    atexit._run_exitfuncs()
+    for stream in (sys.stdout, sys.stderr):
+        try:
+            stream.flush()
+        except (OSError, ValueError):  # (a closed pipe: nothing more can be said)
+            pass
+    os._exit(code or 0)

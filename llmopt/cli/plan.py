@@ -18,7 +18,8 @@ def plan(
                                                             "rates).")] = "h200",
     hardware_file: Annotated[Optional[Path], typer.Option(
         "--hardware-file", help="A JSON / YAML hardware spec: memory_gib, bandwidth_gb_s, flops_tflops {bf16: ...}, "
-        "link_gb_s, link_latency_us [, kind, efficiencies, overheads, max_devices].")] = None,
+        "link_gb_s, link_latency_us [, name, kind, compute_efficiency, bandwidth_efficiency, step_overhead_ms, "
+        "layer_overhead_us, activation_dtype, max_devices, memory_utilization, source].")] = None,
     workload: Annotated[str, typer.Option(
         "--workload", help="sharegpt, batch1, batch64, long, or a JSON file with input_tokens, output_tokens "
         "[, concurrency, rate].")] = "sharegpt",
@@ -28,7 +29,7 @@ def plan(
         "--schemes", help="Weight schemes to consider, comma-separated (fp32, bf16, fp16, int8, fp8, int4, fp4).")] = None,
     kv_dtypes: Annotated[Optional[str], typer.Option(
         "--kv-dtypes", help="KV cache dtypes to consider, comma-separated (fp32, bf16, fp16, int8, fp8).")] = None,
-    rows: Annotated[int, typer.Option("--rows", help="Table rows to print.")] = 12,
+    rows: Annotated[int, typer.Option("--rows", min=1, help="Table rows to print.")] = 12,
     as_json: JsonOpt = False,
 ) -> None:
     """Predict throughput, TTFT, TPOT, goodput at the SLO and memory per device for each deployment (TP, PP, DP or a
@@ -37,14 +38,15 @@ def plan(
 
     from llmopt.cli.output import print_json, print_table, stdout
     from llmopt.planner.hardware import hardware_spec
-    from llmopt.planner.plan import Slo, plan_workload, recommend
+    from llmopt.planner.plan import Slo, check_fits_context, check_rate, plan_workload, recommend
     from llmopt.planner.shape import model_shape
 
     shape = model_shape(model)
     spec = hardware_spec(hardware, str(hardware_file) if hardware_file else None)
     chosen = plan_workload(workload)
     if rate is not None:
-        chosen = replace(chosen, rate=rate)
+        chosen = replace(chosen, rate=check_rate(rate, "--rate"))
+    check_fits_context(chosen, shape)
     target = Slo.parse(slo)
     split = (lambda text: tuple(p.strip() for p in text.split(",") if p.strip()) if text else None)
     best, table = recommend(shape, spec, chosen, target, split(schemes), split(kv_dtypes))

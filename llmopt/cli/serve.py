@@ -18,6 +18,8 @@ from llmopt.cli.options import (
 )
 from llmopt.serve.protocol import DEFAULT_MAX_BODY_BYTES
 
+API_KEY_ENV = "LLMOPT_API_KEY"
+
 @with_engine_options
 def serve(
     model: ModelArg,
@@ -25,13 +27,17 @@ def serve(
                     ] = "127.0.0.1",
     port: Annotated[int, typer.Option("--port")] = 8000,
     api_key: Annotated[Optional[str], typer.Option(
-        "--api-key", help="Require `Authorization: Bearer KEY` on /v1 routes.")] = None,
+        "--api-key", envvar=API_KEY_ENV, show_envvar=True,
+        help="Require `Authorization: Bearer KEY` on /v1 routes. A key on the command line is visible to every user "
+        f"of the host (`ps`): prefer ${API_KEY_ENV} or --api-key-file.")] = None,
+    api_key_file: Annotated[Optional[Path], typer.Option(
+        "--api-key-file", help="Read the API key from this file (its first line).")] = None,
     served_model_name: Annotated[Optional[str], typer.Option(
         "--served-model-name", help="The model id clients use (default: MODEL as given).")] = None,
     chat_template: Annotated[Optional[Path], typer.Option(
         "--chat-template", help="A Jinja chat template file replacing the tokenizer's.")] = None,
     max_waiting: Annotated[Optional[int], typer.Option(
-        "--max-waiting", help="Waiting requests beyond which new ones get 429 (default: unbounded).")] = None,
+        "--max-waiting", min=0, help="Waiting requests beyond which new ones get 429 (default: unbounded).")] = None,
     shutdown_timeout: Annotated[float, typer.Option(
         "--shutdown-timeout", min=0, help="Seconds in-flight requests get to finish on SIGTERM / Ctrl-C; streams "
         "still running then end with an SSE error event.")] = 30.0,
@@ -56,11 +62,10 @@ def serve(
     from llmopt.serve.launch import begin_shutdown, start_server
 
     check_listen_address(host, port)  # before minutes of loading, not after
-    if chat_template is not None and not chat_template.is_file():
-        raise ConfigError(f"--chat-template {chat_template} does not exist")
+    api_key = resolve_api_key(api_key, api_key_file)
+    template = read_chat_template(chat_template) if chat_template is not None else None
     app, server = start_server(model, engine, resolve_dtype_option(dtype, device), device,
-                               served_model_name=served_model_name, api_key=api_key,
-                               chat_template=chat_template.read_text() if chat_template else None,
+                               served_model_name=served_model_name, api_key=api_key, chat_template=template,
                                max_waiting=max_waiting, trust_remote_code=trust_remote_code,
                                max_body_bytes=max_body_bytes)
     stderr.print(f"serving {server.model_name} at http://{host}:{port}/v1 "
@@ -88,6 +93,46 @@ def serve(
     if server.engine.failed is not None:
         raise ConfigError(f"the engine failed and could not be restarted ({server.engine.failed}): the server "
                           f"stopped; see the log above")
+
+
+def resolve_api_key(given: str | None, key_file: Path | None) -> str | None:
+    """The API key: --api-key (or $LLMOPT_API_KEY), or the first line of --api-key-file; never both, never empty."""
+    from llmopt.core.errors import ConfigError
+
+    if key_file is not None:
+        if given is not None:
+            raise ConfigError(f"--api-key-file and --api-key (or ${API_KEY_ENV}) both give the key: give one",
+                              param="api_key_file")
+        try:
+            lines = key_file.read_text().splitlines()
+        except (OSError, UnicodeDecodeError) as e:
+            raise ConfigError(f"--api-key-file {key_file}: cannot read it ({getattr(e, 'strerror', None) or e})",
+                              param="api_key_file") from None
+        given = lines[0].strip() if lines else ""
+        if not given:
+            raise ConfigError(f"--api-key-file {key_file}: its first line is empty: write the key there",
+                              param="api_key_file")
+    if given is not None and not given.strip():
+        raise ConfigError("--api-key is empty: give a key, or leave it out to serve without one", param="api_key")
+    return given
+
+
+def read_chat_template(path: Path) -> str:
+    """The --chat-template file's text, compiled once here: a template that is not Jinja is refused at start
+    (with its line), not by every chat request later."""
+    from llmopt.core.errors import ConfigError
+    from llmopt.serve.protocol import compile_chat_template
+
+    if not path.is_file():
+        raise ConfigError(f"--chat-template {path} does not exist", param="chat_template")
+    try:
+        text = path.read_text()
+    except (OSError, UnicodeDecodeError) as e:
+        raise ConfigError(f"--chat-template {path}: cannot read it as text ({e})", param="chat_template") from None
+    problem = compile_chat_template(text)
+    if problem is not None:
+        raise ConfigError(f"--chat-template {path}: {problem}: fix the template", param="chat_template")
+    return text
 
 
 def exit_if_engine_failed(http, server, poll_s: float = 1.0) -> None:

@@ -259,7 +259,9 @@ class RotationConfig(BaseModel):
 
     method: Literal["rotation"] = "rotation"
     rotations: list[Literal["R1", "R2"]] = Field(min_length=1)
-    seed: int = Field(ROTATION_SEED, description="seeds the random orthogonal matrices (R2 uses seed + 1)")
+    # (a torch generator takes seeds in [-2^63, 2^64 - 1]; R2's seed + 1 must stay inside)
+    seed: int = Field(ROTATION_SEED, ge=0, le=2 ** 64 - 2,
+                      description="seeds the random orthogonal matrices (R2 uses seed + 1)")
 
     @field_validator("rotations")
     @classmethod

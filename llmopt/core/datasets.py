@@ -170,15 +170,27 @@ def documents(name: str, text_field: str = "text"):
     """The documents of a named corpus or a local .txt/.jsonl/.json file, in corpus order."""
     check_dataset_name(name)
     path = Path(name).expanduser()
-    if path.suffix in FILE_SUFFIXES:
+    if path.suffix not in FILE_SUFFIXES:
+        return _corpus_documents(name)
+    try:
         if path.suffix == ".jsonl":
             return _read_jsonl_field(path, text_field)
         if path.suffix == ".json":
             return _read_json_records(path, text_field)
-        if path.suffix == ".bz2":
-            return [bz2.decompress(path.read_bytes()).decode("utf-8", errors="replace")]
-        return [path.read_text(encoding="utf-8", errors="replace")]
-    return _corpus_documents(name)
+        data = bz2.decompress(path.read_bytes()) if path.suffix == ".bz2" else path.read_bytes()
+        return [_checked_text(data.decode("utf-8"), path)]
+    except UnicodeDecodeError as e:  # bytes that are not text are never scored as replacement characters
+        raise DatasetError(f"{path} is not a UTF-8 text file (byte {e.start} is {e.object[e.start]:#04x}): give a "
+                           f"text file") from None
+
+
+def _checked_text(text: str, path: Path) -> str:
+    """A file's text, refused when it holds NUL characters (a binary file that happens to decode as UTF-8)."""
+    nul = text.find("\x00")
+    if nul >= 0:
+        raise DatasetError(f"{path} holds a NUL character (at character {nul}): it is binary, not text; give a text "
+                           f"file")
+    return text
 
 
 @lru_cache(maxsize=8)

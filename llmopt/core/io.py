@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import errno
 import glob
 import json
 import os
@@ -169,10 +170,31 @@ def save_tensors(tensors: dict, path: str | Path, metadata: dict | None = None) 
     try:
         save_file(tensors, str(path), metadata=metadata)
     except Exception as e:
-        code = re.search(r"code: (\d+)", str(e))
+        # (the library's texts: "IoError(Os { code: 28, ... })", or "I/O error: ... (os error 28)")
+        code = re.search(r"code: (\d+)|os error (\d+)", str(e))
         if code is None:
             raise
-        raise OSError(int(code[1]), os.strerror(int(code[1])), str(path)) from e
+        number = int(code[1] or code[2])
+        raise OSError(number, os.strerror(number), str(path)) from e
+
+
+@contextmanager
+def short_writes_as_full_disk(path: str | Path) -> Iterator[None]:
+    """A short write reported without an errno (numpy's tofile: "16576 requested and 8512 written") raised as the
+    ENOSPC it is when the file's filesystem has no room left for what was requested, so the CLI says so in one
+    line; any other error as it came."""
+    try:
+        yield
+    except OSError as e:
+        short = re.match(r"(\d+) requested and (\d+) written", str(e)) if e.errno is None else None
+        if short is None or shutil.disk_usage(Path(path).parent).free >= int(short[1]) - int(short[2]):
+            raise
+        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), str(path)) from e
+
+
+def weights_bytes(folder: str | Path) -> int:
+    """Bytes of a model folder's safetensors files (its weights as stored)."""
+    return sum(f.stat().st_size for f in Path(folder).glob("*.safetensors"))
 
 
 def write_json(path: str | Path, data: Any, indent: int = 2) -> None:
@@ -193,3 +215,73 @@ def read_json(path: str | Path) -> Any:
         raise ArtifactError(f"{path} is not valid JSON ({e.msg} at line {e.lineno}): rewrite or remove it") from None
     except UnicodeDecodeError:
         raise ArtifactError(f"{path} is not a text file: rewrite or remove it") from None
+
+
+def check_unique_keys(node, path: Path) -> None:
+    """Refuse a YAML mapping that repeats a key (YAML lets the later one silently replace the earlier): the
+    composed `node`'s mappings, at any depth, with the line of each."""
+    import yaml
+
+    from llmopt.core.errors import ConfigError
+
+    if isinstance(node, yaml.MappingNode):
+        seen: dict = {}
+        for key, value in node.value:
+            if key.value in seen:
+                raise ConfigError(f"{path}:{key.start_mark.line + 1}: duplicate key {key.value!r} (first at line "
+                                  f"{seen[key.value]}): rename or remove one")
+            seen[key.value] = key.start_mark.line + 1
+            check_unique_keys(value, path)
+    elif isinstance(node, yaml.SequenceNode):
+        for item in node.value:
+            check_unique_keys(item, path)
+
+
+def _unique_pairs(path: Path):
+    """json.loads' object_pairs_hook refusing a repeated key (JSON's parsers keep the last one silently)."""
+    from llmopt.core.errors import ConfigError
+
+    def hook(pairs: list) -> dict:
+        seen = set()
+        for key, _ in pairs:
+            if key in seen:
+                raise ConfigError(f"{path}: duplicate key {key!r}: rename or remove one")
+            seen.add(key)
+        return dict(pairs)
+
+    return hook
+
+
+def read_mapping_file(path: str | Path, what: str, expected: str) -> dict:
+    """A settings file the user gives (`what`: how the CLI names it, e.g. "--hardware-file x.yaml"): YAML for .yaml /
+    .yml, else JSON; one line for a file that is missing, a folder, not UTF-8 text, empty, not valid, repeats a key,
+    or holds something other than a mapping (`expected` says what it should hold)."""
+    import yaml
+
+    from llmopt.core.errors import ConfigError
+
+    path = Path(path)
+    if not path.is_file():
+        raise ConfigError(f"{what}: {'a folder' if path.is_dir() else 'no such file'}: give a file holding {expected}")
+    try:
+        text = path.read_bytes().decode("utf-8")
+    except UnicodeDecodeError as e:
+        raise ConfigError(f"{what}: not a UTF-8 text file (byte {e.start}): give a file holding {expected}") from None
+    if not text.strip():
+        raise ConfigError(f"{what}: the file is empty: give {expected}")
+    try:
+        if path.suffix in (".yaml", ".yml"):
+            node = yaml.compose(text, Loader=yaml.SafeLoader)
+            check_unique_keys(node, path)
+            data = yaml.safe_load(text)
+        else:
+            data = json.loads(text, object_pairs_hook=_unique_pairs(path))
+    except yaml.YAMLError as e:
+        mark = getattr(e, "problem_mark", None)
+        where = f" at line {mark.line + 1}" if mark else ""
+        raise ConfigError(f"{what}: not valid YAML{where} ({getattr(e, 'problem', None) or e})") from None
+    except json.JSONDecodeError as e:
+        raise ConfigError(f"{what}: not valid JSON ({e.msg} at line {e.lineno})") from None
+    if not isinstance(data, dict):
+        raise ConfigError(f"{what}: holds a {type(data).__name__}, not a mapping: give {expected}")
+    return data

@@ -17,7 +17,7 @@ from typing import Callable
 import torch
 
 from llmopt.eval.perplexity import PerplexityResult, windows_of
-from llmopt.eval.tasks import encode_pairs, score, task_pairs
+from llmopt.eval.tasks import encode_pairs, pair_origins, score, scoring_length, task_pairs
 from llmopt.runtime.engine.engine import Engine
 from llmopt.runtime.engine.sampling import SamplingParams
 
@@ -58,12 +58,15 @@ def runtime_perplexity(engine: Engine, token_ids: torch.Tensor, seqlen: int = 51
     )
 
 
-def runtime_loglikelihoods(engine: Engine, tokenizer, pairs: list[tuple[str, str]], max_length: int = 2048,
-                           progress: ProgressFn | None = None) -> list[tuple[float, bool]]:
+def runtime_loglikelihoods(engine: Engine, tokenizer, pairs: list[tuple[str, str]], max_length: int | None = None,
+                           progress: ProgressFn | None = None,
+                           origins: list[str] | None = None) -> list[tuple[float, bool]]:
     """tasks.loglikelihoods through the engine: (sum of log p(continuation | context), whether every continuation
     token is the most likely) per pair. The first pair of each distinct context runs first, the others after it,
     so their contexts come from the prefix cache instead of being prefilled again."""
-    encoded = encode_pairs(tokenizer, pairs, max_length)
+    if max_length is None:  # (each pair is a prompt scored with one new token: the context holds it and that token)
+        max_length = scoring_length(engine.max_context, 2)
+    encoded = encode_pairs(tokenizer, pairs, max_length, origins)
     seen, first_of_context, rest = set(), [], []
     for i, (context, _) in enumerate(pairs):
         (rest if context in seen else first_of_context).append(i)
@@ -85,4 +88,5 @@ def evaluate_task_runtime(engine: Engine, tokenizer, name: str, limit: int | Non
                           progress: ProgressFn | None = None) -> dict:
     """tasks.evaluate_task through the engine (its requests batched by the engine)."""
     docs, pairs = task_pairs(name, limit)
-    return score(docs, runtime_loglikelihoods(engine, tokenizer, pairs, progress=progress))
+    return score(docs, runtime_loglikelihoods(engine, tokenizer, pairs, progress=progress,
+                                              origins=pair_origins(docs)))

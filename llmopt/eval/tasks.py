@@ -35,6 +35,7 @@ class Doc:
     continuations: list[str]  # one per candidate, scored after its context
     gold: int
     kind: str = "choice"  # "choice" | "partial" | "lambada"
+    where: str = ""  # file:line of its record (what messages about it name)
 
 
 @dataclass(frozen=True)
@@ -45,6 +46,7 @@ class Task:
 
 
 TASKS: Registry[Task] = Registry("task")
+MAX_LENGTH = 2048  # tokens of a scored pair at most (lm-eval's default max_length), fewer where the context is shorter
 
 
 # --- readers: each record checked, the first bad one reported as file:line ------------------------------
@@ -107,7 +109,7 @@ def _arc(path: Path) -> list[Doc]:
         choices = _texts(path, number, r, "choices")
         query = _text(path, number, r, "query")
         docs.append(Doc([query + "\nAnswer:"] * len(choices), [" " + c for c in choices],
-                        _gold(path, number, r.get("gold"), len(choices))))
+                        _gold(path, number, r.get("gold"), len(choices)), where=f"{path}:{number}"))
     return docs
 
 
@@ -123,7 +125,7 @@ def _piqa(path: Path) -> list[Doc]:
     for i, ((number, r), label) in enumerate(zip(records, labels)):
         goal, sol1, sol2 = (_text(path, number, r, k) for k in ("goal", "sol1", "sol2"))
         docs.append(Doc(["Question: " + goal + "\nAnswer:"] * 2, [" " + sol1, " " + sol2],
-                        _gold(labels_file, i + 1, label, 2)))
+                        _gold(labels_file, i + 1, label, 2), where=f"{path}:{number}"))
     return docs
 
 
@@ -140,18 +142,19 @@ def _hellaswag(path: Path) -> list[Doc]:
     docs = []
     for i in range(0, len(lines), HELLASWAG_LINES):
         context, endings = lines[i], lines[i + 2:i + HELLASWAG_LINES]
-        docs.append(Doc([context] * 4, [" " + e for e in endings], _gold(path, i + 2, lines[i + 1], 4)))
+        docs.append(Doc([context] * 4, [" " + e for e in endings], _gold(path, i + 2, lines[i + 1], 4),
+                        where=f"{path}:{i + 1}"))
     return docs
 
 
 def _lambada(path: Path) -> list[Doc]:
-    return [Doc([_text(path, n, r, "context")], [" " + _text(path, n, r, "continuation")], 0, "lambada")
-            for n, r in _jsonl(path)]
+    return [Doc([_text(path, n, r, "context")], [" " + _text(path, n, r, "continuation")], 0, "lambada",
+                f"{path}:{n}") for n, r in _jsonl(path)]
 
 
 def _winogrande(path: Path) -> list[Doc]:
     return [Doc(_texts(path, n, r, "context_options", 2), [" " + _text(path, n, r, "continuation")] * 2,
-                _gold(path, n, r.get("gold"), 2), "partial") for n, r in _jsonl(path)]
+                _gold(path, n, r.get("gold"), 2), "partial", f"{path}:{n}") for n, r in _jsonl(path)]
 
 
 for _task in (Task("arc_easy", "arc/arc_easy_test.jsonl", _arc),
@@ -170,6 +173,9 @@ def load_docs(name: str, limit: int | None = None) -> list[Doc]:
         looked = ", ".join(str(p / task.data_file) for p in data_dir_candidates())
         raise DatasetError(f"task {name!r}: data file not found (looked in {looked}); set LLMOPT_DATA_DIR")
     docs = task.load(root / task.data_file)
+    if not docs:
+        raise DatasetError(f"task {name!r}: {root / task.data_file} holds no documents: the task file is damaged; "
+                           f"restore it (see the data folder's README)")
     return docs[:limit] if limit else docs
 
 
@@ -186,25 +192,42 @@ def encode_pair(tokenizer, context: str, continuation: str) -> tuple[list[int], 
 
 
 @torch.inference_mode()
-def encode_pairs(tokenizer, pairs: list[tuple[str, str]], max_length: int = 2048) -> list[tuple[list[int], int]]:
-    """(token ids of context + continuation, at most max_length + 1 of them, keeping the end; the continuation's
-    length) per pair; an empty context becomes the BOS (or EOS) token, as lm-eval does."""
+def encode_pairs(tokenizer, pairs: list[tuple[str, str]], max_length: int = MAX_LENGTH,
+                 origins: list[str] | None = None) -> list[tuple[list[int], int]]:
+    """(token ids of context + continuation, at most max_length + 1 of them, keeping the end: a long context is cut
+    from the left, as lm-eval cuts it; the continuation's length) per pair; an empty context becomes the BOS (or
+    EOS) token, as lm-eval does. A continuation that alone exceeds max_length is refused, naming its document
+    (`origins`: each pair's file:line)."""
     prefix = tokenizer.bos_token_id if tokenizer.bos_token_id is not None else tokenizer.eos_token_id
     encoded = []
-    for context, continuation in pairs:
+    for i, (context, continuation) in enumerate(pairs):
         ctx, cont = encode_pair(tokenizer, context, continuation)
+        where = f"{origins[i]}: " if origins and origins[i] else ""
         if not cont:
-            raise DatasetError(f"empty continuation after tokenizing {continuation!r}")
+            raise DatasetError(f"{where}empty continuation after tokenizing {continuation!r}")
+        if len(cont) > max_length:
+            raise DatasetError(f"{where}its continuation is {len(cont)} tokens, more than the {max_length} the "
+                               f"model's context leaves for scoring: shorten it or leave that document out")
         ids = (ctx or [prefix]) + cont
         encoded.append((ids[-(max_length + 1):], len(cont)))
     return encoded
 
 
-def loglikelihoods(model, tokenizer, pairs: list[tuple[str, str]], batch_size: int = 16, max_length: int = 2048,
-                   progress: Callable[[int, int], None] | None = None) -> list[tuple[float, bool]]:
-    """(sum of log p(continuation | context), whether every continuation token is the argmax) per pair."""
+def scoring_length(context: int | None, reserved: int) -> int:
+    """The tokens a scored pair may hold (encode_pairs' max_length): MAX_LENGTH, or fewer where the model's context
+    minus `reserved` (what the scorer adds to the pair) is shorter."""
+    return MAX_LENGTH if not context else max(1, min(MAX_LENGTH, context - reserved))
+
+
+def loglikelihoods(model, tokenizer, pairs: list[tuple[str, str]], batch_size: int = 16,
+                   max_length: int | None = None, progress: Callable[[int, int], None] | None = None,
+                   origins: list[str] | None = None) -> list[tuple[float, bool]]:
+    """(sum of log p(continuation | context), whether every continuation token is the argmax) per pair; pairs cut
+    to the model's context (max_length None: scoring_length of its max_position_embeddings)."""
     device = next(model.parameters()).device
-    encoded = encode_pairs(tokenizer, pairs, max_length)
+    if max_length is None:
+        max_length = scoring_length(getattr(getattr(model, "config", None), "max_position_embeddings", None), 0)
+    encoded = encode_pairs(tokenizer, pairs, max_length, origins)
     order = sorted(range(len(encoded)), key=lambda i: -len(encoded[i][0]))  # similar lengths batch together
     results: list[tuple[float, bool] | None] = [None] * len(encoded)
     for start in range(0, len(order), batch_size):
@@ -277,7 +300,13 @@ def task_pairs(name: str, limit: int | None = None) -> tuple[list[Doc], list[tup
     return docs, [(ctx, cont) for doc in docs for ctx, cont in zip(doc.contexts, doc.continuations)]
 
 
+def pair_origins(docs: list[Doc]) -> list[str]:
+    """Each pair's document (file:line), in task_pairs' order."""
+    return [doc.where for doc in docs for _ in doc.continuations]
+
+
 def evaluate_task(model, tokenizer, name: str, limit: int | None = None, batch_size: int = 16,
                   progress: Callable[[int, int], None] | None = None) -> dict:
     docs, pairs = task_pairs(name, limit)
-    return score(docs, loglikelihoods(model, tokenizer, pairs, batch_size, progress=progress))
+    return score(docs, loglikelihoods(model, tokenizer, pairs, batch_size, progress=progress,
+                                      origins=pair_origins(docs)))

@@ -7,7 +7,7 @@ from pathlib import Path
 
 from llmopt.core.contract import QuantRecord
 from llmopt.core.errors import ArtifactError
-from llmopt.core.io import check_not_inside, check_output_free
+from llmopt.core.io import check_not_inside, check_output_free, weights_bytes
 from llmopt.export.read import read_artifact
 
 
@@ -52,4 +52,4 @@ def export_artifact(source: str | Path, output: str | Path, fmt_name: str, overw
                    record_from_artifact(contents), manifest, overwrite=overwrite)
     return {"output": str(output), "from_format": contents.fmt.name, "format": fmt_name,
             "num_quantized_linears": len(contents.qweights), "wall_s": round(time.perf_counter() - start, 2),
-            "artifact_weights_bytes": sum(f.stat().st_size for f in output.glob("*.safetensors"))}
+            "artifact_weights_bytes": weights_bytes(output)}

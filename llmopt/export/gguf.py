@@ -29,7 +29,7 @@ import torch
 
 from llmopt.core.contract import QuantizedWeight
 from llmopt.core.errors import ArtifactError
-from llmopt.core.io import atomic_output_file, check_output_file
+from llmopt.core.io import atomic_output_file, check_not_inside, check_output_file, short_writes_as_full_disk
 
 BLOCK = 32
 ARCHITECTURES = {"llama": "llama", "mistral": "llama"}  # model_type -> GGUF architecture
@@ -211,6 +211,7 @@ def export_gguf(source: str | Path, output: str | Path, overwrite: bool = False,
 
     start = time.perf_counter()
     source, output = Path(source), check_output_file(output, "GGUF file")
+    check_not_inside(output, source, "input artifact")  # (a file inside it would change the artifact)
     if output.exists() and not overwrite:
         raise ArtifactError(f"{output} exists: give --overwrite to replace it")
     if not (source / "config.json").exists():
@@ -253,10 +254,11 @@ def export_gguf(source: str | Path, output: str | Path, overwrite: bool = False,
             wide = tensor.dim() == 1 or (tensor.dtype == torch.float32 and not contents.qweights)
             array = tensor.float().numpy() if wide else tensor.to(torch.float16).numpy()
             writer.add_tensor(gguf_name(name), array)
-        writer.write_header_to_file()
-        writer.write_kv_data_to_file()
-        writer.write_tensors_to_file()
-        writer.close()
+        with short_writes_as_full_disk(tmp):
+            writer.write_header_to_file()
+            writer.write_kv_data_to_file()
+            writer.write_tensors_to_file()
+            writer.close()
     return {"output": str(output), "format": "gguf", "architecture": arch,
             "block_types": dict(sorted(counts.items())), "exact": max_error == 0.0,
             "max_abs_error": max_error, "gguf_bytes": output.stat().st_size,

@@ -69,6 +69,3 @@ def prior_stages(source) -> list[dict]:
     chain in its manifest)."""
     return list(prior_manifest(source).get("stages") or [])
 
-
-def weights_bytes(folder: Path) -> int:
-    return sum(f.stat().st_size for f in Path(folder).glob("*.safetensors"))

@@ -23,7 +23,8 @@ from llmopt.distill.trainer import CHECKPOINT_DIR, LOG_FILE, Distiller, Progress
 from llmopt.export.artifact import dense_state_dict, write_artifact
 from llmopt.export.load import load_model
 from llmopt.export.sparse import compress_linears
-from llmopt.pipelines.common import peak_rss_bytes, prior_stages, resolve_input, source_entry, weights_bytes
+from llmopt.core.io import weights_bytes
+from llmopt.pipelines.common import peak_rss_bytes, prior_stages, resolve_input, source_entry
 from llmopt.pipelines.distill_students import build_student
 
 

@@ -24,8 +24,9 @@ from llmopt.export.artifact import dense_state_dict, write_artifact
 from llmopt.export.load import load_model
 from llmopt.export.sparse import compress_linears, sparsity_quantization_config, stores_compressed
 from llmopt.core.errors import ConfigError
+from llmopt.core.io import weights_bytes
 from llmopt.pipelines.common import (
-    peak_rss_bytes, prior_stages, refuse_quantized_input, resolve_input, source_entry, weights_bytes,
+    peak_rss_bytes, prior_stages, refuse_quantized_input, resolve_input, source_entry,
 )
 from llmopt.pipelines.streamed import ArtifactMeta, load_streamed, prune_streamed
 

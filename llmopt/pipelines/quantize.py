@@ -17,8 +17,9 @@ from llmopt.core.io import check_output_free
 from llmopt.export.artifact import write_model_artifact
 from llmopt.export.formats import FORMATS
 from llmopt.export.load import load_model
+from llmopt.core.io import weights_bytes
 from llmopt.pipelines.common import (
-    peak_rss_bytes, prior_stages, refuse_quantized_input, resolve_input, source_entry, weights_bytes,
+    peak_rss_bytes, prior_stages, refuse_quantized_input, resolve_input, source_entry,
 )
 from llmopt.pipelines.streamed import load_streamed, quantize_streamed
 

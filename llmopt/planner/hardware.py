@@ -8,7 +8,7 @@ import json
 from pathlib import Path
 from typing import Optional
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+from pydantic import BaseModel, ConfigDict, Field, PositiveFloat, ValidationError, model_validator
 
 from llmopt.core.errors import ConfigError
 from llmopt.core.registry import Registry
@@ -21,13 +21,14 @@ class HardwareSpec(BaseModel):
     """One device. Rates are peaks; the efficiencies say what fraction of them a well-tuned engine reaches on
     large GEMMs (compute) and on streaming its weights and KV cache (bandwidth)."""
 
-    model_config = ConfigDict(extra="forbid", frozen=True)
+    # (no NaN or infinity anywhere: a rate of inf or nan would predict anything)
+    model_config = ConfigDict(extra="forbid", frozen=True, allow_inf_nan=False)
 
     name: str
     kind: str = Field("gpu", pattern="^(gpu|cpu)$")
     memory_gib: float = Field(gt=0)  # per device
     bandwidth_gb_s: float = Field(gt=0)  # memory bandwidth, GB/s (1e9 bytes)
-    flops_tflops: dict[str, float]  # compute dtype -> dense TFLOP/s (1e12)
+    flops_tflops: dict[str, PositiveFloat]  # compute dtype -> dense TFLOP/s (1e12)
     compute_efficiency: float = Field(0.6, gt=0, le=1)
     bandwidth_efficiency: float = Field(0.8, gt=0, le=1)
     link_gb_s: float = Field(gt=0)  # per direction between two devices of one node (NVLink, PCIe, shared memory)
@@ -134,17 +135,29 @@ def hardware_spec(name: Optional[str] = None, path: Optional[str] = None) -> Har
 
 
 def _spec_file(path: Path) -> HardwareSpec:
-    if not path.is_file():
-        raise ConfigError(f"--hardware-file {path}: no such file", param="hardware_file")
-    text = path.read_text()
-    try:
-        if path.suffix in (".yaml", ".yml"):
-            import yaml
+    from llmopt.core.io import read_mapping_file
 
-            fields = yaml.safe_load(text)
-        else:
-            fields = json.loads(text)
+    what = f"--hardware-file {path}"
+    required = [k for k, f in HardwareSpec.model_fields.items() if f.is_required() and k != "name"]
+    fields = read_mapping_file(path, what, f"a mapping with {', '.join(required)} (optional: the other keys of "
+                                           f"`llmopt plan --help`)")
+    try:
         return HardwareSpec(**{"name": path.stem, **fields})
-    except (ValueError, TypeError, ValidationError) as e:
-        first = str(e).splitlines()
-        raise ConfigError(f"--hardware-file {path}: {' '.join(first[:3])}", param="hardware_file") from None
+    except ValidationError as e:
+        raise ConfigError(f"{what}: {spec_problem(e)}", param="hardware_file") from None
+
+
+# the keys a --hardware-file may hold (HardwareSpec's fields; `name` defaults to the file's stem)
+SPEC_FILE_KEYS = tuple(HardwareSpec.model_fields)
+
+
+def spec_problem(error: ValidationError) -> str:
+    """The first problem of a hardware spec, naming its key; an unknown key lists the accepted ones."""
+    first = error.errors()[0]
+    where = ".".join(str(p) for p in first["loc"]) or "the spec"
+    if first["type"] == "extra_forbidden":
+        return f"unknown key {where!r}: the keys are {', '.join(SPEC_FILE_KEYS)}"
+    if first["type"] == "missing":
+        required = [k for k, f in HardwareSpec.model_fields.items() if f.is_required() and k != "name"]
+        return f"{where} is missing (required: {', '.join(required)})"
+    return f"{where}: {first['msg'].removeprefix('Value error, ')} (got {first.get('input')!r})"

@@ -12,13 +12,15 @@ its share of the prompts while the decode instances start on the first ones."""
 
 from __future__ import annotations
 
-import json
 import math
 from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import Optional
 
+from pydantic import BaseModel, ConfigDict, Field, StrictInt, ValidationError
+
 from llmopt.core.errors import ConfigError
+from llmopt.core.io import read_mapping_file
 from llmopt.core.registry import Registry
 from llmopt.planner.hardware import HardwareSpec
 from llmopt.planner.roofline import Instance
@@ -57,15 +59,50 @@ def plan_workload(spec: str) -> PlanWorkload:
     if spec in PLAN_WORKLOADS:
         return PLAN_WORKLOADS.get(spec)
     path = Path(spec)
-    if not path.is_file():
+    if not path.exists():
         raise ConfigError(f"unknown --workload {spec!r}: choose one of {', '.join(PLAN_WORKLOADS.names())} or give a "
                           "JSON file with input_tokens and output_tokens", param="workload")
+    what = f"--workload {path}"
+    fields = read_mapping_file(path, what, "a mapping with input_tokens and output_tokens (optional: concurrency, "
+                                           "rate, burst, name)")
     try:
-        fields = json.loads(path.read_text())
-        return PlanWorkload(fields.pop("name", path.stem), **fields)
-    except (ValueError, TypeError) as e:
-        raise ConfigError(f"--workload {path}: {e} (fields: input_tokens, output_tokens, concurrency, rate)",
-                          param="workload") from None
+        checked = WorkloadFile(**fields)
+    except ValidationError as e:
+        first = e.errors()[0]
+        where = ".".join(str(p) for p in first["loc"]) or "the workload"
+        detail = ("an unknown key: the keys are " + ", ".join(WorkloadFile.model_fields)
+                  if first["type"] == "extra_forbidden" else first["msg"])
+        raise ConfigError(f"{what}: {where}: {detail} (got {first.get('input')!r})", param="workload") from None
+    return PlanWorkload(checked.name or path.stem, checked.input_tokens, checked.output_tokens, checked.concurrency,
+                        checked.rate, checked.burst)
+
+
+class WorkloadFile(BaseModel):
+    """What a --workload file may hold: token counts and concurrency of at least 1, a rate above 0 (finite)."""
+
+    model_config = ConfigDict(extra="forbid", allow_inf_nan=False)
+
+    input_tokens: StrictInt = Field(ge=1)
+    output_tokens: StrictInt = Field(ge=1)
+    concurrency: Optional[StrictInt] = Field(None, ge=1)
+    rate: Optional[float] = Field(None, gt=0)
+    burst: bool = False
+    name: Optional[str] = None
+
+
+def check_rate(rate: float, what: str) -> float:
+    """A request rate: finite and above 0."""
+    if not (math.isfinite(rate) and rate > 0):
+        raise ConfigError(f"{what} {rate}: give requests per second above 0", param="rate")
+    return rate
+
+
+def check_fits_context(workload: PlanWorkload, model: ModelShape) -> None:
+    """A workload's prompt and output must fit the model's context (else no deployment could serve it)."""
+    if workload.input_tokens + workload.output_tokens > model.max_context:
+        raise ConfigError(f"workload {workload.name}: {workload.input_tokens} input + {workload.output_tokens} output "
+                          f"tokens exceed {model.name}'s context of {model.max_context}: shorten them",
+                          param="workload")
 
 
 @dataclass(frozen=True)
@@ -89,6 +126,9 @@ class Slo:
                 fields[f"{key}_ms"] = float(value)
             except ValueError:
                 raise ConfigError(f"--slo {text!r}: {value!r} is not a number of milliseconds", param="slo") from None
+            if not (math.isfinite(fields[f"{key}_ms"]) and fields[f"{key}_ms"] > 0):
+                raise ConfigError(f"--slo {text!r}: {key} {value.strip()} ms: give a number of milliseconds above 0",
+                                  param="slo")
         return cls(**fields)
 
 

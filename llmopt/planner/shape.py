@@ -3,13 +3,13 @@ FLOPs per token, and the KV cache's bytes per token; and what each weight scheme
 
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass
 from pathlib import Path
 
 from pydantic import BaseModel, ConfigDict, Field
 
 from llmopt.core.errors import ConfigError
+from llmopt.core.io import read_mapping_file
 from llmopt.core.registry import Registry
 
 
@@ -66,6 +66,22 @@ def weight_scheme(name: str) -> WeightScheme:
     return WEIGHT_SCHEMES.get(name)
 
 
+# the config.json fields the planner reads as sizes (each a whole number >= 1 where given)
+SIZE_FIELDS = ("hidden_size", "num_attention_heads", "num_hidden_layers", "num_key_value_heads", "head_dim",
+               "intermediate_size", "vocab_size", "max_position_embeddings")
+
+
+def _has_expert_layers(config: dict) -> bool:
+    """Whether some decoder layer is a mixture of experts. A config may name expert fields and still be dense in
+    every layer: DeepSeek's first `first_k_dense_replace` layers are dense, Qwen-MoE's `mlp_only_layers` too."""
+    layers = config.get("num_hidden_layers") or 0
+    if config.get("n_routed_experts"):
+        return (config.get("first_k_dense_replace") or 0) < layers
+    if config.get("num_experts"):
+        return len(set(config.get("mlp_only_layers") or [])) < layers
+    return bool(config.get("num_local_experts"))
+
+
 @dataclass(frozen=True)
 class ModelShape:
     """A dense decoder-only transformer (Llama family: GQA attention, gated MLP)."""
@@ -84,18 +100,30 @@ class ModelShape:
     @classmethod
     def from_config(cls, config: dict, name: str = "model") -> ModelShape:
         """From a config.json's fields (any hub config of a dense Llama-like model)."""
-        text = {**config.get("text_config", {}), **config}
-        if text.get("num_local_experts") or text.get("n_routed_experts") or text.get("num_experts"):
+        text = {**(config.get("text_config") or {}), **config}
+        missing = [k for k in ("hidden_size", "num_attention_heads", "num_hidden_layers", "intermediate_size",
+                               "vocab_size") if k not in text]
+        if missing:
+            raise ConfigError(f"{name}: config.json has no {missing[0]!r}: give a decoder-only model's config",
+                              param="model")
+        sizes = {k: text[k] for k in SIZE_FIELDS if text.get(k) is not None}
+        for key, value in sizes.items():
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ConfigError(f"{name}: config.json's {key} is {value!r}: a size is a whole number of at least 1",
+                                  param="model")
+        hidden, heads = sizes["hidden_size"], sizes["num_attention_heads"]
+        kv_heads = sizes.get("num_key_value_heads", heads)
+        if heads % kv_heads:
+            raise ConfigError(f"{name}: num_attention_heads {heads} is not a multiple of num_key_value_heads "
+                              f"{kv_heads}: each KV head serves a whole group of query heads", param="model")
+        if "head_dim" not in sizes and hidden % heads:
+            raise ConfigError(f"{name}: hidden_size {hidden} does not divide into num_attention_heads {heads} (and "
+                              f"no head_dim is given)", param="model")
+        if _has_expert_layers(text):
             raise ConfigError(f"{name}: mixture-of-experts models are not modelled by the planner yet", param="model")
-        try:
-            hidden, heads = int(text["hidden_size"]), int(text["num_attention_heads"])
-            return cls(name, hidden, int(text["num_hidden_layers"]), heads,
-                       int(text.get("num_key_value_heads") or heads), int(text.get("head_dim") or hidden // heads),
-                       int(text["intermediate_size"]), int(text["vocab_size"]),
-                       bool(text.get("tie_word_embeddings", False)), int(text.get("max_position_embeddings", 4096)))
-        except KeyError as e:
-            raise ConfigError(f"{name}: config.json has no {e.args[0]!r}: give a decoder-only model's config",
-                              param="model") from None
+        return cls(name, hidden, sizes["num_hidden_layers"], heads, kv_heads, sizes.get("head_dim", hidden // heads),
+                   sizes["intermediate_size"], sizes["vocab_size"], bool(text.get("tie_word_embeddings", False)),
+                   sizes.get("max_position_embeddings", 4096))
 
     @classmethod
     def from_path(cls, path: str | Path) -> ModelShape:
@@ -104,10 +132,7 @@ class ModelShape:
         file = path / "config.json" if path.is_dir() else path
         if not file.is_file():
             raise ConfigError(f"{path}: no config.json there: give a model folder or its config.json", param="model")
-        try:
-            config = json.loads(file.read_text())
-        except ValueError as e:
-            raise ConfigError(f"{file}: not JSON ({e})", param="model") from None
+        config = read_mapping_file(file, str(file), "a model's config.json (a JSON mapping)")
         name = path.name if path.is_dir() else path.parent.name if path.stem == "config" else path.stem
         return cls.from_config(config, name)
 

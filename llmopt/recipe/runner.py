@@ -36,10 +36,11 @@ def cache_key(*parts) -> str:
 
 
 def _weights_bytes(model: str) -> int | None:
+    from llmopt.core.io import weights_bytes
     from llmopt.core.models import resolve_model
 
     path = resolve_model(model).path  # None for a hub id
-    return sum(f.stat().st_size for f in path.glob("*.safetensors")) if path else None
+    return weights_bytes(path) if path else None
 
 
 class RecipeRunner:

@@ -22,6 +22,7 @@ from typing import Any, Literal, Optional
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
+from llmopt.core.io import check_unique_keys
 from llmopt.core.errors import ConfigError, LLMOptError
 from llmopt.runtime.engine.config import EngineConfig, SpeculativeConfig, engine_field_types
 
@@ -219,21 +220,6 @@ def _line_of(node, loc: tuple) -> int | None:
     return line
 
 
-def _check_unique_keys(node, path: Path) -> None:
-    """YAML lets a later key silently replace an earlier one (two variants of one name: only the last runs)."""
-    if isinstance(node, yaml.MappingNode):
-        seen: dict = {}
-        for key, value in node.value:
-            if key.value in seen:
-                raise ConfigError(f"{path}:{key.start_mark.line + 1}: duplicate key {key.value!r} (first at line "
-                                  f"{seen[key.value]}): rename or remove one")
-            seen[key.value] = key.start_mark.line + 1
-            _check_unique_keys(value, path)
-    elif isinstance(node, yaml.SequenceNode):
-        for item in node.value:
-            _check_unique_keys(item, path)
-
-
 def load_recipe(path: str | Path, check_inputs: bool = False) -> Recipe:
     """The recipe in `path`, validated (schema, stage options); check_inputs also makes every check its run makes
     before work (recipe.preflight: the model exists, stage options fit it), reading configs only. Errors name
@@ -250,7 +236,7 @@ def load_recipe(path: str | Path, check_inputs: bool = False) -> Recipe:
     try:
         node = yaml.compose(text, Loader=yaml.SafeLoader)
         if node is not None:
-            _check_unique_keys(node, path)
+            check_unique_keys(node, path)
         data = yaml.safe_load(text)
     except yaml.YAMLError as e:
         mark = getattr(e, "problem_mark", None)

@@ -24,7 +24,7 @@ from llmopt.runtime.engine.sampling import MAX_SEED, SamplingParams
 from llmopt.serve.async_engine import AsyncEngine, EngineRestarted, EngineStopping, ServerOverloaded
 from llmopt.serve.metrics import ServerMetrics
 from llmopt.serve.protocol import (
-    DEFAULT_MAX_BODY_BYTES, ChatCompletionRequest, CompletionRequest, SamplingFields, error_body,
+    DEFAULT_MAX_BODY_BYTES, ChatCompletionRequest, CompletionRequest, SamplingFields, error_body, lone_surrogate_path,
 )
 
 
@@ -73,8 +73,15 @@ class Server:
             data = json.loads(body)
         except (ValueError, UnicodeDecodeError) as exc:
             raise RequestError(f"the body is not valid JSON: {exc}") from None
+        except RecursionError:  # (the parser's own depth limit, ~1000 levels: no request nests that deep)
+            raise RequestError("the body is too deeply nested: a request nests a few levels at most", None,
+                               code="body_too_deeply_nested") from None
         if not isinstance(data, dict):
             raise RequestError(f"the body must be a JSON object, not {type(data).__name__}")
+        surrogate = lone_surrogate_path(data)
+        if surrogate is not None:
+            raise RequestError(f"{surrogate}: the text holds a lone UTF-16 surrogate (such as \\ud800), which is not "
+                               f"a character: send valid Unicode", surrogate)
         try:
             req = kind.model_validate(data)
         except ValidationError as exc:
@@ -348,8 +355,9 @@ def build_app(server: Server) -> FastAPI:
 
     @app.get("/health")
     async def health():
-        if not server.engine.alive:
-            return JSONResponse({"status": "engine stopped"}, 503)
+        problem = server.engine.unavailable()
+        if problem is not None:  # a load balancer routes elsewhere; requests get 503 meanwhile
+            return JSONResponse({"status": problem}, 503, headers={"Retry-After": "1"})
         return {"status": "ok"}
 
     @app.get("/metrics")

@@ -87,6 +87,13 @@ class AsyncEngine:
     def alive(self) -> bool:
         return self._thread is not None and self._thread.is_alive() and not self._stopping.is_set()
 
+    def unavailable(self) -> str | None:
+        """Why this server cannot answer a request now (its engine stopped, or no worker of a role runs: one is
+        starting again), else None: what /health reports."""
+        if not self.alive:
+            return f"engine stopped ({self.failed})" if self.failed is not None else "engine stopped"
+        return self.engine.unavailable()
+
     @property
     def stopping(self) -> bool:
         return self._stopping.is_set()
@@ -115,6 +122,11 @@ class AsyncEngine:
     @property
     def num_waiting(self) -> int:
         return self.engine.num_waiting + self._pending
+
+    @property
+    def num_in_flight(self) -> int:
+        """Requests submitted and not yet ended (their streams open): what a graceful shutdown waits for."""
+        return len(self._streams) + self._pending
 
     @property
     def num_running(self) -> int:
@@ -180,6 +192,8 @@ class AsyncEngine:
                 return
             try:
                 self._handle(message)
+            except ParallelError:  # the engine is gone (see _handle): the loop ends
+                raise
             except Exception:  # noqa: BLE001  (a message that fails is that request's problem, never the loop's)
                 log.exception("a request message failed in the engine thread")
 
@@ -202,6 +216,12 @@ class AsyncEngine:
             return
         try:
             request_id = self.engine.add_request(prompt_ids, params)
+        except ReplicaFailed as exc:  # no worker of a role runs now (one is starting again): retry shortly
+            admitted.set_exception(EngineRestarted(str(exc)))
+            return
+        except ParallelError as exc:  # every worker of a role is gone for good: this engine cannot serve again
+            admitted.set_exception(EngineRestarted(f"the engine stopped ({exc}): the server is exiting"))
+            raise
         except Exception as exc:  # noqa: BLE001  (a bad request fails alone)
             admitted.set_exception(exc)
             return
@@ -247,7 +267,13 @@ class AsyncEngine:
     def _serve(self) -> None:
         while True:
             self._wake.clear()  # before draining: a request put after the drain sets it again (no lost wake-up)
-            self._drain_inbox()
+            try:
+                self._drain_inbox()
+                if not self.engine.has_unfinished():
+                    self.engine.poll()  # (a worker of a multi-process front that died or is ready again)
+            except ParallelError as exc:  # fatal: fail the requests, end the loop (/health 503, the CLI exits 1)
+                self._fail_streams(EngineRestarted(f"the engine stopped ({exc}): the server is exiting"))
+                raise
             if self._stopping.is_set() and not self.engine.has_unfinished():
                 return
             if not self.engine.has_unfinished():

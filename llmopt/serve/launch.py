@@ -65,13 +65,27 @@ def _started(build, model_name: str, api_key: str | None, chat_template: str | N
 
 
 def begin_shutdown(http, server: Server, timeout: float) -> None:
-    """A graceful stop (SIGTERM, Ctrl-C): uvicorn stops accepting connections; requests in flight run on; those
-    still running near the end of `timeout` are ended by the engine with a final error (an SSE error event then
-    [DONE], or a 503), early enough for that to reach the client before uvicorn's own limit (the same timeout)
-    cancels what is left."""
+    """A graceful stop (SIGTERM, Ctrl-C): new requests get 503 `server_shutting_down` (the listener stays open
+    meanwhile, so a client learns why rather than finding the port closed); requests in flight run on; those still
+    running near the end of `timeout` are ended by the engine with a final error (an SSE error event then [DONE], or
+    a 503), early enough for that to reach the client. Once none is left (or the timeout ran out) uvicorn stops,
+    with its own limit (the same timeout) for what remains. A second call (a second signal) stops uvicorn now."""
+    import threading
+    import time
+
+    if server.engine.stopping:
+        http.should_exit = True
+        return
     flush = min(MAX_FLUSH_S, FLUSH_SHARE * timeout)
     server.engine.drain(max(0.0, timeout - flush))
-    http.should_exit = True
+
+    def close_when_drained():
+        deadline = time.monotonic() + timeout
+        while server.engine.num_in_flight and time.monotonic() < deadline and not http.should_exit:
+            time.sleep(0.02)
+        http.should_exit = True
+
+    threading.Thread(target=close_when_drained, name="llmopt-drain", daemon=True).start()
 
 
 @contextmanager

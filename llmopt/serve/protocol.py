@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from typing import Any, Literal, Optional, Union
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictInt, field_validator, model_validator
 
 from llmopt.runtime.engine.sampling import MAX_LOGPROBS, MAX_SEED, MIN_SEED
 
@@ -70,8 +70,8 @@ METADATA_FIELDS = ("user", "metadata", "store", "service_tier", "request_id", "p
 class StreamOptions(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
-    include_usage: bool = False
-    continuous_usage_stats: bool = False  # vLLM's: usage in every chunk, not implemented (reported once, at the end)
+    include_usage: StrictBool = False
+    continuous_usage_stats: StrictBool = False  # vLLM's: usage in every chunk, not implemented (reported once, at the end)
 
     @field_validator("continuous_usage_stats")
     @classmethod
@@ -85,17 +85,17 @@ class SamplingFields(BaseModel):
     model_config = ConfigDict(extra="ignore")  # unknown keys are refused first, in `check_fields`
 
     model: Optional[str] = None
-    max_tokens: Optional[int] = Field(None, ge=1)
+    max_tokens: Optional[StrictInt] = Field(None, ge=1)
     temperature: float = Field(1.0, ge=0, le=2)
     top_p: float = Field(1.0, gt=0, le=1)
-    top_k: int = Field(0, ge=-1, description="vLLM's extension: 0 or -1 = off")
-    n: int = Field(1, ge=1, le=16)
-    seed: Optional[int] = Field(None, ge=MIN_SEED, le=MAX_SEED)
+    top_k: StrictInt = Field(0, ge=-1, description="vLLM's extension: 0 or -1 = off")
+    n: StrictInt = Field(1, ge=1, le=16)
+    seed: Optional[StrictInt] = Field(None, ge=MIN_SEED, le=MAX_SEED)
     stop: Optional[Union[str, list[str]]] = None
-    stop_token_ids: Optional[list[int]] = None  # vLLM's extension: token ids that end the output
-    stream: bool = False
+    stop_token_ids: Optional[list[StrictInt]] = None  # vLLM's extension: token ids that end the output
+    stream: StrictBool = False
     stream_options: Optional[StreamOptions] = None
-    ignore_eos: bool = False  # vLLM's extension (benchmarks use it)
+    ignore_eos: StrictBool = False  # vLLM's extension (benchmarks use it)
 
     @model_validator(mode="before")
     @classmethod
@@ -142,12 +142,13 @@ class UnsupportedValue(ValueError):
 
 
 class CompletionRequest(SamplingFields):
-    prompt: Union[str, list[str], list[int], list[list[int]]]
-    max_tokens: Optional[int] = Field(16, ge=0)  # the OpenAI API's default; 0 only with echo (scoring)
-    logprobs: Optional[int] = Field(None, ge=0, le=MAX_LOGPROBS)
-    echo: bool = False  # the prompt's text (and with logprobs its tokens' log-probabilities) before the output
-    best_of: Optional[int] = Field(None, ge=1)  # only equal to n (no candidates beyond the choices returned)
-    add_special_tokens: bool = True  # vLLM's extension: the tokenizer's BOS etc. before a text prompt
+    # (strict ints: JSON's true / false are not token ids 1 / 0)
+    prompt: Union[str, list[str], list[StrictInt], list[list[StrictInt]]]
+    max_tokens: Optional[StrictInt] = Field(16, ge=0)  # the OpenAI API's default; 0 only with echo (scoring)
+    logprobs: Optional[StrictInt] = Field(None, ge=0, le=MAX_LOGPROBS)
+    echo: StrictBool = False  # the prompt's text (and with logprobs its tokens' log-probabilities) before the output
+    best_of: Optional[StrictInt] = Field(None, ge=1)  # only equal to n (no candidates beyond the choices returned)
+    add_special_tokens: StrictBool = True  # vLLM's extension: the tokenizer's BOS etc. before a text prompt
 
     @classmethod
     def neutral(cls) -> dict[str, tuple]:
@@ -187,10 +188,10 @@ class ChatMessage(BaseModel):
 
 class ChatCompletionRequest(SamplingFields):
     messages: list[ChatMessage] = Field(min_length=1)
-    logprobs: bool = False
-    top_logprobs: Optional[int] = Field(None, ge=0, le=MAX_LOGPROBS)
-    max_completion_tokens: Optional[int] = Field(None, ge=1)
-    add_special_tokens: bool = False  # vLLM's extension: the chat template already places the special tokens
+    logprobs: StrictBool = False
+    top_logprobs: Optional[StrictInt] = Field(None, ge=0, le=MAX_LOGPROBS)
+    max_completion_tokens: Optional[StrictInt] = Field(None, ge=1)
+    add_special_tokens: StrictBool = False  # vLLM's extension: the chat template already places the special tokens
 
     @classmethod
     def neutral(cls) -> dict[str, tuple]:
@@ -201,3 +202,41 @@ def error_body(message: str, param: str | None = None, kind: str = "invalid_requ
                code: str | None = None) -> dict:
     """The OpenAI API's error object."""
     return {"error": {"message": message, "type": kind, "param": param, "code": code}}
+
+
+def compile_chat_template(text: str) -> str | None:
+    """Why this Jinja chat template does not compile (its line and the parser's message), else None: compiled as
+    transformers compiles a tokenizer's template (its sandbox and extensions), or by a sandboxed Jinja with loop
+    controls where that helper is not importable."""
+    import jinja2
+
+    try:
+        from transformers.utils.chat_template_utils import _compile_jinja_template as compile_template
+    except ImportError:
+        from jinja2.sandbox import ImmutableSandboxedEnvironment
+
+        def compile_template(source: str):
+            return ImmutableSandboxedEnvironment(extensions=["jinja2.ext.loopcontrols"]).from_string(source)
+    try:
+        compile_template(text)
+    except jinja2.TemplateSyntaxError as e:
+        return f"Jinja syntax error on line {e.lineno}: {e.message}"
+    return None
+
+
+def lone_surrogate_path(data: Any) -> str | None:
+    """The JSON path (`messages.0.content`) of the first string holding a lone UTF-16 surrogate (JSON's "\\ud800"
+    decodes to one; no tokenizer can encode it), else None. Iterative: a body's depth is bounded by the parser."""
+    stack: list[tuple[str, Any]] = [("", data)]
+    while stack:
+        path, value = stack.pop()
+        if isinstance(value, str):
+            try:
+                value.encode("utf-8")
+            except UnicodeEncodeError:
+                return path or "body"
+        elif isinstance(value, dict):
+            stack.extend((f"{path}.{k}" if path else str(k), v) for k, v in reversed(value.items()))
+        elif isinstance(value, list):
+            stack.extend((f"{path}.{i}" if path else str(i), v) for i, v in reversed(list(enumerate(value))))
+    return None

@@ -53,6 +53,18 @@ CASES = [
     (["generate", "{tiny}", "-p", "hi", "--stop", "x", "--backend", "hf"], 1, r"--stop needs the runtime", None),
     (["generate", "{no_chat_template}", "-p", "hi", "--chat"], 1, r"--chat: this model's tokenizer has no chat "
      "template", None),
+    # a prompt no step could ever take (it waited forever), a flag a one-process command cannot honour (ignored),
+    # a KV cache beyond the memory (numpy's allocation traceback), a graph the engine cannot build (silently unused)
+    (["generate", "{tiny}", "-p", "hello world " * 16, "--max-num-batched-tokens", "4", "--no-chunked-prefill"], 1,
+     r"prompt of \d+ tokens is longer than one step takes without chunked prefill \(--max-num-batched-tokens 4\): "
+     r"raise --max-num-batched-tokens", None),
+    (["generate", "{tiny}", "-p", "hi", "--disaggregate", "1:1"], 1, r"--disaggregate is for serve and bench", None),
+    (["generate", "{tiny}", "-p", "hi", "--kv-cache-bytes", str(10 ** 15)], 1,
+     r"--kv-cache-bytes 1,000,000,000,000,000 needs a KV cache of [\d,.]+ GiB, more than the", None),
+    (["generate", "{tiny}", "-p", "hi", "--kv-cache-tokens", "99999999999"], 1,
+     r"--kv-cache-tokens 99,999,999,999 needs a KV cache of", None),
+    (["generate", "{tiny}", "-p", "hi", "--no-fast-path", "--decode-graph"], 1,
+     r"--decode-graph: this engine cannot run its decodes as one compiled call", None),
     # --- eval -----------------------------------------------------------------------------------------------------
     (["eval", "ppl", "{tiny}", "--dataset", "{null_text}", "--seqlen", "8"], 1,
      r"null_text\.jsonl:2: field 'text' is null, not text", None),
@@ -73,6 +85,7 @@ CASES = [
     (["eval", "tasks", "{tiny}", "--limit", "0"], 1, r"--limit must be at least 1", None),
     (["eval", "tasks", "{tiny}", "--batch-size", "0"], 1, r"--batch-size must be at least 1", None),
     # --- quantize -------------------------------------------------------------------------------------------------
+    ([*RTN, "--rotate", "R1", "--rotate-seed", str(2 ** 70)], 1, r"seed: .*less than or equal to", OUT),
     ([*RTN, "--max-memory", "lots"], 1, r"--max-memory 'lots': give a size such as 600MB", OUT),
     ([*RTN, "--max-memory", "10KB"], 1, r"--max-memory 10 kB is less than compressing one layer .* give at least \d+",
      OUT),
@@ -138,6 +151,8 @@ CASES = [
     (["export", "{artifact}", "-o", "{artifact}/x", "--format", "gptq"], 1, r"is the input artifact or inside it",
      "{artifact}/x"),
     (["export", "{missing}", "-o", OUT, "--format", "gptq"], 1, r"not a model folder", OUT),
+    (["export", "{artifact}", "-o", "{artifact}/x.gguf", "--format", "gguf"], 1,
+     r"is the input artifact or inside it", "{artifact}/x.gguf"),
     (["export", "{artifact}", "-o", OUT, "--format", "bogus"], 2, r"--format", OUT),
     # --- bench ----------------------------------------------------------------------------------------------------
     (["bench", "{tiny}", "--block-size", "0"], 1, r"--block-size must be at least 1 \(got 0\)", None),
@@ -150,12 +165,31 @@ CASES = [
     (["bench", "{tiny}", "--json", "{a_folder}"], 1, r"--json file .* is a folder", None),
     (["bench", "{tiny}", "--json", "{a_file}/x.json"], 1, r"is a file, not a folder", None),
     (["bench", "{tiny}", "--dataset", "nosuch"], 1, r"nosuch", None),
+    (["bench", "{tiny_copy}", "--json", "{tiny_copy}/results.json"], 1, r"is the benchmarked model or inside it",
+     "{tiny_copy}/results.json"),
+    # more processes than the host runs (hundreds started, memory exhausted), cores that do not exist (a rank died
+    # and rank 0 waited)
+    (["bench", "{tiny}", "--data-parallel-size", "1000"], 1,
+     r"--data-parallel-size: 1000 data-parallel replicas is more than 4 processes per core .*--oversubscribe", None),
+    (["bench", "{tiny}", "--disaggregate", "100:100"], 1, r"--disaggregate: 100 prefill \+ 100 decode workers is more",
+     None),
+    (["bench", "{tiny}", "--data-parallel-size", "300", "--oversubscribe"], 1,
+     r"300 data-parallel replicas need about [\d,.]+ GiB .* more than the [\d,.]+ GiB of memory available", None),
+    (["bench", "{tiny}", "--tensor-parallel-size", "2", "--tp-cores", "0;4095"], 1,
+     r"--tp-cores '0;4095': core 4095 is not among the cores this process may run on", None),
+    (["bench", "{tiny}", "--data-parallel-size", "2", "--dp-cores", "0;4095"], 1, r"--dp-cores '0;4095': core 4095",
+     None),
+    (["bench", "{tiny}", "--disaggregate", "1:1", "--pd-cores", "0;4095"], 1, r"--pd-cores '0;4095': core 4095", None),
     (["bench", "{tiny}", "--device", "banana"], 1, r"--device banana", None),
     # --- serve ----------------------------------------------------------------------------------------------------
     (["serve", "no-such-model"], 1, r"unknown model", None),
     (["serve", "{tiny}", "--device", "banana"], 1, r"--device banana", None),
     (["serve", "{tiny}", "--port", "70000"], 1, r"--port 70000: give a port in 0-65535", None),
     (["serve", "{tiny}", "--host", "999.1.1.1"], 1, r"--host 999\.1\.1\.1: cannot resolve it", None),
+    (["serve", "{tiny}", "--max-waiting", "-1"], 2, r"--max-waiting", None),
+    (["serve", "{tiny}", "--chat-template", "{bad_template}"], 1,
+     r"--chat-template .*bad_template\.jinja: Jinja syntax error on line 2", None),
+    (["serve", "{tiny}", "--api-key-file", "{a_folder}"], 1, r"--api-key-file .*: cannot read it", None),
     # --- recipe ---------------------------------------------------------------------------------------------------
     (["recipe", "validate", "{duplicate_variant}"], 1,
      r"duplicate_variant\.yaml:6: duplicate key 'a' \(first at line 4\)", None),
@@ -226,6 +260,7 @@ def bad(tmp_path_factory, tiny_llama_dir):
                                                     "vocab_size": 300}))
     folder("a_folder")
     text("a_file", "not a folder")
+    text("bad_template.jinja", "{% for m in messages %}\n{{ m.content }\n{% endfor %}")
     text("null_text.jsonl", '{"text": "fine"}\n{"text": null}\n')
     text("number_text.jsonl", '{"text": 42}\n')
     text("list_record.jsonl", '["text", "here"]\n')

@@ -13,6 +13,7 @@ import sys
 import textwrap
 from pathlib import Path
 
+import pytest
 from typer.testing import CliRunner
 
 from llmopt.cli.main import app
@@ -111,14 +112,38 @@ def test_a_temporary_of_a_running_process_is_left_alone(tiny_llama_dir, tmp_path
     assert live.exists() and not dead.exists() and other.exists()
 
 
-def test_a_full_disk_is_one_line_and_leaves_nothing(tiny_llama_dir, tmp_path, monkeypatch):
-    def full(tensors, path, metadata=None):  # what safetensors raises when the disk fills, as save_tensors sees it
-        raise RuntimeError('Error while serializing: IoError(Os { code: 28, kind: StorageFull, message: "No space '
-                           'left on device" })')
+@pytest.mark.parametrize("text", [
+    # what safetensors raises when the disk fills, as save_tensors sees it (both of its versions' texts)
+    'Error while serializing: IoError(Os { code: 28, kind: StorageFull, message: "No space left on device" })',
+    "Error while serializing: I/O error: No space left on device (os error 28)",
+])
+def test_a_full_disk_is_one_line_and_leaves_nothing(tiny_llama_dir, tmp_path, monkeypatch, text):
+    def full(tensors, path, metadata=None):
+        raise RuntimeError(text)
 
     monkeypatch.setattr("safetensors.torch.save_file", full)
     out = tmp_path / "out"
     result = CliRunner().invoke(app, quantize_args(tiny_llama_dir, out))
+    assert result.exit_code == 1 and isinstance(result.exception, SystemExit), result.output
+    lines = [line for line in result.output.splitlines() if line.strip()]
+    assert lines[-1].startswith("error: No space left on device (") and "nothing was written" in lines[-1], lines
+    assert not out.exists() and not [p for p in tmp_path.iterdir() if ".tmp-" in p.name]
+
+
+def test_a_full_disk_during_a_gguf_export_is_one_line_and_leaves_nothing(tiny_gptq_artifact, tmp_path, monkeypatch):
+    """numpy's short write ("N requested and M written", no errno) on a filesystem with no room left: the full disk
+    it is, in one line, and no file or temporary left."""
+    import shutil
+
+    import gguf
+
+    def short(self):
+        raise OSError("16576 requested and 8512 written")
+
+    monkeypatch.setattr(gguf.GGUFWriter, "write_tensors_to_file", short)
+    monkeypatch.setattr(shutil, "disk_usage", lambda path: shutil._ntuple_diskusage(10**6, 10**6 - 100, 100))
+    out = tmp_path / "m.gguf"
+    result = CliRunner().invoke(app, ["export", str(tiny_gptq_artifact), "--format", "gguf", "-o", str(out)])
     assert result.exit_code == 1 and isinstance(result.exception, SystemExit), result.output
     lines = [line for line in result.output.splitlines() if line.strip()]
     assert lines[-1].startswith("error: No space left on device (") and "nothing was written" in lines[-1], lines

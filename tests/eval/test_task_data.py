@@ -70,6 +70,9 @@ def test_good_files_load(data):
      r":1: field 'context_options' must be 2 texts"),
     ("lambada", {"lambada/lambada_openai_test.jsonl": lines({"context": "a b"})},
      r":1: field 'continuation' is missing"),
+    # an empty task file (an IndexError in the scorer)
+    ("arc_easy", {"arc/arc_easy_test.jsonl": ""}, r"arc_easy_test.jsonl holds no documents"),
+    ("lambada", {"lambada/lambada_openai_test.jsonl": "\n\n"}, r"lambada_openai_test.jsonl holds no documents"),
 ])
 def test_damaged_task_data_is_one_line_naming_file_and_line(data, task, files, message):
     for name, content in files.items():
@@ -77,3 +80,19 @@ def test_damaged_task_data_is_one_line_naming_file_and_line(data, task, files, m
     with pytest.raises(DatasetError, match=message):
         load_docs(task)
     assert_one_line_error(run("eval", "tasks", "tiny-random-llama", "--tasks", task, "--dtype", "float32"), message)
+
+
+@pytest.mark.parametrize("backend", ["hf", "runtime"])
+def test_documents_beyond_the_context_are_cut_or_named(data, backend):
+    """A context longer than the model's (1024 tokens for the tiny model) is cut from the left, as lm-eval cuts it,
+    on either backend (the runtime refused it, naming no document); a continuation that alone exceeds it is
+    refused naming its file:line."""
+    long_context = {"context": "word " * 3000, "continuation": "end"}
+    (data / "lambada" / "lambada_openai_test.jsonl").write_text(lines(long_context, long_context))
+    result = run("eval", "tasks", "tiny-random-llama", "--tasks", "lambada", "--dtype", "float32", "--backend",
+                 backend, "--json")
+    assert result.exit_code == 0, result.output
+    assert json.loads(result.stdout)["tasks"]["lambada"]["num_docs"] == 2
+    (data / "lambada" / "lambada_openai_test.jsonl").write_text(lines({"context": "a", "continuation": "x " * 3000}))
+    assert_one_line_error(run("eval", "tasks", "tiny-random-llama", "--tasks", "lambada", "--dtype", "float32",
+                              "--backend", backend), r"lambada_openai_test.jsonl:1: its continuation is \d+ tokens")

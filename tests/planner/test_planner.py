@@ -106,8 +106,15 @@ def test_slo_parsing_and_bad_input():
     assert Slo.parse("tpot=20").ttft_ms == float("inf")
     with pytest.raises(ConfigError, match="is not ttft or tpot"):
         Slo.parse("latency=3")
+    dense = {"hidden_size": 8, "num_attention_heads": 2, "num_hidden_layers": 2, "intermediate_size": 16,
+             "vocab_size": 32}
     with pytest.raises(ConfigError, match="mixture-of-experts"):
-        ModelShape.from_config({"hidden_size": 8, "num_local_experts": 8})
+        ModelShape.from_config({**dense, "num_local_experts": 8})
+    with pytest.raises(ConfigError, match="mixture-of-experts"):
+        ModelShape.from_config({**dense, "n_routed_experts": 4, "first_k_dense_replace": 1})
+    # expert fields named, every layer dense (tiny-random-deepseek; Qwen-MoE's mlp_only_layers): planned
+    assert ModelShape.from_config({**dense, "n_routed_experts": 4, "first_k_dense_replace": 2}).layers == 2
+    assert ModelShape.from_config({**dense, "num_experts": 4, "mlp_only_layers": [0, 1]}).layers == 2
 
 
 def test_cli_plan_prints_a_table_and_a_recommendation():
@@ -145,3 +152,92 @@ def test_this_cpu_is_a_spec_from_its_measured_rates():
     one = Instance(LLAMA_7B, cpu, weight_scheme("fp32"), "fp32")
     two = Instance(LLAMA_7B, cpu, weight_scheme("fp32"), "fp32", tp=2)
     assert two.decode_step(1, 0) > one.decode_step(1, 0)
+
+
+DENSE_CONFIG = {"hidden_size": 64, "num_attention_heads": 4, "num_hidden_layers": 2, "intermediate_size": 128,
+                "vocab_size": 100, "max_position_embeddings": 512}
+GPU_SPEC = {"memory_gib": 48, "bandwidth_gb_s": 864, "flops_tflops": {"bf16": 181}, "link_gb_s": 32,
+            "link_latency_us": 10}
+
+
+@pytest.mark.parametrize("name, content, says", [
+    # hardware files: not text, empty, not a mapping, strings, zero / negative / NaN / infinite values, repeated
+    # keys, keys the help names that the schema lacked
+    ("hw.json", b"\x00\x01\xff", "not a UTF-8 text file"),
+    ("hw.json", b"", "the file is empty"),
+    ("hw.json", b"[1, 2]", "holds a list, not a mapping"),
+    ("hw.json", json.dumps({**GPU_SPEC, "memory_gib": "lots"}).encode(), "memory_gib"),
+    ("hw.json", json.dumps({**GPU_SPEC, "memory_gib": 0}).encode(), "memory_gib"),
+    ("hw.json", json.dumps({**GPU_SPEC, "flops_tflops": {"bf16": -5}}).encode(), "flops_tflops.bf16"),
+    ("hw.json", json.dumps({**GPU_SPEC, "bandwidth_gb_s": float("nan")}).encode(), "finite"),
+    ("hw.json", json.dumps({**GPU_SPEC, "link_gb_s": float("inf")}).encode(), "finite"),
+    ("hw.yaml", b"memory_gib: 48\nmemory_gib: 64\n", "duplicate key 'memory_gib'"),
+    ("hw.json", b'{"memory_gib": 48, "memory_gib": 64}', "duplicate key 'memory_gib'"),
+    ("hw.json", json.dumps({**GPU_SPEC, "efficiencies": 0.5}).encode(), "the keys are name, kind, memory_gib"),
+])
+def test_cli_plan_validates_its_hardware_file(tmp_path, name, content, says):
+    spec = tmp_path / name
+    spec.write_bytes(content)
+    result = CliRunner().invoke(app, ["plan", str(LLAMA_8B), "--hardware-file", str(spec)])
+    assert result.exit_code == 1 and says in result.output and "Traceback" not in result.output, result.output
+
+
+def test_every_hardware_key_the_help_names_is_accepted(tmp_path):
+    """The help and the schema agree: a file using every optional key it documents plans."""
+    spec = tmp_path / "gpu.yaml"
+    spec.write_text(json.dumps({**GPU_SPEC, "name": "g", "kind": "gpu", "compute_efficiency": 0.5,
+                                "bandwidth_efficiency": 0.7, "step_overhead_ms": 0.2, "layer_overhead_us": 1,
+                                "activation_dtype": "bf16", "max_devices": 4, "memory_utilization": 0.8,
+                                "source": "a card"}))
+    import typer.main
+
+    from llmopt.planner.hardware import HardwareSpec
+
+    command = typer.main.get_command(app).commands["plan"]
+    documented = next(p.help for p in command.params if p.name == "hardware_file")
+    assert all(key in documented for key in HardwareSpec.model_fields), documented
+    result = CliRunner().invoke(app, ["plan", str(LLAMA_8B), "--hardware-file", str(spec)])
+    assert result.exit_code == 0, result.output
+
+
+@pytest.mark.parametrize("workload, says", [
+    ({"input_tokens": -5, "output_tokens": 10}, "input_tokens"),
+    ({"input_tokens": 10, "output_tokens": 0}, "output_tokens"),
+    ({"input_tokens": 10, "output_tokens": 10, "concurrency": 0}, "concurrency"),
+    ({"input_tokens": 10, "output_tokens": 10, "rate": -3}, "rate"),
+    ({"input_tokens": "ten", "output_tokens": 10}, "input_tokens"),
+    ({"input_tokens": 10, "output_tokens": 10, "speed": 3}, "the keys are input_tokens"),
+    ({"input_tokens": 500, "output_tokens": 100}, "exceed tiny's context of 512"),
+    ([1, 2], "holds a list"),
+])
+def test_cli_plan_validates_its_workload_file(tmp_path, workload, says):
+    model = tmp_path / "tiny.json"
+    model.write_text(json.dumps(DENSE_CONFIG))
+    file = tmp_path / "w.json"
+    file.write_text(json.dumps(workload))
+    result = CliRunner().invoke(app, ["plan", str(model), "--workload", str(file)])
+    assert result.exit_code == 1 and says in result.output, result.output
+
+
+@pytest.mark.parametrize("change, says", [
+    ({"hidden_size": 0}, "hidden_size is 0"),
+    ({"num_hidden_layers": -2}, "num_hidden_layers is -2"),
+    ({"vocab_size": 1.5}, "vocab_size is 1.5"),
+    ({"num_key_value_heads": 3}, "not a multiple of num_key_value_heads 3"),
+    ({"hidden_size": 66}, "does not divide into num_attention_heads 4"),
+])
+def test_cli_plan_validates_the_model_config(tmp_path, change, says):
+    model = tmp_path / "tiny.json"
+    model.write_text(json.dumps({**DENSE_CONFIG, **change}))
+    result = CliRunner().invoke(app, ["plan", str(model)])
+    assert result.exit_code == 1 and says in result.output, result.output
+
+
+@pytest.mark.parametrize("args, says", [
+    (["--rows", "0"], "--rows"), (["--rows", "-5"], "--rows"), (["--slo", "ttft=nan"], "above 0"),
+    (["--slo", "tpot=-1"], "above 0"), (["--rate", "nan"], "above 0"), (["--rate", "inf"], "above 0"),
+    (["--rate", "-1"], "above 0"), (["--rate", "0"], "above 0"),
+])
+def test_cli_plan_validates_its_options(args, says):
+    result = CliRunner().invoke(app, ["plan", str(LLAMA_8B), *args])
+    assert result.exit_code in (1, 2) and says in result.output, result.output

@@ -5,6 +5,7 @@ linear and cache it takes; steps and engines it cannot serve keep the loop."""
 import pytest
 import torch
 
+from llmopt.core.errors import ConfigError
 from llmopt.runtime.engine.engine import Engine, EngineConfig
 from llmopt.runtime.engine.sampling import SamplingParams
 from llmopt.runtime.executor.kernels.cpu_ops import cpu_ops, decode_graph_class
@@ -158,6 +159,10 @@ def test_engines_the_graph_cannot_serve_build_none(tiny_llama_dir, settings):
     e = Engine(checkpoint, tok, EngineConfig(block_size=4, kv_cache_bytes=2**20, **settings))
     assert e.runner.decode_graph_rows == [] and e.runner.decoder.decode_graphs is None
     assert e.generate([[5, 9, 200]], SamplingParams(max_tokens=3, ignore_eos=True))[0].token_ids
+    if "decode_graph" not in settings:  # asked for explicitly where it cannot run: refused, never silently unused
+        with pytest.raises(ConfigError, match="--decode-graph: this engine cannot run its decodes as one compiled "
+                                              "call.*drop --decode-graph"):
+            Engine(checkpoint, tok, EngineConfig(block_size=4, kv_cache_bytes=2**20, decode_graph=True, **settings))
 
 
 def test_a_layer_whose_path_has_no_graph_kernel_leaves_that_row_count_to_the_loop(tiny_gptq_artifact):

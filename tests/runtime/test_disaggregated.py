@@ -7,6 +7,7 @@ import os
 import signal
 import time
 
+import httpx
 import pytest
 import torch
 
@@ -17,6 +18,7 @@ from llmopt.runtime.engine.sampling import SamplingParams
 from llmopt.runtime.executor.loader import load_runtime_model
 from llmopt.runtime.parallel.disaggregated import kv_layout, read_payload, unpack_kv
 from llmopt.runtime.parallel.engines import create_engine
+from tests.waits import wait_until
 
 PARAMS = SamplingParams(max_tokens=12, ignore_eos=True)
 
@@ -177,8 +179,41 @@ def test_served_disaggregated_over_the_openai_api(tiny_llama_dir, tiny):
         stream = client.completions.create(model="tiny", prompt="def f(x):", max_tokens=12, temperature=0,
                                            stream=True, extra_body={"ignore_eos": True})
         streamed = "".join(chunk.choices[0].text for chunk in stream if chunk.choices)
+        # a worker killed while the server is idle: /health says so (503) while it starts again, requests get a
+        # retryable 503 meanwhile (never a 500, never a server that says it is healthy and answers nothing), then
+        # both are served again -- for either role
+        health = url.removesuffix("/v1") + "/health"
+        for worker in server.engine.engine.replicas:
+            os.kill(worker.process.pid, signal.SIGKILL)
+            wait_until(lambda: httpx.get(health).status_code == 503, 30, f"/health reporting {worker.role} down")
+            down = httpx.post(f"{url}/completions", json={"model": "tiny", "prompt": "x", "max_tokens": 2})
+            assert down.status_code == 503 and down.headers.get("retry-after") == "1", down.text
+            assert f"no {worker.role} worker is running" in httpx.get(health).json()["status"]
+            wait_until(lambda: httpx.get(health).status_code == 200, 120, f"the {worker.role} worker back")
+            again = client.completions.create(model="tiny", prompt="def f(x):", max_tokens=12, temperature=0,
+                                              extra_body={"ignore_eos": True}).choices[0].text
+            assert again == expected
     server.engine.engine.close()
     assert texts == [expected] * 2 and streamed == expected
+
+
+def test_a_role_whose_workers_all_died_for_good_stops_the_front():
+    """Every worker of a role past its restarts: the front raises ParallelError (the server exits 1), and while one
+    is starting again a retryable ReplicaFailed, each naming the role."""
+    from llmopt.core.errors import ParallelError, ReplicaFailed
+    from llmopt.runtime.parallel.data_parallel import MAX_RESTARTS, Replica
+    from llmopt.runtime.parallel.disaggregated import DisaggregatedEngine
+
+    front = DisaggregatedEngine.__new__(DisaggregatedEngine)
+    front.replicas = [Replica(0, [0], role="prefill", ready=True, connection=object()),
+                      Replica(1, [0], role="decode", restarts=1, connection=object())]
+    front._lock, front._outputs = __import__("threading").RLock(), []
+    with pytest.raises(ReplicaFailed, match="no decode worker is running: decode worker 0 is starting again"):
+        front._ready(front._pool("decode"))
+    assert "decode worker 0 is starting again" in front.unavailable()
+    front.replicas[1].connection, front.replicas[1].restarts = None, MAX_RESTARTS
+    with pytest.raises(ParallelError, match=f"every decode worker died more than {MAX_RESTARTS} times"):
+        front._ready(front._pool("decode"))
 
 
 def test_bench_runs_disaggregated(tiny_llama_dir):

@@ -74,8 +74,13 @@ def test_a_request_larger_than_the_cache_is_refused_and_others_still_run():
     from llmopt.core.errors import ConfigError
 
     scheduler = Scheduler(EngineConfig(), BlockManager(4, block_size=4))
-    with pytest.raises(ConfigError, match="needs 5 KV blocks.*--kv-cache-bytes"):
+    with pytest.raises(ConfigError, match="needs 20 tokens of KV cache \\(5 blocks\\) but the cache holds 16: give "
+                                          "--kv-cache-tokens 20"):
         scheduler.add(Sequence(list(range(16)), SamplingParams(max_tokens=2)))
+    # the advice names the option that sized the cache, the one the user gave
+    sized = Scheduler(EngineConfig(kv_cache_tokens=16), BlockManager(4, block_size=4))
+    with pytest.raises(ConfigError, match="raise --kv-cache-tokens to at least 20$"):
+        sized.add(Sequence(list(range(16)), SamplingParams(max_tokens=2)))
     ok = Sequence([1, 2, 3], SamplingParams(max_tokens=3, ignore_eos=True))
     run(scheduler, [ok])
     assert ok.output_token_ids == expected_output([1, 2, 3], 3)
@@ -139,3 +144,33 @@ def test_abort_and_stop_tokens():
     assert a.finish_reason == "stop" and b.finish_reason == "stop"
     assert scheduler.abort(c.seq_id) and c.finish_reason == "abort"
     assert not scheduler.has_unfinished and bm.num_available_blocks == 50
+
+
+def test_a_prompt_no_step_can_take_is_refused_when_it_arrives():
+    """Without chunked prefill a prompt longer than --max-num-batched-tokens could never be scheduled: it waited
+    forever, and every request behind it. Refused at admission, naming the option; shorter ones run."""
+    from llmopt.core.errors import ConfigError
+    from llmopt.runtime.engine.scheduler import check_schedulable
+
+    config = EngineConfig(max_num_batched_tokens=4, enable_chunked_prefill=False)
+    scheduler = Scheduler(config, BlockManager(64, block_size=4))
+    with pytest.raises(ConfigError, match="prompt of 33 tokens .* raise --max-num-batched-tokens to at least 33 or "
+                                          "drop --no-chunked-prefill"):
+        scheduler.add(Sequence(list(range(33)), SamplingParams(max_tokens=2)))
+    check_schedulable(33, EngineConfig(max_num_batched_tokens=4))  # (chunked: any length runs)
+    ok = Sequence([1, 2, 3], SamplingParams(max_tokens=3, ignore_eos=True))
+    run(scheduler, [ok])
+    assert ok.output_token_ids == expected_output([1, 2, 3], 3)
+
+
+def test_a_preempted_sequence_longer_than_a_step_is_recomputed_in_chunks_without_chunked_prefill():
+    """A sequence preempted after its output grew past one step's budget: its recompute (prompt + output so far) is
+    chunked even with chunked prefill off, or it would never run again."""
+    seqs = [Sequence([i + 1] * 6, SamplingParams(max_tokens=14, ignore_eos=True)) for i in range(3)]
+    prompts = [list(s.token_ids) for s in seqs]
+    # 3 sequences of up to 20 tokens in 9 blocks of 4: preemptions; recomputes of 7-19 tokens, budget 8
+    scheduler = Scheduler(EngineConfig(max_num_seqs=3, max_num_batched_tokens=8, enable_chunked_prefill=False),
+                          BlockManager(9, block_size=4))
+    run(scheduler, seqs)
+    assert scheduler.num_preemptions > 0
+    assert [s.output_token_ids for s in seqs] == [expected_output(p, 14) for p in prompts]

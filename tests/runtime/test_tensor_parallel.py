@@ -110,9 +110,47 @@ def test_quantized_weights_split_on_group_boundaries_and_reassemble(tmp_path):
 
 def test_rank_cores_split_evenly_or_as_given():
     assert rank_cores(None, 2, [0, 1, 2, 3]) == [[0, 1], [2, 3]]
-    assert rank_cores("0-2;5,7", 2) == [[0, 1, 2], [5, 7]]
+    assert rank_cores("0-2;5,7", 2, list(range(8))) == [[0, 1, 2], [5, 7]]
     with pytest.raises(ConfigError, match="give 2 non-empty core lists"):
         rank_cores("0-3", 2)
+    # a core this process may not run on is refused before any process starts (a rank pinned to it would die)
+    with pytest.raises(ConfigError, match=r"--dp-cores '0;9': core 9 is not among the cores this process may run "
+                                          r"on \(0-3,6\)"):
+        rank_cores("0;9", 2, [0, 1, 2, 3, 6], param="dp_cores")
+
+
+def test_more_processes_than_the_host_runs_are_refused_before_any_starts():
+    """More than PROCESSES_PER_CORE processes per core (unless --oversubscribe), or more memory than is available
+    (each process's base, its weights and an explicit KV cache), named by the option that asked for them."""
+    from llmopt.runtime.engine.config import PROCESSES_PER_CORE
+    from llmopt.runtime.parallel.workers import ENGINE_PROCESS_BYTES, check_host_fits
+
+    plenty = 1 << 50
+    check_host_fits(2 * PROCESSES_PER_CORE, "8 replicas", "data_parallel_size", EngineConfig(), 0, 2, plenty)
+    with pytest.raises(ConfigError, match=r"--data-parallel-size: 9 replicas is more than 4 processes per core on "
+                                          r"this host \(2 cores.*give at most 8, or --oversubscribe"):
+        check_host_fits(9, "9 replicas", "data_parallel_size", EngineConfig(), 0, 2, plenty)
+    check_host_fits(1000, "1000 replicas", "data_parallel_size", EngineConfig(oversubscribe=True), 0, 2, plenty)
+    with pytest.raises(ConfigError, match=r"--disaggregate: 2 workers need about .* GiB.*its weights and its KV "
+                                          r"cache.*start fewer"):
+        check_host_fits(2, "2 workers", "disaggregate", EngineConfig(kv_cache_bytes=1 << 30), 1 << 20, 2,
+                        2 * ENGINE_PROCESS_BYTES + (2 << 30))
+
+
+def test_a_rank_that_dies_while_starting_ends_the_start_at_once(tiny_llama_dir, monkeypatch):
+    """A spawned rank that cannot start (here: pinned to a core that does not exist, past the up-front check)
+    ends rank 0's start with one line naming it, well within the start-up bound, and leaves no process."""
+    from llmopt.runtime.parallel import workers
+
+    before = _children()
+    monkeypatch.setattr(workers, "rank_cores", lambda spec, world, *a, **k: [[0], [4095]])
+    config = EngineConfig(tensor_parallel_size=2, **CONFIG)
+    model, tokenizer, _ = load_for_engine(str(tiny_llama_dir), config)
+    started = time.monotonic()
+    with pytest.raises(ParallelError, match="rank 1 exited with code 1 while the ranks were joining"):
+        Engine(model, tokenizer, config)
+    assert time.monotonic() - started < 60
+    assert _children() == before
 
 
 def test_shared_memory_all_reduce_adds_in_rank_order_without_the_compiled_op():

@@ -8,6 +8,7 @@ import httpx
 import openai
 import pytest
 
+from llmopt.core.errors import ConfigError
 from llmopt.core.tiny import build_tiny_model
 from llmopt.runtime.engine.config import EngineConfig
 from llmopt.runtime.engine.engine import Engine
@@ -327,6 +328,38 @@ def test_llmopt_serve_keeps_what_it_loaded_out_of_the_garbage_collectors_passes(
     assert frozen and frozen[0] > 1000
 
 
+def test_serve_refuses_a_chat_template_that_does_not_compile_and_reads_the_key_without_the_command_line(
+        tmp_path, monkeypatch):
+    """A template with a Jinja syntax error is refused at start (its line named), before the model loads; the API
+    key comes from $LLMOPT_API_KEY or --api-key-file as well as --api-key (which `ps` shows)."""
+    from typer.testing import CliRunner
+
+    from llmopt.cli.main import app
+    from llmopt.cli.serve import resolve_api_key
+
+    bad = tmp_path / "bad.jinja"
+    bad.write_text("{% for m in messages %}\n{{ m.content }\n{% endfor %}")
+    result = CliRunner().invoke(app, ["serve", "tiny-random-llama", "--port", str(free_port()), "--chat-template",
+                                      str(bad)])
+    assert result.exit_code == 1 and "Jinja syntax error on line 2" in result.output, result.output
+    key = tmp_path / "key"
+    key.write_text("s3cret\n")
+    assert resolve_api_key(None, key) == "s3cret" and resolve_api_key("k", None) == "k"
+    with pytest.raises(ConfigError, match="both give the key"):
+        resolve_api_key("k", key)
+    key.write_text("\n")
+    with pytest.raises(ConfigError, match="its first line is empty"):
+        resolve_api_key(None, key)
+    seen = {}
+    monkeypatch.setenv("LLMOPT_API_KEY", "from-env")
+    monkeypatch.setattr("llmopt.serve.launch.start_server", lambda *a, **k: seen.update(k) or (_ for _ in ()).throw(
+        ConfigError("stop here")))
+    result = CliRunner().invoke(app, ["serve", "tiny-random-llama", "--port", str(free_port())])
+    assert seen["api_key"] == "from-env", result.output
+    result = CliRunner().invoke(app, ["serve", "tiny-random-llama", "--max-waiting", "-1"])
+    assert result.exit_code == 2 and "--max-waiting" in result.output
+
+
 def test_llmopt_serve_stops_gracefully_on_sigterm(tmp_path):
     import os
     import signal
@@ -358,10 +391,17 @@ def test_llmopt_serve_stops_gracefully_on_sigterm(tmp_path):
                     proc.send_signal(signal.SIGTERM)  # after the first chunk
                     events.append(line[6:])
                     break
+            # while the stream drains, a new request is answered (503 server_shutting_down), not refused at the port
+            wait_until(lambda: httpx.get(f"http://127.0.0.1:{port}/health", timeout=limit(10)).status_code == 503,
+                       30, "/health 503 once shutting down", proc, poll=0.01)
+            late = httpx.post(f"http://127.0.0.1:{port}/v1/completions", timeout=limit(30),
+                              json={"model": "tiny-random-llama", "prompt": "x", "max_tokens": 2})
+            assert late.status_code == 503 and late.json()["error"]["type"] == "server_shutting_down", late.text
             events += [line[6:] for line in lines if line.startswith("data: ")]
         assert events[-1] == "[DONE]", events[-3:]
         assert json.loads(events[-2])["usage"]["completion_tokens"] == 1000, events[-3:]
         assert wait_exit(proc, 120, "the server after SIGTERM") == 0, output_of(proc)
+        assert "nanobind" not in proc.stdout.read().decode(errors="replace")  # (no leak report at exit)
     finally:
         proc.kill()
 

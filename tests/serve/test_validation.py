@@ -1,6 +1,8 @@
 """Request validation before the engine: every bad body is a 4xx naming its field, nothing reaches the engine,
 the engine goes on (/health 200). Each case here was a 500 with torch's text, or silently ignored, before."""
 
+import json
+
 import httpx
 import openai
 import pytest
@@ -17,7 +19,9 @@ def srv():
 
 def post(srv, body, endpoint="completions"):
     path = "/v1/completions" if endpoint == "completions" else "/v1/chat/completions"
-    return httpx.post(srv.url + path, json=body, timeout=120)
+    # (ASCII JSON: a lone surrogate travels as its escape, as a client's JSON encoder sends it)
+    return httpx.post(srv.url + path, content=json.dumps(body), headers={"content-type": "application/json"},
+                      timeout=120)
 
 
 CHAT = {"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 3}
@@ -57,6 +61,15 @@ COMPLETION = {"model": MODEL, "prompt": "hi", "max_tokens": 3}
     ("chat", {"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}]},
      "messages"),
     ("completions", {"top_k": -2}, "top_k"),
+    # JSON's true / false are not token ids 1 / 0, nor counts (they were accepted as [1, 0])
+    ("completions", {"prompt": [True, False]}, "prompt"),
+    ("completions", {"max_tokens": True}, "max_tokens"),
+    ("completions", {"stop_token_ids": [True]}, "stop_token_ids"),
+    # a lone UTF-16 surrogate is no character: no tokenizer encodes it (a 500 with the tokenizer's text before)
+    ("completions", {"prompt": "hi \ud800 there"}, "prompt"),
+    ("completions", {"prompt": ["fine", "\udfff"]}, "prompt.1"),
+    ("chat", {"messages": [{"role": "user", "content": "a\ud800"}]}, "messages.0.content"),
+    ("completions", {"stop": ["\ud800"]}, "stop.0"),
 ])
 def test_bad_fields_get_400_naming_them(srv, endpoint, extra, param):
     served = srv.engine.stats().num_finished
@@ -66,6 +79,16 @@ def test_bad_fields_get_400_naming_them(srv, endpoint, extra, param):
     assert error["param"] == param and error["type"] == "invalid_request_error", error
     assert param.split(".")[0].split("[")[0] in error["message"] or param == "messages", error
     assert srv.engine.stats().num_finished == served  # nothing reached the engine
+    assert httpx.get(srv.url + "/health").status_code == 200
+
+
+def test_a_body_nested_beyond_any_request_gets_400(srv):
+    """100,000 levels of arrays: the JSON parser's depth limit is a 400 naming the problem, not a 500."""
+    deep = '{"model": "%s", "max_tokens": 3, "prompt": %s%s}' % (MODEL, "[" * 100_000, "]" * 100_000)
+    response = httpx.post(srv.url + "/v1/completions", content=deep, timeout=120,
+                          headers={"content-type": "application/json"})
+    assert response.status_code == 400, response.text
+    assert "too deeply nested" in response.json()["error"]["message"]
     assert httpx.get(srv.url + "/health").status_code == 200
 
 

@@ -14,6 +14,10 @@ from llmopt.core.errors import ConfigError
 # gpu_memory_utilization size it from the machine. On CPU the cache is zero pages that the OS commits as blocks
 # are first written, so an unused budget costs address space, not memory.
 KV_CACHE_MEMORY_FRACTION = 0.25
+# engine processes (ranks, stages, replicas, workers) a start may ask for per core this process may use; more only
+# with --oversubscribe: past it they only take turns on the cores, and a typo (--data-parallel-size 1000) would
+# start hundreds
+PROCESSES_PER_CORE = 4
 KV_CACHE_MAX_FRACTION = 0.95  # the rest stays for weights, activations and the OS
 
 SPECULATIVE_METHODS = ("ngram", "draft", "medusa")
@@ -131,10 +135,11 @@ class EngineConfig:
         "measured", "How quantized linears pick their kernel for each step's row count: measured (every path timed "
         "once per layer shape on this machine at start, kept in $LLMOPT_HOME/kernels/) or fixed (built-in row "
         "thresholds: the same choice on every machine).", numerics=True)
-    decode_graph: bool = option(
-        True, "Decode steps of up to 16 sequences run the decoder's layers as one compiled call (the same kernels in "
-        "the same order, so the same numbers: no Python between them; CPU fast path, one process). --no-decode-graph "
-        "runs the same steps layer by layer from Python.", flag="decode-graph")
+    decode_graph: Optional[bool] = option(
+        None, "Decode steps of up to 16 sequences run the decoder's layers as one compiled call (the same kernels in "
+        "the same order, so the same numbers: no Python between them; CPU fast path, one process). Default: wherever "
+        "the engine allows it; --decode-graph refuses to start where it does not; --no-decode-graph runs the same "
+        "steps layer by layer from Python.", flag="decode-graph")
     attention_backend: str = option(
         "auto", "Paged attention kernels: torch (the reference), cpu (compiled), triton (CUDA), latent-torch (MLA), "
         "or any registered backend (`llmopt env` lists them); auto: the fastest the device, the model's cache and "
@@ -165,6 +170,10 @@ class EngineConfig:
     pd_cores: Optional[str] = option(
         None, "CPU cores of each disaggregated worker, prefill workers first, ';'-separated lists. Default: an "
         "even split.")
+    oversubscribe: bool = option(
+        False, "Start more engine processes (tensor-parallel ranks, pipeline stages, replicas, disaggregated workers) "
+        f"than {PROCESSES_PER_CORE} per core this process may use; refused by default: past that they only take "
+        "turns on the cores.")
     speculative: Optional[SpeculativeConfig] = None  # its own options (cli.options.SPECULATIVE_OPTIONS)
 
     def __post_init__(self):

@@ -60,6 +60,9 @@ class Engine:
             raise ConfigError("an Engine is one replica: --data-parallel-size is for serve and bench (the "
                               "replicas are built by runtime.parallel.engines.create_engine)",
                               param="data_parallel_size")
+        if self.config.disaggregate is not None:
+            raise ConfigError("an Engine is one process: --disaggregate is for serve and bench (the workers are "
+                              "built by runtime.parallel.engines.create_engine)", param="disaggregate")
         if self.config.tensor_parallel_size > 1 or self.config.pipeline_parallel_size > 1:
             from llmopt.runtime.parallel.workers import parallel_runner
 
@@ -154,6 +157,14 @@ class Engine:
     def has_unfinished(self) -> bool:
         """True while some request has not yet been reported finished."""
         return bool(self._live)
+
+    def poll(self) -> None:
+        """What an idle server calls between requests: the multi-process fronts read their workers' news there (a
+        worker that died, one ready again); one engine in this process has none."""
+
+    def unavailable(self) -> str | None:
+        """Why no request could be served now (None: it can). One engine in this process always can."""
+        return None
 
     @property
     def num_live_requests(self) -> int:

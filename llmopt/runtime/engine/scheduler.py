@@ -45,6 +45,16 @@ class SchedulerOutput:
         return not self.scheduled
 
 
+def check_schedulable(num_prompt_tokens: int, config: EngineConfig) -> None:
+    """Refuse a prompt that no step could ever take: longer than --max-num-batched-tokens with chunked prefill off
+    (it would wait forever, and every request behind it too). A ConfigError naming the option to change."""
+    budget = config.max_num_batched_tokens
+    if not config.enable_chunked_prefill and num_prompt_tokens > budget:
+        raise ConfigError(f"prompt of {num_prompt_tokens} tokens is longer than one step takes without chunked "
+                          f"prefill (--max-num-batched-tokens {budget}): raise --max-num-batched-tokens to at least "
+                          f"{num_prompt_tokens} or drop --no-chunked-prefill", param="prompt")
+
+
 class Scheduler:
     def __init__(self, config: EngineConfig, block_manager: BlockManager, eos_token_id: int | None = None):
         self.config = config
@@ -61,13 +71,26 @@ class Scheduler:
         self.waiting.append(seq)
 
     def check_fits(self, seq: Sequence) -> None:
-        """Refuse a request that could never fit in the whole KV cache (its prompt and max_tokens new tokens)."""
+        """Refuse a request that could never be scheduled: a prompt longer than one step's token budget when prompts
+        are not chunked, or more KV than the whole cache holds (its prompt and max_tokens new tokens)."""
+        check_schedulable(seq.num_prompt_tokens, self.config)
         bm = self.block_manager
         needed = seq.num_blocks(bm.block_size, seq.num_prompt_tokens + seq.params.max_tokens)
         if needed > bm.num_blocks:
+            tokens, held = needed * bm.block_size, bm.num_blocks * bm.block_size
             raise ConfigError(
-                f"request needs {needed} KV blocks ({seq.num_prompt_tokens} prompt + {seq.params.max_tokens} new "
-                f"tokens) but the cache has {bm.num_blocks}: raise --kv-cache-bytes or lower max_tokens")
+                f"a request of {seq.num_prompt_tokens} prompt + {seq.params.max_tokens} new tokens needs {tokens} "
+                f"tokens of KV cache ({needed} blocks) but the cache holds {held}: {self._grow_cache_advice(tokens)}",
+                param="max_tokens")
+
+    def _grow_cache_advice(self, tokens: int) -> str:
+        """How to make room for `tokens`, naming the option that sized the cache (the one the user gave)."""
+        config = self.config
+        if config.kv_cache_tokens is not None:
+            return f"raise --kv-cache-tokens to at least {tokens}"
+        if config.kv_cache_bytes is not None:
+            return f"raise --kv-cache-bytes (or give --kv-cache-tokens {tokens} instead)"
+        return f"give --kv-cache-tokens {tokens} (or raise --kv-cache-memory-fraction)"
 
     def abort(self, seq_id: int) -> bool:
         return self.finish(seq_id, "abort")
@@ -105,7 +128,7 @@ class Scheduler:
         for seq in list(self.running):
             if seq.status is not SequenceStatus.RUNNING or budget == 0:
                 continue
-            num_new = self._chunk(seq.num_tokens - seq.num_computed_tokens, budget)
+            num_new = self._chunk(seq, budget)
             if num_new == 0:
                 continue
             num_draft = min(len(seq.draft_token_ids), budget - 1) if seq.is_decoding else 0
@@ -129,7 +152,7 @@ class Scheduler:
                 if not bm.can_allocate(seq):
                     break
                 bm.allocate(seq)
-                num_new = self._chunk(seq.num_tokens - seq.num_computed_tokens, budget)
+                num_new = self._chunk(seq, budget)
                 if num_new == 0:  # no chunking and the whole prompt does not fit this step
                     bm.free(seq)
                     seq.num_computed_tokens = seq.num_cached_tokens = 0
@@ -141,8 +164,12 @@ class Scheduler:
                 budget -= num_new
         return out
 
-    def _chunk(self, remaining: int, budget: int) -> int:
-        if self.config.enable_chunked_prefill:
+    def _chunk(self, seq: Sequence, budget: int) -> int:
+        """Tokens of `seq` to compute this step: the rest, or what the budget allows when chunking. Without chunked
+        prefill a prompt runs whole (admission refused any longer than a step), but a preempted sequence's recompute
+        (its prompt and output so far, which may exceed a step) is chunked: it could never be scheduled otherwise."""
+        remaining = seq.num_tokens - seq.num_computed_tokens
+        if self.config.enable_chunked_prefill or seq.num_output_tokens > 0:
             return min(remaining, budget)
         return remaining if remaining <= budget else 0
 

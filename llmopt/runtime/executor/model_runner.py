@@ -10,7 +10,7 @@ import torch
 
 from llmopt.core.errors import ConfigError, ParallelError
 from llmopt.runtime.engine.config import (
-    ACTIVATION_SCHEMES, KV_CACHE_8BIT, KV_CACHE_DTYPES, LM_HEAD_GROUPS, EngineConfig,
+    ACTIVATION_SCHEMES, KV_CACHE_8BIT, KV_CACHE_DTYPES, KV_CACHE_MAX_FRACTION, LM_HEAD_GROUPS, EngineConfig,
 )
 from llmopt.runtime.executor.attention.kv_commit import commit_kv_cache
 from llmopt.runtime.executor.host_memory import (
@@ -63,6 +63,21 @@ def available_memory(device: torch.device) -> int:
     if device.type == "cuda":
         return torch.cuda.mem_get_info(device)[0]
     return host_available_bytes()
+
+
+def check_kv_cache_fits(kv_cache_bytes: int, config: EngineConfig, device: torch.device) -> None:
+    """Refuse, before any allocation, a KV cache the user sized (--kv-cache-bytes / --kv-cache-tokens) beyond
+    KV_CACHE_MAX_FRACTION of the memory available."""
+    available = available_memory(device)
+    if kv_cache_bytes <= KV_CACHE_MAX_FRACTION * available:
+        return
+    if config.kv_cache_tokens is not None:
+        given, param = f"--kv-cache-tokens {config.kv_cache_tokens:,}", "kv_cache_tokens"
+    else:
+        given, param = f"--kv-cache-bytes {config.kv_cache_bytes:,}", "kv_cache_bytes"
+    raise ConfigError(f"{given} needs a KV cache of {kv_cache_bytes / 2**30:,.1f} GiB, more than the "
+                      f"{available / 2**30:,.1f} GiB of {'device' if device.type == 'cuda' else 'host'} memory "
+                      f"available: lower it, or leave it out (the cache is then sized from the memory)", param=param)
 
 
 def default_kv_cache_bytes(device: torch.device, fraction: float, max_useful_bytes: int | None = None) -> int:
@@ -151,6 +166,8 @@ class ModelRunner:
             self.kv_cache_source = f"{kv_cache_memory_fraction:.0%} of available memory"
             if useful is not None and kv_cache_bytes == useful:
                 self.kv_cache_source = f"{max_num_seqs} sequences x the full context"
+        if num_blocks is None and (config.kv_cache_tokens is not None or config.kv_cache_bytes is not None):
+            check_kv_cache_fits(kv_cache_bytes, config, self.device)
         self.kv_cache_budget = kv_cache_bytes  # (the cache is whole blocks of it)
         self.num_blocks = kv_cache_bytes // per_block
         if self.num_blocks < 1:
@@ -161,7 +178,12 @@ class ModelRunner:
         self.kv_cache_committer = commit_kv_cache(self.kv_cache, config.kv_cache_commit)
         build_graphs = getattr(self.decoder, "build_decode_graphs", None)
         # decode steps of these sizes run the layers as one compiled call (models/decode_graph.py)
-        self.decode_graph_rows = build_graphs(self.kv_cache) if config.decode_graph and build_graphs else []
+        self.decode_graph_rows = build_graphs(self.kv_cache) if config.decode_graph is not False and build_graphs else []
+        if config.decode_graph and not self.decode_graph_rows:
+            raise ConfigError("--decode-graph: this engine cannot run its decodes as one compiled call (that needs the "
+                              "CPU fast path in one process, the compiled cpu attention backend, and a KV cache in "
+                              "the model's dtype, in 8 bits, or fp16 / bf16 under fp32): drop --decode-graph",
+                              param="decode_graph")
         log.info(self.kv_cache_summary())
         self.generators: dict[int, torch.Generator] = {}
         self.prompt_scores = PromptScoreCache(block_size)

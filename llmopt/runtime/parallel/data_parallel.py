@@ -24,14 +24,16 @@ from multiprocessing.connection import wait
 import torch.multiprocessing as mp
 
 from llmopt.core.errors import ConfigError, LLMOptError, ParallelError, ReplicaFailed, RequestsFailed
+from llmopt.core.io import weights_bytes
 from llmopt.core.models import load_config, load_tokenizer, resolve_model
 from llmopt.runtime.engine.config import EngineConfig
 from llmopt.runtime.engine.engine import Engine, check_request, check_token_ids
 from llmopt.runtime.engine.output import RequestOutput
 from llmopt.runtime.engine.sampling import SamplingParams
+from llmopt.runtime.engine.scheduler import check_schedulable
 from llmopt.runtime.engine.stats import EngineStats
 from llmopt.runtime.executor.loader import load_for_engine
-from llmopt.runtime.parallel.workers import START_TIMEOUT_S, pin, rank_cores
+from llmopt.runtime.parallel.workers import START_TIMEOUT_S, check_host_fits, pin, rank_cores
 
 log = logging.getLogger(__name__)
 AFFINITY_SLACK_TOKENS = 2048  # a replica holding the prefix takes the request while this close to the least loaded
@@ -221,6 +223,7 @@ class DataParallelEngine:
         self.max_context = getattr(model_config, "max_position_embeddings", None)
         self.vocab_size = getattr(model_config, "vocab_size", None)
         self.load_args = dict(name=model_name, dtype=dtype, device=device, trust_remote_code=trust_remote_code)
+        self.weight_bytes = weights_bytes(source.path) if source.path is not None else 0  # (each process's)
         self.replica_config = dataclasses.replace(config, data_parallel_size=1)
         self.record_steps = record_steps
         self.replicas = self._make_replicas()
@@ -245,7 +248,9 @@ class DataParallelEngine:
 
     # --- replicas -------------------------------------------------------------------------------
     def _make_replicas(self) -> list[Replica]:
-        cores = rank_cores(self.config.dp_cores, self.config.data_parallel_size, param="dp_cores")
+        size = self.config.data_parallel_size
+        cores = rank_cores(self.config.dp_cores, size, param="dp_cores")
+        check_host_fits(size, f"{size} data-parallel replicas", "data_parallel_size", self.config, self.weight_bytes)
         return [Replica(i, c) for i, c in enumerate(cores)]
 
     def _describe(self, replica: Replica) -> str:
@@ -333,6 +338,8 @@ class DataParallelEngine:
                     arrival_time: float | None = None) -> int:
         params = params or SamplingParams()
         check_request(prompt_token_ids, params, True, self.vocab_size, self.max_context)
+        check_schedulable(len(prompt_token_ids), self.config)
+        self._receive(0.0)  # (a replica that died or started again while the front was idle)
         replica = self._route(prompt_token_ids)
         front_id, self._next_id = self._next_id, self._next_id + 1
         cost = len(prompt_token_ids) + params.max_tokens
@@ -343,19 +350,53 @@ class DataParallelEngine:
         self._requests[front_id] = (replica.index, cost)
         return front_id
 
+    def _ready(self, pool: list[Replica]) -> list[Replica]:
+        """The replicas of `pool` that take requests now; when none does, ReplicaFailed (one is starting again:
+        retry) or ParallelError (every one died more than MAX_RESTARTS times: the engine cannot serve)."""
+        ready = [r for r in pool if r.ready and r.connection is not None]
+        if ready:
+            return ready
+        kind = self._describe(pool[0]).rsplit(" ", 1)[0]
+        starting = [r for r in pool if r.connection is not None]
+        if starting:
+            r = starting[0]
+            raise ReplicaFailed(f"no {kind} is running: {self._describe(r)} is starting again after it died "
+                                f"(restart {r.restarts} of {MAX_RESTARTS}): retry in a few seconds")
+        raise ParallelError(f"every {kind} died more than {MAX_RESTARTS} times: the engine cannot serve "
+                            f"(see the log for why they died); start it again")
+
     def _route(self, prompt: list[int], pool: list[Replica] | None = None) -> Replica:
         """The least loaded ready replica (of `pool`, default all), or one close to it that holds a longer prefix
         of the prompt."""
-        ready = [r for r in (self.replicas if pool is None else pool) if r.ready and r.connection is not None]
-        if not ready:
-            raise ParallelError("no data-parallel replica is running (each died more than "
-                                f"{MAX_RESTARTS} times, or all are restarting)")
+        ready = self._ready(self.replicas if pool is None else pool)
         hashes = block_hashes(prompt, self.config.block_size)
         least = min(r.outstanding for r in ready)
         best = max(ready, key=lambda r: (r.prefixes.match(hashes) if r.outstanding - least <= AFFINITY_SLACK_TOKENS
                                          else -1, -r.outstanding))
         best.prefixes.add(hashes)
         return best
+
+    def poll(self) -> None:
+        """Read what the replicas sent while no request ran (a replica ready again, one that died); raises
+        ParallelError once every replica of a role is down for good, so an idle server never looks healthy while it
+        could answer nothing."""
+        self._receive(0.0)
+        for pool in self._pools():
+            if all(r.connection is None for r in pool):
+                self._ready(pool)  # (raises: none runs, none is starting again)
+
+    def _pools(self) -> list[list[Replica]]:
+        """The groups of which one replica must run for a request to be served (here: all, as one group)."""
+        return [self.replicas]
+
+    def unavailable(self) -> str | None:
+        """Why no request can be served now (a role with no replica running: one is starting again), else None."""
+        for pool in self._pools():
+            try:
+                self._ready(pool)
+            except LLMOptError as e:
+                return str(e)
+        return None
 
     def step(self) -> list[RequestOutput]:
         """Outputs the replicas produced since the last call (waiting up to POLL_S for some). Requests that failed
@@ -475,7 +516,7 @@ class DataParallelEngine:
         self.closed = True
         self._broadcast(None)
         for replica in self.replicas:
-            if replica.process is None:
+            if replica.process is None or replica.process.pid is None:  # (never started: a signal during the start)
                 continue
             replica.process.join(timeout=10)
             if replica.process.exitcode is None:

@@ -29,9 +29,10 @@ from llmopt.runtime.engine.config import EngineConfig
 from llmopt.runtime.engine.engine import Engine, check_request
 from llmopt.runtime.engine.output import RequestOutput
 from llmopt.runtime.engine.sampling import SamplingParams
+from llmopt.runtime.engine.scheduler import check_schedulable
 from llmopt.runtime.executor.loader import load_for_engine
 from llmopt.runtime.parallel.data_parallel import DataParallelEngine, Replica, ReplicaLoop, _status, run_replica
-from llmopt.runtime.parallel.workers import rank_cores
+from llmopt.runtime.parallel.workers import check_host_fits, rank_cores
 
 PAIR_TIMEOUT_S = 60.0  # a pair's rendezvous, and one hand-over's transfer, wait this long at most
 TAG_MODULO = 1 << 30  # gloo tags are ints: a request's tag is its front id modulo this
@@ -249,10 +250,15 @@ class DisaggregatedEngine(DataParallelEngine):
     def _make_replicas(self) -> list[Replica]:
         num_prefill, num_decode = self.config.disaggregation
         cores = rank_cores(self.config.pd_cores, num_prefill + num_decode, param="pd_cores")
+        check_host_fits(num_prefill + num_decode, f"{num_prefill} prefill + {num_decode} decode workers",
+                        "disaggregate", self.config, self.weight_bytes)
         return [Replica(i, c, role=PREFILL if i < num_prefill else DECODE) for i, c in enumerate(cores)]
 
     def _pool(self, role: str) -> list[Replica]:
         return [r for r in self.replicas if r.role == role]
+
+    def _pools(self) -> list[list[Replica]]:
+        return [self._pool(PREFILL), self._pool(DECODE)]
 
     def _describe(self, replica: Replica) -> str:
         first = self._pool(replica.role)[0].index
@@ -328,11 +334,10 @@ class DisaggregatedEngine(DataParallelEngine):
                     arrival_time: float | None = None) -> int:
         params = params or SamplingParams()
         check_request(prompt_token_ids, params, True, self.vocab_size, self.max_context)
+        check_schedulable(len(prompt_token_ids), self.config)
+        self._receive(0.0)  # (a worker that died or started again while the front was idle)
+        decode = min(self._ready(self._pool(DECODE)), key=lambda r: r.outstanding)
         prefill = self._route(prompt_token_ids, self._pool(PREFILL))
-        decoders = [r for r in self._pool(DECODE) if r.ready and r.connection is not None]
-        if not decoders:
-            raise ParallelError("no decode worker is running (each died too often, or all are restarting)")
-        decode = min(decoders, key=lambda r: r.outstanding)
         front_id, self._next_id = self._next_id, self._next_id + 1
         arrival = time.perf_counter() if arrival_time is None else arrival_time
         request = _Request(list(prompt_token_ids), params, arrival, prefill.index, decode.index,

@@ -19,6 +19,7 @@ import logging
 import os
 import socket
 import sys
+import threading
 import time
 from dataclasses import replace
 from datetime import timedelta
@@ -28,7 +29,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from llmopt.core.errors import ConfigError, LLMOptError, ParallelError
-from llmopt.runtime.engine.config import EngineConfig
+from llmopt.runtime.engine.config import PROCESSES_PER_CORE, EngineConfig
 from llmopt.runtime.executor.loader import load_runtime_model
 from llmopt.runtime.executor.model_runner import ModelRunner
 from llmopt.runtime.parallel.group import (
@@ -40,13 +41,17 @@ from llmopt.runtime.parallel.sharding import ParallelGrid
 
 log = logging.getLogger(__name__)
 START_TIMEOUT_S = 300.0  # a worker's import + load on a slow machine; a dead worker is noticed at once
+# an engine process's memory before its weights and KV cache (the interpreter, torch, the kernels): ~320 MiB of a
+# data-parallel replica of a tiny model measured on its own (unique set size)
+ENGINE_PROCESS_BYTES = 300 << 20
 HOT_WAIT_S = 0.05  # a worker polls this long for the next command before it sleeps (hot_receiver)
 
 
 def rank_cores(spec: str | None, world: int, available: list[int] | None = None,
                param: str = "tp_cores") -> list[list[int]]:
     """Each rank's (or replica's) CPU cores: --tp-cores / --dp-cores "0-3;4-7" (one list each, `;`-separated;
-    ranges and commas), or an even split of the cores this process may run on."""
+    ranges and commas), or an even split of the cores this process may run on. A core this process may not run on
+    is refused here, before any process starts (a rank pinned to it would die at start)."""
     flag = "--" + param.replace("_", "-")
     available = sorted(available if available is not None else os.sched_getaffinity(0))
     if spec:
@@ -54,10 +59,51 @@ def rank_cores(spec: str | None, world: int, available: list[int] | None = None,
                  for text in spec.split(";")]
         if len(ranks) != world or not all(ranks):
             raise ConfigError(f"{flag} {spec!r}: give {world} non-empty core lists separated by ';'", param=param)
+        missing = sorted({c for cores in ranks for c in cores} - set(available))
+        if missing:
+            raise ConfigError(f"{flag} {spec!r}: core{'s' if len(missing) > 1 else ''} "
+                              f"{', '.join(map(str, missing))} {'are' if len(missing) > 1 else 'is'} not among the "
+                              f"cores this process may run on ({_core_list(available)}): give cores from those",
+                              param=param)
         return ranks
     if len(available) < world:
         return [available] * world  # more ranks than cores: they share
     return [available[r * len(available) // world:(r + 1) * len(available) // world] for r in range(world)]
+
+
+def _core_list(cores: list[int]) -> str:
+    """Sorted cores as ranges: [0, 1, 2, 5] -> "0-2,5"."""
+    runs: list[list[int]] = []
+    for core in cores:
+        if runs and core == runs[-1][1] + 1:
+            runs[-1][1] = core
+        else:
+            runs.append([core, core])
+    return ",".join(f"{a}-{b}" if b > a else f"{a}" for a, b in runs)
+
+
+def check_host_fits(processes: int, what: str, param: str, config: EngineConfig, weight_bytes: int,
+                    cores: int | None = None, available: int | None = None) -> None:
+    """Refuse, before any process starts, an engine of more processes than this host can run: more than
+    PROCESSES_PER_CORE per core this process may use (unless config.oversubscribe), or more memory than is available
+    (each process: ENGINE_PROCESS_BYTES, `weight_bytes` of weights and an explicit --kv-cache-bytes). `what` names
+    the processes ("4 data-parallel replicas"), `param` the option that asked for them."""
+    cores = len(os.sched_getaffinity(0)) if cores is None else cores
+    flag = "--" + param.replace("_", "-")
+    if processes > PROCESSES_PER_CORE * cores and not config.oversubscribe:
+        raise ConfigError(f"{flag}: {what} is more than {PROCESSES_PER_CORE} processes per core on this host "
+                          f"({cores} cores this process may use): give at most {PROCESSES_PER_CORE * cores}, or "
+                          f"--oversubscribe to start them anyway", param=param)
+    if available is None:
+        from llmopt.runtime.executor.host_memory import host_available_bytes
+
+        available = host_available_bytes()
+    each = ENGINE_PROCESS_BYTES + weight_bytes + (config.kv_cache_bytes or 0)
+    if processes * each > available:
+        raise ConfigError(f"{flag}: {what} need about {processes * each / 2**30:,.1f} GiB ({each / 2**30:,.2f} GiB "
+                          f"each: the process, its weights{' and its KV cache' if config.kv_cache_bytes else ''}), "
+                          f"more than the {available / 2**30:,.1f} GiB of memory available: start fewer",
+                          param=param)
 
 
 def _core_range(text: str, flag: str) -> range:
@@ -128,6 +174,36 @@ def join_group(rank: int, grid: ParallelGrid, init_method: str, device: torch.de
     # every rank makes every stage's group, in the same order (torch.distributed requires it)
     stage_groups = [dist.new_group(grid.stage_ranks(s), timeout=timeout) for s in range(grid.stages)]
     return everyone, stage_groups[grid.coordinates(rank)[0]]
+
+
+def join_watching(processes: list, grid: ParallelGrid, init_method: str, device: torch.device) -> tuple:
+    """Rank 0's join_group while watching the spawned ranks: one that exits before every rank joined (it could not
+    pin its cores, import or connect) ends the start at once with a ParallelError naming it, instead of rank 0
+    waiting out the store's START_TIMEOUT_S for a rank that will never come. (The join runs in a daemon thread; a
+    join abandoned that way ends with its own timeout, in a process that is about to report the error.)"""
+    box: dict = {}
+
+    def join():
+        try:
+            box["groups"] = join_group(0, grid, init_method, device)
+        except BaseException as e:  # noqa: BLE001 (re-raised by the caller)
+            box["error"] = e
+
+    thread = threading.Thread(target=join, daemon=True, name="llmopt-rank0-join")
+    thread.start()
+    deadline = time.monotonic() + START_TIMEOUT_S + 30
+    while thread.is_alive():
+        thread.join(0.2)
+        dead = [(rank, p) for rank, p in enumerate(processes, 1) if p.exitcode is not None]
+        if dead and thread.is_alive():
+            rank, process = dead[0]
+            raise ParallelError(f"{grid.describe(rank)} exited with code {process.exitcode} while the ranks were "
+                                f"joining (its error is in the log above)")
+        if time.monotonic() > deadline:
+            raise ParallelError(f"the parallel ranks did not join within {START_TIMEOUT_S:.0f} s")
+    if "error" in box:
+        raise box["error"]
+    return box["groups"]
 
 
 def hot_receiver(connection, spin_s: float = HOT_WAIT_S):
@@ -318,6 +394,9 @@ def parallel_runner(model, config: EngineConfig) -> ModelRunner:
         return _torchrun_rank(model, config, launched_rank(), device)
     world = grid.world
     cores = rank_cores(config.tp_cores, world)
+    share_bytes = sum(t.numel() * t.element_size() for t in [*model.parameters(), *model.buffers()])
+    check_host_fits(world, f"{world} ranks ({grid.tensor} tensor-parallel x {grid.stages} pipeline stages)",
+                    "tensor_parallel_size" if grid.tensor > 1 else "pipeline_parallel_size", config, share_bytes)
     # ranks that share cores (more ranks than cores) must not poll for commands: they would take each other's time
     exclusive = len({c for ranks in cores for c in ranks}) == sum(map(len, cores))
     ctx = mp.get_context("spawn")
@@ -339,8 +418,8 @@ def parallel_runner(model, config: EngineConfig) -> ModelRunner:
     workers = ParallelWorkers(PipeChannel(connections), grid, processes, connections, pin(cores[0]), segments)
     atexit.register(workers.stop)
     try:
-        runner = rank_runner(model, config, 0, segments[0] if segments else None,
-                             join_group(0, grid, init_method, device), workers=workers)
+        groups = join_watching(processes, grid, init_method, device)
+        runner = rank_runner(model, config, 0, segments[0] if segments else None, groups, workers=workers)
         workers.start(runner.num_blocks)
     except BaseException:
         workers.stop()

@@ -39,7 +39,8 @@ class DraftProposer:
         if draft_vocab != target_vocab:
             raise ConfigError(f"the draft model's vocabulary ({draft_vocab}) differs from the target's "
                               f"({target_vocab}): a draft must share the target's tokenizer")
-        config = replace(engine_config, speculative=None)
+        # (--decode-graph demands the graph of the target; the draft takes it where it can)
+        config = replace(engine_config, speculative=None, decode_graph=engine_config.decode_graph and None)
         # as many tokens as the target's cache holds, in the draft's (smaller) blocks
         self.runner = ModelRunner(draft_model, config, num_blocks=target_runner.num_blocks)
         self.block_manager = BlockManager(self.runner.num_blocks, config.block_size, enable_prefix_cache=False)
