@@ -24,12 +24,13 @@ W8A8 = ["--scheme", "w8a8-int8"]
 GPTQ = ["--method", "gptq"]  # llmopt's default GPTQ (act-order, GPTAQ)
 ROWS = {  # name -> quantize options (None: the dense model)
     "fp32": None,
-    "W8A8 RTN": [*W8A8, "--method", "rtn"],
-    "W8A8 GPTQ": [*W8A8, *GPTQ],
+    # (--smoothquant-alpha none: the scheme alone, without the pre-passes it runs by default)
+    "W8A8 RTN": [*W8A8, "--method", "rtn", "--smoothquant-alpha", "none"],
+    "W8A8 GPTQ": [*W8A8, *GPTQ, "--smoothquant-alpha", "none"],
     "W8A8 SmoothQuant 0.5 + GPTQ": [*W8A8, *GPTQ, "--smoothquant-alpha", "0.5"],
     "W8A8 SmoothQuant search + GPTQ": [*W8A8, *GPTQ, "--smoothquant-alpha", "search"],
     "W8A8 SmoothQuant 0.5 + RTN": [*W8A8, "--method", "rtn", "--smoothquant-alpha", "0.5"],
-    "W8A8 FP8 RTN": ["--scheme", "w8a8-fp8", "--method", "rtn"],
+    "W8A8 FP8 RTN": ["--scheme", "w8a8-fp8", "--method", "rtn", "--smoothquant-alpha", "none"],
     "W8A16 FP8 RTN": ["--scheme", "w8a16-fp8", "--method", "rtn"],
     "W8A8 FP8 SmoothQuant search + RTN": ["--scheme", "w8a8-fp8", "--method", "rtn", "--smoothquant-alpha", "search"],
     # FP4 weights, beside the int4 baseline they are judged against (GPTQ w4 g64's loss, same run)

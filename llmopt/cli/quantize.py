@@ -12,7 +12,7 @@ from llmopt.cli.options import (
 from llmopt.cli.options import QuantMethod as Method
 from llmopt.cli.options import TrustRemoteCodeOpt, calib_dtype_label, with_calibration_options
 from llmopt.cli.output import print_json, print_table, progress_bar
-from llmopt.compress.defaults import CALIBRATION, QUANTIZE, ROTATION_SEED
+from llmopt.compress.defaults import CALIBRATION, QUANTIZE, ROTATION_SEED, SCHEME_PREPASSES
 
 METHOD_ONLY = {  # option -> the methods it applies to
     "act_order": ("gptq",), "damp": ("gptq",), "static_groups": ("gptq",), "prune_pattern": ("gptq",),
@@ -28,7 +28,10 @@ def quantize(
     method: Annotated[Method, typer.Option("--method", help="Quantization algorithm.")] = Method.gptq,
     scheme: Annotated[Optional[SchemeName], typer.Option(
         "--scheme", help="A named scheme: sets bits, group size and symmetry, and for w8a8-int8 8-bit per-token "
-        "dynamic input activations (written as compressed-tensors int-quantized).")] = None,
+        "dynamic input activations (written as compressed-tensors int-quantized). Unless --smoothquant-alpha or "
+        "--rotate is given, a scheme runs the pre-passes measured best for it: "
+        f"{'; '.join(f'{k}: ' + ', '.join(f'{o} {v}' for o, v in p.items()) for k, p in SCHEME_PREPASSES.items())} "
+        "(--smoothquant-alpha none: no pre-pass).")] = None,
     # None: not given (the config's default, or the scheme's)
     bits: Annotated[Optional[int], typer.Option(
         "--bits", show_default=False, help=f"2, 3, 4 or 8 (default {QUANTIZE['bits']}).")] = None,
@@ -58,12 +61,12 @@ def quantize(
     ] = None,
     smoothquant_alpha: Annotated[Optional[str], typer.Option(
         "--smoothquant-alpha", help="SmoothQuant before quantizing (schemes with quantized inputs): migration "
-        "strength in [0, 1] (0.5 is the paper's), or 'search' to pick it per group on the calibration data.")
+        "strength in [0, 1] (0.5 is the paper's), 'search' to pick it per group on the calibration data, or 'none'.")
     ] = None,
     rotate: Annotated[Optional[str], typer.Option(
         "--rotate", help="Fold random orthogonal rotations into the weights first (QuaRot / SpinQuant style, exact "
         "in full precision): R1 the residual stream, R2 each attention head's values; e.g. R1,R2. Spreads outlier "
-        "channels; the lm_head is untied.")] = None,
+        "channels; the lm_head is untied. 'none': no rotation.")] = None,
     rotate_seed: Annotated[Optional[int], typer.Option(
         "--rotate-seed", help=f"Seed of the --rotate matrices (default {ROTATION_SEED}).")] = None,
     mse: Annotated[Optional[bool], typer.Option(
@@ -82,7 +85,7 @@ def quantize(
     calibration: dict | None = None,
 ) -> None:
     """Quantize MODEL's decoder linears and write an artifact loadable everywhere a MODEL is accepted."""
-    from llmopt.compress.api import quantize_configs
+    from llmopt.compress.api import quantize_configs, with_scheme_prepasses
     from llmopt.pipelines.quantize import quantize_to_artifact
     from llmopt.core.errors import ConfigError
     from llmopt.core.offload import parse_memory
@@ -111,7 +114,7 @@ def quantize(
     memory = parse_memory(max_memory) if max_memory is not None else None
     with progress_bar(f"{method.value} layers ({calib_dtype_label(calibration)} forwards)") as update:
         facts = quantize_to_artifact(
-            model, output, quantize_configs(method.value, settings), fmt.value if fmt else None,
+            model, output, quantize_configs(method.value, with_scheme_prepasses(settings)), fmt.value if fmt else None,
             overwrite=overwrite, trust_remote_code=trust_remote_code, progress=update, max_memory=memory,
         )
     if as_json:

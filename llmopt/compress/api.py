@@ -16,7 +16,7 @@ from llmopt.compress.base import (
 from llmopt.compress.config import (
     RotationConfig, SmoothQuantConfig, SparsityConfig, StructuredConfig, build_config,
 )
-from llmopt.compress.defaults import SPARSEGPT_DAMP
+from llmopt.compress.defaults import SCHEME_PREPASSES, SPARSEGPT_DAMP
 from llmopt.compress.masks import check_nm_fits
 from llmopt.compress.modifier_list import ModifierList
 from llmopt.core.adapters import modules_beside_layers
@@ -71,6 +71,19 @@ def quantize_configs(method: str, settings: dict) -> list[BaseModel]:
     if not quantizer.sym:
         raise ConfigError("--prune-pattern needs sym quantization (zero must be representable)")
     return [*before, pruner, quantizer]
+
+
+def with_scheme_prepasses(settings: dict) -> dict:
+    """Quantize settings (the CLI's, a recipe stage's) with their scheme's pre-passes (SCHEME_PREPASSES) when the user
+    named none (neither smoothquant_alpha nor rotate); a pre-pass given as "none" is off."""
+    given = {k: settings.get(k) for k in ("smoothquant_alpha", "rotate")}
+    settings = dict(settings)
+    if all(v is None for v in given.values()):
+        settings.update(SCHEME_PREPASSES.get(settings.get("scheme"), {}))
+    for key, value in given.items():
+        if isinstance(value, str) and value.strip().lower() == "none":
+            settings[key] = None
+    return settings
 
 
 def rotation_config(rotate, seed) -> list[RotationConfig]:

@@ -84,6 +84,12 @@ class CalibrationConfig(BaseModel):
         return self
 
 
+def yields_group_size(scheme: str) -> bool:
+    """Whether a preset's group size gives way to an explicit one: weight-only integer presets (w4a16, w8a16)."""
+    preset = PRESETS[scheme]
+    return preset.weights.type == "int" and preset.input_activations is None
+
+
 class QuantizeConfig(BaseModel):
     """Settings common to every integer quantization method. `scheme` names a preset (core.contract.PRESETS:
     w4a16, w8a16, w8a8-int8) that sets bits, group size and symmetry, and for W8A8 the input activations the
@@ -114,6 +120,11 @@ class QuantizeConfig(BaseModel):
             raise ValueError(f"unknown scheme {name!r}: choose one of {', '.join(QUANTIZE_PRESETS)}")
         weights = PRESETS[name].weights
         implied = {"bits": weights.bits, "group_size": weights.group_size, "sym": weights.sym}
+        if yields_group_size(name) and data.get("group_size") is not None:
+            # a weight-only integer preset's group size yields to the one given (the preset's may not divide a
+            # model's widths: 128 and SmolLM2's 576); the artifact records the one used. FP4's blocks are the
+            # format's, and W8A8's per-channel scales what its integer products take.
+            implied["group_size"] = data["group_size"]
         for key, value in implied.items():
             if data.get(key) is not None and data[key] != value:
                 raise ValueError(f"{key} {data[key]} contradicts scheme {name} ({key} {value}): drop one")
@@ -151,7 +162,10 @@ class QuantizeConfig(BaseModel):
     def weight_scheme(self) -> QuantScheme:
         observer = "mse" if self.mse else "minmax"
         if self.scheme:  # the preset's (its type: int or float)
-            return dataclasses.replace(PRESETS[self.scheme].weights, observer=observer)
+            weights = PRESETS[self.scheme].weights
+            if self.group_size != weights.group_size:  # (a weight-only integer preset's, given: yields_group_size)
+                return dataclasses.replace(weights, observer=observer, group_size=self.group_size, strategy=None)
+            return dataclasses.replace(weights, observer=observer)
         return QuantScheme(self.bits, self.group_size, self.sym, observer=observer, zero_point=self.zero_point)
 
     @property

@@ -27,6 +27,7 @@ import torch
 from torch import nn
 
 from llmopt.core.adapters import ArchAdapter, adapter_for, get_module, modules_beside_layers, set_module
+from llmopt.core.core_share import CoreShare
 from llmopt.core.offload import LayerIO, SpilledActivations, keep_activations
 
 
@@ -136,7 +137,9 @@ def run_layerwise(
     device_kwargs = [_to(kw, device, compute_dtype) for kw in kwargs_per_batch]
     quantized = _Stream(hidden)
     original = _Stream(hidden.clone()) if uses_reference else None  # the uncompressed model's stream
-    for index, layer in enumerate(layers):
+    share = CoreShare() if device.type == "cpu" else None
+
+    def calibrate(index: int, layer: nn.Module) -> None:
         if layer_io is not None:
             layer_io.onload(index, layer)
         layer.to(device)
@@ -175,6 +178,10 @@ def run_layerwise(
         _release_freed_memory()
         if progress is not None:
             progress(index + 1, len(layers))
+
+    for index, layer in enumerate(layers):
+        with share.limited() if share is not None else contextlib.nullcontext():  # (the cores others leave)
+            calibrate(index, layer)
     return {"calibration_wall_s": time.perf_counter() - start, "num_layers": len(layers)}
 
 

@@ -25,6 +25,37 @@ def package_versions() -> dict[str, str]:
     return versions
 
 
+def source_commit() -> str | None:
+    """The git commit of the llmopt source this process runs (an editable checkout; "+dirty" with uncommitted
+    changes), or None for an installed package or a machine without git."""
+    import subprocess
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[2]
+    if not (root / ".git").exists():
+        return None
+    try:
+        commit = subprocess.run(["git", "-C", str(root), "rev-parse", "--short=12", "HEAD"], capture_output=True,
+                                text=True, timeout=10).stdout.strip()
+        dirty = subprocess.run(["git", "-C", str(root), "status", "--porcelain", "--untracked-files=no"],
+                               capture_output=True, text=True, timeout=10).stdout.strip()
+    except (OSError, subprocess.SubprocessError):
+        return None
+    return (commit + ("+dirty" if dirty else "")) or None
+
+
+def run_provenance() -> dict:
+    """What a published result must say about where it ran: the CPU line, the device, the llmopt version and
+    commit, torch's version, and when (UTC)."""
+    from datetime import datetime, timezone
+
+    from llmopt.core.hardware import cpu_line
+
+    return {"cpu": cpu_line(), "device": torch.cuda.get_device_name(0) if torch.cuda.is_available() else "cpu",
+            "llmopt_version": __version__, "llmopt_commit": source_commit(), "torch": torch.__version__,
+            "date": datetime.now(timezone.utc).strftime("%Y-%m-%d %H:%M UTC")}
+
+
 def environment_facts() -> dict:
     from llmopt.core.datasets import CORPORA
     from llmopt.core.models import ALIASES, alias_cache_dir

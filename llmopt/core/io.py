@@ -131,20 +131,40 @@ def atomic_output_dir(final: str | Path, overwrite: bool = False) -> Iterator[Pa
     final.parent.mkdir(parents=True, exist_ok=True)
     remove_stale_temporaries(final)
     tmp = _temporary_name(final, "tmp")
-    tmp.mkdir()
-    try:
+    try:  # (the folder is made inside: a signal the moment it appears still removes it)
+        tmp.mkdir()
         yield tmp
     except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
+        with signals_deferred():
+            shutil.rmtree(tmp, ignore_errors=True)
         raise
-    if final.exists():
-        old = _temporary_name(final, "old")
-        os.replace(final, old)
-        os.replace(tmp, final)
-        shutil.rmtree(old, ignore_errors=True)
-    else:
-        os.replace(tmp, final)
-    _done(final)
+    with signals_deferred():  # the renames and the record of what was written, whole or not at all
+        if final.exists():
+            old = _temporary_name(final, "old")
+            os.replace(final, old)
+            os.replace(tmp, final)
+            shutil.rmtree(old, ignore_errors=True)
+        else:
+            os.replace(tmp, final)
+        _done(final)
+
+
+@contextmanager
+def signals_deferred() -> Iterator[None]:
+    """Hold SIGINT and SIGTERM until the block ends (main thread; elsewhere signals reach the main thread anyway),
+    so the exception their handlers raise cannot land between two steps that must happen together."""
+    import signal
+    import threading
+
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    held = {signal.SIGINT, signal.SIGTERM}
+    before = signal.pthread_sigmask(signal.SIG_BLOCK, held)
+    try:
+        yield
+    finally:
+        signal.pthread_sigmask(signal.SIG_SETMASK, before)
 
 
 @contextmanager
@@ -156,10 +176,12 @@ def atomic_output_file(path: str | Path) -> Iterator[Path]:
     tmp = _temporary_name(path, "tmp")
     try:
         yield tmp
-        os.replace(tmp, path)
-        _done(path)
+        with signals_deferred():
+            os.replace(tmp, path)
+            _done(path)
     finally:
-        tmp.unlink(missing_ok=True)
+        with signals_deferred():
+            tmp.unlink(missing_ok=True)
 
 
 def save_tensors(tensors: dict, path: str | Path, metadata: dict | None = None) -> None:

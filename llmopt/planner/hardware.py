@@ -4,7 +4,6 @@ rates `llmopt env` prints), or a custom spec from a JSON / YAML file (`--hardwar
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 from typing import Optional
 

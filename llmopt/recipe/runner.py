@@ -207,8 +207,11 @@ class RecipeRunner:
             record["wall_s"] = round(record["wall_s"] + time.perf_counter() - start, 2)
         if only:
             records.update(self.earlier_records(exclude=names))
+        from llmopt.core.environment import run_provenance
+
         results = {"recipe": self.recipe.name, "model": self.recipe.model, "baseline": self.recipe.baseline,
-                   "llmopt_version": __version__, "recipe_config": self.recipe.model_dump(mode="json"),
+                   "llmopt_version": __version__, "provenance": run_provenance(),
+                   "recipe_config": self.recipe.model_dump(mode="json"),
                    "bench_order": order if self.recipe.bench else [],
                    "variants": [records[name] for name in self.recipe.variants if name in records]}
         write_json(self.run_dir / "results.json", results, indent=1)

@@ -57,7 +57,10 @@ def _split_quantize(options: dict) -> tuple[str, dict, str | None, int | None]:
     if method is None:
         raise ConfigError("quantize needs method: rtn, gptq or awq")
     fmt = settings.pop("format", None)
-    return method, settings, fmt, _pop_max_memory(settings)
+    max_memory = _pop_max_memory(settings)
+    from llmopt.compress.api import with_scheme_prepasses
+
+    return method, with_scheme_prepasses(settings), fmt, max_memory
 
 
 def _pop_max_memory(settings: dict) -> int | None:

@@ -7,7 +7,7 @@ import html
 import io
 from pathlib import Path
 
-from llmopt.report.tables import _get, fmt_cell, markdown, rows
+from llmopt.report.tables import _get, fmt_cell, markdown, provenance, rows
 
 
 def _png(fig) -> str:
@@ -44,10 +44,13 @@ def plots(runs: list[dict]) -> list[tuple[str, str]]:
             for x, y, name in pts:
                 ax.annotate(name, (x, y), fontsize=8)
             front = sorted((pts[i] for i in pareto_front([(p[0], p[1]) for p in pts])), key=lambda p: p[0])
-            ax.plot([p[0] for p in front], [p[1] for p in front], "r--", label="Pareto front")
+            if len(front) > 1:  # a trade-off: the front is a line, and the legend names it
+                ax.plot([p[0] for p in front], [p[1] for p in front], "r--", label="Pareto front")
+                ax.legend()
+            elif len(pts) > 1:  # one variant is best on both axes: no trade-off to draw
+                ax.set_title(f"{front[0][2]} is best on both axes (no trade-off)", fontsize=9)
             ax.set_xlabel("output tokens/s")
             ax.set_ylabel(f"ppl {dataset} (lower is better)")
-            ax.legend()
             images.append(("Accuracy vs throughput", _png(fig)))
             plt.close(fig)
         sizes = [(v.get("size_mb"), v["ppl"].get(dataset), v["name"]) for _, v in variants if v.get("ppl")]
@@ -64,15 +67,28 @@ def plots(runs: list[dict]) -> list[tuple[str, str]]:
     timed = [(v["name"], v["bench"]) for _, v in variants if v.get("bench") and v["bench"].get("ttft_ms")]
     if timed:
         fig, axes = plt.subplots(1, 2, figsize=(10, 4))
-        axes[0].boxplot([b["ttft_ms"] for _, b in timed], tick_labels=[n for n, _ in timed])
-        axes[0].set_title("TTFT ms")
-        axes[1].boxplot([b["tpot_ms"] or [0] for _, b in timed], tick_labels=[n for n, _ in timed])
-        axes[1].set_title("TPOT ms")
-        for ax in axes:
-            ax.tick_params(axis="x", labelrotation=30, labelsize=8)
-        images.append(("Latency distributions", _png(fig)))
+        for ax, key, title in ((axes[0], "ttft_ms", "TTFT ms"), (axes[1], "tpot_ms", "TPOT ms")):
+            samples = [b.get(key) or [] for _, b in timed]
+            latency_panel(ax, samples, [n for n, _ in timed])
+            ax.set_title(f"{title}: each request (n = {', '.join(str(len(s)) for s in samples)})", fontsize=9)
+        images.append(("Latency per request (the bench's requests, each a dot; boxes: quartiles)", _png(fig)))
         plt.close(fig)
     return images
+
+
+def latency_panel(ax, samples: list[list[float]], names: list[str]) -> None:
+    """Every request's latency as a dot (spread sideways so equal ones stay visible) over its variant's box:
+    a box alone collapses to a line when a burst's requests share their steps and finish alike."""
+    import random
+
+    jitter = random.Random(0)
+    filled = [s for s in samples if s]
+    if filled:
+        ax.boxplot([s or [float("nan")] for s in samples], tick_labels=names, widths=0.5, showfliers=False)
+    for i, values in enumerate(samples, 1):
+        ax.scatter([i + jitter.uniform(-0.15, 0.15) for _ in values], values, s=10, alpha=0.6, zorder=3)
+    ax.set_xticks(range(1, len(names) + 1), names)
+    ax.tick_params(axis="x", labelrotation=30, labelsize=8)
 
 
 def html_report(runs: list[dict]) -> str:
@@ -83,10 +99,15 @@ def html_report(runs: list[dict]) -> str:
     figures = "".join(f"<h2>{html.escape(title)}</h2><img alt='{html.escape(title)}' src='{src}'>"
                       for title, src in plots(runs))
     title = "llmopt report: " + ", ".join(sorted({run["recipe"] for run in runs}))
+    where = "".join(
+        f"<h2>What ran where: {html.escape(run['recipe'])} ({html.escape(Path(run['run_dir']).name)})</h2><table>"
+        + "".join(f"<tr><th>{html.escape(label)}</th><td style='text-align:left'>{html.escape(value)}</td></tr>"
+                  for label, value in provenance(run)) + "</table>" for run in runs)
     return (f"<!doctype html><html><head><meta charset='utf-8'><title>{html.escape(title)}</title>"
             "<style>body{font-family:sans-serif;margin:2em}table{border-collapse:collapse}"
             "td,th{border:1px solid #ccc;padding:4px 8px;text-align:right}</style></head><body>"
-            f"<h1>{html.escape(title)}</h1><table><tr>{head}</tr>{trs}</table>{figures}</body></html>")
+            f"<h1>{html.escape(title)}</h1>{where}<h2>Results</h2><table><tr>{head}</tr>{trs}</table>{figures}"
+            "</body></html>")
 
 
 def write_report(runs: list[dict], html_path: str | Path, markdown_path: str | Path | None = None) -> None:

@@ -83,6 +83,18 @@ def fmt_cell(cell) -> str:
     return text + (f" ({delta:+.1%})" if delta is not None else "")
 
 
+# what each run's provenance line shows (results.json's "provenance", written by `llmopt recipe run`)
+PROVENANCE = (("model", "model"), ("CPU", "cpu"), ("device", "device"), ("llmopt", "llmopt_version"),
+              ("commit", "llmopt_commit"), ("torch", "torch"), ("date", "date"))
+
+
+def provenance(run: dict) -> list[tuple[str, str]]:
+    """(label, value) of what ran where for one run; a results.json from before provenance was recorded says so."""
+    facts = {**(run.get("provenance") or {}), "model": run.get("model")}
+    facts.setdefault("llmopt_version", run.get("llmopt_version"))
+    return [(label, str(facts[key]) if facts.get(key) else "not recorded") for label, key in PROVENANCE]
+
+
 def markdown(runs: list[dict]) -> str:
     header, body = rows(runs)
     lines = ["| " + " | ".join(header) + " |", "|" + "---|" * 2 + "---:|" * (len(header) - 2)]
@@ -91,4 +103,6 @@ def markdown(runs: list[dict]) -> str:
     baselines = {run.get("baseline") for run in runs if run.get("baseline")}
     note = f"\nChanges in parentheses are relative to the baseline variant ({', '.join(sorted(baselines))})." \
         if baselines else ""
-    return "\n".join(lines) + note + "\n"
+    where = "".join(f"\n{run['recipe']} ({Path(run['run_dir']).name}): " + "; ".join(
+        f"{label} {value}" for label, value in provenance(run)) + "\n" for run in runs)
+    return "\n".join(lines) + note + "\n" + where

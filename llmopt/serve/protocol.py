@@ -71,7 +71,8 @@ class StreamOptions(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
     include_usage: StrictBool = False
-    continuous_usage_stats: StrictBool = False  # vLLM's: usage in every chunk, not implemented (reported once, at the end)
+    # vLLM's: usage in every chunk, not implemented (reported once, at the end)
+    continuous_usage_stats: StrictBool = False
 
     @field_validator("continuous_usage_stats")
     @classmethod

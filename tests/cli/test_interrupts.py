@@ -148,3 +148,51 @@ def test_a_full_disk_during_a_gguf_export_is_one_line_and_leaves_nothing(tiny_gp
     lines = [line for line in result.output.splitlines() if line.strip()]
     assert lines[-1].startswith("error: No space left on device (") and "nothing was written" in lines[-1], lines
     assert not out.exists() and not [p for p in tmp_path.iterdir() if ".tmp-" in p.name]
+
+
+def test_a_signal_the_moment_the_temporary_appears_leaves_nothing(tiny_llama_dir, tmp_path, monkeypatch):
+    """SIGTERM landing just after the output's temporary folder is made (before any file is in it): exit 143,
+    "nothing was written", and no empty temporary left behind."""
+    from llmopt.cli.main import Terminated
+
+    made = Path.mkdir
+
+    def mkdir_then_terminated(self, *args, **kwargs):
+        made(self, *args, **kwargs)
+        if ".tmp-" in self.name:
+            raise Terminated()  # what the SIGTERM handler raises, at the first bytecode after the folder exists
+
+    monkeypatch.setattr(Path, "mkdir", mkdir_then_terminated)
+    out = tmp_path / "out"
+    result = CliRunner().invoke(app, quantize_args(tiny_llama_dir, out))
+    assert result.exit_code == 143, result.output
+    assert "terminated; nothing was written" in result.output
+    assert not out.exists() and not [p for p in tmp_path.iterdir() if ".tmp-" in p.name]
+
+
+def test_the_rename_into_place_is_not_split_by_a_signal(tmp_path):
+    """The renames that put the output in place, and the record that it was written, happen together: a signal
+    held until they are done (so "nothing was written" is never said of an output that was)."""
+    import signal as signals
+
+    from llmopt.core.io import PENDING_OUTPUTS, atomic_output_dir, check_output_free
+
+    final = tmp_path / "out"
+    check_output_free(final)
+    got = []
+    previous = signals.signal(signals.SIGTERM, lambda *a: got.append(final.exists() and final not in PENDING_OUTPUTS))
+    try:
+        with atomic_output_dir(final) as tmp:
+            (tmp / "a.txt").write_text("x")
+            real_replace = os.replace
+
+            def replace_then_signal(src, dst):
+                real_replace(src, dst)
+                os.kill(os.getpid(), signals.SIGTERM)  # arrives between the rename and the record
+
+            os.replace = replace_then_signal
+        os.replace = real_replace
+    finally:
+        os.replace = real_replace
+        signals.signal(signals.SIGTERM, previous)
+    assert got == [True]  # the handler ran once, after the output was in place and recorded

@@ -2,6 +2,7 @@
 recipe runs end to end and its report matches results.json, and a killed run resumes without redoing
 finished stages."""
 
+import html
 import json
 import os
 import signal
@@ -148,6 +149,12 @@ def test_ci_smoke_recipe_runs_and_reports(tmp_path):
     parser.feed((tmp_path / "r.html").read_text())
     assert len(parser.images) == 3 and all(src.startswith("data:image/png;base64,") for src in parser.images)
     md = (tmp_path / "r.md").read_text()
+    # the page names what ran where: model, CPU line, llmopt version and commit (or that none is known), date
+    from llmopt.core.hardware import cpu_line
+
+    page = (tmp_path / "r.html").read_text()
+    for text in ("tiny-random-llama", html.escape(cpu_line()), results["provenance"]["date"], "llmopt", "commit"):
+        assert text in page and html.unescape(text) in md, text
     for v in results["variants"]:  # the report's numbers are results.json's
         assert f"{v['ppl']['pystdlib']:.4g}" in md
         assert f"{v['ppl']['pystdlib']:.4g}" in "".join(parser.cells)
@@ -269,3 +276,34 @@ baseline: fp32
     report = run("report", tmp_path / "run", "-o", tmp_path / "report.html", "--markdown", tmp_path / "report.md")
     assert report.exit_code == 0, report.output
     assert "batch-1 tok/s" in (tmp_path / "report.md").read_text()
+
+
+def test_report_plots_show_each_request_and_draw_a_front_only_where_there_is_one(monkeypatch):
+    """The latency panels plot every request's sample (not a box alone, which a burst's alike requests collapse to
+    a line); the Pareto front's legend appears only where a front of two or more variants is drawn."""
+    from llmopt.report import html as report
+
+    def run_of(variants):
+        return [{"recipe": "r", "run_dir": "/x/run", "model": "m", "variants": variants}]
+
+    def variant(name, tok_s, ppl, ttft):
+        return {"name": name, "ppl": {"d": ppl}, "bench": {"metrics": {"output_throughput": tok_s},
+                                                          "ttft_ms": ttft, "tpot_ms": [1.0] * len(ttft)}}
+
+    drawn = {"scatter": [], "legend": 0}
+    import matplotlib.axes
+
+    real_scatter, real_legend = matplotlib.axes.Axes.scatter, matplotlib.axes.Axes.legend
+    monkeypatch.setattr(matplotlib.axes.Axes, "scatter",
+                        lambda self, x, y, *a, **k: drawn["scatter"].append(len(list(y))) or real_scatter(
+                            self, x, y, *a, **k))
+    monkeypatch.setattr(matplotlib.axes.Axes, "legend",
+                        lambda self, *a, **k: drawn.update(legend=drawn["legend"] + 1) or real_legend(self, *a, **k))
+    # a trade-off (faster and worse): a front of two, with its legend; every request a dot
+    report.plots(run_of([variant("a", 10, 5.0, [2.0, 2.1, 2.2]), variant("b", 20, 6.0, [1.0, 1.1])]))
+    assert drawn["legend"] == 1 and [3, 2] == drawn["scatter"][-4:-2]
+    # one variant best on both: no front, no legend
+    drawn.update(scatter=[], legend=0)
+    report.plots(run_of([variant("a", 20, 5.0, [2.0]), variant("b", 10, 6.0, [1.0])]))
+    assert drawn["legend"] == 0
+    assert report.provenance(run_of([])[0])[1] == ("CPU", "not recorded")  # (a results.json from before it)

@@ -104,9 +104,10 @@ class QuantScheme:
                 raise ConfigError(f"{self.fp4_name}'s blocks of {block} do not divide {name}'s in_features "
                                   f"({in_features}): leave it dense (--ignore) or use an int scheme")
         if self.group_size != -1 and (self.group_size < 1 or in_features % self.group_size):
+            fits = next(g for g in (self.group_size // 2 ** k for k in range(64)) if g <= 1 or in_features % g == 0)
             raise ConfigError(
                 f"--group-size {self.group_size} does not divide {name}'s in_features ({in_features}): "
-                "use a divisor of it (or -1 for per channel)"
+                f"give --group-size {max(fits, 1)} (a divisor of it) or -1 (per channel)"
             )
 
     def to_args(self) -> dict:

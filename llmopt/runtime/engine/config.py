@@ -170,6 +170,10 @@ class EngineConfig:
     pd_cores: Optional[str] = option(
         None, "CPU cores of each disaggregated worker, prefill workers first, ';'-separated lists. Default: an "
         "even split.")
+    adaptive_threads: bool = option(
+        True, "On CPU, torch's thread count follows the cores other processes leave free (measured each second): "
+        "beside a busy process a step's equal shares would each wait for the thread that shares its core. "
+        "--no-adaptive-threads keeps the count fixed.", flag="adaptive-threads")
     oversubscribe: bool = option(
         False, "Start more engine processes (tensor-parallel ranks, pipeline stages, replicas, disaggregated workers) "
         f"than {PROCESSES_PER_CORE} per core this process may use; refused by default: past that they only take "

@@ -15,6 +15,7 @@ import time
 from collections import deque
 from typing import Callable, Iterator
 
+from llmopt.core.core_share import CoreShare
 from llmopt.core.errors import ConfigError
 from llmopt.runtime.engine.block_manager import BlockManager
 from llmopt.runtime.engine.config import EngineConfig
@@ -87,6 +88,9 @@ class Engine:
         # adopts handed-over requests (prompt, first token, KV) as soon as blocks and the sequence cap allow
         self.on_prefilled: Callable[[Sequence], None] | None = None
         self._handed_over: deque[tuple[Sequence, list]] = deque()
+        # (one process on CPU: tensor-parallel ranks and replicas own their cores)
+        self.core_share = CoreShare() if (self.config.adaptive_threads and self.runner.device.type == "cpu"
+                                          and self.runner.workers is None) else None
         self.speculator = None
         if self.config.speculative is not None:
             from llmopt.runtime.spec_decode.speculator import Speculator
@@ -182,6 +186,12 @@ class Engine:
     # --- stepping -------------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
         """Run one scheduled batch; one RequestOutput per request that produced a token or finished."""
+        if self.core_share is None:
+            return self._step()
+        with self.core_share.limited():  # (the threads the cores other processes leave free allow)
+            return self._step()
+
+    def _step(self) -> list[RequestOutput]:
         started = time.perf_counter()
         adopted = self._adopt_handed_over() if self._handed_over else []
         if self.speculator is not None:

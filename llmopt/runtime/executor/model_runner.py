@@ -178,7 +178,8 @@ class ModelRunner:
         self.kv_cache_committer = commit_kv_cache(self.kv_cache, config.kv_cache_commit)
         build_graphs = getattr(self.decoder, "build_decode_graphs", None)
         # decode steps of these sizes run the layers as one compiled call (models/decode_graph.py)
-        self.decode_graph_rows = build_graphs(self.kv_cache) if config.decode_graph is not False and build_graphs else []
+        wants_graph = config.decode_graph is not False and build_graphs is not None
+        self.decode_graph_rows = build_graphs(self.kv_cache) if wants_graph else []
         if config.decode_graph and not self.decode_graph_rows:
             raise ConfigError("--decode-graph: this engine cannot run its decodes as one compiled call (that needs the "
                               "CPU fast path in one process, the compiled cpu attention backend, and a KV cache in "
