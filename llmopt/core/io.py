@@ -151,20 +151,31 @@ def atomic_output_dir(final: str | Path, overwrite: bool = False) -> Iterator[Pa
 
 @contextmanager
 def signals_deferred() -> Iterator[None]:
-    """Hold SIGINT and SIGTERM until the block ends (main thread; elsewhere signals reach the main thread anyway),
-    so the exception their handlers raise cannot land between two steps that must happen together."""
+    """Hold SIGINT and SIGTERM until the block ends, so the exception their handlers raise cannot land between two
+    steps that must happen together: a signal arriving meanwhile is recorded and raised again, to the handler that
+    was, once the block is done. (Python runs handlers in the main thread whichever thread the OS picked, so the
+    handlers are swapped rather than the signals masked.) Outside the main thread, or for a handler not installed
+    from Python, nothing is held."""
     import signal
     import threading
 
     if threading.current_thread() is not threading.main_thread():
         yield
         return
-    held = {signal.SIGINT, signal.SIGTERM}
-    before = signal.pthread_sigmask(signal.SIG_BLOCK, held)
+    caught: list[int] = []
+    held = {}
+    for signum in (signal.SIGINT, signal.SIGTERM):
+        previous = signal.getsignal(signum)
+        if previous is not None:
+            held[signum] = previous
+            signal.signal(signum, lambda number, frame: caught.append(number))
     try:
         yield
     finally:
-        signal.pthread_sigmask(signal.SIG_SETMASK, before)
+        for signum, previous in held.items():
+            signal.signal(signum, previous)
+        for signum in caught:
+            signal.raise_signal(signum)
 
 
 @contextmanager

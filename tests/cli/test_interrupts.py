@@ -177,9 +177,15 @@ def test_the_rename_into_place_is_not_split_by_a_signal(tmp_path):
 
     from llmopt.core.io import PENDING_OUTPUTS, atomic_output_dir, check_output_free
 
+    import threading
+
     final = tmp_path / "out"
     check_output_free(final)
     got = []
+    # another thread that does not block signals (a server's, a kernel's): the OS may hand it the signal, and
+    # Python still runs the handler in the main thread, so masking the main thread alone held nothing
+    idle = threading.Event()
+    threading.Thread(target=idle.wait, daemon=True).start()
     previous = signals.signal(signals.SIGTERM, lambda *a: got.append(final.exists() and final not in PENDING_OUTPUTS))
     try:
         with atomic_output_dir(final) as tmp:
@@ -195,4 +201,5 @@ def test_the_rename_into_place_is_not_split_by_a_signal(tmp_path):
     finally:
         os.replace = real_replace
         signals.signal(signals.SIGTERM, previous)
+        idle.set()
     assert got == [True]  # the handler ran once, after the output was in place and recorded

@@ -89,7 +89,7 @@ def test_sampling_is_seeded_and_bad_requests_do_not_stop_the_engine(tiny):
     assert a == b
     with pytest.raises(ConfigError, match="context"):
         engine.add_request([1] * 1020, SamplingParams(max_tokens=10))
-    with pytest.raises(ConfigError, match="KV blocks"):
+    with pytest.raises(ConfigError, match="tokens of KV cache"):
         engine.add_request([1] * 900, SamplingParams(max_tokens=100))
     with pytest.raises(ConfigError, match="max_tokens"):
         SamplingParams(max_tokens=0)

@@ -147,7 +147,7 @@ def test_a_rank_that_dies_while_starting_ends_the_start_at_once(tiny_llama_dir, 
     config = EngineConfig(tensor_parallel_size=2, **CONFIG)
     model, tokenizer, _ = load_for_engine(str(tiny_llama_dir), config)
     started = time.monotonic()
-    with pytest.raises(ParallelError, match="rank 1 exited with code 1 while the ranks were joining"):
+    with pytest.raises(ParallelError, match="rank 1 (failed to start: OSError|exited with code 1 while starting)"):
         Engine(model, tokenizer, config)
     assert time.monotonic() - started < 60
     assert _children() == before

@@ -19,7 +19,6 @@ import logging
 import os
 import socket
 import sys
-import threading
 import time
 from dataclasses import replace
 from datetime import timedelta
@@ -176,34 +175,22 @@ def join_group(rank: int, grid: ParallelGrid, init_method: str, device: torch.de
     return everyone, stage_groups[grid.coordinates(rank)[0]]
 
 
-def join_watching(processes: list, grid: ParallelGrid, init_method: str, device: torch.device) -> tuple:
-    """Rank 0's join_group while watching the spawned ranks: one that exits before every rank joined (it could not
-    pin its cores, import or connect) ends the start at once with a ParallelError naming it, instead of rank 0
-    waiting out the store's START_TIMEOUT_S for a rank that will never come. (The join runs in a daemon thread; a
-    join abandoned that way ends with its own timeout, in a process that is about to report the error.)"""
-    box: dict = {}
-
-    def join():
-        try:
-            box["groups"] = join_group(0, grid, init_method, device)
-        except BaseException as e:  # noqa: BLE001 (re-raised by the caller)
-            box["error"] = e
-
-    thread = threading.Thread(target=join, daemon=True, name="llmopt-rank0-join")
-    thread.start()
-    deadline = time.monotonic() + START_TIMEOUT_S + 30
-    while thread.is_alive():
-        thread.join(0.2)
-        dead = [(rank, p) for rank, p in enumerate(processes, 1) if p.exitcode is not None]
-        if dead and thread.is_alive():
-            rank, process = dead[0]
-            raise ParallelError(f"{grid.describe(rank)} exited with code {process.exitcode} while the ranks were "
-                                f"joining (its error is in the log above)")
-        if time.monotonic() > deadline:
-            raise ParallelError(f"the parallel ranks did not join within {START_TIMEOUT_S:.0f} s")
-    if "error" in box:
-        raise box["error"]
-    return box["groups"]
+def wait_joining(processes: list, connections: list, grid: ParallelGrid) -> None:
+    """Rank 0, before it joins the group: wait until every spawned rank says it is joining (pinned to its cores,
+    about to connect). A rank that exits or reports an error first (it could not pin its cores, import, ...) ends
+    the start at once with a ParallelError naming it, instead of rank 0 waiting out the store's START_TIMEOUT_S for
+    a rank that will never come."""
+    deadline = time.monotonic() + START_TIMEOUT_S
+    for rank, (process, connection) in enumerate(zip(processes, connections), 1):
+        while not connection.poll(0.1):
+            if process.exitcode is not None:
+                raise ParallelError(f"{grid.describe(rank)} exited with code {process.exitcode} while starting (its "
+                                    f"error is in the log above)")
+            if time.monotonic() > deadline:
+                raise ParallelError(f"{grid.describe(rank)} did not start within {START_TIMEOUT_S:.0f} s")
+        kind, detail = connection.recv()
+        if kind == "error":
+            raise ParallelError(f"{grid.describe(rank)} failed to start: {detail}")
 
 
 def hot_receiver(connection, spin_s: float = HOT_WAIT_S):
@@ -287,6 +274,7 @@ def spawned_worker(rank: int, init_method: str, shm_name: str | None, load_args:
     grid = grid_of(config)
     try:
         pin(cores)
+        connection.send(("joining", os.getpid()))  # (rank 0 joins once every rank got this far: wait_joining)
         device = torch.device(load_args["device"])
         groups = join_group(rank, grid, init_method, device)
         model = load_share(load_args, grid, rank)
@@ -418,8 +406,9 @@ def parallel_runner(model, config: EngineConfig) -> ModelRunner:
     workers = ParallelWorkers(PipeChannel(connections), grid, processes, connections, pin(cores[0]), segments)
     atexit.register(workers.stop)
     try:
-        groups = join_watching(processes, grid, init_method, device)
-        runner = rank_runner(model, config, 0, segments[0] if segments else None, groups, workers=workers)
+        wait_joining(processes, connections, grid)
+        runner = rank_runner(model, config, 0, segments[0] if segments else None,
+                             join_group(0, grid, init_method, device), workers=workers)
         workers.start(runner.num_blocks)
     except BaseException:
         workers.stop()
