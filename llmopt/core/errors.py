@@ -62,3 +62,15 @@ def invalid_settings(error, what: str) -> ConfigError:
     where = ".".join(str(p) for p in first["loc"])
     message = first["msg"].removeprefix("Value error, ")
     return ConfigError(f"invalid {what} setting{' ' + where if where else ''}: {message}")
+
+
+def file_problem(error, keys, required) -> str:
+    """The first problem of a settings file a pydantic model validated, naming its key: an unknown key lists the
+    accepted `keys`, a missing one the `required` ones; else the key, the problem and the value given."""
+    first = error.errors()[0]
+    where = ".".join(str(p) for p in first["loc"]) or "the file"
+    if first["type"] == "extra_forbidden":
+        return f"unknown key {where!r}: the keys are {', '.join(keys)}"
+    if first["type"] == "missing":
+        return f"{where} is missing (required: {', '.join(required)})"
+    return f"{where}: {first['msg'].removeprefix('Value error, ')} (got {first.get('input')!r})"

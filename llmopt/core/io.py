@@ -14,7 +14,7 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Any, Iterator
 
-from llmopt.core.errors import ArtifactError
+from llmopt.core.errors import ArtifactError, ConfigError
 
 # Outputs checked (check_output_free / check_output_file) and not yet renamed into place: when a run is
 # interrupted the CLI names them ("interrupted; nothing was written to OUT").
@@ -255,8 +255,6 @@ def check_unique_keys(node, path: Path) -> None:
     composed `node`'s mappings, at any depth, with the line of each."""
     import yaml
 
-    from llmopt.core.errors import ConfigError
-
     if isinstance(node, yaml.MappingNode):
         seen: dict = {}
         for key, value in node.value:
@@ -272,8 +270,6 @@ def check_unique_keys(node, path: Path) -> None:
 
 def _unique_pairs(path: Path):
     """json.loads' object_pairs_hook refusing a repeated key (JSON's parsers keep the last one silently)."""
-    from llmopt.core.errors import ConfigError
-
     def hook(pairs: list) -> dict:
         seen = set()
         for key, _ in pairs:
@@ -290,8 +286,6 @@ def read_mapping_file(path: str | Path, what: str, expected: str) -> dict:
     .yml, else JSON; one line for a file that is missing, a folder, not UTF-8 text, empty, not valid, repeats a key,
     or holds something other than a mapping (`expected` says what it should hold)."""
     import yaml
-
-    from llmopt.core.errors import ConfigError
 
     path = Path(path)
     if not path.is_file():

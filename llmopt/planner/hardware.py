@@ -9,7 +9,7 @@ from typing import Optional
 
 from pydantic import BaseModel, ConfigDict, Field, PositiveFloat, ValidationError, model_validator
 
-from llmopt.core.errors import ConfigError
+from llmopt.core.errors import ConfigError, file_problem
 from llmopt.core.registry import Registry
 
 # compute dtypes a spec may give a rate for (FLOP/s); a weight scheme computes in one of them
@@ -137,26 +137,15 @@ def _spec_file(path: Path) -> HardwareSpec:
     from llmopt.core.io import read_mapping_file
 
     what = f"--hardware-file {path}"
-    required = [k for k, f in HardwareSpec.model_fields.items() if f.is_required() and k != "name"]
-    fields = read_mapping_file(path, what, f"a mapping with {', '.join(required)} (optional: the other keys of "
-                                           f"`llmopt plan --help`)")
+    fields = read_mapping_file(path, what, f"a mapping with {', '.join(SPEC_REQUIRED_KEYS)} (optional: the other "
+                                           f"keys of `llmopt plan --help`)")
     try:
         return HardwareSpec(**{"name": path.stem, **fields})
     except ValidationError as e:
-        raise ConfigError(f"{what}: {spec_problem(e)}", param="hardware_file") from None
+        problem = file_problem(e, SPEC_FILE_KEYS, SPEC_REQUIRED_KEYS)
+        raise ConfigError(f"{what}: {problem}", param="hardware_file") from None
 
 
-# the keys a --hardware-file may hold (HardwareSpec's fields; `name` defaults to the file's stem)
+# the keys a --hardware-file may hold (HardwareSpec's fields), and those it must (`name` defaults to the file's stem)
 SPEC_FILE_KEYS = tuple(HardwareSpec.model_fields)
-
-
-def spec_problem(error: ValidationError) -> str:
-    """The first problem of a hardware spec, naming its key; an unknown key lists the accepted ones."""
-    first = error.errors()[0]
-    where = ".".join(str(p) for p in first["loc"]) or "the spec"
-    if first["type"] == "extra_forbidden":
-        return f"unknown key {where!r}: the keys are {', '.join(SPEC_FILE_KEYS)}"
-    if first["type"] == "missing":
-        required = [k for k, f in HardwareSpec.model_fields.items() if f.is_required() and k != "name"]
-        return f"{where} is missing (required: {', '.join(required)})"
-    return f"{where}: {first['msg'].removeprefix('Value error, ')} (got {first.get('input')!r})"
+SPEC_REQUIRED_KEYS = tuple(k for k, f in HardwareSpec.model_fields.items() if f.is_required() and k != "name")

@@ -19,7 +19,7 @@ from typing import Optional
 
 from pydantic import BaseModel, ConfigDict, Field, StrictInt, ValidationError
 
-from llmopt.core.errors import ConfigError
+from llmopt.core.errors import ConfigError, file_problem
 from llmopt.core.io import read_mapping_file
 from llmopt.core.registry import Registry
 from llmopt.planner.hardware import HardwareSpec
@@ -68,11 +68,8 @@ def plan_workload(spec: str) -> PlanWorkload:
     try:
         checked = WorkloadFile(**fields)
     except ValidationError as e:
-        first = e.errors()[0]
-        where = ".".join(str(p) for p in first["loc"]) or "the workload"
-        detail = ("an unknown key: the keys are " + ", ".join(WorkloadFile.model_fields)
-                  if first["type"] == "extra_forbidden" else first["msg"])
-        raise ConfigError(f"{what}: {where}: {detail} (got {first.get('input')!r})", param="workload") from None
+        problem = file_problem(e, WorkloadFile.model_fields, ("input_tokens", "output_tokens"))
+        raise ConfigError(f"{what}: {problem}", param="workload") from None
     return PlanWorkload(checked.name or path.stem, checked.input_tokens, checked.output_tokens, checked.concurrency,
                         checked.rate, checked.burst)
 

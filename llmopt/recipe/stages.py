@@ -51,15 +51,16 @@ STAGES: Registry[Stage] = Registry("stage")
 
 
 def _split_quantize(options: dict) -> tuple[str, dict, str | None, int | None]:
-    """(method, the config's settings, format or None for the method's own, max_memory in bytes or None)."""
+    """(method, the config's settings (with the scheme's default pre-passes), format or None for the method's own,
+    max_memory in bytes or None)."""
+    from llmopt.compress.api import with_scheme_prepasses
+
     settings = dict(options)
     method = settings.pop("method", None)
     if method is None:
         raise ConfigError("quantize needs method: rtn, gptq or awq")
     fmt = settings.pop("format", None)
     max_memory = _pop_max_memory(settings)
-    from llmopt.compress.api import with_scheme_prepasses
-
     return method, with_scheme_prepasses(settings), fmt, max_memory
 
 

@@ -40,6 +40,11 @@ class EngineRestarted(LLMOptError):
     """The engine loop failed while this request was in flight and was restarted (the request is lost)."""
 
 
+def engine_stopped(cause) -> EngineRestarted:
+    """What a request gets once the engine cannot run again (the server is exiting)."""
+    return EngineRestarted(f"the engine stopped ({cause}): the server is exiting")
+
+
 @dataclass
 class _Stream:
     loop: asyncio.AbstractEventLoop
@@ -117,7 +122,7 @@ class AsyncEngine:
         if self._stopping.is_set():
             raise EngineStopping("the server is shutting down: retry on another replica or after its restart")
         if not self.alive:
-            raise EngineRestarted(f"the engine stopped ({self.failed}): the server is exiting")
+            raise engine_stopped(self.failed)
 
     @property
     def num_waiting(self) -> int:
@@ -220,7 +225,7 @@ class AsyncEngine:
             admitted.set_exception(EngineRestarted(str(exc)))
             return
         except ParallelError as exc:  # every worker of a role is gone for good: this engine cannot serve again
-            admitted.set_exception(EngineRestarted(f"the engine stopped ({exc}): the server is exiting"))
+            admitted.set_exception(engine_stopped(exc))
             raise
         except Exception as exc:  # noqa: BLE001  (a bad request fails alone)
             admitted.set_exception(exc)
@@ -272,7 +277,7 @@ class AsyncEngine:
                 if not self.engine.has_unfinished():
                     self.engine.poll()  # (a worker of a multi-process front that died or is ready again)
             except ParallelError as exc:  # fatal: fail the requests, end the loop (/health 503, the CLI exits 1)
-                self._fail_streams(EngineRestarted(f"the engine stopped ({exc}): the server is exiting"))
+                self._fail_streams(engine_stopped(exc))
                 raise
             if self._stopping.is_set() and not self.engine.has_unfinished():
                 return
