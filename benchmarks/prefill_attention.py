@@ -58,7 +58,7 @@ def case(kernel, dtype: torch.dtype, prompts: int, tokens: int, rounds: int) -> 
 
 def main() -> None:
     from llmopt.core.hardware import cpu_line
-    from llmopt.runtime.executor.kernels.attention import compiled_prefill_kernel
+    from llmopt.runtime.executor.attention.cpu import compiled_prefill_kernel
 
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--rounds", type=int, default=3)

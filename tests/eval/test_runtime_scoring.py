@@ -27,7 +27,7 @@ def corpus(n=600, seed=0):
 @pytest.mark.parametrize("chunk", [2048, 24, 150], ids=["one-shot", "short-chunks", "tiled-chunks"])
 def test_runtime_perplexity_equals_transformers_in_fp32(tiny, chunk):
     """One-shot windows; chunks short enough for the masked path; chunks after a prefix long enough for the tiled
-    path (kernels.attention.TILED_MIN_CHUNK)."""
+    path (attention.torch_sdpa.TILED_MIN_CHUNK)."""
     model, tok = tiny
     ids = corpus(1200)
     want = perplexity(model, ids, seqlen=400, batch_size=2)

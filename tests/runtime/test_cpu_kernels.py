@@ -8,9 +8,10 @@ import pytest
 import torch
 
 from llmopt.core.hardware import supported_kernel_isas
-from llmopt.runtime.executor.kernels import attention
-from llmopt.runtime.executor.kernels.attention import AttentionMetadata, paged_attention
+from llmopt.runtime.executor.attention import AttentionMetadata, cpu, metadata
+from llmopt.runtime.executor.attention.torch_sdpa import fresh_runs
 from llmopt.runtime.executor.kernels.cpu_ops import cpu_ops
+from tests.runtime.attention_calls import attend
 from tests.runtime.test_triton_kernels import paged_setup as triton_paged_setup
 
 
@@ -56,7 +57,7 @@ def test_cpu_kernels_build(ops):
 def test_paged_decode_attention_matches_reference(ops, context_lens, num_heads, num_kv_heads, head_dim, page, dtype):
     q, k_cache, v_cache, meta = paged_setup(context_lens, num_heads, num_kv_heads, head_dim, page, dtype)
     scale = head_dim ** -0.5
-    expected = paged_attention(q.float(), k_cache.float(), v_cache.float(), meta, scale)  # fp32: torch path
+    expected = attend("torch", q.float(), k_cache.float(), v_cache.float(), meta, scale)
     out = ops.paged_decode_attention(q, k_cache, v_cache, meta.decode.block_tables, meta.decode.context_lens,
                                            scale)
     assert out.dtype == dtype and out.shape == q.shape
@@ -76,7 +77,7 @@ def test_paged_decode_attention_takes_fp32_queries_over_a_16_bit_cache(ops, cach
     # an fp32 model's fp16 / bf16 cache: q and the output stay fp32 (q is not rounded to the cache's dtype)
     q, k_cache, v_cache, meta = paged_setup([40, 3, 16, 31, 64], 9, 3, 64, 16, cache_dtype)
     q = q.float() + 1e-3 * torch.randn(q.shape)  # values a 16-bit q would round
-    expected = paged_attention(q, k_cache.float(), v_cache.float(), meta, 0.125)  # fp32: torch path
+    expected = attend("torch", q, k_cache.float(), v_cache.float(), meta, 0.125)
     out = ops.paged_decode_attention(q, k_cache, v_cache, meta.decode.block_tables, meta.decode.context_lens, 0.125)
     assert out.dtype == torch.float32
     tol = 1e-5 if cache_dtype == torch.float16 else 2e-2  # (the AVX512_BF16 build's key pass rounds q to bf16)
@@ -91,7 +92,7 @@ def test_paged_decode_attention_takes_16_bit_queries_over_the_other_16_bit_cache
     # a bf16 model over an fp16 cache (llama.cpp's default type): the queries read in fp32, the output in q's dtype
     q, k_cache, v_cache, meta = paged_setup([40, 3, 16, 31, 64], 9, 3, 64, 16, cache_dtype)
     q = q.to(q_dtype)
-    expected = paged_attention(q.float(), k_cache.float(), v_cache.float(), meta, 0.125)  # fp32: torch path
+    expected = attend("torch", q.float(), k_cache.float(), v_cache.float(), meta, 0.125)
     out = ops.paged_decode_attention(q, k_cache, v_cache, meta.decode.block_tables, meta.decode.context_lens, 0.125)
     assert out.dtype == q_dtype
     torch.testing.assert_close(out.float(), expected, rtol=2e-2, atol=2e-2)
@@ -120,11 +121,11 @@ def test_bf16_decodes_use_the_kernel(monkeypatch):
             calls.append(args)
             return ops.paged_decode_attention(*args)
 
-    monkeypatch.setattr(attention, "cpu_ops", lambda: Spy())
+    monkeypatch.setattr(cpu, "cpu_ops", lambda: Spy())
     q, k_cache, v_cache, meta = paged_setup([12, 40, 3], 6, 2, 64, 16, torch.bfloat16)
-    out = paged_attention(q, k_cache, v_cache, meta, 0.125)
+    out = attend("cpu", q, k_cache, v_cache, meta, 0.125)
     assert len(calls) == 1
-    expected = paged_attention(q.float(), k_cache.float(), v_cache.float(), meta, 0.125)
+    expected = attend("torch", q.float(), k_cache.float(), v_cache.float(), meta, 0.125)
     assert len(calls) == 1  # fp32 keeps the torch path (it must match transformers token for token)
     torch.testing.assert_close(out.float(), expected, rtol=2e-2, atol=2e-2)
 
@@ -286,14 +287,12 @@ def test_causal_prefill_attention_refuses_what_it_cannot_attend(ops):
         ops.causal_prefill_attention(q, k.bfloat16(), k.bfloat16(), 8, 0.125)
 
 
-@pytest.mark.parametrize("compiled", [None, True])
+@pytest.mark.parametrize("backend", ["torch", "cpu"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_prefill_attention_over_this_steps_keys_matches_the_cache_path(monkeypatch, dtype, compiled):
-    # fresh prompts (nothing cached before: equal-length neighbours batched into one causal SDPA, or with
-    # compiled=True the compiled prefill kernel) next to a decode and a prompt with a cached prefix (those keep the
+def test_prefill_attention_over_this_steps_keys_matches_the_cache_path(monkeypatch, dtype, backend):
+    # fresh prompts (nothing cached before: equal-length neighbours batched into one causal SDPA, or in the cpu
+    # backend the compiled prefill kernel) next to a decode and a prompt with a cached prefix (those keep the
     # per-sequence path, or the same kernel over the gathered blocks): same output either way
-    from llmopt.runtime.executor.kernels.attention import _fresh_runs, paged_attention
-
     new_lens = [5, 5, 5, 7, 1, 9, 5]
     context_lens = [5, 5, 5, 7, 10, 12, 5]
     page, num_heads, num_kv_heads, head_dim = 4, 6, 2, 16
@@ -306,21 +305,21 @@ def test_prefill_attention_over_this_steps_keys_matches_the_cache_path(monkeypat
         slots += [table[p // page] * page + p % page for p in range(ctx - new, ctx)]
     slots = torch.tensor(slots)
     meta = AttentionMetadata.build(starts, context_lens, tables, slots, page)
-    assert _fresh_runs(meta.prefills)[0] == [(0, 3, 5), (15, 1, 7), (32, 1, 5)]
+    assert fresh_runs(meta.prefills)[0] == [(0, 3, 5), (15, 1, 7), (32, 1, 5)]
     q = torch.randn(starts[-1], num_heads, head_dim, generator=torch.Generator().manual_seed(4)).to(dtype)
     k_new = k_cache.view(-1, num_kv_heads, head_dim)[slots]
     v_new = v_cache.view(-1, num_kv_heads, head_dim)[slots]
-    expected = paged_attention(q, k_cache, v_cache, meta, head_dim ** -0.5)
+    expected = attend("torch", q, k_cache, v_cache, meta, head_dim ** -0.5)
     calls = []
-    real = attention.compiled_prefill_kernel
+    real = cpu.compiled_prefill_kernel
 
     def counted(q):
         kernel = real(q)
         return None if kernel is None else (lambda *args: calls.append(args[3]) or kernel(*args))
 
-    monkeypatch.setattr(attention, "compiled_prefill_kernel", counted)
-    out = paged_attention(q, k_cache, v_cache, meta, head_dim ** -0.5, k_new, v_new, compiled=compiled)
-    if compiled and real(q) is not None:  # the three fresh runs, then the 9 tokens after a cached prefix
+    monkeypatch.setattr(cpu, "compiled_prefill_kernel", counted)
+    out = attend(backend, q, k_cache, v_cache, meta, head_dim ** -0.5, k_new, v_new)
+    if backend == "cpu" and real(q) is not None:  # the three fresh runs, then the 9 tokens after a cached prefix
         assert calls == [5, 7, 5, 9]
     else:
         assert calls == []
@@ -704,9 +703,9 @@ def test_int8_matmul_q8_refuses_what_its_layout_cannot_hold(ops):
         ops.int8_matmul_q8(torch.randn(1, 64), codes, torch.ones(2, 16), scale, 32)
 
 
-@pytest.mark.parametrize("compiled", [False, True])
+@pytest.mark.parametrize("backend", ["torch", "cpu"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_few_tokens_after_a_cached_prefix_attend_as_decode_rows(monkeypatch, dtype, compiled):
+def test_few_tokens_after_a_cached_prefix_attend_as_decode_rows(monkeypatch, dtype, backend):
     """Speculative verification (k + 1 new tokens after a cached prefix) through decode rows, each over the keys up
     to its own position, equals the per-sequence masked attention."""
     new_lens = [1, 6, 3, 2]
@@ -722,11 +721,11 @@ def test_few_tokens_after_a_cached_prefix_attend_as_decode_rows(monkeypatch, dty
     q = torch.randn(starts[-1], num_heads, head_dim, generator=torch.Generator().manual_seed(5)).to(dtype)
     meta = AttentionMetadata.build(starts, context_lens, tables, slots, page)
     assert not meta.prefills and meta.decode.rows.tolist() == list(range(starts[-1]))
-    out = paged_attention(q, k_cache, v_cache, meta, head_dim ** -0.5, compiled=compiled)
-    monkeypatch.setattr(attention, "MAX_QUERIES_AS_DECODES", 1)
+    out = attend(backend, q, k_cache, v_cache, meta, head_dim ** -0.5)
+    monkeypatch.setattr(metadata, "MAX_QUERIES_AS_DECODES", 1)
     reference_meta = AttentionMetadata.build(starts, context_lens, tables, slots, page)
     assert len(reference_meta.prefills) == 3
-    expected = paged_attention(q, k_cache, v_cache, reference_meta, head_dim ** -0.5, compiled=False)
+    expected = attend("torch", q, k_cache, v_cache, reference_meta, head_dim ** -0.5)
     tol = {"atol": 1e-5, "rtol": 1e-5} if dtype == torch.float32 else {"atol": 2e-2, "rtol": 2e-2}
     torch.testing.assert_close(out, expected, **tol)
 

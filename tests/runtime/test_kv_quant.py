@@ -17,11 +17,12 @@ from llmopt.core.tiny import build_tiny_model  # noqa: E402
 from llmopt.runtime.engine.engine import Engine, EngineConfig  # noqa: E402
 from llmopt.runtime.engine.sampling import SamplingParams  # noqa: E402
 from llmopt.runtime.executor.attention.kv_cache import KVCacheSpec  # noqa: E402
-from llmopt.runtime.executor.kernels.attention import (  # noqa: E402
-    TILED_MIN_CHUNK, AttentionMetadata, paged_attention, reference_store_kv,
-)
+from llmopt.runtime.executor.attention import AttentionMetadata  # noqa: E402
+from llmopt.runtime.executor.attention.torch_sdpa import TILED_MIN_CHUNK  # noqa: E402
+from llmopt.runtime.executor.attention.torch_sdpa import store_kv as reference_store_kv  # noqa: E402
 from llmopt.runtime.executor.kernels.cpu_ops import cpu_ops  # noqa: E402
 from llmopt.runtime.executor.kernels.kv_quant import dequantize_kv, quantize_kv  # noqa: E402
+from tests.runtime.attention_calls import attend  # noqa: E402
 from tests.runtime.test_engine import prompts, token_ids  # noqa: E402
 from tests.runtime.test_triton_kernels import DEVICE, paged_setup  # noqa: E402
 
@@ -105,7 +106,7 @@ def test_compiled_decode_reads_8bit_blocks_like_the_reference(ops, context_lens,
     meta = AttentionMetadata.build(list(range(len(context_lens) + 1)), context_lens, tables,
                                    torch.zeros(len(context_lens), dtype=torch.long), page)
     scale = head_dim ** -0.5
-    expected = paged_attention(q.float(), cache[0], cache[1], meta, scale, compiled=False, scales=cache[2:])
+    expected = attend("torch", q.float(), cache[0], cache[1], meta, scale, scales=cache[2:])
     out = ops.paged_decode_attention_quantized(q, cache[0].view(torch.uint8), cache[1].view(torch.uint8), cache[2],
                                                cache[3], meta.decode.block_tables, meta.decode.context_lens, scale,
                                                kv_dtype == torch.float8_e4m3fn)
@@ -171,14 +172,14 @@ def test_triton_store_and_attention_over_8bit_caches_match_the_reference(kv_dtyp
     meta = AttentionMetadata.build(list(range(len(context_lens) + 1)), context_lens, tables,
                                    torch.zeros(len(context_lens), dtype=torch.long), page)
     dev = [t.to(DEVICE) for t in cache]
-    want = paged_attention(q, cache[0], cache[1], meta, head_dim ** -0.5, compiled=False, scales=cache[2:])
+    want = attend("torch", q, cache[0], cache[1], meta, head_dim ** -0.5, scales=cache[2:])
     got = decode_attention(q.to(DEVICE), dev[0], dev[1], block_tables.to(DEVICE), lens.to(DEVICE),
                            head_dim ** -0.5, scales=tuple(dev[2:]))
     torch.testing.assert_close(got.cpu(), want, rtol=1e-4, atol=1e-4)
     starts = [0, 4, 8, 12]
     qp = torch.randn(12, num_heads, head_dim, generator=g)
     meta = AttentionMetadata.build(starts, context_lens, tables, torch.zeros(12, dtype=torch.long), page)
-    want = paged_attention(qp, cache[0], cache[1], meta, head_dim ** -0.5, compiled=False, scales=cache[2:])
+    want = attend("torch", qp, cache[0], cache[1], meta, head_dim ** -0.5, scales=cache[2:])
     got = prefill_attention(qp.to(DEVICE), dev[0], dev[1], torch.tensor(starts, dtype=torch.int32, device=DEVICE),
                             lens.to(DEVICE), block_tables.to(DEVICE), head_dim ** -0.5, 4, block_m=16,
                             scales=tuple(dev[2:]))
@@ -214,8 +215,8 @@ def test_prefill_after_a_cached_prefix_needs_no_chunk_square_mask(kv_dtype):
     q = torch.randn(starts[-1], num_heads, head_dim, generator=g)
     meta = AttentionMetadata.build(starts, context_lens, tables, torch.zeros(starts[-1], dtype=torch.long), page)
     assert len(meta.prefills) == 2 and meta.decode is None
-    masked = paged_attention(q, k_cache, v_cache, meta, head_dim ** -0.5, scales=scales)
-    tiled = paged_attention(q, k_cache, v_cache, meta, head_dim ** -0.5, k_new, v_new, scales=scales)
+    masked = attend("torch", q, k_cache, v_cache, meta, head_dim ** -0.5, scales=scales)
+    tiled = attend("torch", q, k_cache, v_cache, meta, head_dim ** -0.5, k_new, v_new, scales=scales)
     torch.testing.assert_close(tiled, masked, rtol=1e-5, atol=1e-5)
 
 
@@ -351,7 +352,7 @@ def test_store_then_attend_stays_within_the_codes_precision_of_full_precision(kv
         q = torch.randn(n, 6, head_dim, generator=g)
         meta = AttentionMetadata.build(starts, lens, table, slots[ctx - n:], page)
         new = (k[ctx - n:], v[ctx - n:])
-        want = paged_attention(q, full[0], full[1], meta, head_dim ** -0.5, *new)
-        for compiled in (False, True):
-            got = paged_attention(q, q8[0], q8[1], meta, head_dim ** -0.5, *new, compiled=compiled, scales=q8[2:])
+        want = attend("torch", q, full[0], full[1], meta, head_dim ** -0.5, *new)
+        for backend in ("torch", "cpu"):
+            got = attend(backend, q, q8[0], q8[1], meta, head_dim ** -0.5, *new, scales=q8[2:])
             assert (got - want).abs().max() / v.abs().max() < tolerance

@@ -55,7 +55,7 @@ def test_generation_with_the_int8_head_stays_close_to_the_float_head(tiny_llama_
 def test_a_model_class_without_the_int8_head_is_refused(tiny_llama_dir, monkeypatch):
     from llmopt.runtime.executor.models.llama import LlamaFamilyDecoder
 
-    monkeypatch.delattr(LlamaFamilyDecoder, "quantize_lm_head")
+    monkeypatch.setattr(LlamaFamilyDecoder, "lm_head_quantizable", False)
     with pytest.raises(ConfigError, match="--lm-head model"):
         engine(tiny_llama_dir, "float", "int8")
 

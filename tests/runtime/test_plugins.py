@@ -12,7 +12,7 @@ from llmopt.runtime.engine.config import EngineConfig
 from llmopt.runtime.engine.engine import Engine
 from llmopt.runtime.engine.sampling import SamplingParams
 from llmopt.runtime.executor.attention import ATTENTION_BACKENDS, register_attention_backend
-from llmopt.runtime.executor.attention.torch_ref import TorchAttention
+from llmopt.runtime.executor.attention.torch_sdpa import TorchAttention
 from llmopt.runtime.executor.linear import LINEAR_METHODS, LinearMethod, register_linear_method
 from llmopt.runtime.executor.loader import load_runtime_model
 

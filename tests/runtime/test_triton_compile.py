@@ -61,11 +61,11 @@ def test_fp8_methods_are_refused_on_a_gpu_without_fp8(monkeypatch):
 
     from llmopt.compress.quant import quantize_rtn
     from llmopt.core.contract import LinearScheme, preset
-    from llmopt.runtime.executor.kernels import attention
+    from llmopt.runtime.executor.kernels import triton_support
     from llmopt.runtime.executor.linear import base
 
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
-    monkeypatch.setattr(attention, "triton_available", lambda: True)
+    monkeypatch.setattr(triton_support, "triton_available", lambda: True)
     cuda = torch.device("cuda", 0)
     w8a8 = preset("w8a8-fp8")
     fp8_inputs = quantize_rtn(torch.randn(32, 64), w8a8.weights)

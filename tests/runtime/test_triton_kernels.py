@@ -16,12 +16,13 @@ import triton  # noqa: E402,F401  (a dev dependency: these tests must run in CI)
 
 from llmopt.core.contract import QuantScheme  # noqa: E402
 from llmopt.compress.quant import quantize_rtn  # noqa: E402
-from llmopt.runtime.executor.kernels.attention import AttentionMetadata, paged_attention, store_kv  # noqa: E402
+from llmopt.runtime.executor.attention import AttentionMetadata  # noqa: E402
 from llmopt.runtime.executor.kernels.quant_matmul import reference_quant_matmul  # noqa: E402
 from llmopt.runtime.executor.kernels.triton_decode_attention import decode_attention  # noqa: E402
 from llmopt.runtime.executor.kernels.triton_prefill_attention import prefill_attention  # noqa: E402
 from llmopt.runtime.executor.kernels.triton_store_kv import store_kv as triton_store_kv  # noqa: E402
 from llmopt.runtime.executor.kernels.triton_w4a16 import pack_w4a16, w4a16_matmul  # noqa: E402
+from tests.runtime.attention_calls import attend, store  # noqa: E402
 
 DEVICE = "cuda" if CUDA else "cpu"
 
@@ -51,7 +52,7 @@ def test_decode_attention(context_lens, num_heads, num_kv_heads, head_dim, page,
     q = q.to(DEVICE)
     meta = AttentionMetadata.build(list(range(len(context_lens) + 1)), context_lens, tables,
                                    torch.zeros(len(context_lens), dtype=torch.long), page, DEVICE)
-    expected = paged_attention(q.float(), k_cache.float(), v_cache.float(), meta, head_dim ** -0.5)
+    expected = attend("torch", q.float(), k_cache.float(), v_cache.float(), meta, head_dim ** -0.5)
     width = max(len(t) for t in tables)
     block_tables = torch.tensor([t + [0] * (width - len(t)) for t in tables], device=DEVICE)
     out = decode_attention(q, k_cache, v_cache, block_tables, torch.tensor(context_lens, device=DEVICE),
@@ -76,7 +77,7 @@ def test_prefill_attention(new_and_ctx, num_heads, num_kv_heads, head_dim, dtype
     q = torch.randn(starts[-1], num_heads, head_dim, generator=torch.Generator().manual_seed(2)).to(dtype).to(DEVICE)
     meta = AttentionMetadata.build(starts, context_lens, tables, torch.zeros(starts[-1], dtype=torch.long), page,
                                    DEVICE)
-    expected = paged_attention(q.float(), k_cache.float(), v_cache.float(), meta, head_dim ** -0.5)
+    expected = attend("torch", q.float(), k_cache.float(), v_cache.float(), meta, head_dim ** -0.5)
     width = max(len(t) for t in tables)
     block_tables = torch.tensor([t + [0] * (width - len(t)) for t in tables], device=DEVICE)
     out = prefill_attention(q, k_cache, v_cache, torch.tensor(starts, device=DEVICE),
@@ -95,7 +96,7 @@ def test_store_kv(dtype):
     v = torch.randn(7, 3, 10, generator=g).to(DEVICE)
     slots = torch.tensor([0, 5, 6, 23, 12, 13, 2], device=DEVICE)
     ref_k, ref_v = k_cache.clone(), v_cache.clone()
-    store_kv(k, v, ref_k, ref_v, slots)
+    store("torch", k, v, ref_k, ref_v, slots)
     triton_store_kv(k, v, k_cache, v_cache, slots)
     assert torch.equal(k_cache, ref_k) and torch.equal(v_cache, ref_v)
 
@@ -241,11 +242,11 @@ def test_cuda_methods_are_chosen_for_compressed_2of4_weights(monkeypatch):
     """On a CUDA device the compressed weights go to the 2:4 Triton methods, not the dense or dense-int4 ones."""
     from llmopt.core.contract import LinearScheme
     from llmopt.core.contract.sparse24 import Sparse24Weight
-    from llmopt.runtime.executor.kernels import attention
+    from llmopt.runtime.executor.kernels import triton_support
     from llmopt.runtime.executor.linear import select_linear_method
     from tests.runtime.test_sparse24_kernels import quantized_2of4, sparse_2of4
 
-    monkeypatch.setattr(attention, "triton_available", lambda: True)
+    monkeypatch.setattr(triton_support, "triton_available", lambda: True)
     cuda = torch.device("cuda")
     qweight = quantized_2of4(64, 128, 64)
     assert select_linear_method(qweight, LinearScheme(qweight.scheme), cuda).name == "sparse24-int4-triton"

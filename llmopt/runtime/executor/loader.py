@@ -13,7 +13,7 @@ from llmopt.core.models import (
 from llmopt.runtime.engine.config import ACTIVATION_SCHEMES
 from llmopt.runtime.executor.linear import make_linear
 from llmopt.runtime.executor.models import MODEL_FAMILIES, RuntimeCheckpoint, model_class_for
-from llmopt.runtime.executor.models.weights import checkpoint_weights
+from llmopt.runtime.executor.models.weights import checkpoint_weights, module_weights
 from llmopt.runtime.parallel.group import launched_rank
 from llmopt.runtime.parallel.sharding import ParallelGrid, ShardPlan, StagePlan
 
@@ -36,8 +36,8 @@ def load_runtime_model(name: str, dtype: str = "float32", device: str = "cpu", t
     model_class = model_class_for(config.model_type)  # ... and families the runtime has no class for
     plan = stage_plan = None
     parallel = (shard is not None and shard[1] > 1) or (stage is not None and stage[1] > 1)
-    if parallel and not getattr(model_class, "tensor_parallel", False):
-        sharded = [n for n in MODEL_FAMILIES.names() if getattr(MODEL_FAMILIES.get(n), "tensor_parallel", False)]
+    if parallel and not model_class.tensor_parallel:
+        sharded = [n for n in MODEL_FAMILIES.names() if MODEL_FAMILIES.get(n).tensor_parallel]
         raise ConfigError(f"tensor and pipeline parallelism run the {', '.join(sharded)} model types; run "
                           f"{config.model_type} in one process", param="tensor_parallel_size")
     if parallel and source.path is None:
@@ -62,14 +62,13 @@ def load_runtime_model(name: str, dtype: str = "float32", device: str = "cpu", t
 
         model, tokenizer, source = load_model(source, dtype=dtype, device=device, trust_remote_code=trust_remote_code,
                                               linear_factory=lambda qw, _dtype, _device: linear_for(qw))
-        model.llmopt_activations = activations
-        return model, tokenizer, source
+        return RuntimeCheckpoint(model.config, module_weights(model), activations), tokenizer, source
     shard_of = _share(plan, stage_plan)
     weights = checkpoint_weights(source.path, torch_dtype, torch_device, linear_for, shard=shard_of)
-    checkpoint = RuntimeCheckpoint(config, weights, activations, shard_plan=plan)
-    checkpoint.stage_plan = stage_plan
-    checkpoint.load_args = dict(name=name, dtype=dtype, device=device, trust_remote_code=trust_remote_code,
-                                activations=activations)
+    load_args = dict(name=name, dtype=dtype, device=device, trust_remote_code=trust_remote_code,
+                     activations=activations)
+    checkpoint = RuntimeCheckpoint(config, weights, activations, shard_plan=plan, stage_plan=stage_plan,
+                                   load_args=load_args)
     return checkpoint, load_tokenizer(source, trust_remote_code), source
 
 

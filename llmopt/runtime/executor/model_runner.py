@@ -7,6 +7,7 @@ import logging
 from dataclasses import dataclass, field, replace
 
 import torch
+from torch import nn
 
 from llmopt.core.errors import ConfigError, ParallelError
 from llmopt.runtime.engine.config import (
@@ -16,10 +17,9 @@ from llmopt.runtime.executor.attention.kv_commit import commit_kv_cache
 from llmopt.runtime.executor.host_memory import (
     host_available_bytes, keep_freed_host_memory, weights_to_huge_pages,
 )
-from llmopt.runtime.executor.kernels.attention import AttentionMetadata
 from llmopt.runtime.executor.kernels.cpu_ops import cpu_ops
 from llmopt.runtime.executor.kernels.kv_quant import KV_CODE_DTYPES
-from llmopt.runtime.executor.models import build_runtime_model
+from llmopt.runtime.executor.models import RuntimeCheckpoint, build_runtime_model
 from llmopt.runtime.executor.linear.row_paths import plan_linears
 from llmopt.runtime.executor.prompt_scores import PromptScoreCache
 from llmopt.runtime.parallel.group import to_wire
@@ -109,49 +109,75 @@ def step_part(step: StepInputs, first: int, stop: int) -> StepInputs:
 
 
 class ModelRunner:
-    def __init__(self, hf_model, config: EngineConfig, num_blocks: int | None = None, group=None, workers=None,
-                 stages=None):
-        """config.kv_cache_bytes None: sized from the machine (default_kv_cache_bytes), up to what
-        config.max_num_seqs sequences of the model's full context could hold. num_blocks: exactly that many blocks
-        instead (a draft model's cache holds as many tokens as its target's, a tensor-parallel worker as many as
-        rank 0's). group: this rank's parallel.group.TensorParallelGroup when the model is one rank's share;
-        workers (rank 0 only): the other ranks, sent each step's inputs and each vocabulary projection's rows.
-        stages: this process's parallel.pipeline.PipelineStages when the model is one pipeline stage."""
-        block_size, kv_cache_bytes = config.block_size, config.kv_cache_bytes
-        kv_cache_memory_fraction, max_num_seqs = config.kv_cache_memory_fraction, config.max_num_seqs
+    """Start-up runs as named phases, in this order: load the model (`_load_model`), prepare its kernels
+    (`_prepare_kernels`), size the KV cache from the memory left (`_size_kv_cache`), allocate it
+    (`_allocate_kv_cache`) and capture the decode graphs (`_capture_graphs`)."""
+
+    def __init__(self, model: RuntimeCheckpoint | nn.Module, config: EngineConfig, num_blocks: int | None = None,
+                 group=None, workers=None, stages=None):
+        """model: a loaded checkpoint (load_runtime_model) or a transformers model. config.kv_cache_bytes None:
+        sized from the machine (default_kv_cache_bytes), up to what config.max_num_seqs sequences of the model's
+        full context could hold. num_blocks: exactly that many blocks instead (a draft model's cache holds as many
+        tokens as its target's, a tensor-parallel worker as many as rank 0's). group: this rank's
+        parallel.group.TensorParallelGroup when the model is one rank's share; workers (rank 0 only): the other
+        ranks, sent each step's inputs and each vocabulary projection's rows. stages: this process's
+        parallel.pipeline.PipelineStages when the model is one pipeline stage."""
+        self.group, self.workers, self.stages = group, workers, stages
+        self.block_size = config.block_size
+        self._load_model(model, config)
+        self._prepare_kernels(config)
+        self._size_kv_cache(model, config, num_blocks)
+        self._allocate_kv_cache(config)
+        self._capture_graphs(config)
+        log.info(self.kv_cache_summary())
+        self.generators: dict[int, torch.Generator] = {}
+        self.prompt_scores = PromptScoreCache(self.block_size)
+        # Medusa heads read the hidden state [hidden] that produced each sequence's newest token
+        self.keep_last_hidden = False
+        self.last_hidden: dict[int, torch.Tensor] = {}
+
+    def _load_model(self, model, config: EngineConfig) -> None:
+        """The runtime decoder from the loaded model, with the attention backend for the KV cache's dtype; the
+        logits head quantized if asked; on CPU, the weights moved to huge pages."""
         # (auto: whatever the model was loaded with; load_for_engine resolves it by device and fast path)
-        self.activations = loaded_with = getattr(hf_model, "llmopt_activations", "float")
+        self.activations = loaded_with = model.activations if isinstance(model, RuntimeCheckpoint) else "float"
         if config.activations not in ("auto", loaded_with):
             raise ConfigError(f"the model's linears were built for --int4-activations {loaded_with}, the engine is "
                               f"configured for {config.activations}: load it with load_runtime_model(..., "
                               f"activations={config.activations!r})", param="activations")
-        self.decoder = build_runtime_model(hf_model, config.attention_backend, config.fast_path,
-                                           config.quantized_kv_cache, group=group)
-        self.group, self.workers, self.stages = group, workers, stages
+        self.device = next(model.parameters()).device
+        self.kv_dtype = kv_cache_torch_dtype(config.kv_cache_dtype, model.dtype)
+        self.kv_dtype_label = kv_dtype_name(self.kv_dtype)  # as --kv-cache-dtype spells it
+        self.decoder = build_runtime_model(model, config.attention_backend, config.fast_path, self.kv_dtype,
+                                           group=self.group)
+        self.kv_cache_spec = self.decoder.kv_cache_spec(self.kv_dtype)
         self.linear_methods = dict(sorted(self.decoder.linear_methods.items()))
         if config.lm_head != "model":
             self._quantize_lm_head(config.lm_head)
-        self.device = next(hf_model.parameters()).device
         self.weights_in_huge_pages = 0  # bytes
         if self.device.type == "cpu":
             keep_freed_host_memory()  # each step's activations reuse freed memory instead of new pages
             # (before any path is timed)
-            self.weights_in_huge_pages = weights_to_huge_pages(self.decoder, sharing=(hf_model,))
+            self.weights_in_huge_pages = weights_to_huge_pages(self.decoder, sharing=(model,))
             if self.weights_in_huge_pages:
                 log.info("weights: %.1f MB in transparent huge pages (LLMOPT_WEIGHTS_HUGE_PAGES=0: malloc's pages)",
                          self.weights_in_huge_pages / 1e6)
+
+    def _prepare_kernels(self, config: EngineConfig) -> None:
+        """Each linear's kernel per row count (row_plans.plan_linears: measured where the choice is close)."""
         self.linear_paths = plan_linears(self.decoder, config.linear_kernels)
-        self.kv_dtype = kv_cache_torch_dtype(config.kv_cache_dtype, self.decoder.dtype)
-        self.kv_dtype_label = kv_dtype_name(self.kv_dtype)  # as --kv-cache-dtype spells it
-        self.block_size = block_size
-        self.kv_cache_spec = self.decoder.kv_cache_spec(self.kv_dtype)
+
+    def _size_kv_cache(self, model, config: EngineConfig, num_blocks: int | None) -> None:
+        """The cache's byte budget and block count: given blocks, tokens or bytes (refused beyond the memory
+        available), or a fraction of the memory left, no more than the engine could ever fill."""
+        block_size, kv_cache_bytes = self.block_size, config.kv_cache_bytes
         # every rank has as many blocks: the budget holds them for the rank with the most KV heads, or the stage
         # with the most layers
         budget_spec = self.kv_cache_spec
-        if group is not None:
+        if self.group is not None:
             budget_spec = replace(budget_spec, num_kv_heads=self.decoder.plan.max_kv_heads)
-        if stages is not None:
-            budget_spec = replace(budget_spec, num_layers=stages.plan.max_layers)
+        if self.stages is not None:
+            budget_spec = replace(budget_spec, num_layers=self.stages.plan.max_layers)
         per_block = budget_spec.bytes_per_block(block_size)
         self.kv_cache_source = "given"
         if num_blocks is not None:
@@ -160,10 +186,11 @@ class ModelRunner:
             kv_cache_bytes = -(-config.kv_cache_tokens // block_size) * per_block
             self.kv_cache_source = f"{config.kv_cache_tokens:,} tokens asked"
         elif kv_cache_bytes is None:
-            context = getattr(hf_model.config, "max_position_embeddings", None)
+            fraction, max_num_seqs = config.kv_cache_memory_fraction, config.max_num_seqs
+            context = getattr(model.config, "max_position_embeddings", None)
             useful = (max_num_seqs * -(-context // block_size) * per_block) if context and max_num_seqs else None
-            kv_cache_bytes = default_kv_cache_bytes(self.device, kv_cache_memory_fraction, useful)
-            self.kv_cache_source = f"{kv_cache_memory_fraction:.0%} of available memory"
+            kv_cache_bytes = default_kv_cache_bytes(self.device, fraction, useful)
+            self.kv_cache_source = f"{fraction:.0%} of available memory"
             if useful is not None and kv_cache_bytes == useful:
                 self.kv_cache_source = f"{max_num_seqs} sequences x the full context"
         if num_blocks is None and (config.kv_cache_tokens is not None or config.kv_cache_bytes is not None):
@@ -173,34 +200,33 @@ class ModelRunner:
         if self.num_blocks < 1:
             raise ConfigError(f"--kv-cache-bytes {kv_cache_bytes} holds no block of {block_size} tokens "
                               f"({per_block} bytes each): raise it")
-        self.kv_cache = self.kv_cache_spec.allocate(self.num_blocks, block_size, self.device)
+
+    def _allocate_kv_cache(self, config: EngineConfig) -> None:
+        """The cache's tensors, and (CPU) their memory committed as --kv-cache-commit says."""
+        self.kv_cache = self.kv_cache_spec.allocate(self.num_blocks, self.block_size, self.device)
         self.kv_cache_bytes = self.kv_cache.num_bytes
         self.kv_cache_committer = commit_kv_cache(self.kv_cache, config.kv_cache_commit)
-        build_graphs = getattr(self.decoder, "build_decode_graphs", None)
-        # decode steps of these sizes run the layers as one compiled call (models/decode_graph.py)
-        wants_graph = config.decode_graph is not False and build_graphs is not None
-        self.decode_graph_rows = build_graphs(self.kv_cache) if wants_graph else []
+
+    def _capture_graphs(self, config: EngineConfig) -> None:
+        """Decode steps of the sizes in decode_graph_rows run the layers as one compiled call
+        (models/decode_graph.py): built wherever they can be unless --no-decode-graph; refused if asked for and
+        impossible."""
+        wants_graph = config.decode_graph is not False and self.decoder.decode_graphs_possible
+        self.decode_graph_rows = self.decoder.build_decode_graphs(self.kv_cache) if wants_graph else []
         if config.decode_graph and not self.decode_graph_rows:
             raise ConfigError("--decode-graph: this engine cannot run its decodes as one compiled call (that needs the "
                               "CPU fast path in one process, the compiled cpu attention backend, and a KV cache in "
                               "the model's dtype, in 8 bits, or fp16 / bf16 under fp32): drop --decode-graph",
                               param="decode_graph")
-        log.info(self.kv_cache_summary())
-        self.generators: dict[int, torch.Generator] = {}
-        self.prompt_scores = PromptScoreCache(block_size)
-        # Medusa heads read the hidden state [hidden] that produced each sequence's newest token
-        self.keep_last_hidden = False
-        self.last_hidden: dict[int, torch.Tensor] = {}
 
     def _quantize_lm_head(self, mode: str) -> None:
         """--lm-head int8 / int8-g32 (EngineConfig.lm_head): the decoder's logits head rounded to int8, counted with
         the linear methods."""
-        quantize = getattr(self.decoder, "quantize_lm_head", None)
-        if quantize is None or self.stages is not None:
+        if not self.decoder.lm_head_quantizable or self.stages is not None:
             why = "pipeline stages" if self.stages is not None else f"not for {type(self.decoder).__name__}"
             raise ConfigError(f"--lm-head {mode} runs on llama-family models in one process ({why}): use --lm-head "
                               "model", param="lm_head")
-        method = quantize(ACTIVATION_SCHEMES[self.activations], LM_HEAD_GROUPS[mode])
+        method = self.decoder.quantize_lm_head(ACTIVATION_SCHEMES[self.activations], LM_HEAD_GROUPS[mode])
         if method == "dense":  # (a grouped head no kernel holds with these inputs: dequantized, nothing gained)
             raise ConfigError(f"--lm-head {mode} needs 8-bit inputs (--int4-activations int8, the CPU default with "
                               "the fast path), the compiled CPU kernels, a vocabulary of a multiple of 16 and a "
@@ -275,9 +301,9 @@ class ModelRunner:
 
     def _forward_part(self, step: StepInputs, hidden: torch.Tensor | None = None, final: bool = True
                       ) -> torch.Tensor:
-        meta = AttentionMetadata.build(step.starts, step.context_lens, step.tables,
-                                       torch.tensor(step.slots, dtype=torch.long, device=self.device),
-                                       self.block_size, self.device)
+        meta = self.decoder.attention.build_metadata(
+            step.starts, step.context_lens, step.tables, torch.tensor(step.slots, dtype=torch.long, device=self.device),
+            self.block_size, self.device)
         args = (torch.tensor(step.input_ids, device=self.device), torch.tensor(step.positions, device=self.device),
                 meta, self.kv_cache)
         return self.decoder(*args) if self.stages is None else self.decoder(*args, hidden, final)
@@ -412,7 +438,7 @@ class ModelRunner:
         tensor [len(block_ids), block_size, ...] per cache tensor, layer by layer (a KV hand-over's payload);
         written into `out`'s tensors when given (views of one buffer: no second copy to pack them)."""
         index = torch.tensor(block_ids, dtype=torch.long, device=self.device)
-        tensors = [t for layer in self.kv_cache for t in layer]
+        tensors = [t for layer in self.kv_cache for t in layer.tensors]
         if out is None:
             return [t.index_select(0, index) for t in tensors]
         for t, part in zip(tensors, out, strict=True):
@@ -422,7 +448,7 @@ class ModelRunner:
     def write_kv_blocks(self, block_ids: list[int], contents: list[torch.Tensor]) -> None:
         """Store read_kv_blocks' tensors (another engine's, same model and cache dtype) into these blocks."""
         index = torch.tensor(block_ids, dtype=torch.long, device=self.device)
-        for t, part in zip((t for layer in self.kv_cache for t in layer), contents, strict=True):
+        for t, part in zip((t for layer in self.kv_cache for t in layer.tensors), contents, strict=True):
             t.index_copy_(0, index, part.to(t.device))
 
     def release(self, seq_id: int) -> None:

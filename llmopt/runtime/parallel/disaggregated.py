@@ -49,7 +49,7 @@ def pair_key(one: Replica, other: Replica) -> str:
 # --- the hand-over's payload ---------------------------------------------------------------------------------------
 def kv_layout(runner) -> list[tuple[tuple[int, ...], torch.dtype]]:
     """(shape of one block, dtype) of each cache tensor, layer by layer: what runner.read_kv_blocks returns."""
-    return [(tuple(t.shape[1:]), t.dtype) for layer in runner.kv_cache for t in layer]
+    return [(tuple(t.shape[1:]), t.dtype) for layer in runner.kv_cache for t in layer.tensors]
 
 
 def block_bytes(layout) -> int:

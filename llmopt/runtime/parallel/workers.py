@@ -31,6 +31,7 @@ from llmopt.core.errors import ConfigError, LLMOptError, ParallelError
 from llmopt.runtime.engine.config import PROCESSES_PER_CORE, EngineConfig
 from llmopt.runtime.executor.loader import load_runtime_model
 from llmopt.runtime.executor.model_runner import ModelRunner
+from llmopt.runtime.executor.models import RuntimeCheckpoint
 from llmopt.runtime.parallel.group import (
     COLLECTIVE_TIMEOUT_S, SharedMemoryAllReduce, TensorParallelGroup, backend_for, from_wire, launched_by_torchrun,
     launched_rank,
@@ -361,11 +362,11 @@ class ParallelWorkers:
 
 def check_share(model, grid: ParallelGrid) -> None:
     """Refuse a model that was not loaded as rank 0's share of `grid` (plans of the right sizes, load_args kept)."""
-    expected = (("tensor", "shard", "shard_plan", "world", grid.tensor),
-                ("pipeline", "stage", "stage_plan", "stages", grid.stages))
-    for kind, argument, attribute, field, size in expected:
-        plan = getattr(model, attribute, None)
-        if size > 1 and (plan is None or getattr(plan, field) != size or getattr(model, "load_args", None) is None):
+    checkpoint = isinstance(model, RuntimeCheckpoint)
+    expected = (("tensor", "shard", checkpoint and model.shard_plan, "world", grid.tensor),
+                ("pipeline", "stage", checkpoint and model.stage_plan, "stages", grid.stages))
+    for kind, argument, plan, field, size in expected:
+        if size > 1 and (not plan or getattr(plan, field) != size or model.load_args is None):
             raise ConfigError(f"--{kind}-parallel-size {size} needs the model loaded as a rank's share: "
                               f"load_runtime_model(..., {argument}=(rank, {size}))", param=f"{kind}_parallel_size")
 

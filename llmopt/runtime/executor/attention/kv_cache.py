@@ -14,13 +14,13 @@ Layouts:
 from __future__ import annotations
 
 from dataclasses import dataclass, replace
-from typing import Literal
+from typing import Literal, Optional
 
 import numpy as np
 import torch
 
 from llmopt.runtime.executor.host_memory import HUGE_PAGE_BYTES, huge_page_zeros
-from llmopt.runtime.executor.kernels.kv_quant import is_quantized_kv
+from llmopt.runtime.executor.kernels.kv_quant import CODE_MAX
 
 SCALE_DTYPE = torch.float32  # an 8-bit cache's per-vector scales
 
@@ -42,7 +42,12 @@ class KVCacheSpec:
     @property
     def quantized(self) -> bool:
         """Whether the values are 8-bit codes with a scale per token and KV head."""
-        return is_quantized_kv(self.dtype)
+        return self.holds_codes(self.dtype)
+
+    @staticmethod
+    def holds_codes(dtype: torch.dtype) -> bool:
+        """Whether a cache of `dtype` holds 8-bit codes (kernels/kv_quant.py): the one place this is decided."""
+        return dtype in CODE_MAX
 
     @property
     def element_bytes(self) -> int:
@@ -79,22 +84,45 @@ class KVCacheSpec:
 
     def allocate(self, num_blocks: int, block_size: int, device: torch.device) -> KVCache:
         """Per layer: the value tensors, then (8-bit) the key and value scales."""
-        layers = [tuple([zeros_lazily(shape, self.dtype, device) for shape in self.block_shapes(num_blocks, block_size)]
-                        + [zeros_lazily(shape, SCALE_DTYPE, device)
-                           for shape in self.scale_shapes(num_blocks, block_size)])
+        layers = [LayerCache(*[zeros_lazily(shape, self.dtype, device)
+                               for shape in self.block_shapes(num_blocks, block_size)],
+                             *[zeros_lazily(shape, SCALE_DTYPE, device)
+                               for shape in self.scale_shapes(num_blocks, block_size)])
                   for _ in range(self.num_layers)]
         return KVCache(self, num_blocks, block_size, layers)
 
 
+class LayerCache(tuple):
+    """One layer's cache tensors, as a tuple of those it holds (what a KV hand-over copies and the decode graph is
+    given) with each one named. "kv" layout: `key` and `value` [num_blocks, block_size, kv_heads, head_dim], and in
+    8 bits their scales `key_scale`, `value_scale` [num_blocks, block_size, kv_heads] (else None). "latent"
+    layout: `key` alone, each token's [latent ; rope key] row [num_blocks, block_size, 1, latent + rope] (the whole
+    row is the key, its latent part the value)."""
+
+    def __new__(cls, key: torch.Tensor, value: Optional[torch.Tensor] = None,
+                key_scale: Optional[torch.Tensor] = None, value_scale: Optional[torch.Tensor] = None):
+        self = super().__new__(cls, [t for t in (key, value, key_scale, value_scale) if t is not None])
+        self.key, self.value, self.key_scale, self.value_scale = key, value, key_scale, value_scale
+        return self
+
+    @property
+    def scales(self) -> Optional[tuple[torch.Tensor, torch.Tensor]]:
+        """(key scales, value scales) of an 8-bit cache; None for a full-precision one."""
+        return None if self.key_scale is None else (self.key_scale, self.value_scale)
+
+    @property
+    def tensors(self) -> tuple[torch.Tensor, ...]:
+        return tuple(self)
+
+
 @dataclass
 class KVCache:
-    """The allocated cache: `layers[i]` is layer i's (key, value) pair, (key, value, key scales, value scales)
-    in 8 bits, or its (latent,) one-tuple."""
+    """The allocated cache: `layers[i]` is layer i's LayerCache."""
 
     spec: KVCacheSpec
     num_blocks: int
     block_size: int
-    layers: list[tuple[torch.Tensor, ...]]
+    layers: list[LayerCache]
 
     @property
     def num_bytes(self) -> int:
@@ -110,7 +138,7 @@ class KVCache:
     def __len__(self) -> int:
         return len(self.layers)
 
-    def __getitem__(self, layer: int) -> tuple[torch.Tensor, ...]:
+    def __getitem__(self, layer: int) -> LayerCache:
         return self.layers[layer]
 
 

@@ -54,7 +54,7 @@ def block_ranges(kv_cache: KVCache, first: int, stop: int) -> list[tuple[int, in
     (a lazily zeroed tensor's mapping covers its last page: kv_cache.zeros_lazily)."""
     ranges = []
     for layer in kv_cache.layers:
-        for tensor in layer:
+        for tensor in layer.tensors:
             if tensor.device.type != "cpu" or tensor.numel() == 0:
                 continue
             per_block = tensor.nbytes // kv_cache.num_blocks
@@ -78,7 +78,7 @@ def populate(madvise, ranges: list[tuple[int, int]]) -> bool:
 
 def chunk_blocks(kv_cache: KVCache) -> int:
     """Blocks per commit call: about COMMIT_CHUNK_BYTES of the cache's largest tensor."""
-    largest = max(t.nbytes for layer in kv_cache.layers for t in layer)
+    largest = max(t.nbytes for layer in kv_cache.layers for t in layer.tensors)
     return max(1, COMMIT_CHUNK_BYTES * kv_cache.num_blocks // max(largest, 1))
 
 
@@ -142,7 +142,7 @@ def commit_kv_cache(kv_cache: KVCache, mode: str) -> KVCacheCommitter | None:
     """Start committing a CPU cache's memory as `mode` says (KV_CACHE_COMMIT_MODES); None for lazy or GPU."""
     if mode not in KV_CACHE_COMMIT_MODES:
         raise ValueError(f"KV cache commit mode must be one of {', '.join(KV_CACHE_COMMIT_MODES)} (got {mode!r})")
-    if mode == "lazy" or not kv_cache.layers or kv_cache.layers[0][0].device.type != "cpu":
+    if mode == "lazy" or not kv_cache.layers or kv_cache.layers[0].key.device.type != "cpu":
         return None
     committer = KVCacheCommitter(kv_cache)
     if mode == "startup":

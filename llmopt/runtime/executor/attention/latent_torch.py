@@ -17,12 +17,12 @@ class LatentTorchAttention(AttentionBackend):
 
     def store(self, latent, unused, cache, meta):
         """latent [T, 1, latent + rope] into its slots."""
-        rows = cache[0].view(-1, cache[0].shape[-1])
+        rows = cache.key.view(-1, cache.key.shape[-1])
         rows[meta.slot_mapping] = latent.reshape(latent.shape[0], -1).to(rows.dtype)
 
     def attend(self, q, cache, meta, scale, latent_new=None, unused=None):
         """q [T, heads, latent + rope]; each sequence's new queries over its cached rows, causally."""
-        cached = cache[0]
+        cached = cache.key
         num_blocks, block_size, _, width = cached.shape
         rows = cached.view(-1, width)
         value_width = self.value_width

@@ -1,24 +1,60 @@
 """The Triton backend on CUDA (kernels/triton_*): the slot store, split-KV decode and the prefill kernel over
-every sequence of a step."""
+every sequence of a step. Its metadata carries the step's layout as device tensors, built once per step."""
 
 from __future__ import annotations
 
-from llmopt.runtime.executor.attention.base import AttentionBackend, cache_scales, register_attention_backend
-from llmopt.runtime.executor.kernels.attention import triton_available, triton_paged_attention
+from dataclasses import dataclass
+
+import torch
+
+from llmopt.runtime.executor.attention.base import AttentionBackend, register_attention_backend
+from llmopt.runtime.executor.attention.kv_cache import LayerCache
+from llmopt.runtime.executor.attention.metadata import AttentionMetadata
+from llmopt.runtime.executor.kernels.triton_support import triton_available
+
+
+@dataclass
+class TritonMetadata(AttentionMetadata):
+    query_starts_tensor: torch.Tensor | None = None  # [num_seqs + 1] int32
+    context_lens_tensor: torch.Tensor | None = None  # [num_seqs] int32
+    block_tables_tensor: torch.Tensor | None = None  # [num_seqs, max_blocks] int32, padded with block 0
+    max_new_tokens: int = 0  # the most new tokens of any sequence this step
 
 
 @register_attention_backend
 class TritonAttention(AttentionBackend):
-    name, priority, layouts = "triton", 20, ("kv",)
+    name, priority, layouts, device_type = "triton", 20, ("kv",), "cuda"
 
     @classmethod
-    def accepts(cls, device, layout, fast, quantized=False):
-        return device.type == "cuda" and super().accepts(device, layout, fast, quantized) and triton_available()
+    def available(cls) -> bool:
+        return triton_available()
 
-    def store(self, k, v, cache, meta):
+    def build_metadata(self, query_starts, context_lens, block_tables, slot_mapping, block_size, device="cpu"
+                       ) -> TritonMetadata:
+        width = max(len(t) for t in block_tables)
+        return TritonMetadata.build(
+            query_starts, context_lens, block_tables, slot_mapping, block_size, device,
+            query_starts_tensor=torch.tensor(query_starts, dtype=torch.int32, device=device),
+            context_lens_tensor=torch.tensor(context_lens, dtype=torch.int32, device=device),
+            block_tables_tensor=torch.tensor([t + [0] * (width - len(t)) for t in block_tables], dtype=torch.int32,
+                                             device=device),
+            max_new_tokens=max(b - a for a, b in zip(query_starts, query_starts[1:])))
+
+    def store(self, k, v, cache: LayerCache, meta: TritonMetadata) -> None:
         from llmopt.runtime.executor.kernels.triton_store_kv import store_kv
 
-        store_kv(k, v, cache[0], cache[1], meta.slot_mapping, cache_scales(cache))
+        store_kv(k, v, cache.key, cache.value, meta.slot_mapping, cache.scales)
 
-    def attend(self, q, cache, meta, scale, k_new, v_new):
-        return triton_paged_attention(q, cache[0], cache[1], meta, scale, cache_scales(cache))
+    def attend(self, q, cache: LayerCache, meta: TritonMetadata, scale: float, k_new=None, v_new=None):
+        """Decode-only steps: the split-KV decode kernel; steps with prefill chunks: the prefill kernel over every
+        sequence (a decode is a one-token chunk). An 8-bit cache's codes are decoded in registers."""
+        from llmopt.runtime.executor.kernels.triton_decode_attention import decode_attention
+        from llmopt.runtime.executor.kernels.triton_prefill_attention import prefill_attention
+
+        if not meta.prefills:
+            return decode_attention(q, cache.key, cache.value, meta.block_tables_tensor, meta.context_lens_tensor,
+                                    scale, scales=cache.scales)
+        new = meta.max_new_tokens
+        return prefill_attention(q, cache.key, cache.value, meta.query_starts_tensor, meta.context_lens_tensor,
+                                 meta.block_tables_tensor, scale, new, block_m=16 if new <= 16 else 64,
+                                 scales=cache.scales)

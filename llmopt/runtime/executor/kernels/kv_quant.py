@@ -27,10 +27,6 @@ KV_CODE_DTYPES = {"int8": torch.int8, "fp8": torch.float8_e4m3fn}
 CODE_MAX = {torch.int8: INT8_MAX, torch.float8_e4m3fn: E4M3_MAX}
 
 
-def is_quantized_kv(dtype: torch.dtype) -> bool:
-    return dtype in CODE_MAX
-
-
 def kv_scales(x: torch.Tensor, code_dtype: torch.dtype) -> torch.Tensor:
     """x [..., head_dim] -> the fp32 scale of each vector [...]: amax / the code's largest value."""
     return exact_quotient(x.abs().amax(dim=-1).float(), CODE_MAX[code_dtype])  # (as the CPU divides, on CUDA too)

@@ -8,7 +8,7 @@ where there are only num_kv_heads programs per sequence otherwise.
 Shapes: q [B, H, D]; k_cache / v_cache [num_blocks, block_size, KVH, D]; block_tables [B, max_blocks] int32;
 context_lens [B] int32; out [B, H, D]. An 8-bit cache (kernels/kv_quant.py) adds its fp32 scales [num_blocks,
 block_size, KVH]: codes are decoded in registers (`dequantize_codes`) and multiplied by their token's scale.
-Reference: `kernels.attention._attend_decodes`.
+Reference: `attention.torch_sdpa.TorchAttention.decode`.
 """
 
 from __future__ import annotations

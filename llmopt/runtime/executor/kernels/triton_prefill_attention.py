@@ -6,7 +6,7 @@ One program per (sequence, query head, block of BLOCK_M new tokens); online soft
 Shapes: q [T, H, D] (sequences concatenated); query_starts [S + 1] int32; context_lens [S] int32;
 block_tables [S, max_blocks] int32; caches [num_blocks, page, KVH, D]; out [T, H, D]. An 8-bit cache's codes
 are decoded in registers and scaled per token (as the decode kernel does).
-Reference: `kernels.attention.paged_attention` (prefill groups).
+Reference: `attention.torch_sdpa.TorchAttention.attend` (prefill groups).
 """
 
 from __future__ import annotations

@@ -4,7 +4,7 @@ One program per token. Shapes: k, v [T, KVH, D]; k_cache / v_cache [num_blocks, 
 slot_mapping [T] (block * block_size + offset; negative = skip, e.g. padding).
 An 8-bit cache gets the codes and scales of kv_quant.quantize_kv (computed in torch, so every device rounds
 alike; the kernel then copies codes [T, KVH * D] and scales [T, KVH]).
-Reference: `kernels.attention.store_kv`.
+Reference: `attention.torch_sdpa.store_kv`.
 """
 
 from __future__ import annotations

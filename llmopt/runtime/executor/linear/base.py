@@ -86,7 +86,7 @@ class LinearMethod(nn.Module):
 
 def triton_on(device: torch.device) -> bool:
     """Whether the Triton methods can run on `device`: CUDA, with triton installed."""
-    from llmopt.runtime.executor.kernels.attention import triton_available
+    from llmopt.runtime.executor.kernels.triton_support import triton_available
 
     return device.type == "cuda" and triton_available()
 

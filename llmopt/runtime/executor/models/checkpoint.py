@@ -12,16 +12,19 @@ from torch import nn
 
 class RuntimeCheckpoint(nn.Module):
     """config, and (name, tensor | linear) pairs in checkpoint order; the tensors and linears are registered, so
-    `parameters()` and `modules()` see them. `llmopt_activations`: the input-activation setting its linear methods
-    were chosen for."""
+    `parameters()` and `modules()` see them."""
 
-    def __init__(self, config, weights: Iterator[tuple[str, object]], activations: str = "float", shard_plan=None):
-        """shard_plan: the tensor-parallel share the weights were narrowed to (parallel.sharding.ShardPlan)."""
+    def __init__(self, config, weights: Iterator[tuple[str, object]], activations: str = "float", shard_plan=None,
+                 stage_plan=None, load_args: dict | None = None):
+        """activations: the input-activation setting its linear methods were chosen for (EngineConfig.activations);
+        shard_plan: the tensor-parallel share the weights were narrowed to (sharding.ShardPlan); stage_plan: the
+        pipeline stage whose layers it holds (sharding.StagePlan); load_args: load_runtime_model's arguments, with
+        which the engine's other ranks load their shares."""
         super().__init__()
         self.config = config
-        self.shard_plan = shard_plan
+        self.shard_plan, self.stage_plan, self.load_args = shard_plan, stage_plan, load_args
         self.name_or_path = getattr(config, "_name_or_path", "")
-        self.llmopt_activations = activations
+        self.activations = activations
         self.tensors = nn.ParameterList()
         self.linears = nn.ModuleList()
         self._order: list[tuple[str, str, int]] = []  # (name, "tensor" | "linear", index)

@@ -17,7 +17,8 @@ from __future__ import annotations
 import torch
 
 from llmopt.runtime.executor.attention import KVCache
-from llmopt.runtime.executor.kernels.attention import AttentionMetadata, narrowing_cache
+from llmopt.runtime.executor.attention.cpu import narrowing_cache
+from llmopt.runtime.executor.attention.metadata import AttentionMetadata
 from llmopt.runtime.executor.kernels.cpu_ops import decode_graph_class
 
 # Decode steps of up to this many sequences (the 8-bit inputs' kernels' rows: q8_inputs.Q8InputsMixin); beyond,
@@ -48,7 +49,7 @@ def new_graph(decoder, calls: list[tuple], kv_cache: KVCache):
     for i, (block, next_norm, cache) in enumerate(zip(decoder.blocks, next_norms, kv_cache)):
         for op, tensors, ints, bias in calls[4 * i:4 * i + 4]:
             graph.add_linear(op, list(tensors), list(ints), bias)
-        graph.add_layer(block.post_norm.weight, block.post_norm.eps, next_norm.weight, next_norm.eps, list(cache))
+        graph.add_layer(block.post_norm.weight, block.post_norm.eps, next_norm.weight, next_norm.eps, list(cache.tensors))
     return graph
 
 
@@ -90,5 +91,5 @@ def supports(decoder, kv_cache: KVCache) -> bool:
     spec = kv_cache.spec
     # (fused_ops: the compiled kernels are built, the graph class with them)
     return (decoder.fused_ops is not None and decoder.group is None and spec.layout == "kv"
-            and getattr(decoder.attention, "decode_graph", False)
+            and decoder.attention.decode_graph
             and (spec.dtype == decoder.dtype or spec.quantized or narrowing_cache(decoder.dtype, spec.dtype)))

@@ -22,8 +22,9 @@ from torch import nn
 from llmopt.core.adapters import adapter_for
 from llmopt.core.errors import UnsupportedArchitectureError
 from llmopt.runtime.executor.attention import AttentionBackend, KVCache, KVCacheSpec
-from llmopt.runtime.executor.kernels.attention import AttentionMetadata
+from llmopt.runtime.executor.attention.metadata import AttentionMetadata
 from llmopt.runtime.executor.linear import fuse_linears
+from llmopt.runtime.executor.models.base import RuntimeDecoder
 from llmopt.runtime.executor.models.weights import DecoderWeights, rope_tables
 from llmopt.runtime.executor.models.registry import register_model_family
 
@@ -86,7 +87,7 @@ def softmax_scale(config) -> float:
 
 
 @register_model_family("deepseek_v2", "deepseek_v3")
-class DeepseekMlaDecoder(nn.Module):
+class DeepseekMlaDecoder(RuntimeDecoder):
     cache_layout = "latent"
 
     def __init__(self, config, weights, attention: AttentionBackend, fast: bool, dtype: torch.dtype,

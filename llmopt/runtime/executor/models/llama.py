@@ -23,9 +23,11 @@ from torch import nn
 
 from llmopt.core.adapters import attention_geometry
 from llmopt.runtime.executor.attention import AttentionBackend, KVCache, KVCacheSpec
-from llmopt.runtime.executor.kernels.attention import AttentionMetadata, triton_available
+from llmopt.runtime.executor.attention.metadata import AttentionMetadata
+from llmopt.runtime.executor.kernels.triton_support import triton_available
 from llmopt.runtime.executor.kernels.cpu_ops import GEMV_BATCHED_ROWS, cpu_ops
 from llmopt.runtime.executor.linear import fuse_linears
+from llmopt.runtime.executor.models.base import RuntimeDecoder
 from llmopt.runtime.executor.models.decode_graph import DecodeGraphs
 from llmopt.runtime.executor.models.decode_graph import supports as decode_graph_supports
 from llmopt.runtime.executor.models.registry import register_model_family
@@ -119,12 +121,13 @@ def fused_ops_for(device: torch.device):
 
 
 @register_model_family("llama", "mistral", "qwen2", "qwen3", "phi3")
-class LlamaFamilyDecoder(nn.Module):
+class LlamaFamilyDecoder(RuntimeDecoder):
     """Built from a config and its weights by name (models/weights.py): each checkpoint tensor or linear goes to
     the loader registered for its name; the packed modules' parts are then fused."""
 
     cache_layout = "kv"
     tensor_parallel = True  # its checkpoints shard by parallel.sharding.ShardPlan
+    lm_head_quantizable = True
 
     def __init__(self, config, weights, attention: AttentionBackend, fast: bool, dtype: torch.dtype,
                  device: torch.device, plan: ShardPlan | None = None, group: TensorParallelGroup | None = None,
@@ -187,6 +190,10 @@ class LlamaFamilyDecoder(nn.Module):
         self.logits_head = make_linear(qweight, weight.dtype, weight.device, input_activations)
         self._gemv_weight = None  # (the head's own kernels serve batch 1 too)
         return method_name(self.logits_head)
+
+    @property
+    def decode_graphs_possible(self) -> bool:
+        return True
 
     def build_decode_graphs(self, kv_cache: KVCache) -> list[int]:
         """Decode steps over `kv_cache` run their layers as one compiled call from now on, where this model and
