@@ -12,7 +12,7 @@ from rich.table import Table
 def main() -> None:
     from llmopt.core.datasets import tokenize_corpus
     from llmopt.core.hardware import cpu_line, resolve_dtype
-    from llmopt.export.load import load_model
+    from llmopt.formats.load import load_model
     from llmopt.eval.perplexity import perplexity
     from llmopt.runtime.engine.engine import Engine
     from llmopt.eval.hf_baseline import encode_prompts

@@ -5,7 +5,7 @@
 # the fp16 cache, then the low-precision GEMM rates at 4096^3 (llmopt's Triton
 # W8A8 int8 / FP8 and FP8 / NVFP4-weight kernels vs torch._int_mm / _scaled_mm), 2:4 sparse linears at 4096 x 4096
 # (fp16 and int4, batch 1 and 512, vs dense), decode steps at batch 1 / 16 / 64 with a profile of where a
-# batch-1 step's time goes (benchmarks/gpu_step.py), and the tensor-parallel
+# batch-1 step's time goes (benchmarks/gpu/gpu_step.py), and the tensor-parallel
 # collectives over NCCL with one rank. Prints everything; paste the
 # output into docs/results/gpu.md.
 #   bash scripts/gpu_check.sh            (needs python with torch+CUDA and triton; installs llmopt --no-deps)
@@ -56,7 +56,7 @@ step "batch-1 decode: fp16 vs int4 (SmolLM2-135M shape, random weights)" \
   --max-concurrency 1 --input-len 128 --output-len 128 --peak-bandwidth 4800 --peak-flops 989 \
   --json "$RESULTS/bench.json"
 step "decode steps at batch 1 / 16 / 64, exact and fast (Triton fused) paths, and where a batch-1 step's time goes" \
-  timeout 200 $PY benchmarks/gpu_step.py "$MODEL" "$MODEL-w4" --device "$DEVICE" --steps 10 \
+  timeout 200 $PY benchmarks/gpu/gpu_step.py "$MODEL" "$MODEL-w4" --device "$DEVICE" --steps 10 \
   --json "$RESULTS/gpu_step.json"
 step "the capacity planner's prediction for the bench above (SmolLM2 shape, int4 g64, batch 1, 128/128), to compare" \
   $PY -m llmopt plan "$MODEL" --hardware h200 --workload batch1 --schemes int4-g64,fp16 --kv-dtypes fp16 --rows 4
@@ -68,9 +68,9 @@ step "8-bit KV cache: 16 x 4,096-token prompts, int8 vs fp16 cache" \
 step "parallel engines: the NCCL path with one rank (a TP group's all-reduce and gather on CUDA)" \
   timeout 120 $PY -m pytest -q -p no:cacheprovider tests/runtime/test_tensor_parallel.py -k nccl
 step "low-precision GEMMs at 4096^3: llmopt's Triton kernels vs torch's _int_mm / _scaled_mm" \
-  timeout 120 $PY benchmarks/lowprec_gpu.py --device "$DEVICE" --json "$RESULTS/lowprec_gpu.json"
+  timeout 120 $PY benchmarks/gpu/lowprec_gpu.py --device "$DEVICE" --json "$RESULTS/lowprec_gpu.json"
 step "2:4 sparse linears at 4096 x 4096, 1 and 512 rows: fp16 and int4, each vs its dense kind" \
-  timeout 120 $PY benchmarks/sparse_gpu.py --device "$DEVICE" --json "$RESULTS/sparse_gpu.json"
+  timeout 120 $PY benchmarks/gpu/sparse_gpu.py --device "$DEVICE" --json "$RESULTS/sparse_gpu.json"
 if [ ${#FAILED[@]} -gt 0 ]; then
   printf 'failed steps (%d):\n' "${#FAILED[@]}"; printf '  %s\n' "${FAILED[@]}"; exit 1
 fi

@@ -27,7 +27,7 @@ def tiny_gptq_artifact(tmp_path_factory):
 
     from llmopt.compress.api import make_config, quantize_model
     from llmopt.core.tiny import build_tiny_model
-    from llmopt.export.artifact import write_model_artifact
+    from llmopt.formats.artifact import write_model_artifact
 
     model, tok = build_tiny_model("llama", seed=0)
     config = make_config("gptq", bits=4, group_size=32, calib="pystdlib", num_samples=4, seqlen=32)
@@ -39,7 +39,7 @@ def tiny_gptq_artifact(tmp_path_factory):
 @pytest.fixture(scope="session")
 def smollm2():
     """SmolLM2-135M loaded once per session (fp32)."""
-    from llmopt.export.load import load_model
+    from llmopt.formats.load import load_model
 
     model, tokenizer, source = load_model("smollm2-135m")
     return model, tokenizer, source

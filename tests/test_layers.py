@@ -2,6 +2,8 @@
 or sideways within its layer, and no set of modules may import each other in a cycle."""
 
 import ast
+import inspect
+import re
 from pathlib import Path
 
 import pytest
@@ -11,9 +13,9 @@ PACKAGE = Path(__file__).resolve().parents[1] / "llmopt"
 LAYERS = [
     ("core",),
     ("compress", "distill"),
-    ("export",),
+    ("formats",),
     ("runtime",),
-    ("pipelines",),
+    ("jobs",),
     ("serve",),
     ("eval",),
     ("recipe", "report", "planner"),
@@ -89,6 +91,50 @@ def test_the_engine_half_of_the_runtime_touches_no_tensors():
     assert not bad, "\n".join(bad)
 
 
+# Inside the runtime, lowest first: the kernels, the distributed pieces the models are built on (process groups,
+# sharding plans, pipeline stages), the rest of the executor, speculative decoding, then the fronts above the
+# Engine. (The tensor-free engine is checked below: only its Engine reaches the executor.)
+RUNTIME_LAYERS = ["executor.kernels", "distributed", "executor", "spec_decode", "fronts"]
+
+
+def runtime_layer(module: str) -> int | None:
+    """The rank in RUNTIME_LAYERS of a runtime module (its longest matching prefix), None outside them."""
+    for rank, name in sorted(enumerate(RUNTIME_LAYERS), key=lambda item: -len(item[1])):
+        prefix = f"llmopt.runtime.{name}"
+        if module == prefix or module.startswith(prefix + "."):
+            return rank
+    return None
+
+
+def test_inside_the_runtime_no_import_points_upward():
+    bad = []
+    for module, deps in modules().items():
+        here = runtime_layer(module)
+        if here is None:
+            continue
+        for dep in deps:
+            there = runtime_layer(dep)
+            if there is not None and there > here:
+                bad.append(f"{module} -> {dep}")
+    assert not bad, "imports against the runtime's layer order:\n" + "\n".join(sorted(bad))
+
+
+def test_every_engine_front_is_an_engine_client():
+    """The one-process Engine and each multi-process front have every member of the written protocol."""
+    from llmopt.runtime.engine.client import EngineClient
+    from llmopt.runtime.engine.engine import Engine
+    from llmopt.runtime.fronts.data_parallel import DataParallelEngine
+    from llmopt.runtime.fronts.disaggregated import DisaggregatedEngine
+
+    members = [m for m in dir(EngineClient) if not m.startswith("_")]
+    attributes = list(EngineClient.__annotations__)
+    for front in (Engine, DataParallelEngine, DisaggregatedEngine):
+        missing = [m for m in members if not hasattr(front, m)]
+        sources = "".join(inspect.getsource(c) for c in front.__mro__ if c.__module__.startswith("llmopt."))
+        missing += [a for a in attributes if not re.search(rf"self\.{a}\b[\w\s,.]*=", sources)]
+        assert not missing, f"{front.__name__} lacks {missing}"
+
+
 def test_no_import_cycles():
     graph = modules()
     state: dict[str, int] = {}  # 1 visiting, 2 done
@@ -110,8 +156,8 @@ def test_no_import_cycles():
     assert not cycles, "import cycles:\n" + "\n".join(cycles)
 
 
-@pytest.mark.parametrize("module, dep", [("llmopt.core.models", "llmopt.export.read"),
-                                         ("llmopt.export.read", "llmopt.runtime.executor.linear")])
+@pytest.mark.parametrize("module, dep", [("llmopt.core.models", "llmopt.formats.read"),
+                                         ("llmopt.formats.read", "llmopt.runtime.executor.linear")])
 def test_the_check_would_catch_an_upward_import(module, dep):
     assert RANK[top_package(dep)] >= RANK[top_package(module)]
 

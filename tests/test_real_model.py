@@ -48,8 +48,8 @@ def test_smollm2_rtn_artifact_round_trip_and_transformers_load(smollm2, tmp_path
     from llmopt.compress.api import make_config, quantize_model
     from llmopt.core.datasets import tokenize_corpus
     from llmopt.eval.perplexity import perplexity
-    from llmopt.export.artifact import write_model_artifact
-    from llmopt.export.read import load_artifact_model
+    from llmopt.formats.artifact import write_model_artifact
+    from llmopt.formats.read import load_artifact_model
 
     model, tokenizer, _ = smollm2
     quantized = copy.deepcopy(model)

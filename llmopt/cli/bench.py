@@ -69,8 +69,8 @@ def bench(
     from llmopt.cli.output import progress_bar, stderr, stdout
     from llmopt.core.errors import ConfigError
     from llmopt.eval.metrics import parse_slo
-    from llmopt.eval.speed import BenchConfig, HttpTarget
-    from llmopt.eval.speed import bench as run_bench
+    from llmopt.eval.bench import BenchConfig, HttpTarget
+    from llmopt.eval.bench import bench as run_bench
     from llmopt.eval.workloads import WorkloadSpec
 
     if json_out is not None:

@@ -116,7 +116,7 @@ def distill(
         raise ConfigError("llmopt distill needs the distill extra: pip install 'llmopt[distill]'") from None
     from llmopt.distill.config import make_distill_config
     from llmopt.distill.trainer import Interrupted
-    from llmopt.pipelines.distill import distill_to_artifact, train_medusa_heads
+    from llmopt.jobs.distill import distill_to_artifact, train_medusa_heads
 
     config = make_distill_config(
         teacher=teacher, student=student, student_layers=student_layers, init=init, data=data,

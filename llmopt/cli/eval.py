@@ -33,7 +33,7 @@ def load_for_eval(model: str, resolved_dtype: str, device: str, trust_remote_cod
         scorer = Engine(lm, tokenizer, engine, record_steps=False)
         return scorer, tokenizer, lm.config, {"backend": "runtime", "kv_cache_dtype": scorer.runner.kv_dtype_label,
                                               "attention_backend": scorer.runner.decoder.attention.name}
-    from llmopt.export.load import load_model
+    from llmopt.formats.load import load_model
 
     lm, tokenizer, _ = load_model(model, dtype=resolved_dtype, device=device, trust_remote_code=trust_remote_code)
     return lm, tokenizer, lm.config, {"backend": "hf"}

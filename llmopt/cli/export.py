@@ -23,11 +23,11 @@ def export(
 ) -> None:
     """Convert ARTIFACT to --format, or say why the target cannot express it."""
     if fmt.value == "gguf":
-        from llmopt.export.gguf import export_gguf
+        from llmopt.formats.gguf import export_gguf
 
         facts = export_gguf(artifact, output, overwrite, trust_remote_code)
     else:
-        from llmopt.export.convert import export_artifact
+        from llmopt.formats.convert import export_artifact
 
         facts = export_artifact(artifact, output, fmt.value, overwrite, trust_remote_code)
     if as_json:

@@ -37,7 +37,7 @@ def generate(
     """Generate a completion for each --prompt."""
     from llmopt.core.errors import ConfigError
     from llmopt.core.models import check_within_context
-    from llmopt.export.load import load_model
+    from llmopt.formats.load import load_model
     from llmopt.eval.hf_baseline import encode_prompts, hf_generate
     from llmopt.runtime.engine.engine import Engine
     from llmopt.runtime.engine.sampling import SamplingParams

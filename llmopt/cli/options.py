@@ -69,9 +69,9 @@ def choices(name: str, values: list[str]) -> type[Enum]:
 # Choices read from the registries' declarations in their packages' source (core.registry.declared_names), so
 # that `--help` does not import torch and a new method's module appears here by itself.
 QuantMethod = choices("QuantMethod", declared_names("llmopt.compress", "QUANT_METHODS"))
-FormatName = choices("FormatName", declared_names("llmopt.export", "FORMATS"))
+FormatName = choices("FormatName", declared_names("llmopt.formats", "FORMATS"))
 # `llmopt export` also writes one GGUF file (llama.cpp's format), which is not a checkpoint-folder format
-ExportFormatName = choices("ExportFormatName", [*declared_names("llmopt.export", "FORMATS"), "gguf"])
+ExportFormatName = choices("ExportFormatName", [*declared_names("llmopt.formats", "FORMATS"), "gguf"])
 PruneMethod = choices("PruneMethod", declared_names("llmopt.compress", "PRUNE_METHODS"))
 StructuredKind = choices("StructuredKind", ["mlp", "heads", "layers"])
 SchemeName = choices("SchemeName", list(QUANTIZE_PRESETS))
@@ -182,12 +182,6 @@ def _speculative(values: dict) -> SpeculativeConfig | None:
         raise ConfigError(f"{_flag(misplaced[0])} applies to --speculative ngram only (not {config.method})",
                           param=misplaced[0])
     return config
-
-
-def with_speculative_options(command):
-    """Add the speculative decoding options to a command; it receives `speculative`, a SpeculativeConfig or
-    None."""
-    return _with_options(command, "speculative", SPECULATIVE_OPTIONS, _speculative)
 
 
 ENGINE_PANEL = "Engine (EngineConfig)"

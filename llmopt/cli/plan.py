@@ -37,7 +37,7 @@ def plan(
     from dataclasses import replace
 
     from llmopt.cli.output import print_json, print_table, stdout
-    from llmopt.planner.hardware import hardware_spec
+    from llmopt.planner.device_specs import hardware_spec
     from llmopt.planner.plan import Slo, check_fits_context, check_rate, plan_workload, recommend
     from llmopt.planner.shape import model_shape
 

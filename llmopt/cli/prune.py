@@ -43,7 +43,7 @@ def prune(
     """Prune MODEL: zero weights (--method with --sparsity or --pattern), or shrink it (--structured --ratio)."""
     from llmopt.core.errors import ConfigError
     from llmopt.core.offload import parse_memory
-    from llmopt.pipelines.prune import prune_config, prune_to_artifact
+    from llmopt.jobs.prune import prune_config, prune_to_artifact
 
     if structured is not None:
         if method is not None or sparsity is not None or pattern is not None:

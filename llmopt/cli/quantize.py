@@ -86,7 +86,7 @@ def quantize(
 ) -> None:
     """Quantize MODEL's decoder linears and write an artifact loadable everywhere a MODEL is accepted."""
     from llmopt.compress.api import quantize_configs, with_scheme_prepasses
-    from llmopt.pipelines.quantize import quantize_to_artifact
+    from llmopt.jobs.quantize import quantize_to_artifact
     from llmopt.core.errors import ConfigError
     from llmopt.core.offload import parse_memory
 

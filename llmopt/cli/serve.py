@@ -72,7 +72,7 @@ def serve(
                  f"({server.engine.engine.kv_cache_info()['summary']})", highlight=False, markup=False, soft_wrap=True)
     # what is loaded by now (the model's modules, the tokenizer: ~435k objects for SmolLM2) lives as long as the
     # process: kept out of the garbage collector's full passes, each of which stalled the event loop, and so every
-    # stream, for ~250 ms (2-core EPYC)
+    # stream, for a quarter of a second (docs/results/code-figures.md#gc-freeze)
     gc.collect()
     gc.freeze()
     http = uvicorn.Server(uvicorn.Config(app, host=host, port=port, log_level="warning",

@@ -36,7 +36,3 @@ def nm_mask(scores: torch.Tensor, n: int, m: int) -> torch.Tensor:
     return torch.zeros_like(grouped, dtype=torch.bool).scatter_(2, idx, True).view(rows, k)
 
 
-def check_nm(weight: torch.Tensor, n: int, m: int) -> bool:
-    """True if every M consecutive inputs of every row hold at most N non-zeros."""
-    rows, k = weight.shape
-    return bool(((weight.reshape(rows, k // m, m) != 0).sum(-1) <= n).all())

@@ -186,6 +186,3 @@ def modules_beside_layers(model: nn.Module) -> list[tuple[str, nn.Module]]:
             if name != layers]
 
 
-def layer_linears(layer: nn.Module, adapter: ArchAdapter) -> dict[str, nn.Linear]:
-    """The adapter's linears present in one decoder layer, by relative path."""
-    return {name: get_module(layer, name) for name in adapter.linears}

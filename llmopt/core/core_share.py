@@ -2,8 +2,8 @@
 
 A parallel region gives each of torch's threads an equal share and waits for the last one. When another process
 keeps one of this process's cores busy, the thread on that core runs at half speed (or less, while its peers spin
-waiting for it), and every region waits for it: on a 2-core machine beside one busy single-threaded process, a
-SmolLM2 bench at 2 threads kept 0.29x of its quiet throughput, at 1 thread 0.56-0.75x (docs/results/reliability.md).
+waiting for it), and every region waits for it: beside one busy single-threaded process a bench with a thread
+per core kept a fraction of its quiet throughput, less than with one thread fewer (docs/results/reliability.md).
 `CoreShare.limited()` runs one unit of work (an engine step, a calibrated layer) with as many threads as cores are
 left: it measures, at most once per ADAPT_INTERVAL_S, how much of this process's cores other processes used
 (/proc/stat, less this process's own time; niced processes are not counted: they yield to this one), and puts

@@ -7,6 +7,8 @@ Every message says what went wrong *and what to do*; the CLI prints it as one re
 class LLMOptError(Exception):
     """Base class: a problem the user can fix. The message is shown as-is."""
 
+    param: str | None = None  # the setting at fault, where one is (ConfigError sets it)
+
 
 class ModelNotFoundError(LLMOptError):
     """A MODEL argument resolved to nothing loadable."""

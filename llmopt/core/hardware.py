@@ -10,8 +10,7 @@
 - `resolve_dtype("auto")`: bf16 compute only where it is fast: CUDA, and CPUs that multiply bf16 natively
   (AVX512_BF16, AMX-BF16, Arm BF16) *and* whose measured bf16 GEMM rate is at least their fp32 rate; else fp32.
   On a CPU without bf16 units torch's bf16 matmuls run 3-80x slower than fp32; with AVX512_BF16 but no AMX
-  (vdpbf16ps only) oneDNN's bf16 GEMMs can still trail MKL's fp32 ones (166 vs 269 GFLOP/s measured on one
-  such Xeon, where fp32 also served and calibrated faster).
+  (vdpbf16ps only) oneDNN's bf16 GEMMs can still trail MKL's fp32 ones (docs/results/cpu.md).
 - `measured_rates()`: memory bandwidth and fp32 / bf16 GEMM rates, measured once per machine and cached under
   $LLMOPT_HOME/hardware; `peak_flops()` combines them with the units' theoretical rate for MFU.
 """

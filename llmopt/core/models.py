@@ -317,7 +317,7 @@ def resolve_dtype_name(dtype: str, device: str) -> str:
 def load_dense_model(source: ModelSource, dtype: str = "float32", device: str = "cpu",
                      trust_remote_code: bool = False):
     """A Hugging Face model folder, alias, converted GGUF or hub model as a transformers model in eval mode
-    (llmopt artifacts with packed weights are read by llmopt.export.load.load_model)."""
+    (llmopt artifacts with packed weights are read by llmopt.formats.load.load_model)."""
     from transformers import AutoModelForCausalLM
 
     from transformers.utils import logging as hf_logging
@@ -349,10 +349,15 @@ def check_loading_info(source: ModelSource, info: dict) -> None:
                                  "incomplete or belongs to another model; re-create or re-download it")
 
 
+def model_limits(config) -> tuple[int | None, int | None]:
+    """(longest sequence, vocabulary size) a model config states; None for what it does not state."""
+    return getattr(config, "max_position_embeddings", None), getattr(config, "vocab_size", None)
+
+
 def check_within_context(tokens: int, config, what: str) -> None:
     """Refuse a length beyond the model's context (positions it was never trained on give silently wrong
     results, not an error)."""
-    limit = getattr(config, "max_position_embeddings", None)
+    limit = model_limits(config)[0]
     if limit and tokens > limit:
         raise ConfigError(f"{what} is {tokens} tokens, beyond the model's context of {limit} "
                           f"(max_position_embeddings): use at most {limit}", param=what)

@@ -1,6 +1,6 @@
 """The model being trained: a copy of the teacher made smaller (layers kept or dropped), a dense or pruned
 artifact, a sparse (N:M / unstructured) artifact whose zeros stay zero, or an int-quantized artifact trained
-through fake quantization (fake_quant.FakeQuantLinear). Loading them is pipelines.distill_students' job."""
+through fake quantization (fake_quant.FakeQuantLinear). Loading them is jobs.distill_students' job."""
 
 from __future__ import annotations
 

@@ -219,7 +219,7 @@ class Distiller(TrainingLoop):
         """Student continuations of each window's first on_policy_prompt_len tokens, from the current weights;
         (ids [B, seqlen], prompt length)."""
         if self.generate is None:
-            raise LLMOptError("on-policy batches need a generator (pipelines.distill passes the runtime engine's)")
+            raise LLMOptError("on-policy batches need a generator (jobs.distill passes the runtime engine's)")
         prompt_len = min(self.config.on_policy_prompt_len, input_ids.shape[1] - 1)
         new = input_ids.shape[1] - prompt_len
         model = self.accelerator.unwrap_model(self.model)

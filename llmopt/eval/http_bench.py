@@ -3,7 +3,7 @@ llama-server): streaming requests sent at their arrival times under a concurrenc
 arrival is a token time (TTFT, ITL), the usage block gives the token counts.
 
 The client is aiohttp's (as vLLM's serving benchmark): its own cost is in every time it measures, and httpx's
-added 2-6 ms to each time to first token on a 2-core machine where aiohttp adds ~0.5 (a raw socket as reference)."""
+added several times aiohttp's to each time to first token (docs/results/code-figures.md#http-client)."""
 
 from __future__ import annotations
 
@@ -113,7 +113,7 @@ async def _run(base_url: str, endpoint: str, model: str, requests: list[BenchReq
     timeout = aiohttp.ClientTimeout(total=None, sock_connect=60, sock_read=600)
     async with aiohttp.ClientSession(headers=headers, connector=connector, timeout=timeout) as session:
         # one connection opened before the clock starts (GET /models; any status will do): the first request's
-        # time to first token is then the server's, not this client's connection set-up (+2-3 ms measured here)
+        # time to first token is then the server's, not this client's connection set-up
         async with session.get(base_url.rstrip("/") + "/models") as response:
             await response.read()
         start = time.perf_counter()

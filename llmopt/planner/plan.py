@@ -22,7 +22,7 @@ from pydantic import BaseModel, ConfigDict, Field, StrictInt, ValidationError
 from llmopt.core.errors import ConfigError, file_problem
 from llmopt.core.io import read_mapping_file
 from llmopt.core.registry import Registry
-from llmopt.planner.hardware import HardwareSpec
+from llmopt.planner.device_specs import HardwareSpec
 from llmopt.planner.roofline import Instance
 from llmopt.planner.shape import ModelShape, weight_scheme
 

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from llmopt.planner.hardware import HardwareSpec
+from llmopt.planner.device_specs import HardwareSpec
 from llmopt.planner.shape import ModelShape, WeightScheme
 
 ACTIVATION_BYTES = 2  # bf16 activations on the wire (fp32 under an fp32 scheme)

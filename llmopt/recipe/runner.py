@@ -96,7 +96,7 @@ class RecipeRunner:
 
     def evaluate(self, model: str, key: str, dtype: str | None = None) -> dict:
         from llmopt.core.datasets import tokenize_corpus
-        from llmopt.export.load import load_model
+        from llmopt.formats.load import load_model
         from llmopt.eval.perplexity import perplexity
         from llmopt.eval.tasks import evaluate_task
 
@@ -137,7 +137,7 @@ class RecipeRunner:
 
         def measure(name: str, workload, config):
             from llmopt.core.hardware import resolve_dtype
-            from llmopt.eval.speed import HttpTarget, bench_hf, bench_http, bench_runtime
+            from llmopt.eval.bench import HttpTarget, bench_hf, bench_http, bench_runtime
             from llmopt.serve.launch import serving
 
             if through_hf:
@@ -149,7 +149,7 @@ class RecipeRunner:
 
         def compute():
             from llmopt.eval.metrics import parse_slo
-            from llmopt.eval.speed import BenchConfig
+            from llmopt.eval.bench import BenchConfig
             from llmopt.eval.workloads import WorkloadSpec
 
             workload = WorkloadSpec(spec.dataset, spec.num_requests, spec.input_len, spec.output_len,

@@ -151,7 +151,7 @@ class BenchSpec(_Strict):
         return name
 
 
-# stages that leave a quantized model, and the stages that refuse one as input (pipelines.common)
+# stages that leave a quantized model, and the stages that refuse one as input (jobs.common)
 QUANTIZING_STAGES = {"quantize", "bnb"}
 QUANTIZED_INPUT_REFUSED = {"quantize", "prune", "cast"}
 

@@ -79,7 +79,7 @@ def _split_prune(options: dict) -> tuple[dict, int | None]:
 
 def _validate_quantize(options: dict) -> None:
     from llmopt.compress.api import quantize_configs
-    from llmopt.export.formats import FORMATS
+    from llmopt.formats.layouts import FORMATS
 
     method, settings, fmt, _ = _split_quantize(options)
     quantize_configs(method, settings)
@@ -89,7 +89,7 @@ def _validate_quantize(options: dict) -> None:
 
 def _run_quantize(model: str, output: Path, options: dict) -> dict:
     from llmopt.compress.api import quantize_configs
-    from llmopt.pipelines.quantize import quantize_to_artifact
+    from llmopt.jobs.quantize import quantize_to_artifact
 
     method, settings, fmt, max_memory = _split_quantize(options)
     return quantize_to_artifact(model, output, quantize_configs(method, settings), fmt, overwrite=True,
@@ -97,13 +97,13 @@ def _run_quantize(model: str, output: Path, options: dict) -> dict:
 
 
 def _validate_prune(options: dict) -> None:
-    from llmopt.pipelines.prune import prune_config
+    from llmopt.jobs.prune import prune_config
 
     prune_config(_split_prune(options)[0])
 
 
 def _run_prune(model: str, output: Path, options: dict) -> dict:
-    from llmopt.pipelines.prune import prune_config, prune_to_artifact
+    from llmopt.jobs.prune import prune_config, prune_to_artifact
 
     settings, max_memory = _split_prune(options)
     return prune_to_artifact(model, output, prune_config(settings), overwrite=True, max_memory=max_memory)
@@ -111,7 +111,7 @@ def _run_prune(model: str, output: Path, options: dict) -> dict:
 
 def _preflight_quantize(options: dict, model):
     from llmopt.compress.api import quantize_configs
-    from llmopt.pipelines.quantize import check_quantizable, default_format
+    from llmopt.jobs.quantize import check_quantizable, default_format
 
     _refuse_quantized(model, "quantize")
     _check_calibration(options)
@@ -127,7 +127,7 @@ def _preflight_prune(options: dict, model):
     from llmopt.compress.api import check_model_fits
     from llmopt.compress.config import StructuredConfig
     from llmopt.compress.structured import attention_geometry, plan_pruning
-    from llmopt.pipelines.prune import prune_config
+    from llmopt.jobs.prune import prune_config
 
     _refuse_quantized(model, "prune")
     _check_calibration(options)
@@ -218,7 +218,7 @@ def _run_cast(model: str, output: Path, options: dict) -> dict:
     import torch
 
     from llmopt.core.io import atomic_output_dir
-    from llmopt.export.load import load_model
+    from llmopt.formats.load import load_model
 
     start = time.perf_counter()
     lm, tokenizer, _ = load_model(model, dtype=options["dtype"])
@@ -254,7 +254,7 @@ def _validate_distill(options: dict) -> None:
 
 
 def _run_distill(model: str, output: Path, options: dict) -> dict:
-    from llmopt.pipelines.distill import distill_to_artifact, resumes_cleanly
+    from llmopt.jobs.distill import distill_to_artifact, resumes_cleanly
 
     config = _distill_config(options, model)
     # an interrupted recipe run continues its distill stage from the last checkpoint, if that was trained with

@@ -298,7 +298,7 @@ async def read_body(request: Request, limit: int) -> bytes:
 
 # Bodies up to this size are parsed, validated and tokenized on the event loop (well under a millisecond: a few
 # thousand characters of prompt); larger ones in a worker thread, so that they never stall the other streams. The
-# thread hop costs ~0.3 ms of every request's time to first token on a busy 2-core machine.
+# thread hop costs a fraction of a millisecond of every request's time to first token on a busy machine.
 INLINE_PARSE_BYTES = 8192
 
 

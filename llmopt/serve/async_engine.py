@@ -7,7 +7,7 @@ requests in flight end with an error naming the failure, and the server goes on.
 The engine is built in that thread too (for `llmopt serve`, the model load as well): every torch operation of the
 server then runs in one thread. With OpenMP (torch's CPU thread pool) each thread that runs a parallel region
 keeps its own team of workers; a second team makes libgomp count more busy threads than cores and stop spinning
-between regions, which made every decode step ~1.5x slower on a 2-core machine (36 vs 23 ms per token)."""
+between regions, which made every decode step markedly slower (docs/results/code-figures.md#one-torch-thread)."""
 
 from __future__ import annotations
 

@@ -8,7 +8,7 @@ from typing import Iterator
 
 from llmopt.runtime.engine.config import EngineConfig
 from llmopt.runtime.engine.engine import Engine
-from llmopt.runtime.parallel.engines import create_engine
+from llmopt.runtime.fronts.create import create_engine
 from llmopt.serve.app import DEFAULT_MAX_BODY_BYTES, Server, build_app
 from llmopt.serve.async_engine import AsyncEngine
 
@@ -39,8 +39,7 @@ def start_server(model_name: str, config: EngineConfig, dtype: str, device: str 
 
 # Modules a server's first request would import on the event loop's thread (anyio's asyncio backend, which
 # Starlette's streaming response loads on first use): imported at start instead, they cost the first stream no
-# time. On a 2-core EPYC the first request's HTTP-added TTFT was 25-41 ms, the later ones' 3-7 ms; with this
-# 4-7 ms.
+# time (docs/results/code-figures.md#first-request).
 FIRST_REQUEST_MODULES = ("anyio._backends._asyncio",)
 
 

@@ -72,7 +72,7 @@ def test_ctrl_c_during_calibration_says_nothing_was_written(tiny_llama_dir, tmp_
 
 def test_sigterm_unwinds_like_ctrl_c(tiny_llama_dir, tmp_path):
     out = tmp_path / "out"
-    child = start_paused(tmp_path, quantize_args(tiny_llama_dir, out), "llmopt.export.artifact", "write_json",
+    child = start_paused(tmp_path, quantize_args(tiny_llama_dir, out), "llmopt.formats.artifact", "write_json",
                          after=True)  # the artifact half written in its temporary folder
     child.send_signal(signal.SIGTERM)
     _, stderr = communicate(child, 120, "the child after the signal")
@@ -84,7 +84,7 @@ def test_sigterm_unwinds_like_ctrl_c(tiny_llama_dir, tmp_path):
 def test_kill_during_write_leaves_nothing_and_the_next_run_cleans_up(tiny_llama_dir, tmp_path):
     out = tmp_path / "out"
     # paused after the artifact's config.json is written into the temporary folder, before the rename
-    child = start_paused(tmp_path, quantize_args(tiny_llama_dir, out), "llmopt.export.artifact", "write_json",
+    child = start_paused(tmp_path, quantize_args(tiny_llama_dir, out), "llmopt.formats.artifact", "write_json",
                          after=True)
     temporaries = [p for p in tmp_path.iterdir() if p.name.startswith(".out.tmp-")]
     assert len(temporaries) == 1 and any(temporaries[0].iterdir())  # a partly written folder

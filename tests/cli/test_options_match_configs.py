@@ -11,7 +11,7 @@ from llmopt.compress.api import load_methods
 from llmopt.compress.base import PRUNE_METHODS, QUANT_METHODS
 from llmopt.compress.config import CalibrationConfig, SparsityConfig, StructuredConfig
 from llmopt.core.models import DTYPES
-from llmopt.export.formats import FORMATS
+from llmopt.formats.layouts import FORMATS
 from llmopt.cli.options import SPECULATIVE_OPTIONS
 from llmopt.runtime.engine.config import EngineConfig, engine_fields, engine_flag
 

@@ -51,8 +51,8 @@ def test_sparse_then_gptq_artifact_carries_both(tiny_llama_dir, tmp_path):
     config = json.loads((tmp_path / "q" / "config.json").read_text())
     assert config["sparsity_config"]["sparsity_structure"] == "2:4"
     assert config["quantization_config"]["quant_method"] == "gptq"
-    from llmopt.export.read import read_artifact
-    from llmopt.compress.masks import check_nm
+    from llmopt.formats.read import read_artifact
+    from tests.compress.nm import check_nm
 
     for qw in read_artifact(tmp_path / "q").qweights.values():
         assert check_nm(qw.dequantize(), 2, 4)
@@ -66,8 +66,8 @@ def test_prune_and_quantize_in_one_gptq_run(tiny_llama_dir, tmp_path):
     sparsity = config["sparsity_config"]
     assert sparsity["sparsity_structure"] == "2:4" and sparsity["method"] == "sparsegpt+gptq"
     assert 0.5 <= sparsity["global_sparsity"] < 0.6
-    from llmopt.export.read import read_artifact
-    from llmopt.compress.masks import check_nm
+    from llmopt.formats.read import read_artifact
+    from tests.compress.nm import check_nm
 
     for qw in read_artifact(tmp_path / "q").qweights.values():
         assert check_nm(qw.dequantize(), 2, 4)

@@ -15,7 +15,7 @@ from llmopt.compress.gptq import gptq_quantize_weight
 from llmopt.compress.quant import float_zero_qparams, quantize_rtn
 from llmopt.core.contract import QuantScheme
 from llmopt.core.errors import ConfigError
-from tests.export.runtime_check import assert_runtime_matches_reader
+from tests.formats.runtime_check import assert_runtime_matches_reader
 
 FLOAT_ZERO = QuantScheme(4, 32, False, zero_point="float")
 IDS = [1, 5, 9, 100, 42, 7, 3, 11]
@@ -119,7 +119,7 @@ def test_the_artifact_is_compressed_tensors_naive_quantized_with_a_float_zero_po
 def test_transformers_loads_it_to_our_readers_logits(float_zero_artifact):
     from transformers import AutoModelForCausalLM
 
-    from llmopt.export.read import load_artifact_model
+    from llmopt.formats.read import load_artifact_model
 
     ids = torch.tensor([IDS])
     ours = load_artifact_model(float_zero_artifact, dtype=torch.float32)
@@ -136,8 +136,8 @@ def test_the_runtime_runs_it_on_the_int4_kernels(float_zero_artifact):
 def test_it_exports_to_gguf_q4_1_to_fp32_rounding(float_zero_artifact, tmp_path):
     from transformers import AutoModelForCausalLM
 
-    from llmopt.export.gguf import export_gguf
-    from llmopt.export.read import load_artifact_model
+    from llmopt.formats.gguf import export_gguf
+    from llmopt.formats.read import load_artifact_model
 
     facts = export_gguf(float_zero_artifact, tmp_path / "m.gguf")
     # llama.cpp computes d q + m, we s (q - z): the same fp16 d and m, so only fp32 rounding parts them

@@ -17,8 +17,8 @@ from llmopt.core import offload
 from llmopt.core.errors import ConfigError, ModelLoadError
 from llmopt.core.offload import SafetensorsWeights, SpilledActivations, parse_memory
 from llmopt.core.tiny import save_tiny_model
-from llmopt.pipelines import streamed
-from llmopt.pipelines.quantize import quantize_to_artifact
+from llmopt.jobs import streamed
+from llmopt.jobs.quantize import quantize_to_artifact
 
 CALIB = dict(calib="pystdlib", num_samples=8, seqlen=32)
 
@@ -134,7 +134,7 @@ def test_streamed_artifact_equals_in_memory_one(sharded_tiny, tmp_path, tiny_bud
 
 @pytest.mark.slow
 def test_sharded_artifact_loads_in_llmopt_and_transformers(sharded_tiny, tmp_path, tiny_budget):
-    from llmopt.export.load import load_model
+    from llmopt.formats.load import load_model
 
     out = tmp_path / "ct"
     quantize_to_artifact(str(sharded_tiny), out, quantize_configs("rtn", dict(bits=4, group_size=32)),
@@ -161,7 +161,7 @@ PEAK_SCRIPT = """
 import json, sys
 from pathlib import Path
 from llmopt.compress.api import quantize_configs
-from llmopt.pipelines.quantize import quantize_to_artifact
+from llmopt.jobs.quantize import quantize_to_artifact
 def status(field):
     line = next(l for l in Path("/proc/self/status").read_text().splitlines() if l.startswith(field + ":"))
     return int(line.split()[1]) * 1024
@@ -205,7 +205,7 @@ def test_peak_memory_stays_within_the_budget(tmp_path):
     dict(method="magnitude", sparsity=0.6, ignore=["*down_proj"]),
 ])
 def test_streamed_pruning_equals_in_memory(sharded_tiny, tmp_path, tiny_budget, settings):
-    from llmopt.pipelines.prune import prune_config, prune_to_artifact
+    from llmopt.jobs.prune import prune_config, prune_to_artifact
 
     full = prune_to_artifact(str(sharded_tiny), tmp_path / "full", prune_config(dict(settings)))
     small = prune_to_artifact(str(sharded_tiny), tmp_path / "small", prune_config(dict(settings)),
@@ -220,7 +220,7 @@ def test_streamed_pruning_equals_in_memory(sharded_tiny, tmp_path, tiny_budget, 
 
 
 def test_structured_pruning_refuses_max_memory(sharded_tiny, tmp_path):
-    from llmopt.pipelines.prune import prune_config, prune_to_artifact
+    from llmopt.jobs.prune import prune_config, prune_to_artifact
 
     with pytest.raises(ConfigError, match="structured pruning scores and reshapes the whole model"):
         prune_to_artifact(str(sharded_tiny), tmp_path / "out", prune_config(dict(structured="mlp", ratio=0.25)),

@@ -4,7 +4,8 @@ import pytest
 import torch
 
 from llmopt.compress.hessian import HessianAccumulator
-from llmopt.compress.masks import check_nm, nm_mask, unstructured_mask
+from llmopt.compress.masks import nm_mask, unstructured_mask
+from tests.compress.nm import check_nm
 from llmopt.compress.sparsegpt import sparsegpt_prune_weight
 from llmopt.compress.wanda import wanda_scores
 from tests.compress.test_gptq import correlated_inputs

@@ -13,7 +13,7 @@ from llmopt.compress.api import quantize_configs, rotate
 from llmopt.compress.rotation import random_orthogonal
 from llmopt.core.errors import ConfigError
 from llmopt.core.tiny import build_tiny_model
-from tests.export.runtime_check import assert_runtime_matches_reader
+from tests.formats.runtime_check import assert_runtime_matches_reader
 
 IDS = torch.tensor([[1, 5, 9, 100, 42, 7, 3, 11, 60, 2, 77, 31]])
 
@@ -159,8 +159,8 @@ def test_a_rotated_tied_model_exports_to_gguf_with_its_own_output_tensor(tmp_pat
     from transformers import AutoModelForCausalLM
 
     from llmopt.core.tiny import save_tiny_model
-    from llmopt.export.gguf import export_gguf
-    from llmopt.export.read import load_artifact_model
+    from llmopt.formats.gguf import export_gguf
+    from llmopt.formats.read import load_artifact_model
 
     source = save_tiny_model(tmp_path / "tied", "llama", seed=0, tie_word_embeddings=True)
     out = tmp_path / "rotated"

@@ -2,7 +2,7 @@ import pytest
 import torch
 from transformers import AutoConfig, AutoModelForCausalLM
 
-from llmopt.core.adapters import ADAPTERS, adapter_for, decoder_layers, get_module, layer_linears
+from llmopt.core.adapters import ADAPTERS, adapter_for, decoder_layers, get_module
 from llmopt.core.errors import UnsupportedArchitectureError
 
 TINY = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
@@ -31,7 +31,7 @@ def test_every_path_in_the_table_exists_in_a_real_model_of_that_family(adapter):
     layers = decoder_layers(model)
     assert len(layers) == 2
     for layer in layers:
-        for linear in layer_linears(layer, adapter).values():
+        for linear in (get_module(layer, name) for name in adapter.linears):
             assert isinstance(linear, torch.nn.Linear)
         for prev, linears in adapter.smooth_groups:
             get_module(layer, prev)

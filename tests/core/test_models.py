@@ -5,7 +5,7 @@ import torch
 
 from llmopt.core.errors import ModelLoadError, ModelNotFoundError, UnsupportedArchitectureError
 from llmopt.core.models import count_safetensors_parameters, describe_model, resolve_model
-from llmopt.export.load import load_model
+from llmopt.formats.load import load_model
 
 
 def test_folder_loads_and_describes(tiny_llama_dir):

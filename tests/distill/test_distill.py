@@ -18,11 +18,11 @@ from llmopt.distill.config import make_distill_config, parse_duration
 from llmopt.distill.data import training_windows
 from llmopt.distill.losses import divergence_loss
 from llmopt.distill.student import layer_pairs
-from llmopt.pipelines.distill_students import build_student
+from llmopt.jobs.distill_students import build_student
 from llmopt.distill.trainer import Distiller
-from llmopt.export.load import load_model
-from llmopt.export.read import read_artifact
-from llmopt.pipelines.distill import distill_to_artifact, run_dir_for
+from llmopt.formats.load import load_model
+from llmopt.formats.read import read_artifact
+from llmopt.jobs.distill import distill_to_artifact, run_dir_for
 from tests.waits import communicate, limit, wait_exit, wait_until
 
 TEACHER = "tiny-random-llama"
@@ -68,7 +68,7 @@ def test_plain_fine_tuning_needs_no_teacher_forward(tmp_path):
 
 
 def test_sparse_students_keep_their_zeros_exactly(tmp_path):
-    from llmopt.pipelines.prune import prune_config, prune_to_artifact
+    from llmopt.jobs.prune import prune_config, prune_to_artifact
 
     prune_to_artifact(TEACHER, tmp_path / "sparse", prune_config(dict(method="magnitude", pattern="2:4",
                                                                       calib="pystdlib", num_samples=4, seqlen=32)))
@@ -92,7 +92,7 @@ def test_sparse_students_keep_their_zeros_exactly(tmp_path):
 @pytest.mark.parametrize("fmt", ["gptq", "awq", "compressed-tensors"])
 def test_quantized_students_train_scales_and_keep_codes_and_format(tmp_path, fmt):
     from llmopt.compress.api import quantize_configs
-    from llmopt.pipelines.quantize import quantize_to_artifact
+    from llmopt.jobs.quantize import quantize_to_artifact
 
     configs = quantize_configs("rtn", dict(bits=4, group_size=32, sym=fmt == "gptq"))
     quantize_to_artifact(TEACHER, tmp_path / "q", configs, fmt)

@@ -138,7 +138,7 @@ def test_eval_tasks_cli_on_a_tiny_model(tiny_llama_dir, tmp_path, monkeypatch):
 
 def test_span_only_projection_equals_full_logits(tiny_llama_dir):
     """The fast path (decoder, then lm_head on the continuation rows only) scores exactly as full logits."""
-    from llmopt.export.load import load_model
+    from llmopt.formats.load import load_model
 
     model, tokenizer, _ = load_model(str(tiny_llama_dir))
     pairs = [("def f(x):", " return x"), ("import", " os"), ("class A:\n   ", " pass  # a longer tail")]

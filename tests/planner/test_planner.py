@@ -191,7 +191,7 @@ def test_every_hardware_key_the_help_names_is_accepted(tmp_path):
                                 "source": "a card"}))
     import typer.main
 
-    from llmopt.planner.hardware import HardwareSpec
+    from llmopt.planner.device_specs import HardwareSpec
 
     command = typer.main.get_command(app).commands["plan"]
     documented = next(p.help for p in command.params if p.name == "hardware_file")

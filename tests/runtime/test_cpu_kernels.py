@@ -1,5 +1,5 @@
-"""The compiled CPU kernels (llmopt/runtime/executor/kernels/csrc) against the plain-torch reference, in every build this
-CPU can run (scalar, avx2, avx512, avx512_bf16: the `ops` fixture), at small and odd shapes that reach every code
+"""The compiled CPU kernels (llmopt/runtime/executor/kernels/csrc) against the torch backend, in every build this CPU
+can run (scalar, avx2, avx512, avx512_bf16: the `ops` fixture), at small and odd shapes that reach every code
 path: the vector paths specialized on (group, head_dim) (AVX512_BF16 dot products 16 rows at a time when the
 block size allows, one row at a time otherwise), the scalar path for other shapes, whole sequences per work item
 and one KV head per item. Also the prefill attention's batched path over this step's keys."""

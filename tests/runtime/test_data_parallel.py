@@ -12,10 +12,9 @@ from llmopt.runtime.engine.config import EngineConfig
 from llmopt.runtime.engine.engine import Engine
 from llmopt.runtime.engine.sampling import SamplingParams
 from llmopt.runtime.executor.loader import load_runtime_model
-from llmopt.runtime.parallel.data_parallel import (
-    AFFINITY_SLACK_TOKENS, DataParallelEngine, PrefixMemory, Replica, block_hashes,
-)
-from llmopt.runtime.parallel.engines import create_engine
+from llmopt.runtime.fronts.create import create_engine
+from llmopt.runtime.fronts.data_parallel import AFFINITY_SLACK_TOKENS, DataParallelEngine
+from llmopt.runtime.fronts.replica import PrefixMemory, Replica, block_hashes
 
 PARAMS = SamplingParams(max_tokens=10, ignore_eos=True)
 
@@ -147,7 +146,7 @@ def test_served_with_two_replicas_over_the_openai_api(tiny_llama_dir):
 def test_bench_reads_the_replicas_counters(tiny_llama_dir):
     """`llmopt bench --data-parallel-size 2` on a shared-prefix workload: the replicas' steps and prefix-cache
     hits reach the metrics (read before the replicas stop)."""
-    from llmopt.eval.speed import BenchConfig, WorkloadSpec, bench_runtime
+    from llmopt.eval.bench import BenchConfig, WorkloadSpec, bench_runtime
 
     spec = WorkloadSpec(dataset="prefix-repetition", num_requests=16, input_len=8, output_len=4, prefix_len=64,
                         num_prefixes=2)

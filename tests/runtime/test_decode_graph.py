@@ -24,7 +24,7 @@ def int8_artifact(tmp_path_factory):
     """The tiny Llama rounded to int8 per output row (RTN), as compressed-tensors."""
     from llmopt.compress.api import make_config, quantize_model
     from llmopt.core.tiny import build_tiny_model
-    from llmopt.export.artifact import write_model_artifact
+    from llmopt.formats.artifact import write_model_artifact
 
     model, tok = build_tiny_model("llama", seed=0)
     config = make_config("rtn", bits=8, group_size=-1)
@@ -172,7 +172,7 @@ def test_a_layer_whose_path_has_no_graph_kernel_leaves_that_row_count_to_the_loo
     table = qkv._row_plan.choices
     # a plan that runs a path without a graph kernel from 5 rows on ("dequantize": torch's GEMM over a scratch
     # buffer)
-    from llmopt.runtime.executor.linear.row_paths import RowPlan
+    from llmopt.runtime.executor.linear.kernel_plans import RowPlan
 
     qkv.set_row_plan(RowPlan({b: ("q8" if b < 8 else "dequantize") for b in table}))
     assert decoder.build_decode_graphs(e.runner.kv_cache) == list(range(1, 5))

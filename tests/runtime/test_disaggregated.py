@@ -16,8 +16,9 @@ from llmopt.runtime.engine.config import EngineConfig
 from llmopt.runtime.engine.engine import Engine
 from llmopt.runtime.engine.sampling import SamplingParams
 from llmopt.runtime.executor.loader import load_runtime_model
-from llmopt.runtime.parallel.disaggregated import kv_layout, read_payload, unpack_kv
-from llmopt.runtime.parallel.engines import create_engine
+from llmopt.runtime.fronts.disaggregated import kv_layout, read_payload, unpack_kv
+from llmopt.runtime.fronts.handover import DecodeEngine, PrefillEngine
+from llmopt.runtime.fronts.create import create_engine
 from tests.waits import wait_until
 
 PARAMS = SamplingParams(max_tokens=12, ignore_eos=True)
@@ -39,7 +40,7 @@ def prefill_then_decode(tiny, kv_dtype: str, prompt: list[int], params: Sampling
     (B's output, A's handed-over blocks, A's engine)."""
     model, tokenizer = tiny
     config = EngineConfig(block_size=4, kv_cache_bytes=1 << 20, kv_cache_dtype=kv_dtype)
-    prefill, decode = Engine(model, tokenizer, config), Engine(model, tokenizer, config)
+    prefill, decode = PrefillEngine(model, tokenizer, config), DecodeEngine(model, tokenizer, config)
     captured = {}
     layout = kv_layout(decode.runner)
     num_blocks = math.ceil(len(prompt) / 4)
@@ -72,7 +73,7 @@ def test_the_transferred_kv_is_what_the_decode_side_would_compute(tiny):
     model, tokenizer = tiny
     prompt = prompts(5)[4]
     _, handed, _ = prefill_then_decode(tiny, "float32", prompt, SamplingParams(max_tokens=2, ignore_eos=True))
-    own = Engine(model, tokenizer, EngineConfig(block_size=4, kv_cache_bytes=1 << 20, enable_prefix_cache=False))
+    own = PrefillEngine(model, tokenizer, EngineConfig(block_size=4, kv_cache_bytes=1 << 20, enable_prefix_cache=False))
     seq_blocks = {}
     own.on_prefilled = lambda seq: seq_blocks.setdefault("ids", list(seq.block_table))
     own.generate([prompt], SamplingParams(max_tokens=1, ignore_eos=True))
@@ -85,11 +86,11 @@ def test_the_transferred_kv_is_what_the_decode_side_would_compute(tiny):
 def test_a_handed_over_request_waits_for_blocks_and_can_be_aborted(tiny):
     model, tokenizer = tiny
     prompt = prompts(3)[2]
-    prefill = Engine(model, tokenizer, EngineConfig(block_size=4, kv_cache_bytes=1 << 20))
+    prefill = PrefillEngine(model, tokenizer, EngineConfig(block_size=4, kv_cache_bytes=1 << 20))
     kv = {}
     prefill.on_prefilled = lambda seq: kv.setdefault("kv", prefill.runner.read_kv_blocks(seq.block_table[:6]))
     first = prefill.generate([prompt], SamplingParams(max_tokens=1, ignore_eos=True))[0].token_ids[0]
-    decode = Engine(model, tokenizer, EngineConfig(block_size=4, kv_cache_bytes=1 << 20, max_num_seqs=1))
+    decode = DecodeEngine(model, tokenizer, EngineConfig(block_size=4, kv_cache_bytes=1 << 20, max_num_seqs=1))
     busy = decode.add_request([1, 2, 3], SamplingParams(max_tokens=3, ignore_eos=True))
     decode.step()
     waiting = decode.add_prefilled(prompt, first, PARAMS, kv["kv"])
@@ -201,8 +202,9 @@ def test_a_role_whose_workers_all_died_for_good_stops_the_front():
     """Every worker of a role past its restarts: the front raises ParallelError (the server exits 1), and while one
     is starting again a retryable ReplicaFailed, each naming the role."""
     from llmopt.core.errors import ParallelError, ReplicaFailed
-    from llmopt.runtime.parallel.data_parallel import MAX_RESTARTS, Replica
-    from llmopt.runtime.parallel.disaggregated import DisaggregatedEngine
+    from llmopt.runtime.fronts.data_parallel import MAX_RESTARTS
+    from llmopt.runtime.fronts.replica import Replica
+    from llmopt.runtime.fronts.disaggregated import DisaggregatedEngine
 
     front = DisaggregatedEngine.__new__(DisaggregatedEngine)
     front.replicas = [Replica(0, [0], role="prefill", ready=True, connection=object()),
@@ -218,7 +220,7 @@ def test_a_role_whose_workers_all_died_for_good_stops_the_front():
 
 def test_bench_runs_disaggregated(tiny_llama_dir):
     """`llmopt bench --disaggregate 1:1`: every request completes, the workers' steps reach the metrics."""
-    from llmopt.eval.speed import BenchConfig, WorkloadSpec, bench_runtime
+    from llmopt.eval.bench import BenchConfig, WorkloadSpec, bench_runtime
 
     spec = WorkloadSpec(num_requests=8, input_len=16, output_len=6)
     result = bench_runtime("pd", str(tiny_llama_dir), spec, BenchConfig(engine=EngineConfig(disaggregate="1:1")))

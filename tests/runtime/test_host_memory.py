@@ -65,14 +65,15 @@ def test_the_cpu_kv_budget_stays_inside_the_cgroup(monkeypatch):
     import psutil
     import torch
 
-    from llmopt.runtime.executor import host_memory, model_runner
+    from llmopt.runtime.executor import host_memory
+    from llmopt.runtime.executor.platform import Platform
 
     now = psutil.virtual_memory()  # (held still: the host's available memory moves between two reads)
     monkeypatch.setattr(psutil, "virtual_memory", lambda: now)
     monkeypatch.setattr(host_memory, "cgroup_memory_headroom", lambda: 1 << 20)  # a container with 1 MiB left
-    assert model_runner.available_memory(torch.device("cpu")) == 1 << 20
+    assert Platform.of(torch.device("cpu")).available_memory() == 1 << 20
     monkeypatch.setattr(host_memory, "cgroup_memory_headroom", lambda: None)
-    assert model_runner.available_memory(torch.device("cpu")) == psutil.virtual_memory().available
+    assert Platform.of(torch.device("cpu")).available_memory() == psutil.virtual_memory().available
 
 
 # --- weights in transparent huge pages ------------------------------------------------------------------------------

@@ -7,10 +7,10 @@ import torch
 
 from llmopt.core.errors import ConfigError
 from llmopt.core.tiny import build_tiny_model
-from llmopt.runtime.executor import model_runner
 from llmopt.runtime.engine.engine import Engine, EngineConfig
 from llmopt.runtime.executor.attention.kv_cache import zeros_lazily
 from llmopt.runtime.executor.model_runner import ModelRunner
+from llmopt.runtime.executor.platform import Platform
 from llmopt.runtime.engine.sampling import SamplingParams
 
 
@@ -21,7 +21,7 @@ def tiny():
 
 def test_default_budget_is_a_fraction_of_available_memory(tiny, monkeypatch):
     model, _ = tiny
-    monkeypatch.setattr(model_runner, "available_memory", lambda device: 2**20)  # 1 MiB available
+    monkeypatch.setattr(Platform, "available_memory", lambda self: 2**20)  # 1 MiB available
     runner = ModelRunner(model, EngineConfig(block_size=4, kv_cache_memory_fraction=0.5, max_num_seqs=64))
     per_block = runner.decoder.kv_cache_spec(torch.float32).bytes_per_block(4)
     assert runner.num_blocks == (2**19) // per_block
@@ -32,7 +32,7 @@ def test_default_budget_is_a_fraction_of_available_memory(tiny, monkeypatch):
 
 def test_default_budget_stops_at_what_the_engine_can_fill(tiny, monkeypatch):
     model, _ = tiny
-    monkeypatch.setattr(model_runner, "available_memory", lambda device: 2**40)
+    monkeypatch.setattr(Platform, "available_memory", lambda self: 2**40)
     runner = ModelRunner(model, EngineConfig(block_size=16, max_num_seqs=3))
     # 3 sequences x 1024 positions (the tiny model's context) = 192 blocks of 16
     assert runner.num_blocks == 3 * 1024 // 16

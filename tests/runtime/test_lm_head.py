@@ -63,7 +63,7 @@ def test_a_model_class_without_the_int8_head_is_refused(tiny_llama_dir, monkeypa
 def test_decode_bytes_count_the_int8_heads_codes(tiny_llama_dir):
     # MBU's bytes per decode step: the int8 head's codes and scales, not the float weight (still held: tied to the
     # embedding) nor the head's other layouts of its codes
-    from llmopt.eval.speed import model_cost
+    from llmopt.eval.bench import model_cost
 
     float_head = engine(tiny_llama_dir, "float", "model").runner.decoder
     int8_head = engine(tiny_llama_dir, "float", "int8").runner.decoder

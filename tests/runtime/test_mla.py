@@ -124,7 +124,7 @@ def test_every_method_on_mla_writes_an_artifact_the_runtime_runs_as_transformers
 
     from llmopt.cli.main import app
     from llmopt.core.tiny import save_tiny_model
-    from llmopt.export.load import load_model
+    from llmopt.formats.load import load_model
     from llmopt.runtime.executor.loader import load_runtime_model
 
     source = save_tiny_model(tmp_path / "ds", "deepseek", seed=3)

@@ -10,8 +10,8 @@ import torch
 from llmopt.core.errors import ConfigError
 from llmopt.runtime.engine.config import EngineConfig
 from llmopt.runtime.executor.model_runner import StepInputs, step_part
-from llmopt.runtime.parallel.pipeline import split_tokens
-from llmopt.runtime.parallel.sharding import ParallelGrid, StagePlan
+from llmopt.runtime.distributed.pipeline import split_tokens
+from llmopt.runtime.distributed.sharding import ParallelGrid, StagePlan
 
 
 def test_micro_batches_are_contiguous_runs_of_about_equal_tokens():

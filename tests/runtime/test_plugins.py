@@ -7,7 +7,7 @@ import torch.nn.functional as F
 
 from llmopt.compress.api import make_config, quantize_model
 from llmopt.core.tiny import build_tiny_model
-from llmopt.export.artifact import write_model_artifact
+from llmopt.formats.artifact import write_model_artifact
 from llmopt.runtime.engine.config import EngineConfig
 from llmopt.runtime.engine.engine import Engine
 from llmopt.runtime.engine.sampling import SamplingParams
@@ -23,7 +23,8 @@ GREEDY = SamplingParams(max_tokens=8, temperature=0, ignore_eos=True)
 class ToyThreeBitLinear(LinearMethod):
     """3-bit weights kept as codes and scales, dequantized on every call: slow, simple, exact."""
 
-    name, priority = "toy-3bit", 1000
+    name, device_type = "toy-3bit", "cpu"
+    overrides = ("int4-cpu",)  # (which also holds 3-bit codes)
 
     def __init__(self, qweight, dtype, device="cpu"):
         super().__init__(qweight, dtype, device)
@@ -34,7 +35,7 @@ class ToyThreeBitLinear(LinearMethod):
 
     @classmethod
     def accepts(cls, qweight, scheme, device):
-        return scheme.weights.bits == 3 and device.type == "cpu"
+        return scheme.weights.bits == 3
 
     @classmethod
     def create(cls, qweight, dtype, device):
@@ -90,7 +91,7 @@ def test_a_registered_linear_method_and_backend_run_through_the_engine(registere
     assert CALLS["linear"] > 0 and CALLS["store"] > 0 and CALLS["attend"] > 0
     # the toy computes what the dequantized weights do: the same tokens as transformers on them
     from llmopt.eval.hf_baseline import hf_generate
-    from llmopt.export.load import load_model
+    from llmopt.formats.load import load_model
 
     dense, _, _ = load_model(str(three_bit_artifact), dtype="float32")
     assert got == [list(t) for t in hf_generate(dense, tok, ps, GREEDY)]

@@ -6,7 +6,7 @@ import torch
 
 from llmopt.core.contract import QuantScheme
 from llmopt.compress.quant import quantize_rtn
-from llmopt.export.load import load_model
+from llmopt.formats.load import load_model
 from llmopt.runtime.executor.loader import load_runtime_model
 from llmopt.runtime.engine.engine import Engine, EngineConfig
 from llmopt.eval.hf_baseline import hf_generate
@@ -153,7 +153,7 @@ def gptq_artifact(tiny_gptq_artifact):
 
 def test_artifact_with_packed_kernels_matches_dequantized(gptq_artifact):
     dense, tok, _ = load_model(str(gptq_artifact))
-    # transformers over the packed layers (export.load's factory) against transformers over dequantized weights
+    # transformers over the packed layers (formats.load's factory) against transformers over dequantized weights
     packed, _, _ = load_model(str(gptq_artifact), linear_factory=quantized_linear)
     kinds = {type(m).__name__ for m in packed.modules()}
     assert "Int4PackedLinear" in kinds
@@ -175,7 +175,7 @@ def test_artifact_with_packed_kernels_matches_dequantized(gptq_artifact):
 def test_decode_bytes_count_the_int4_kernel_weights_not_the_prefill_copy(gptq_artifact):
     """MBU's bytes per decode step: int4 linears count one copy of their codes and scales, not the other
     layouts of the same codes (the nibbles, the panels) a step reads instead."""
-    from llmopt.eval.speed import model_cost
+    from llmopt.eval.bench import model_cost
 
     checkpoint, tok, _ = load_runtime_model(str(gptq_artifact))
     decoder = Engine(checkpoint, tok, EngineConfig(block_size=4, kv_cache_bytes=2**20)).runner.decoder
@@ -391,7 +391,7 @@ def test_the_scheme_presets_choose_their_methods():
 def test_the_plans_bound_kernel_calls_compute_what_the_paths_do(dtype, acts, bits):
     # set_row_plan binds each chosen path's kernel with its weights (`_bind_<path>`); forward_2d (the fast path's
     # call) runs them: the same bits as the path methods, at every row count
-    from llmopt.runtime.executor.linear.row_paths import ROW_BUCKETS, RowPlan, fixed_plan
+    from llmopt.runtime.executor.linear.kernel_plans import ROW_BUCKETS, RowPlan, fixed_plan
 
     layer = quantized_linear(qweight(48, 192, bits, 64 if bits == 4 else -1, False), dtype, "cpu", acts)
     layer.set_row_plan(fixed_plan(layer))
@@ -414,7 +414,7 @@ def test_a_grouped_8_bit_artifact_runs_integer_dots_through_the_runtime(tiny_lla
     # do (float inputs: the dense method) within the inputs' 8-bit rounding. (Scored, not generated: this random
     # model's next tokens are near-ties that the rounding may flip.)
     from llmopt.compress.api import make_config
-    from llmopt.pipelines.quantize import quantize_to_artifact
+    from llmopt.jobs.quantize import quantize_to_artifact
 
     artifact = tmp_path / "w8g32"
     quantize_to_artifact(str(tiny_llama_dir), artifact, [make_config("rtn", bits=8, group_size=32, sym=True)],

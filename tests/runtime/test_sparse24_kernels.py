@@ -13,7 +13,7 @@ from llmopt.core.hardware import supported_kernel_isas
 from llmopt.runtime.executor.kernels.cpu_ops import cpu_ops
 from llmopt.runtime.executor.linear import make_linear
 from llmopt.runtime.executor.linear.dense import fuse_linears
-from llmopt.runtime.executor.linear.row_paths import measure_plan
+from llmopt.runtime.executor.linear.kernel_plans import measure_plan
 from llmopt.runtime.executor.linear.sparse24_cpu import Sparse24Linear
 
 

@@ -16,9 +16,9 @@ from llmopt.runtime.engine.config import EngineConfig
 from llmopt.runtime.engine.engine import Engine
 from llmopt.runtime.engine.sampling import SamplingParams
 from llmopt.runtime.executor.loader import load_for_engine, load_runtime_model
-from llmopt.runtime.parallel.group import SharedMemoryAllReduce
-from llmopt.runtime.parallel.sharding import ShardPlan, head_split, split_range
-from llmopt.runtime.parallel.workers import rank_cores
+from llmopt.runtime.distributed.group import SharedMemoryAllReduce
+from llmopt.runtime.distributed.sharding import ShardPlan, head_split, split_range
+from llmopt.runtime.executor.placement import rank_cores
 
 PROMPTS = [[1, 5, 9, 33, 70], [4] * 40, list(range(20, 90)), [7, 7, 8]]
 PARAMS = SamplingParams(max_tokens=12, ignore_eos=True)
@@ -123,7 +123,7 @@ def test_more_processes_than_the_host_runs_are_refused_before_any_starts():
     """More than PROCESSES_PER_CORE processes per core (unless --oversubscribe), or more memory than is available
     (each process's base, its weights and an explicit KV cache), named by the option that asked for them."""
     from llmopt.runtime.engine.config import PROCESSES_PER_CORE
-    from llmopt.runtime.parallel.workers import ENGINE_PROCESS_BYTES, check_host_fits
+    from llmopt.runtime.executor.placement import ENGINE_PROCESS_BYTES, check_host_fits
 
     plenty = 1 << 50
     check_host_fits(2 * PROCESSES_PER_CORE, "8 replicas", "data_parallel_size", EngineConfig(), 0, 2, plenty)
@@ -140,7 +140,7 @@ def test_more_processes_than_the_host_runs_are_refused_before_any_starts():
 def test_a_rank_that_dies_while_starting_ends_the_start_at_once(tiny_llama_dir, monkeypatch):
     """A spawned rank that cannot start (here: pinned to a core that does not exist, past the up-front check)
     ends rank 0's start with one line naming it, well within the start-up bound, and leaves no process."""
-    from llmopt.runtime.parallel import workers
+    from llmopt.runtime.executor import workers
 
     before = _children()
     monkeypatch.setattr(workers, "rank_cores", lambda spec, world, *a, **k: [[0], [4095]])
@@ -268,7 +268,7 @@ def test_torchrun_with_two_processes_prints_the_one_process_text(tiny_llama_dir)
     from typer.testing import CliRunner
 
     from llmopt.cli.main import app
-    from llmopt.runtime.parallel.workers import free_port
+    from llmopt.runtime.executor.placement import free_port
 
     args = ["generate", str(tiny_llama_dir), "--prompt", "class Foo:", "--max-tokens", "12", "--dtype", "float32"]
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
@@ -286,9 +286,9 @@ def test_the_nccl_path_of_one_rank_reduces_and_gathers_on_the_device():
     on CUDA tensors, as a TP engine's decoder calls them."""
     import torch.distributed as dist
 
-    from llmopt.runtime.parallel.group import TensorParallelGroup
-    from llmopt.runtime.parallel.sharding import ParallelGrid
-    from llmopt.runtime.parallel.workers import free_port, join_group
+    from llmopt.runtime.distributed.group import TensorParallelGroup
+    from llmopt.runtime.distributed.sharding import ParallelGrid
+    from llmopt.runtime.executor.workers import free_port, join_group
 
     device = torch.device("cuda")
     everyone, _ = join_group(0, ParallelGrid(1, 1), f"tcp://127.0.0.1:{free_port()}", device)

@@ -109,7 +109,7 @@ def test_in_bf16_outputs_part_only_at_near_ties_of_the_exact_model(tiny_llama_di
     """In bf16 a step's rows go through kernels chosen by the step's row count (one-row GEMV and decode attention
     for a lone decode; batched GEMMs and the prefill attention for a verification's k + 1 rows or a batch), which
     add in another order: logits differ by bf16 rounding, and greedy output may part where two tokens are that
-    close (README, "Speculative decoding"). Where it parts, the two tokens must be the fp32 model's top two, within
+    close (docs/guides/serve.md, "Speculative decoding"). Where it parts, the two tokens must be the fp32 model's top two, within
     NEAR_TIE nats of each other: the same distribution, not a wrong token. (fp32 stays identical: the test above.)"""
     from llmopt.runtime.engine.config import SpeculativeConfig
     from llmopt.runtime.executor.loader import load_for_engine

@@ -13,7 +13,7 @@ from llmopt.core.tiny import build_tiny_model
 from llmopt.runtime.engine.config import EngineConfig, SpeculativeConfig
 from llmopt.runtime.engine.engine import Engine
 from llmopt.runtime.engine.sampling import SamplingParams
-from llmopt.pipelines.distill import run_dir_for
+from llmopt.jobs.distill import run_dir_for
 from llmopt.distill.checkpoint import MODEL_FILE
 from tests.distill.test_distill import kill_after_logged_steps
 

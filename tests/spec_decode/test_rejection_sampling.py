@@ -12,7 +12,7 @@ from llmopt.runtime.engine.config import EngineConfig, SpeculativeConfig
 from llmopt.runtime.engine.engine import Engine
 from llmopt.runtime.engine.sampling import SamplingParams
 from llmopt.runtime.executor.sampler import probabilities
-from llmopt.runtime.spec_decode.verify import accept_greedy, rejection_sample
+from llmopt.runtime.executor.verify import accept_greedy, rejection_sample
 
 TRIALS = 20_000
 

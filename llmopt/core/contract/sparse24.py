@@ -39,7 +39,9 @@ class Sparse24Weight:
     shape: tuple[int, int]
     pattern: str = "2:4"
     bias: torch.Tensor | None = None
-    input_activations = None  # (the linear-method registry's question of a weight: its inputs are not quantized)
+    # (the linear-method registry's questions of a weight: no quantization scheme, inputs not quantized)
+    scheme = None
+    input_activations = None
 
     @classmethod
     def from_dense(cls, weight: torch.Tensor, pattern: str = "2:4", bias: torch.Tensor | None = None,

@@ -34,7 +34,9 @@ class BitmaskWeight:
     shape: tuple[int, int]
     bias: torch.Tensor | None = None
     pattern = "unstructured"
-    input_activations = None  # (the linear-method registry's question of a weight: its inputs are not quantized)
+    # (the linear-method registry's questions of a weight: no quantization scheme, inputs not quantized)
+    scheme = None
+    input_activations = None
 
     @classmethod
     def from_dense(cls, weight: torch.Tensor, bias: torch.Tensor | None = None) -> BitmaskWeight:

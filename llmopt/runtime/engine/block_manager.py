@@ -8,7 +8,7 @@ entry cannot be matched.
 
 The free list hands out the most recently freed blocks first and never-used ones (ascending ids) after them: a
 freed block's memory is committed and likely in cache, where a never-used one may cost a first write (on VMs that
-back memory lazily, ~25 ms per 2 MiB: runtime/executor/attention/kv_commit.py commits in ascending order).
+back memory lazily: runtime/executor/attention/kv_commit.py, which commits in ascending order).
 """
 
 from __future__ import annotations

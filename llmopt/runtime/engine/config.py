@@ -68,7 +68,7 @@ KV_CACHE_DTYPE_ALIASES = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float1
 KV_CACHE_8BIT = ("int8", "fp8")  # codes with a scale per token and KV head (runtime/executor/kernels/kv_quant.py)
 KV_CACHE_COMMIT_MODES = ("lazy", "background", "startup")  # runtime/executor/attention/kv_commit.py
 ACTIVATION_MODES = ("auto", "float", "int8")
-LINEAR_KERNEL_MODES = ("measured", "fixed")  # how quantized linears pick a kernel per row count (row_paths.py)
+LINEAR_KERNEL_MODES = ("measured", "fixed")  # how quantized linears pick a kernel per row count (kernel_plans.py)
 # EngineConfig.activations -> the input-activation scheme linear methods are chosen for (None: the compute dtype)
 ACTIVATION_SCHEMES = {"float": None, "int8": INT8_GROUP_ACTIVATIONS}
 LM_HEAD_GROUPS = {"int8": -1, "int8-g32": 32}  # --lm-head -> the columns per scale of its int8 rounding (-1: a row)
@@ -103,8 +103,8 @@ class EngineConfig:
         "in the same bytes).", numerics=True)
     kv_cache_commit: Literal["lazy", "background", "startup"] = option(
         "background", "When a CPU KV cache's memory is committed (it starts as zero pages the OS commits on first "
-        "write, which on VMs that back memory lazily costs ~25 ms per 2 MiB inside a step): background (a thread at "
-        "idle priority commits it from the first block up while a core is free), startup (all of it before the "
+        "write, which on VMs that back memory lazily costs tens of ms per 2 MiB inside a step): background (a thread "
+        "at idle priority commits it from the first block up while a core is free), startup (all of it before the "
         "engine starts: seconds per GB on such VMs) or lazy (the step that first writes a block).")
     max_num_seqs: int = option(64, "Sequences in one step at most.")
     max_num_batched_tokens: int = option(2048, "Tokens in one step at most (prefill chunks + decodes).")

@@ -12,16 +12,16 @@ requests come through.
 from __future__ import annotations
 
 import time
-from collections import deque
-from typing import Callable, Iterator
+from typing import Iterator
 
 from llmopt.core.core_share import CoreShare
 from llmopt.core.errors import ConfigError
+from llmopt.core.models import model_limits
 from llmopt.runtime.engine.block_manager import BlockManager
 from llmopt.runtime.engine.config import EngineConfig
 from llmopt.runtime.engine.output import OutputProcessor, RequestOutput
 from llmopt.runtime.engine.sampling import SamplingParams
-from llmopt.runtime.engine.scheduler import Scheduler
+from llmopt.runtime.engine.scheduler import Scheduler, SchedulerOutput
 from llmopt.runtime.engine.sequence import Sequence
 from llmopt.runtime.engine.stats import EngineStats, SpecDecodeStats, step_stats
 
@@ -59,13 +59,13 @@ class Engine:
         self.tokenizer = tokenizer
         if self.config.data_parallel_size > 1:
             raise ConfigError("an Engine is one replica: --data-parallel-size is for serve and bench (the "
-                              "replicas are built by runtime.parallel.engines.create_engine)",
+                              "replicas are built by runtime.fronts.create.create_engine)",
                               param="data_parallel_size")
         if self.config.disaggregate is not None:
             raise ConfigError("an Engine is one process: --disaggregate is for serve and bench (the workers are "
-                              "built by runtime.parallel.engines.create_engine)", param="disaggregate")
+                              "built by runtime.fronts.create.create_engine)", param="disaggregate")
         if self.config.tensor_parallel_size > 1 or self.config.pipeline_parallel_size > 1:
-            from llmopt.runtime.parallel.workers import parallel_runner
+            from llmopt.runtime.executor.workers import parallel_runner
 
             self.runner = parallel_runner(hf_model, self.config)
         else:
@@ -74,8 +74,7 @@ class Engine:
         self.scheduler = Scheduler(self.config, self.block_manager,
                                    eos_token_id=tokenizer.eos_token_id if tokenizer is not None else None)
         self.outputs = OutputProcessor(tokenizer)
-        self.max_context = getattr(hf_model.config, "max_position_embeddings", None)
-        self.vocab_size = getattr(hf_model.config, "vocab_size", None)
+        self.max_context, self.vocab_size = model_limits(hf_model.config)
         self._live: dict[int, Sequence] = {}  # requests not yet reported finished
         # ended outside a step (aborted; a handed-over request whose first token reached a stop string): reported
         # by the next step
@@ -83,13 +82,8 @@ class Engine:
         self._stats = EngineStats()
         # per-step records for benchmarks; a server that runs for days turns them off to keep memory flat
         self.record_steps = record_steps
-        # prefill/decode disaggregation (runtime.parallel.disaggregated): a prefill worker's engine hands each
-        # prompt's KV over when its last chunk is computed (before the blocks are freed); a decode worker's engine
-        # adopts handed-over requests (prompt, first token, KV) as soon as blocks and the sequence cap allow
-        self.on_prefilled: Callable[[Sequence], None] | None = None
-        self._handed_over: deque[tuple[Sequence, list]] = deque()
         # (one process on CPU: tensor-parallel ranks and replicas own their cores)
-        self.core_share = CoreShare() if (self.config.adaptive_threads and self.runner.device.type == "cpu"
+        self.core_share = CoreShare() if (self.config.adaptive_threads and self.runner.platform.host_memory
                                           and self.runner.workers is None) else None
         self.speculator = None
         if self.config.speculative is not None:
@@ -109,39 +103,6 @@ class Engine:
         self.outputs.add(seq)
         return seq.seq_id
 
-    def add_prefilled(self, prompt_token_ids: list[int], first_token: int, params: SamplingParams,
-                      kv_blocks: list, arrival_time: float | None = None, num_cached_tokens: int = 0) -> int:
-        """Queue a request whose prompt another engine computed: its first sampled token and its prompt's KV as
-        that engine's cache held it (`kv_blocks`: runner.read_kv_blocks of its first ceil(prompt / block_size)
-        blocks). It decodes from the second token on; its first output reports the first token."""
-        check_request(prompt_token_ids, params, self.tokenizer is not None, self.vocab_size, self.max_context)
-        seq = Sequence(prompt_token_ids, params, arrival_time=arrival_time)
-        seq.num_cached_tokens = num_cached_tokens  # (served by the prefill side's prefix cache)
-        self.scheduler.check_fits(seq)
-        seq.append_token(first_token)
-        self._live[seq.seq_id] = seq
-        self.outputs.add(seq)
-        if self.outputs.update(seq.seq_id, None):  # the first token's text already holds a stop string
-            seq.finish_reason = "stop"
-            self._ended.add(seq.seq_id)
-        else:
-            self._handed_over.append((seq, kv_blocks))
-        return seq.seq_id
-
-    def _adopt_handed_over(self) -> list[int]:
-        """Move handed-over requests into the running batch while blocks and the sequence cap allow (oldest
-        first): their KV written into fresh blocks, the first token's KV computed by the next step. Returns the
-        ids adopted (each reports its first token this step)."""
-        adopted = []
-        while self._handed_over:
-            seq, kv_blocks = self._handed_over[0]
-            if not self.scheduler.adopt(seq, seq.num_prompt_tokens):
-                break
-            self._handed_over.popleft()
-            self.runner.write_kv_blocks(seq.block_table[:len(kv_blocks[0])], kv_blocks)
-            adopted.append(seq.seq_id)
-        return adopted
-
     def check_token_ids(self, token_ids, param: str) -> None:
         """Refuse token ids outside the vocabulary (the embedding lookup would fail deep inside a step)."""
         check_token_ids(token_ids, self.vocab_size, param)
@@ -150,10 +111,6 @@ class Engine:
         """Stop a request; its final output (finish_reason "abort") comes from the next step()."""
         self.runner.release(request_id)
         aborted = self.scheduler.abort(request_id)
-        waiting = [item for item in self._handed_over if item[0].seq_id == request_id]  # handed over, not adopted
-        if waiting:
-            self._handed_over = deque(item for item in self._handed_over if item[0].seq_id != request_id)
-            waiting[0][0].finish_reason, aborted = "abort", True
         if aborted:
             self._ended.add(request_id)
         return aborted
@@ -193,7 +150,7 @@ class Engine:
 
     def _step(self) -> list[RequestOutput]:
         started = time.perf_counter()
-        adopted = self._adopt_handed_over() if self._handed_over else []
+        adopted = self._before_schedule()
         if self.speculator is not None:
             self.speculator.propose(self.scheduler.running, self.max_context)
         out = self.scheduler.schedule()
@@ -202,10 +159,7 @@ class Engine:
             stats = step_stats(out, 0.0, 0.0) if self.record_steps else None  # read before postprocess
             executed = time.perf_counter()
             result = self.runner.execute(out)
-            if self.on_prefilled is not None:
-                for item in out.scheduled:  # a prompt whose last chunk ran: its KV is complete, its blocks held
-                    if item.samples and item.seq.num_output_tokens == 0:
-                        self.on_prefilled(item.seq)
+            self._executed(out)
             if self.speculator is not None:
                 self.speculator.observe(out, result.accepted, time.perf_counter() - executed)
             for seq_id, (first, entries) in result.prompt_logprobs.items():
@@ -223,6 +177,15 @@ class Engine:
         changed += [i for i in self._ended if i not in sampled and i not in adopted]
         self._ended.clear()
         return [self._report(seq_id) for seq_id in changed]
+
+    def _before_schedule(self) -> list[int]:
+        """What an engine of a front does before each schedule (a decode worker adopts handed-over requests:
+        runtime/fronts/handover.py); the ids whose first output this step reports. Here: nothing."""
+        return []
+
+    def _executed(self, out: SchedulerOutput) -> None:
+        """What an engine of a front does once a step ran, before its blocks can be freed (a prefill worker reads
+        each finished prompt's KV: runtime/fronts/handover.py). Here: nothing."""
 
     def _stop_on_string(self, seq_id: int) -> None:
         seq = self._live[seq_id]
@@ -315,7 +278,7 @@ class Engine:
                 "bytes_per_token": r.kv_cache_spec.bytes_per_token, "layout": r.kv_cache_spec.layout,
                 "tokens_per_dtype": r.tokens_per_dtype(),
                 # blocks whose memory is committed ahead of use (EngineConfig.kv_cache_commit; None: lazily)
-                "committed_blocks": getattr(getattr(r, "kv_cache_committer", None), "committed_blocks", None)}
+                "committed_blocks": None if r.kv_cache_committer is None else r.kv_cache_committer.committed_blocks}
 
     def numerics(self) -> dict:
         """Every setting that changes the numbers computed, as configured and as resolved at start: the config's

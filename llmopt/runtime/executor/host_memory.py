@@ -118,7 +118,7 @@ def weights_to_huge_pages(module: nn.Module, sharing: tuple[nn.Module, ...] = ()
 
     A decode step streams every weight once, and torch's weights come from malloc in 4 KiB pages: the hardware
     prefetchers stop at each 4 KiB page boundary and every page costs a TLB entry. From 2 MiB pages the same read
-    is faster (a Zen 4 EPYC VM: a 538 MB fp32 read 18.8 -> 15.3 ms). Each tensor keeps its identity (its storage
+    is faster (docs/results/code-figures.md#weights-in-huge-pages). Each tensor keeps its identity (its storage
     is swapped in place with `set_`), so references taken at build time stay valid. sharing: modules whose tensors
     may view the same memory (the checkpoint's model the runtime's was built from): those views move with it, so
     nothing holds the old memory, which goes back to the OS as the move goes (at most TRIM_EVERY_BYTES held

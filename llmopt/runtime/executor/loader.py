@@ -14,8 +14,8 @@ from llmopt.runtime.engine.config import ACTIVATION_SCHEMES
 from llmopt.runtime.executor.linear import make_linear
 from llmopt.runtime.executor.models import MODEL_FAMILIES, RuntimeCheckpoint, model_class_for
 from llmopt.runtime.executor.models.weights import checkpoint_weights, module_weights
-from llmopt.runtime.parallel.group import launched_rank
-from llmopt.runtime.parallel.sharding import ParallelGrid, ShardPlan, StagePlan
+from llmopt.runtime.distributed.group import launched_rank
+from llmopt.runtime.distributed.sharding import ParallelGrid, ShardPlan, StagePlan
 
 
 def load_runtime_model(name: str, dtype: str = "float32", device: str = "cpu", trust_remote_code: bool = False,
@@ -24,7 +24,7 @@ def load_runtime_model(name: str, dtype: str = "float32", device: str = "cpu", t
     """(checkpoint, tokenizer, source) for the engine: a RuntimeCheckpoint of a local folder, alias or artifact
     (dense, GPTQ / AWQ / compressed-tensors, pruned); a hub model is loaded through transformers first.
     activations: EngineConfig.activations ("int8": 8-bit dynamic inputs where a linear method has them).
-    shard: (rank, world) to load one tensor-parallel rank's share (parallel.sharding.ShardPlan); stage: (stage,
+    shard: (rank, world) to load one tensor-parallel rank's share (distributed.sharding.ShardPlan); stage: (stage,
     stages) to load one pipeline stage's layers (StagePlan); the checkpoint keeps the arguments (`load_args`)
     the engine's other ranks load theirs with."""
     import torch
@@ -58,7 +58,7 @@ def load_runtime_model(name: str, dtype: str = "float32", device: str = "cpu", t
         return make_linear(qweight, torch_dtype, torch_device, input_activations)
 
     if source.path is None:  # a hub id: transformers fetches and loads it
-        from llmopt.export.load import load_model
+        from llmopt.formats.load import load_model
 
         model, tokenizer, source = load_model(source, dtype=dtype, device=device, trust_remote_code=trust_remote_code,
                                               linear_factory=lambda qw, _dtype, _device: linear_for(qw))

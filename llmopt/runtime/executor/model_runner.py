@@ -10,23 +10,23 @@ import torch
 from torch import nn
 
 from llmopt.core.errors import ConfigError, ParallelError
+from llmopt.core.models import model_limits
 from llmopt.runtime.engine.config import (
     ACTIVATION_SCHEMES, KV_CACHE_8BIT, KV_CACHE_DTYPES, KV_CACHE_MAX_FRACTION, LM_HEAD_GROUPS, EngineConfig,
 )
 from llmopt.runtime.executor.attention.kv_commit import commit_kv_cache
-from llmopt.runtime.executor.host_memory import (
-    host_available_bytes, keep_freed_host_memory, weights_to_huge_pages,
-)
+from llmopt.runtime.executor.host_memory import keep_freed_host_memory, weights_to_huge_pages
 from llmopt.runtime.executor.kernels.cpu_ops import cpu_ops
 from llmopt.runtime.executor.kernels.kv_quant import KV_CODE_DTYPES
 from llmopt.runtime.executor.models import RuntimeCheckpoint, build_runtime_model
-from llmopt.runtime.executor.linear.row_paths import plan_linears
+from llmopt.runtime.executor.platform import Platform
+from llmopt.runtime.executor.linear.kernel_plans import plan_linears
 from llmopt.runtime.executor.prompt_scores import PromptScoreCache
-from llmopt.runtime.parallel.group import to_wire
-from llmopt.runtime.parallel.pipeline import split_tokens
+from llmopt.runtime.distributed.group import to_wire
+from llmopt.runtime.distributed.pipeline import split_tokens
 from llmopt.runtime.executor.sampler import probabilities, rows_token_logprobs, sample, token_logprobs
 from llmopt.runtime.engine.scheduler import SchedulerOutput
-from llmopt.runtime.spec_decode.verify import accept_greedy, rejection_sample
+from llmopt.runtime.executor.verify import accept_greedy, rejection_sample
 
 
 @dataclass
@@ -57,18 +57,11 @@ def kv_dtype_name(dtype: torch.dtype) -> str:
     return codes.get(dtype) or str(dtype).removeprefix("torch.")
 
 
-def available_memory(device: torch.device) -> int:
-    """Bytes the KV cache may be taken from: free device memory on CUDA, available host memory elsewhere (no more
-    than the process's memory cgroup leaves: a container's limit)."""
-    if device.type == "cuda":
-        return torch.cuda.mem_get_info(device)[0]
-    return host_available_bytes()
-
-
 def check_kv_cache_fits(kv_cache_bytes: int, config: EngineConfig, device: torch.device) -> None:
     """Refuse, before any allocation, a KV cache the user sized (--kv-cache-bytes / --kv-cache-tokens) beyond
     KV_CACHE_MAX_FRACTION of the memory available."""
-    available = available_memory(device)
+    platform = Platform.of(device)
+    available = platform.available_memory()
     if kv_cache_bytes <= KV_CACHE_MAX_FRACTION * available:
         return
     if config.kv_cache_tokens is not None:
@@ -76,13 +69,13 @@ def check_kv_cache_fits(kv_cache_bytes: int, config: EngineConfig, device: torch
     else:
         given, param = f"--kv-cache-bytes {config.kv_cache_bytes:,}", "kv_cache_bytes"
     raise ConfigError(f"{given} needs a KV cache of {kv_cache_bytes / 2**30:,.1f} GiB, more than the "
-                      f"{available / 2**30:,.1f} GiB of {'device' if device.type == 'cuda' else 'host'} memory "
+                      f"{available / 2**30:,.1f} GiB of {platform.memory_name} memory "
                       f"available: lower it, or leave it out (the cache is then sized from the memory)", param=param)
 
 
 def default_kv_cache_bytes(device: torch.device, fraction: float, max_useful_bytes: int | None = None) -> int:
     """fraction (checked by EngineConfig) x available memory, no more than the engine could ever fill."""
-    budget = int(available_memory(device) * fraction)
+    budget = int(Platform.of(device).available_memory() * fraction)
     return min(budget, max_useful_bytes) if max_useful_bytes else budget
 
 
@@ -119,9 +112,9 @@ class ModelRunner:
         sized from the machine (default_kv_cache_bytes), up to what config.max_num_seqs sequences of the model's
         full context could hold. num_blocks: exactly that many blocks instead (a draft model's cache holds as many
         tokens as its target's, a tensor-parallel worker as many as rank 0's). group: this rank's
-        parallel.group.TensorParallelGroup when the model is one rank's share; workers (rank 0 only): the other
+        distributed.group.TensorParallelGroup when the model is one rank's share; workers (rank 0 only): the other
         ranks, sent each step's inputs and each vocabulary projection's rows. stages: this process's
-        parallel.pipeline.PipelineStages when the model is one pipeline stage."""
+        distributed.pipeline.PipelineStages when the model is one pipeline stage."""
         self.group, self.workers, self.stages = group, workers, stages
         self.block_size = config.block_size
         self._load_model(model, config)
@@ -146,6 +139,7 @@ class ModelRunner:
                               f"configured for {config.activations}: load it with load_runtime_model(..., "
                               f"activations={config.activations!r})", param="activations")
         self.device = next(model.parameters()).device
+        self.platform = Platform.of(self.device)
         self.kv_dtype = kv_cache_torch_dtype(config.kv_cache_dtype, model.dtype)
         self.kv_dtype_label = kv_dtype_name(self.kv_dtype)  # as --kv-cache-dtype spells it
         self.decoder = build_runtime_model(model, config.attention_backend, config.fast_path, self.kv_dtype,
@@ -155,7 +149,7 @@ class ModelRunner:
         if config.lm_head != "model":
             self._quantize_lm_head(config.lm_head)
         self.weights_in_huge_pages = 0  # bytes
-        if self.device.type == "cpu":
+        if self.platform.host_memory:
             keep_freed_host_memory()  # each step's activations reuse freed memory instead of new pages
             # (before any path is timed)
             self.weights_in_huge_pages = weights_to_huge_pages(self.decoder, sharing=(model,))
@@ -187,7 +181,7 @@ class ModelRunner:
             self.kv_cache_source = f"{config.kv_cache_tokens:,} tokens asked"
         elif kv_cache_bytes is None:
             fraction, max_num_seqs = config.kv_cache_memory_fraction, config.max_num_seqs
-            context = getattr(model.config, "max_position_embeddings", None)
+            context = model_limits(model.config)[0]
             useful = (max_num_seqs * -(-context // block_size) * per_block) if context and max_num_seqs else None
             kv_cache_bytes = default_kv_cache_bytes(self.device, fraction, useful)
             self.kv_cache_source = f"{fraction:.0%} of available memory"
@@ -355,7 +349,7 @@ class ModelRunner:
     def _sample(self, hidden: torch.Tensor, sample_rows: list[tuple[int, object, list[int]]], result: StepResult
                 ) -> None:
         """The next token of each sequence that reached its last token; a sequence with drafts gets the ones
-        the target accepts (spec_decode.verify) and the target's token after them."""
+        the target accepts (executor/verify.py) and the target's token after them."""
         rows = [first + j for first, _, drafts in sample_rows for j in range(len(drafts) + 1)]
         last_hidden = hidden if rows == list(range(hidden.shape[0])) else hidden[rows]
         # [R, vocab] in the model's dtype: the greedy rows need no fp32 copy (argmax over bf16 values is the

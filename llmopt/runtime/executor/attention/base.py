@@ -75,7 +75,7 @@ def select_attention_backend(name: str, device: torch.device | str, layout: str,
     if name != "auto":
         backend = ATTENTION_BACKENDS.get(name)
         if not backend.accepts(device, layout, fast, quantized):
-            raise ConfigError(f"--attention-backend {name} cannot run here ({device.type}, {cache}"
+            raise ConfigError(f"--attention-backend {name} cannot run here ({device}, {cache}"
                               f"{', --no-fast-path' if not fast else ''}): choose auto", param="attention_backend")
         return backend()
     ranked = sorted((ATTENTION_BACKENDS.get(n) for n in ATTENTION_BACKENDS), key=lambda b: -b.priority)
@@ -83,4 +83,4 @@ def select_attention_backend(name: str, device: torch.device | str, layout: str,
         if backend.accepts(device, layout, fast, quantized):
             return backend()
     hint = ": choose --kv-cache-dtype auto" if quantized else ""
-    raise ConfigError(f"no attention backend runs {cache} on {device.type}{hint}", param="kv_cache_dtype")
+    raise ConfigError(f"no attention backend runs {cache} on {device}{hint}", param="kv_cache_dtype")

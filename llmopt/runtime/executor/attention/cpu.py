@@ -60,8 +60,9 @@ def compiled_store_kv(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v
                       slot_mapping: torch.Tensor, scales: Scales = None) -> None:
     """The compiled CPU store where the layouts allow it (the same bits as torch_sdpa.store_kv: a copy, fp32
     rounded to a 16-bit cache as `.to()` rounds it, or in 8 bits the same quantization), else that store."""
-    if (k.dtype == v.dtype and (scales is not None or k.dtype == k_cache.dtype or narrowing_cache(k.dtype, k_cache.dtype))
-            and k.stride(-1) == v.stride(-1) == 1 and k.stride(1) == v.stride(1) == k.shape[2]):
+    takes_dtype = scales is not None or k.dtype == k_cache.dtype or narrowing_cache(k.dtype, k_cache.dtype)
+    if (k.dtype == v.dtype and takes_dtype and k.stride(-1) == v.stride(-1) == 1
+            and k.stride(1) == v.stride(1) == k.shape[2]):
         ops = cpu_ops()
         if scales is None:
             return ops.store_kv_(k_cache, v_cache, k, v, slot_mapping)

@@ -21,6 +21,7 @@ import torch
 
 from llmopt.runtime.executor.host_memory import HUGE_PAGE_BYTES, huge_page_zeros
 from llmopt.runtime.executor.kernels.kv_quant import CODE_MAX
+from llmopt.runtime.executor.platform import Platform
 
 SCALE_DTYPE = torch.float32  # an 8-bit cache's per-vector scales
 
@@ -146,9 +147,10 @@ def zeros_lazily(shape: tuple[int, ...], dtype: torch.dtype, device: torch.devic
     """A zero tensor; on CPU from memory whose pages the OS commits on first write (a GBs-sized cache costs
     nothing until used), asked for in transparent huge pages where the kernel gives them (madvise: Linux's
     default THP mode hands them out only on request). Each sequence's new blocks are first writes: with 4 KiB
-    pages a decode step's KV stores faulted in fresh pages at ~110-170 us a layer on a 2-core EPYC VM (~4 ms of a
-    13 ms batch-1 step); a 2 MiB page is one fault per ~170 of SmolLM2's 16-token blocks a layer."""
-    if device.type != "cpu":
+    pages a decode step's KV stores fault in a fresh page per block per layer (a large share of a batch-1 step:
+    docs/results/code-figures.md#kv-cache-pages); a 2 MiB page is one fault per ~170 of SmolLM2's 16-token blocks
+    a layer."""
+    if not Platform.of(device).host_memory:
         return torch.zeros(shape, dtype=dtype, device=device)
     nbytes = int(np.prod(shape)) * dtype.itemsize
     raw = huge_page_zeros(nbytes) if nbytes >= HUGE_PAGE_BYTES else None

@@ -2,11 +2,10 @@
 
 The cache is allocated as zero pages the OS commits on first write (kv_cache.zeros_lazily). Committing a page
 is cheap on bare metal but not on every VM: where the hypervisor backs guest memory on first touch and takes
-freed memory back (free-page reporting, as Firecracker microVMs do), a first write cost ~25 ms per 2 MiB
-(~80 MB/s) on a 2-core EPYC VM. A decode step whose sequences all crossed into new blocks then stalled for
-1.7 s (60 new huge pages: a key and a value tensor per layer), and a 64-client serving run writes ~1.6 GB of
-never-used blocks (~20 s at that rate, in a run of ~80). llama.cpp pays the cost once at start (it clears its KV
-buffer).
+freed memory back (free-page reporting, as Firecracker microVMs do), a first write can cost tens of ms per 2 MiB:
+a decode step whose sequences all cross into new blocks then stalls for seconds, and a serving run pays it for
+every never-used block it touches (docs/results/code-figures.md#kv-cache-commit). llama.cpp pays the cost once at
+start (it clears its KV buffer).
 
 Modes (EngineConfig.kv_cache_commit):
 - lazy: pages are committed by the step that first writes them (the cost lands in that step).
@@ -28,6 +27,7 @@ from typing import TYPE_CHECKING
 
 from llmopt.runtime.engine.config import KV_CACHE_COMMIT_MODES
 from llmopt.runtime.executor.host_memory import linux_libc
+from llmopt.runtime.executor.platform import Platform
 
 if TYPE_CHECKING:
     from llmopt.runtime.executor.attention.kv_cache import KVCache
@@ -55,7 +55,7 @@ def block_ranges(kv_cache: KVCache, first: int, stop: int) -> list[tuple[int, in
     ranges = []
     for layer in kv_cache.layers:
         for tensor in layer.tensors:
-            if tensor.device.type != "cpu" or tensor.numel() == 0:
+            if tensor.numel() == 0:  # (a host-memory cache: commit_kv_cache)
                 continue
             per_block = tensor.nbytes // kv_cache.num_blocks
             begin = tensor.data_ptr() + first * per_block
@@ -142,7 +142,7 @@ def commit_kv_cache(kv_cache: KVCache, mode: str) -> KVCacheCommitter | None:
     """Start committing a CPU cache's memory as `mode` says (KV_CACHE_COMMIT_MODES); None for lazy or GPU."""
     if mode not in KV_CACHE_COMMIT_MODES:
         raise ValueError(f"KV cache commit mode must be one of {', '.join(KV_CACHE_COMMIT_MODES)} (got {mode!r})")
-    if mode == "lazy" or not kv_cache.layers or kv_cache.layers[0].key.device.type != "cpu":
+    if mode == "lazy" or not kv_cache.layers or not Platform.of(kv_cache.layers[0].key.device).host_memory:
         return None
     committer = KVCacheCommitter(kv_cache)
     if mode == "startup":

@@ -34,12 +34,10 @@ log = logging.getLogger(__name__)
 
 GEMV_MAX_ROWS = 8  # rows of x [M, K] one pass of ops.gemv over the weight serves; more go 8 at a time (fused_cpu.cpp)
 # The built-in rule (the batch-1 lm_head's, and the dense linears' under --linear-kernels fixed; measured plans
-# choose per CPU, linear/dense.py): row counts of an fp32 matmul that ops.gemv runs faster than BLAS on a Xeon
-# (speculative verification at batch 1): MKL's
-# sgemm is as fast as a matrix-vector product up to 2 rows, then ~2x slower from 4 (it packs the weight); gemv
-# streams each weight row once for all rows. Measured (2 cores, AVX-512) at 6 rows: 960x576 117 -> 57 us, 3072x576
-# 327 -> 270 us, 49152x576 5355 -> 3679 us, but 576x1536 98 -> 116 us (weights taller than wide keep BLAS).
-# AVX2 only (simulated; benchmarks/gemv_rows.py): 960x576 ~105 -> 70-82 us, 3072x576 ~410 -> 263-271 us.
+# choose per CPU, linear/dense.py): row counts of an fp32 matmul that ops.gemv runs faster than BLAS (speculative
+# verification at batch 1): MKL's sgemm is as fast as a matrix-vector product up to 2 rows, then slower from 4 (it
+# packs the weight); gemv streams each weight row once for all rows. Weights taller than wide keep BLAS
+# (docs/results/code-figures.md#gemv-rows).
 GEMV_BATCHED_ROWS = range(3, GEMV_MAX_ROWS + 1)
 
 # Two translation units built in parallel: the attention kernels, and every other source included by
@@ -62,17 +60,15 @@ def isa_flags(isa: str) -> list[str]:
 
 def gemv_row_streams(isa: str) -> int:
     """Weight rows `gemv` streams at once for one input row (csrc/fused_cpu.cpp, built in): 4 with early requests
-    on Intel AVX-512 CPUs (measured on a Xeon), 1 on AMD's (a single sequential stream: 20-50% faster on Zen 3 and
-    Zen 4, the weights from memory) and in every AVX2 or portable build. The same bits either way."""
+    on Intel AVX-512 CPUs, 1 on AMD's (a single sequential stream is faster there, the weights from memory) and in
+    every AVX2 or portable build (docs/results/code-figures.md#gemv-streams). The same bits either way."""
     return 4 if isa in ("avx512", "avx512_bf16") and cpu_info().vendor == "GenuineIntel" else 1
 
 
 def gemv_pair_streams(isa: str) -> int:
     """Weight rows the AVX2 build's `gemv` streams at once against two input rows (csrc/fused_cpu.cpp; the same
-    bits either way): 2 on Intel (4 independent accumulation chains; chosen under the AVX2 simulation on a Xeon),
-    1 on AMD, as for one input row. On a 2-core AVX2 EPYC (family 23) two rows at once made 2 inputs slower than 3;
-    one at a time, 49152 x 576 from memory at 2 inputs: fp16 4.6 -> 3.3 ms (one input 2.9), fp32 12.2 -> 9.5
-    (benchmarks/gemv_rows.py)."""
+    bits either way): 2 on Intel (4 independent accumulation chains), 1 on AMD, as for one input row (on AMD two
+    rows at once made 2 inputs slower than 3: docs/results/code-figures.md#gemv-streams)."""
     return 1 if cpu_info().vendor == "AuthenticAMD" else 2
 
 

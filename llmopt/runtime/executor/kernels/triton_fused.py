@@ -4,8 +4,8 @@ residual add, in place), rotary embedding in place on q and k, silu(gate) * up. 
 round, scale by the weight; each rotary product and the sum rounded; silu rounded before the product.
 
 Why: without them a decode step on a GPU is ~43 kernel launches a layer from Python (RMSNorm alone is 8 torch
-ops, the rotary embedding 10), and at small batches the step is bound by those launches, not by the GPU (an H200
-busy 2.3 ms of a 45 ms SmolLM2 step); with them a layer is ~12 launches.
+ops, the rotary embedding 10), and at small batches the step is bound by those launches, not by the GPU
+(docs/results/gpu.md); with them a layer is ~12 launches.
 Shapes: x, residual, delta [T, hidden]; weight [hidden]; qkv [T, >= heads * head_dim] (rows contiguous);
 cos, sin [T, head_dim]; gate_up [T, 2 * inter] -> [T, inter]."""
 

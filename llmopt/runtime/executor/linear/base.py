@@ -12,14 +12,22 @@ A method is an nn.Module class with
 - `can_stack` / `stack(parts)`: one module for several linears fed the same input (q/k/v, gate/up);
 - `shard_weight(qweight, dim, rank, world)`: a rank's share of the weight along "in" or "out" features, from which
   that rank's method is built (tensor parallelism).
-`select_linear_method` takes the highest `priority` among the methods that accept; the dense method (priority
-lowest) accepts everything, so a weight no kernel can hold still runs, dequantized once.
+`select_linear_method` asks the methods of the weight's kind, for the device's type (`device_type`) and whose kernels
+exist here (`available()`), whether they accept, and chooses among those by explicit rules, in order:
+0. a method that another accepting one `overrides` (by name: a plug-in taking over a built-in method's weights)
+   is out;
+1. not the fallback: the dense method (`fallback`) accepts every weight and runs one no kernel can hold,
+   dequantized once; it is chosen only where nothing else accepts;
+2. a kernel of its own (`compiled`) over torch ops;
+3. the one that uses more of what the weight and the scheme state: quantized input activations
+   (`quantized_inputs`), the pruned zeros skipped (`skips_pruned`);
+4. the first by name.
 """
 
 from __future__ import annotations
 
 import threading
-from typing import ClassVar
+from typing import ClassVar, Optional
 
 import torch
 from torch import nn
@@ -28,7 +36,6 @@ from llmopt.core.contract import LinearScheme, QuantizedWeight
 from llmopt.core.registry import Registry
 
 LINEAR_METHODS: Registry[type] = Registry("linear method")
-FALLBACK_PRIORITY = -1  # the dense method's: it accepts every weight
 
 
 def register_linear_method(cls: type) -> type:
@@ -38,8 +45,24 @@ def register_linear_method(cls: type) -> type:
 
 class LinearMethod(nn.Module):
     name: ClassVar[str] = "base"
-    priority: ClassVar[int] = 0
     weight_type: ClassVar[type] = QuantizedWeight
+    device_type: ClassVar[Optional[str]] = None  # the one device type it runs on (None: any)
+    # what the selection rules read (module docstring)
+    fallback: ClassVar[bool] = False
+    compiled: ClassVar[bool] = True
+    quantized_inputs: ClassVar[bool] = False
+    skips_pruned: ClassVar[bool] = False
+    overrides: ClassVar[tuple[str, ...]] = ()  # methods this one takes over from where both accept
+
+    @classmethod
+    def available(cls) -> bool:
+        """Whether its kernels exist in this environment (built, installed)."""
+        return True
+
+    @classmethod
+    def rank(cls) -> tuple[bool, bool, int]:
+        """Its place under the selection rules 1-3 (higher first)."""
+        return not cls.fallback, cls.compiled, int(cls.quantized_inputs) + int(cls.skips_pruned)
 
     def __init__(self, qweight: QuantizedWeight, dtype: torch.dtype, device: torch.device | str = "cpu"):
         super().__init__()
@@ -84,11 +107,11 @@ class LinearMethod(nn.Module):
         return f"in={self.in_features}, out={self.out_features}, method={self.name}"
 
 
-def triton_on(device: torch.device) -> bool:
-    """Whether the Triton methods can run on `device`: CUDA, with triton installed."""
-    from llmopt.runtime.executor.kernels.triton_support import triton_available
+def triton_installed() -> bool:
+    """Whether the Triton methods' kernels can run here (triton installed; looked up at each call)."""
+    from llmopt.runtime.executor.kernels import triton_support
 
-    return device.type == "cuda" and triton_available()
+    return triton_support.triton_available()
 
 
 def fp8_tensor_cores(device: torch.device) -> bool:
@@ -98,11 +121,14 @@ def fp8_tensor_cores(device: torch.device) -> bool:
 
 
 def select_linear_method(qweight: QuantizedWeight, scheme: LinearScheme, device: torch.device | str) -> type:
-    """The registered method of highest priority that accepts this weight on this device."""
+    """The method the selection rules (module docstring) choose among those that accept this weight here."""
     device = torch.device(device)
-    ranked = sorted((LINEAR_METHODS.get(name) for name in LINEAR_METHODS), key=lambda m: -m.priority)
-    return next(method for method in ranked
-                if isinstance(qweight, method.weight_type) and method.accepts(qweight, scheme, device))
+    accepting = [method for method in (LINEAR_METHODS.get(name) for name in LINEAR_METHODS)
+                 if isinstance(qweight, method.weight_type) and method.device_type in (None, device.type)
+                 and method.available() and method.accepts(qweight, scheme, device)]
+    overridden = {name for method in accepting for name in method.overrides}
+    accepting = [method for method in accepting if method.name not in overridden]
+    return max(accepting, key=lambda method: method.rank())  # (the registry lists by name; max keeps the first)
 
 
 def make_linear(qweight: QuantizedWeight, dtype: torch.dtype, device: torch.device | str = "cpu",
@@ -113,11 +139,11 @@ def make_linear(qweight: QuantizedWeight, dtype: torch.dtype, device: torch.devi
     qweight.input_activations) is computed as it says."""
     if qweight.input_activations is not None:
         input_activations = qweight.input_activations
-    scheme = LinearScheme(getattr(qweight, "scheme", None), input_activations)
+    scheme = LinearScheme(qweight.scheme, input_activations)
     method = select_linear_method(qweight, scheme, device)
-    if input_activations is not None and method.priority == FALLBACK_PRIORITY and qweight.input_activations is None:
+    if input_activations is not None and method.fallback and qweight.input_activations is None:
         # quantized inputs are a request: a weight no kernel runs with them keeps inputs in the compute dtype
-        method = select_linear_method(qweight, LinearScheme(getattr(qweight, "scheme", None)), device)
+        method = select_linear_method(qweight, LinearScheme(qweight.scheme), device)
     return method.create(qweight, dtype, device)
 
 

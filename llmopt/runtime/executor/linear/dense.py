@@ -14,17 +14,17 @@ from llmopt.core.contract.activations import InputQuantizedLinear
 from llmopt.core.hardware import kernel_isa
 from llmopt.runtime.executor.host_memory import room_for_second_copy
 from llmopt.runtime.executor.kernels.cpu_ops import GEMV_BATCHED_ROWS, GEMV_MAX_ROWS, cpu_ops
-from llmopt.runtime.executor.linear.base import (
-    FALLBACK_PRIORITY, LinearMethod, register_linear_method,
-)
-from llmopt.runtime.executor.linear.row_paths import RowPathsMixin
+from llmopt.runtime.executor.linear.base import LinearMethod, register_linear_method
+from llmopt.runtime.executor.linear.kernel_plans import RowPathsMixin
+from llmopt.runtime.executor.platform import Platform
 
 
 @register_linear_method
 class DequantizedLinear(LinearMethod):
     """Any weight, dequantized once into a plain nn.Linear (built by `create`; the class is its registry entry)."""
 
-    name, priority = "dense", FALLBACK_PRIORITY
+    name = "dense"
+    fallback = True  # chosen only where no other method accepts
     weight_type = object  # any weight with a dense form (`dequantize`)
 
     @classmethod
@@ -70,28 +70,24 @@ class ConcatLinears(nn.Module):
 class FusedDenseLinear(RowPathsMixin, nn.Module):
     """Dense linears fed the same input as one matmul over their stacked weights.
 
-    Paths (row_paths.py): `blas` (F.linear; for a prepacked fp32 head oneDNN's linear on it) at any row count; on
+    Paths (kernel_plans.py): `blas` (F.linear; for a prepacked fp32 head oneDNN's linear on it) at any row count; on
     CPU, for plain fp32 and bf16 weights, `gemv` (kernels.cpu_ops: each weight row streamed once, for 1-8 rows;
-    the kernel a decode graph calls); for fp32 prefill chunks `onednn` (oneDNN's linear on the plain weight; on an
-    AVX-512 EPYC, Zen 4, at 512 rows MKL's sgemm took 2.9 / 9.9 / 5.0 ms on 960x576 / 3072x576 / 576x1536,
-    oneDNN's 3.0 / 8.8 / 4.2); and at any row count `prepacked` (oneDNN's linear on a copy of the weight in its
+    the kernel a decode graph calls); for fp32 prefill chunks `onednn` (oneDNN's linear on the plain weight); and at
+    any row count `prepacked` (oneDNN's linear on a copy of the weight in its
     blocked layout, made where the host has room: host_memory.room_for_second_copy); for 16-bit prefill chunks on a
-    CPU whose oneDNN has no 16-bit GEMM (AVX2: torch then multiplies bf16 in a slow reference loop, ~4 G
-    multiply-adds/s on an AVX2 EPYC against ~30 in fp32) `widened`: the weight widened to fp32 for the call and
+    CPU whose oneDNN has no 16-bit GEMM (AVX2: torch then multiplies bf16 in a slow reference loop, several times
+    slower than fp32) `widened`: the weight widened to fp32 for the call and
     multiplied in fp32 (bf16 and fp16 values are exact in fp32; one rounding of the sums to the layer's dtype, as
     the 16-bit GEMM's). The decode graph calls `gemv`, `blas` and `prepacked` itself.
 
-    Why a weight is kept twice: on that Zen 4 (SmolLM2-135M's 30 layers) the bf16 linears at one row took 12.3 ms
-    prepacked against 6.7 by `gemv` on the plain weight, while from 16 rows the prepacked layout won (BESIDE_COPY
-    below). The engine times the paths per shape (measured plans) where the choice is open, and frees a copy no row
-    count runs. Which is faster differs by CPU more than any fixed rule captures (fp32: on an AVX-512 Xeon MKL's
-    sgemm matched gemv at 1-2 rows and beat it on weights taller than wide; on an AVX2 EPYC gemv was 1.6-3.3x
-    faster than MKL at every shape and 1-8 rows); the default (`--linear-kernels fixed`, no engine) is `prepacked`
-    where the copy exists beyond 2 fp32 rows (4 in the AVX2 build) or 8 bf16 rows, else up to 8 rows the Xeon's
-    rule for fp32 and `gemv` for bf16, `blas` beyond. A logits head in fp32 is prepacked only (pack_float32; its
-    batch-1 rows go to gemv on an exactly narrowed 16-bit copy, models/llama.py): MKL's sgemm ran the 49152 x 576
-    head at ~30 G multiply-adds/s on an AVX2 EPYC at 32-128 rows, oneDNN's prepacked linear at ~50-60 (64 rows
-    58.5 -> 31.6 ms)."""
+    Why a weight is kept twice: at one row `gemv` on the plain weight beats the prepacked layout, while from 16 rows
+    the prepacked layout wins (BESIDE_COPY below; docs/results/code-figures.md#dense-paths). The engine times the
+    paths per shape (measured plans) where the choice is open, and frees a copy no row count runs. Which is faster
+    differs by CPU more than any fixed rule captures; the default (`--linear-kernels fixed`, no engine) is
+    `prepacked` where the copy exists beyond 2 fp32 rows (4 in the AVX2 build) or 8 bf16 rows, else up to 8 rows
+    cpu_ops.GEMV_BATCHED_ROWS for fp32 and `gemv` for bf16, `blas` beyond. A logits head in fp32 is prepacked only
+    (pack_float32; its batch-1 rows go to gemv on an exactly narrowed 16-bit copy, models/llama.py): oneDNN's
+    prepacked linear runs it about twice as fast as MKL's sgemm at 32-128 rows."""
 
     name = "dense"
     # `onednn` is timed for prefill-sized steps only: decode steps (up to 16 rows) run in the decode graph, which
@@ -99,15 +95,10 @@ class FusedDenseLinear(RowPathsMixin, nn.Module):
     ONEDNN_MIN_ROWS = 32
     # BESIDE_COPY: where a weight has its prepacked copy, `gemv` is timed up to FP32_GEMV_ROWS_BESIDE_COPY rows
     # (fp32, by kernel build) or 8 (bf16), and beyond the copy runs, untimed. Each layer timed alone (its weight from
-    # memory, row_paths.measure_plan) favours the plain-layout kernels over oneDNN's prepacked one by up to 2x
-    # against the same calls made in a row as a step makes them: timed alone gemv (and at 8-16 rows MKL's sgemm) won
-    # at 4-16 fp32 rows, while in the engine the copy made 4 and 8 sequences 1.2x and 1.4x faster; 30 layers'
-    # linears in a row (Zen 4, SmolLM2): fp32 at 8 / 9 / 16 / 64 / 512 rows 20.8 / 19.3 / 28.0 / 76.6 / 529 ms
-    # prepacked against gemv's 32.3 at 8, MKL's 54.9 / 58.5 / 130 / 650 and oneDNN's on the plain weight 31.5 / 42.6
-    # / 95.7 / 557; bf16 at 16 / 64 / 512 rows 15.4 / 44.3 / 278 against 28.2 / 62.5 / 305, and at 8 rows gemv 14.5
-    # against 14.7. Under the AVX2 simulation on that chip (the AVX2 kernels, oneDNN capped at AVX2), engine tok/s
-    # with gemv / the copy forced: 4 sequences 152 / 115-122, 8 sequences 148-152 / 161-179. The AVX-512 builds'
-    # figure was measured, the AVX2 one simulated; other builds time gemv at every row count it takes.
+    # memory, kernel_plans.measure_plan) favours the plain-layout kernels over oneDNN's prepacked one by up to 2x
+    # against the same calls made in a row as a step makes them: timed alone gemv won at 4-16 fp32 rows, while in
+    # the engine the copy made 4 and 8 sequences faster (docs/results/code-figures.md#dense-paths). Other builds
+    # time gemv at every row count it takes.
     FP32_GEMV_ROWS_BESIDE_COPY: ClassVar[dict[str, int]] = {"avx512": 2, "avx512_bf16": 2, "avx2": 4}
     PACK_BATCH_HINT = 256  # oneDNN picks its blocking for this M; measured best over M in 1..2048
 
@@ -123,7 +114,7 @@ class FusedDenseLinear(RowPathsMixin, nn.Module):
                           for p in parts]) if has_bias else None
         self.in_features, self.out_features = weight.shape[1], weight.shape[0]
         self.dtype = weight.dtype
-        cpu = weight.device.type == "cpu"
+        cpu = Platform.of(weight.device).host_memory
         self.packed = prepack and pack_float32 and cpu and weight.dtype == torch.float32 \
             and torch.backends.mkldnn.is_available()  # (the fp32 head: the prepacked form only)
         if self.packed:
@@ -143,7 +134,7 @@ class FusedDenseLinear(RowPathsMixin, nn.Module):
         self._widened = cpu and self.dtype in (torch.bfloat16, torch.float16) and not _mkldnn_16bit(self.dtype)
         self._fp32_gemv_rows_beside_copy = self.FP32_GEMV_ROWS_BESIDE_COPY.get(kernel_isa(), GEMV_MAX_ROWS)
 
-    # --- paths (row_paths.py) --------------------------------------------------------------------------------
+    # --- paths (kernel_plans.py) --------------------------------------------------------------------------------
     def row_paths(self) -> dict[str, int | None]:
         return {"blas": None} | ({"gemv": self._gemv_rows()} if self._gemv else {}) \
             | ({"onednn": None} if self._onednn else {}) | ({"widened": None} if self._widened else {}) \
@@ -165,10 +156,10 @@ class FusedDenseLinear(RowPathsMixin, nn.Module):
             return "prepacked"
         if rows > GEMV_MAX_ROWS:
             return "widened" if self._widened and rows >= self.ONEDNN_MIN_ROWS else "blas"
-        if self.dtype == torch.bfloat16:  # (oneDNN on the plain bf16 weight took ~3x gemv's time at 1-8 rows, Zen 4)
+        if self.dtype == torch.bfloat16:  # (oneDNN on the plain bf16 weight is slower than gemv at 1-8 rows)
             return "gemv" if self._gemv else "blas"
         # MKL's sgemm packs the weight from ~3 rows (2x slower than streaming it once); weights taller than wide
-        # kept it (measured on a Xeon; cpu_ops.GEMV_BATCHED_ROWS)
+        # kept it (cpu_ops.GEMV_BATCHED_ROWS)
         wide = self.out_features >= self.in_features
         return "gemv" if self._gemv and wide and rows in GEMV_BATCHED_ROWS else "blas"
 

@@ -17,7 +17,7 @@ from llmopt.runtime.executor.linear.base import LinearMethod, dequantize_buffer,
 
 @register_linear_method
 class Fp4WeightLinear(LinearMethod):
-    name, priority = "fp4-cpu", 10
+    name, device_type = "fp4-cpu", "cpu"
     dequantize_min_rows = 16  # from here the weight is decoded whole and the dense GEMM runs (as int4-cpu)
 
     def __init__(self, qweight, dtype, device="cpu"):
@@ -34,7 +34,7 @@ class Fp4WeightLinear(LinearMethod):
     def accepts(cls, qweight, scheme, device):
         w, acts = qweight.scheme, scheme.input_activations
         nvfp4_inputs = acts is not None and acts.scale_format == "e4m3" and qweight.input_global_scale is not None
-        return (device.type == "cpu" and (acts is None or nvfp4_inputs) and w.scale_format is not None
+        return ((acts is None or nvfp4_inputs) and w.scale_format is not None
                 and qweight.has_trivial_g_idx)
 
     @staticmethod

@@ -14,7 +14,8 @@ from llmopt.runtime.executor.linear.base import LinearMethod, register_linear_me
 
 @register_linear_method
 class Float8WeightLinear(LinearMethod):
-    name, priority = "fp8-weight", 5
+    name = "fp8-weight"
+    compiled = False  # torch ops: the E4M3 weight widened for each product
 
     def __init__(self, qweight, dtype, device="cpu"):
         super().__init__(qweight, dtype, device)

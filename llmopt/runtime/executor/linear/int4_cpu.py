@@ -14,12 +14,12 @@ from llmopt.runtime.executor.kernels.quant_matmul import (
 )
 from llmopt.runtime.executor.linear.base import LinearMethod, dequantize_buffer, new_stacked, register_linear_method
 from llmopt.runtime.executor.linear.q8_inputs import Q8InputsMixin, takes_int8_inputs
-from llmopt.runtime.executor.linear.row_paths import TILE_BYTES, RowPathsMixin
+from llmopt.runtime.executor.linear.kernel_plans import TILE_BYTES, RowPathsMixin
 
 
 @register_linear_method
 class Int4PackedLinear(RowPathsMixin, LinearMethod):
-    """Five kernels ("paths", chosen per step's row count by row_paths.py, measured on this machine): the compiled
+    """Five kernels ("paths", chosen per step's row count by kernel_plans.py, measured on this machine): the compiled
     few-row kernel straight from the codes ("rows": decode, the memory-bound case); the one that reads the codes
     repacked at load in panels of 16 outputs and decodes each column once for up to 16 rows ("panels": batched
     decode); the one that dequantizes an L2-sized tile at a time and multiplies it by all rows ("tiled": larger
@@ -28,15 +28,15 @@ class Int4PackedLinear(RowPathsMixin, LinearMethod):
     are several times faster dense, docs/results/runtime.md); aten's int4 kernel ("aten": bf16 decode). The
     plain nibble copy and the panels each cost another half byte per weight."""
 
-    name, priority = "int4-cpu", 10
-    # three layouts of the codes (aten's, the nibbles, the panels), one read per step: eval.speed.model_cost
+    name, device_type = "int4-cpu", "cpu"
+    # three layouts of the codes (aten's, the nibbles, the panels), one read per step: eval.bench.model_cost
     # counts aten's
     prefill_only_buffers = ("nibbles", "panel_codes", "panel_scales")
     # the fixed plan's thresholds (--linear-kernels fixed, and before a plan is set):
-    dequantize_min_rows = 256  # torch dequantization vs aten's kernel, bf16, 2 cores (benchmarks/int4_matmul.py)
+    dequantize_min_rows = 256  # torch dequantization vs aten's kernel, bf16, 2 cores (benchmarks/kernels/int4_matmul.py)
     # the same with the compiled dequantization (kernels/csrc/int4_cpu.cpp, ~30x faster than the torch one)
     compiled_dequantize_min_rows = 16
-    # fp32 / fp16: "rows" for 1 row, "panels" up to 32, "tiled" up to 64 (benchmarks/int4_batch.py)
+    # fp32 / fp16: "rows" for 1 row, "panels" up to 32, "tiled" up to 64 (benchmarks/runtime/int4_batch.py)
     few_rows_max, panels_max_rows, tiled_max_rows = 1, 32, 64
 
     def __init__(self, qweight, dtype, device="cpu"):
@@ -57,7 +57,7 @@ class Int4PackedLinear(RowPathsMixin, LinearMethod):
     def accepts(cls, qweight, scheme, device):
         n, k = qweight.shape
         w = qweight.scheme
-        return (device.type == "cpu" and scheme.input_activations is None and qweight.has_trivial_g_idx
+        return (scheme.input_activations is None and qweight.has_trivial_g_idx
                 and w.type == "int" and can_pack_int4(n, k, w.bits, w.group_size))
 
     @classmethod
@@ -80,7 +80,7 @@ class Int4PackedLinear(RowPathsMixin, LinearMethod):
         return all(type(p) is cls and p.in_features == first.in_features and p.dtype == first.dtype
                    and p.kernel_group == first.kernel_group for p in parts)
 
-    # --- paths (row_paths.py): which kernel runs a step of `rows` inputs -------------------------------------
+    # --- paths (kernel_plans.py): which kernel runs a step of `rows` inputs -------------------------------------
     def row_paths(self) -> dict[str, int | None]:
         if cpu_ops() is None:
             return {"aten": None, "torch_dequantize": None}
@@ -152,13 +152,14 @@ class Int4Q8Linear(Q8InputsMixin, Int4PackedLinear):
     `int4_matmul_q8`): ~0.5% relative error per output, +0.2% wikitext2 ppl, 2-3x less time per int4 linear than
     aten's bf16 kernel at decode (docs/results/peers.md). Up to 16 rows it always runs (on CPUs with AMX-INT8 its
     tile version `q8_amx` too, the same numbers bit for bit, timed against it); beyond, it is timed against the
-    float paths with the rest (row_paths.py) and the faster runs: in fp32 it was 1.7x ahead of the dense GEMM at
+    float paths with the rest (kernel_plans.py) and the faster runs: in fp32 it was 1.7x ahead of the dense GEMM at
     64 rows on AVX-512, while in bf16 on AMX the codes dequantized a panel at a time into bf16 tiles (`amx_bf16`)
     win from ~32 rows (the float paths being the more precise, a step that takes one is never less accurate than
     asked). Chosen by the scheme (`--int4-activations int8`, or `auto` on CPU: core.contract.INT8_GROUP_ACTIVATIONS)."""
 
-    name, priority = "int4-q8-cpu", 20
-    # a decode step reads the q8 layout; the others serve prefill (eval.speed.model_cost)
+    name, device_type = "int4-q8-cpu", "cpu"
+    quantized_inputs = True
+    # a decode step reads the q8 layout; the others serve prefill (eval.bench.model_cost)
     prefill_only_buffers = ("packed", "scales_and_offsets", "nibbles", "panel_codes", "panel_scales")
 
     def __init__(self, qweight, dtype, device="cpu"):

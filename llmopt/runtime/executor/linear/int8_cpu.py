@@ -21,7 +21,7 @@ from llmopt.runtime.executor.kernels.quant_matmul import (
 )
 from llmopt.runtime.executor.linear.base import LinearMethod, dequantize_buffer, new_stacked, register_linear_method
 from llmopt.runtime.executor.linear.q8_inputs import Q8InputsMixin, takes_int8_inputs
-from llmopt.runtime.executor.linear.row_paths import TILE_BYTES, RowPathsMixin
+from llmopt.runtime.executor.linear.kernel_plans import TILE_BYTES, RowPathsMixin
 
 
 def cat_optional(values: list[torch.Tensor | None], likes: list[torch.Tensor]) -> torch.Tensor | None:
@@ -34,8 +34,8 @@ def cat_optional(values: list[torch.Tensor | None], likes: list[torch.Tensor]) -
 
 @register_linear_method
 class Int8PackedLinear(RowPathsMixin, LinearMethod):
-    name, priority = "int8-cpu", 10
-    prefill_only_buffers = ("panel_codes",)  # another layout of the codes: eval.speed.model_cost counts one
+    name, device_type = "int8-cpu", "cpu"
+    prefill_only_buffers = ("panel_codes",)  # another layout of the codes: eval.bench.model_cost counts one
 
     def __init__(self, qweight, dtype, device="cpu"):
         super().__init__(qweight, dtype, device)
@@ -55,7 +55,7 @@ class Int8PackedLinear(RowPathsMixin, LinearMethod):
         k = qweight.shape[1]
         w = qweight.scheme
         # aten's int8 kernel reads K in vectors of 16 (it crashes on other widths); inputs stay in the compute dtype
-        return (device.type == "cpu" and scheme.input_activations is None and qweight.has_trivial_g_idx
+        return (scheme.input_activations is None and qweight.has_trivial_g_idx
                 and w.type == "int" and w.bits == 8 and w.group_size in (-1, k) and k % 16 == 0)
 
     @classmethod
@@ -75,7 +75,7 @@ class Int8PackedLinear(RowPathsMixin, LinearMethod):
         return all(type(p) is type(first) and p.in_features == first.in_features and p.dtype == first.dtype
                    for p in parts)  # (Int8Q8Linear's parts too: each class stacks only its own)
 
-    # --- paths (row_paths.py) --------------------------------------------------------------------------------
+    # --- paths (kernel_plans.py) --------------------------------------------------------------------------------
     def row_paths(self) -> dict[str, int | None]:
         if cpu_ops() is None:
             return {"aten": None}
@@ -108,8 +108,8 @@ class Int8PackedLinear(RowPathsMixin, LinearMethod):
         return cpu_ops().int8_matmul_tiled(x2d, self.signed, self.scale, self.correction, TILE_BYTES)
 
     def _path_dequantize(self, x2d):
-        """The whole weight dequantized into a reused buffer, then one dense GEMM (prefill chunks: on an AVX2 EPYC
-        the tiles' many small sgemm calls made a 64-request run's prefill ~1.4x the dense model's)."""
+        """The whole weight dequantized into a reused buffer, then one dense GEMM (prefill chunks: the tiles' many
+        small sgemm calls made a prefill slower than the dense model's: docs/results/code-figures.md#int8-prefill)."""
         weight = dequantize_buffer(self.out_features * self.in_features, self.dtype)
         weight = weight.view(self.out_features, self.in_features)
         torch.mul(self.signed, self.scale.unsqueeze(1), out=weight)
@@ -131,8 +131,9 @@ class Int8Q8Linear(Q8InputsMixin, Int8PackedLinear):
     dots do more per instruction. Up to 16 rows it always runs; beyond, it is timed against the float paths
     (q8_inputs.py). Every int8 code is exact (-128 included: each weight byte's sign moves onto the input byte)."""
 
-    name, priority = "int8-q8-cpu", 20
-    # a decode step reads the q8 layout; the others serve the float paths of larger steps (eval.speed.model_cost)
+    name, device_type = "int8-q8-cpu", "cpu"
+    quantized_inputs = True
+    # a decode step reads the q8 layout; the others serve the float paths of larger steps (eval.bench.model_cost)
     prefill_only_buffers = ("signed", "panel_codes")
 
     def __init__(self, qweight, dtype, device="cpu"):
@@ -177,7 +178,7 @@ class GroupedInt8Linear(RowPathsMixin, LinearMethod):
     """Symmetric int8 weights with one scale per output and group of G columns, dequantized whole for one GEMM: the
     float path of Int8GroupedQ8Linear (not registered: with float inputs such a weight takes the dense method)."""
 
-    prefill_only_buffers = ("signed",)  # (eval.speed.model_cost: a decode step reads the q8 layout)
+    prefill_only_buffers = ("signed",)  # (eval.bench.model_cost: a decode step reads the q8 layout)
 
     def __init__(self, qweight, dtype, device="cpu"):
         super().__init__(qweight, dtype, device)
@@ -209,7 +210,8 @@ class Int8GroupedQ8Linear(Q8InputsMixin, GroupedInt8Linear):
     8-bit inputs: `int8_matmul_q8` with grouped scales (each block's integer sum times its input scale and its
     group's weight scale). Beyond decode sizes it is timed against the weight dequantized whole."""
 
-    name, priority = "int8-grouped-q8-cpu", 20
+    name, device_type = "int8-grouped-q8-cpu", "cpu"
+    quantized_inputs = True
 
     def __init__(self, qweight, dtype, device="cpu"):
         super().__init__(qweight, dtype, device)
@@ -218,7 +220,7 @@ class Int8GroupedQ8Linear(Q8InputsMixin, GroupedInt8Linear):
     @classmethod
     def accepts(cls, qweight, scheme, device):
         acts, w = scheme.input_activations, qweight.scheme
-        if device.type != "cpu" or cpu_ops() is None or not takes_int8_inputs(acts) or acts.strategy != "group":
+        if cpu_ops() is None or not takes_int8_inputs(acts) or acts.strategy != "group":
             return False
         n, k = qweight.shape
         groups = qweight.scales.shape[1]

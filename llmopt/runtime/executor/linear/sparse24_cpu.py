@@ -11,7 +11,7 @@ import torch
 from llmopt.core.contract.sparse24 import Sparse24Weight, columns_of
 from llmopt.runtime.executor.kernels.cpu_ops import cpu_ops
 from llmopt.runtime.executor.linear.base import LinearMethod, new_stacked, register_linear_method
-from llmopt.runtime.executor.linear.row_paths import TILE_BYTES
+from llmopt.runtime.executor.linear.kernel_plans import TILE_BYTES
 from llmopt.runtime.executor.linear.sparse_paths import SparsePathsMixin
 
 CHUNK = 32  # input columns per position word (16 kept values)
@@ -19,8 +19,9 @@ CHUNK = 32  # input columns per position word (16 kept values)
 
 @register_linear_method
 class Sparse24Linear(SparsePathsMixin, LinearMethod):
-    name, priority = "sparse24-cpu", 10
-    prefill_only_buffers = ("bitmask",)  # (eval.speed.model_cost: a decode step reads the values and positions)
+    name, device_type = "sparse24-cpu", "cpu"
+    skips_pruned = True
+    prefill_only_buffers = ("bitmask",)  # (eval.bench.model_cost: a decode step reads the values and positions)
     weight_type = Sparse24Weight
 
     def __init__(self, weight: Sparse24Weight, dtype, device="cpu"):
@@ -31,7 +32,7 @@ class Sparse24Linear(SparsePathsMixin, LinearMethod):
 
     @classmethod
     def accepts(cls, weight, scheme, device):
-        return (device.type == "cpu" and scheme.input_activations is None and weight.pattern == "2:4"
+        return (scheme.input_activations is None and weight.pattern == "2:4"
                 and weight.shape[1] % CHUNK == 0)
 
     @staticmethod

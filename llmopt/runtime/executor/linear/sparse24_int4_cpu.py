@@ -13,7 +13,7 @@ import torch
 from llmopt.core.contract.sparse24 import columns_of, positions_2of4, unpack_mask
 from llmopt.runtime.executor.kernels.cpu_ops import cpu_ops
 from llmopt.runtime.executor.linear.base import LinearMethod, new_stacked, register_linear_method
-from llmopt.runtime.executor.linear.row_paths import TILE_BYTES
+from llmopt.runtime.executor.linear.kernel_plans import TILE_BYTES
 from llmopt.runtime.executor.linear.sparse_paths import SparsePathsMixin
 
 CHUNK = 32  # input columns per position word
@@ -21,8 +21,9 @@ CHUNK = 32  # input columns per position word
 
 @register_linear_method
 class Sparse24Int4Linear(SparsePathsMixin, LinearMethod):
-    name, priority = "sparse24-int4-cpu", 20  # before int4-cpu, which would run the same codes densely
-    prefill_only_buffers = ("bitmask",)  # (eval.speed.model_cost: a decode step reads codes, positions, scales)
+    name, device_type = "sparse24-int4-cpu", "cpu"
+    skips_pruned = True  # (so before int4-cpu, which would run the same codes densely)
+    prefill_only_buffers = ("bitmask",)  # (eval.bench.model_cost: a decode step reads codes, positions, scales)
 
     def __init__(self, qweight, dtype, device="cpu"):
         super().__init__(qweight, dtype, device)
@@ -40,7 +41,7 @@ class Sparse24Int4Linear(SparsePathsMixin, LinearMethod):
     def accepts(cls, qweight, scheme, device):
         n, k = qweight.shape
         w = qweight.scheme
-        return (device.type == "cpu" and scheme.input_activations is None and qweight.keep is not None
+        return (scheme.input_activations is None and qweight.keep is not None
                 and w.type == "int" and w.bits <= 4 and qweight.has_trivial_g_idx and k % CHUNK == 0
                 and w.group_width(k) % CHUNK == 0)
 

@@ -1,6 +1,6 @@
 """Unstructured sparse weights on CPU, from compressed-tensors' sparse-bitmask layout
 (core/contract/sparse_bitmask.py): the non-zeros in the compute dtype, one bit per weight and an offset per row —
-(1 - sparsity) of the dense bytes plus 1/32 (fp32). Paths (row_paths.py, chosen per step's row count by
+(1 - sparsity) of the dense bytes plus 1/32 (fp32). Paths (kernel_plans.py, chosen per step's row count by
 measurement): "rows", the compiled kernel that expands each row's next values into their 16 columns and multiplies
 them with the inputs as they are (decode: kernels/csrc/sparse_bitmask_cpu.cpp); "tiled" and "decompress", an L2
 tile or the whole weight expanded before the dense GEMM (prefill). Without the compiled kernels each product
@@ -14,7 +14,7 @@ import torch.nn.functional as F
 from llmopt.core.contract.sparse_bitmask import BitmaskWeight
 from llmopt.runtime.executor.kernels.cpu_ops import cpu_ops
 from llmopt.runtime.executor.linear.base import LinearMethod, new_stacked, register_linear_method
-from llmopt.runtime.executor.linear.row_paths import TILE_BYTES
+from llmopt.runtime.executor.linear.kernel_plans import TILE_BYTES
 from llmopt.runtime.executor.linear.sparse_paths import SparsePathsMixin
 
 PAD = 16  # values past a row's last that the kernels' vector loads may read
@@ -22,7 +22,8 @@ PAD = 16  # values past a row's last that the kernels' vector loads may read
 
 @register_linear_method
 class SparseBitmaskLinear(SparsePathsMixin, LinearMethod):
-    name, priority = "sparse-bitmask-cpu", 10
+    name, device_type = "sparse-bitmask-cpu", "cpu"
+    skips_pruned = True
     weight_type = BitmaskWeight
 
     def __init__(self, weight: BitmaskWeight, dtype, device="cpu"):
@@ -34,7 +35,7 @@ class SparseBitmaskLinear(SparsePathsMixin, LinearMethod):
 
     @classmethod
     def accepts(cls, weight, scheme, device):
-        return device.type == "cpu" and scheme.input_activations is None and weight.shape[1] % 16 == 0
+        return scheme.input_activations is None and weight.shape[1] % 16 == 0
 
     @staticmethod
     def can_stack(parts) -> bool:

@@ -1,4 +1,4 @@
-"""The paths the sparse linear methods share (sparse24_cpu, sparse24_int4_cpu, sparse_bitmask_cpu; row_paths.py
+"""The paths the sparse linear methods share (sparse24_cpu, sparse24_int4_cpu, sparse_bitmask_cpu; kernel_plans.py
 says what a path is): "rows", the method's compiled few-row kernel reading the compressed weight once for all
 rows (decode); "tiled", an L2-sized tile decompressed at a time and multiplied by all rows with the dense GEMM;
 "decompress", the whole weight decompressed into the reused buffer before the dense GEMM (prefill); and without
@@ -12,7 +12,7 @@ import torch.nn.functional as F
 
 from llmopt.runtime.executor.kernels.cpu_ops import cpu_ops
 from llmopt.runtime.executor.linear.base import dequantize_buffer
-from llmopt.runtime.executor.linear.row_paths import RowPathsMixin
+from llmopt.runtime.executor.linear.kernel_plans import RowPathsMixin
 
 
 class SparsePathsMixin(RowPathsMixin):

@@ -11,12 +11,14 @@ import torch
 from llmopt.core.contract import FP8_TOKEN_ACTIVATIONS, INT8_TOKEN_ACTIVATIONS, quantize_activations
 from llmopt.core.contract.activations import quantize_activations_fp8
 from llmopt.core.contract.fp4 import fp4_kernel_operands
-from llmopt.runtime.executor.linear.base import LinearMethod, fp8_tensor_cores, register_linear_method, triton_on
+from llmopt.runtime.executor.linear.base import LinearMethod, fp8_tensor_cores, register_linear_method, triton_installed
 
 
 @register_linear_method
 class TritonW8A8Linear(LinearMethod):
-    name, priority = "w8a8-triton", 20
+    name, device_type = "w8a8-triton", "cuda"
+    quantized_inputs = True
+    available = staticmethod(triton_installed)
 
     def __init__(self, qweight, dtype, device):
         super().__init__(qweight, dtype, device)
@@ -33,7 +35,7 @@ class TritonW8A8Linear(LinearMethod):
         w, acts = qweight.scheme, scheme.input_activations
         int8 = acts == INT8_TOKEN_ACTIVATIONS and w.type == "int" and w.bits == 8 and w.sym
         fp8 = acts == FP8_TOKEN_ACTIVATIONS and w.type == "float" and w.bits == 8 and fp8_tensor_cores(device)
-        return ((int8 or fp8) and w.strategy == "channel" and qweight.has_trivial_g_idx and triton_on(device))
+        return ((int8 or fp8) and w.strategy == "channel" and qweight.has_trivial_g_idx)
 
     def _matmul(self, x2d):
         from llmopt.runtime.executor.kernels.triton_lowprec import scaled_matmul
@@ -45,7 +47,8 @@ class TritonW8A8Linear(LinearMethod):
 
 @register_linear_method
 class TritonFloatWeightLinear(LinearMethod):
-    name, priority = "float-weight-triton", 10
+    name, device_type = "float-weight-triton", "cuda"
+    available = staticmethod(triton_installed)
 
     def __init__(self, qweight, dtype, device):
         super().__init__(qweight, dtype, device)
@@ -64,7 +67,7 @@ class TritonFloatWeightLinear(LinearMethod):
         w = qweight.scheme
         fp4 = w.scale_format is not None  # (FP8 values are converted by the GPU's FP8 unit: 8.9 and later)
         return (scheme.input_activations is None and w.type == "float" and qweight.has_trivial_g_idx
-                and qweight.shape[1] % 16 == 0 and triton_on(device) and (fp4 or fp8_tensor_cores(device)))
+                and qweight.shape[1] % 16 == 0 and (fp4 or fp8_tensor_cores(device)))
 
     def _matmul(self, x2d):
         from llmopt.runtime.executor.kernels.triton_lowprec import float_weight_matmul

@@ -13,7 +13,7 @@ import torch
 import torch.nn.functional as F
 
 from llmopt.core.contract.sparse24 import Sparse24Weight, positions_2of4, unpack_mask
-from llmopt.runtime.executor.linear.base import LinearMethod, register_linear_method, triton_on
+from llmopt.runtime.executor.linear.base import LinearMethod, register_linear_method, triton_installed
 
 CHUNK = 32  # columns per position word
 SEMI_STRUCTURED_ROWS = 16  # rows above which the sparse tensor cores take the product, where they can
@@ -37,7 +37,9 @@ def semi_structured_weight(weight: Sparse24Weight, dtype: torch.dtype, device: t
 
 @register_linear_method
 class TritonSparse24Linear(LinearMethod):
-    name, priority = "sparse24-cuda", 10
+    name, device_type = "sparse24-cuda", "cuda"
+    skips_pruned = True
+    available = staticmethod(triton_installed)
     weight_type = Sparse24Weight
 
     def __init__(self, weight: Sparse24Weight, dtype, device):
@@ -50,7 +52,7 @@ class TritonSparse24Linear(LinearMethod):
 
     @classmethod
     def accepts(cls, weight, scheme, device):
-        return (triton_on(device) and scheme.input_activations is None and weight.pattern == "2:4"
+        return (scheme.input_activations is None and weight.pattern == "2:4"
                 and weight.shape[1] % CHUNK == 0)
 
     def _matmul(self, x2d):
@@ -63,7 +65,9 @@ class TritonSparse24Linear(LinearMethod):
 
 @register_linear_method
 class TritonSparse24Int4Linear(LinearMethod):
-    name, priority = "sparse24-int4-triton", 20  # before w4a16-triton, which would run the same codes densely
+    name, device_type = "sparse24-int4-triton", "cuda"
+    skips_pruned = True  # (so before w4a16-triton, which would run the same codes densely)
+    available = staticmethod(triton_installed)
 
     def __init__(self, qweight, dtype, device):
         super().__init__(qweight, dtype, device)
@@ -82,7 +86,7 @@ class TritonSparse24Int4Linear(LinearMethod):
     def accepts(cls, qweight, scheme, device):
         k = qweight.shape[1]
         w = qweight.scheme
-        return (triton_on(device) and scheme.input_activations is None and qweight.keep is not None
+        return (scheme.input_activations is None and qweight.keep is not None
                 and w.type == "int" and w.bits <= 4 and qweight.has_trivial_g_idx and k % CHUNK == 0
                 and w.group_width(k) % CHUNK == 0)
 

@@ -2,12 +2,13 @@
 
 from __future__ import annotations
 
-from llmopt.runtime.executor.linear.base import LinearMethod, register_linear_method, triton_on
+from llmopt.runtime.executor.linear.base import LinearMethod, register_linear_method, triton_installed
 
 
 @register_linear_method
 class TritonW4A16Linear(LinearMethod):
-    name, priority = "w4a16-triton", 10
+    name, device_type = "w4a16-triton", "cuda"
+    available = staticmethod(triton_installed)
 
     def __init__(self, qweight, dtype, device):
         super().__init__(qweight, dtype, device)
@@ -23,7 +24,7 @@ class TritonW4A16Linear(LinearMethod):
     @classmethod
     def accepts(cls, qweight, scheme, device):
         w = qweight.scheme
-        return (triton_on(device) and scheme.input_activations is None and qweight.has_trivial_g_idx
+        return (scheme.input_activations is None and qweight.has_trivial_g_idx
                 and w.type == "int" and w.bits <= 4 and qweight.shape[1] % 8 == 0)
 
     def _matmul(self, x2d):

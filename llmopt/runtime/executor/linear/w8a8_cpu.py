@@ -34,8 +34,8 @@ def int_mm_exact() -> bool:
     """Whether `torch._int_mm` returns exact int32 sums on this machine, checked once on inputs at both ends of
     int8's range. Under `ONEDNN_MAX_CPU_ISA=AVX2` on an AVX-512-VNNI CPU (the AVX2 simulation) torch 2.13's
     oneDNN shifted the inputs to u8 and summed byte products pairwise in saturating int16 (vpmaddubsw): sums off
-    by up to ~1e5 at 576 columns. The kernels' tests that compare against it passed on a real AVX2-only EPYC and
-    on VNNI CPUs."""
+    by up to ~1e5 at 576 columns. The kernels' tests that compare against it pass on real AVX2-only and VNNI
+    CPUs."""
     g = torch.Generator().manual_seed(0)
     a = torch.randint(-128, 128, (32, 256), generator=g, dtype=torch.int8)
     w = torch.randint(-128, 128, (256, 32), generator=g, dtype=torch.int8)
@@ -56,7 +56,8 @@ def integer_matmul(codes: torch.Tensor, weight_t: torch.Tensor) -> torch.Tensor:
 
 @register_linear_method
 class Int8W8A8Linear(LinearMethod):
-    name, priority = "w8a8-int8-cpu", 20
+    name, device_type = "w8a8-int8-cpu", "cpu"
+    quantized_inputs = True
 
     def __init__(self, qweight, dtype, device="cpu"):
         super().__init__(qweight, dtype, device)
@@ -69,14 +70,14 @@ class Int8W8A8Linear(LinearMethod):
 
     def _prepack(self) -> None:
         """The weight in oneDNN's blocked layout for its AMX-INT8 GEMM (None where it is not used)."""
-        use = self.weight.device.type == "cpu" and onednn_int8_gemm()
+        use = onednn_int8_gemm()  # (a CPU method: device_type)
         self.packed = torch.ops.onednn.qlinear_prepack(self.weight, None) if use else None
         self.zero_points = torch.zeros(self.out_features, dtype=torch.long) if use else None
 
     @classmethod
     def accepts(cls, qweight, scheme, device):
         w, acts = qweight.scheme, scheme.input_activations
-        return (device.type == "cpu" and acts == INT8_TOKEN_ACTIVATIONS and w.type == "int" and w.bits == 8
+        return (acts == INT8_TOKEN_ACTIVATIONS and w.type == "int" and w.bits == 8
                 and w.sym and w.strategy == "channel" and qweight.has_trivial_g_idx)
 
     @staticmethod

@@ -2,8 +2,8 @@
 capture of its own layer loop (`LlamaFamilyDecoder._forward_fused`).
 
 At batch-1 decode of a small model the Python between the kernels costs about as much as the kernels: each of
-~15 calls a layer pays its frame, argument parsing and the dispatcher (~5 us each on a 2-core EPYC; a 135M
-model's step had ~6 ms of it in ~13). The graph holds every layer's weights, norms and cache tensors, and each
+~15 calls a layer pays its frame, argument parsing and the dispatcher (docs/results/code-figures.md#decode-graph).
+The graph holds every layer's weights, norms and cache tensors, and each
 linear as the kernel op its row plan chose for the step's row count (`graph_call`: the same op, the same
 arguments), and runs them in C++: the same kernels in the same order, so the same bits as the Python loop.
 
@@ -20,6 +20,7 @@ from llmopt.runtime.executor.attention import KVCache
 from llmopt.runtime.executor.attention.cpu import narrowing_cache
 from llmopt.runtime.executor.attention.metadata import AttentionMetadata
 from llmopt.runtime.executor.kernels.cpu_ops import decode_graph_class
+from llmopt.runtime.executor.linear.kernel_plans import RowPathsMixin
 
 # Decode steps of up to this many sequences (the 8-bit inputs' kernels' rows: q8_inputs.Q8InputsMixin); beyond,
 # the kernels' own time dwarfs the calls'.
@@ -31,8 +32,8 @@ def graph_calls(decoder, rows: int) -> list[tuple] | None:
     calls = []
     for block in decoder.blocks:
         for linear in block.linears():
-            describe = getattr(linear, "graph_call", None)
-            call = describe(rows) if describe is not None else None
+            # (the linears whose kernel per row count is planned can say which op a graph calls)
+            call = linear.graph_call(rows) if isinstance(linear, RowPathsMixin) else None
             if call is None:
                 return None
             calls.append(call)
@@ -49,7 +50,8 @@ def new_graph(decoder, calls: list[tuple], kv_cache: KVCache):
     for i, (block, next_norm, cache) in enumerate(zip(decoder.blocks, next_norms, kv_cache)):
         for op, tensors, ints, bias in calls[4 * i:4 * i + 4]:
             graph.add_linear(op, list(tensors), list(ints), bias)
-        graph.add_layer(block.post_norm.weight, block.post_norm.eps, next_norm.weight, next_norm.eps, list(cache.tensors))
+        graph.add_layer(block.post_norm.weight, block.post_norm.eps, next_norm.weight, next_norm.eps,
+                        list(cache.tensors))
     return graph
 
 

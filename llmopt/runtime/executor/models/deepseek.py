@@ -36,7 +36,7 @@ def dense_weight(linear: nn.Module, in_features: int) -> torch.Tensor:
     eye = torch.eye(in_features, dtype=dtype, device=device)
     with torch.no_grad():
         out = linear(eye)
-    bias = getattr(linear, "bias", None)
+    bias = linear.bias  # (nn.Linear and every linear method have one, None without)
     if bias is not None:
         out = out - bias
     return out.float().t().contiguous()

@@ -24,8 +24,7 @@ from torch import nn
 from llmopt.core.adapters import attention_geometry
 from llmopt.runtime.executor.attention import AttentionBackend, KVCache, KVCacheSpec
 from llmopt.runtime.executor.attention.metadata import AttentionMetadata
-from llmopt.runtime.executor.kernels.triton_support import triton_available
-from llmopt.runtime.executor.kernels.cpu_ops import GEMV_BATCHED_ROWS, cpu_ops
+from llmopt.runtime.executor.kernels.cpu_ops import GEMV_BATCHED_ROWS
 from llmopt.runtime.executor.linear import fuse_linears
 from llmopt.runtime.executor.models.base import RuntimeDecoder
 from llmopt.runtime.executor.models.decode_graph import DecodeGraphs
@@ -33,8 +32,9 @@ from llmopt.runtime.executor.models.decode_graph import supports as decode_graph
 from llmopt.runtime.executor.models.registry import register_model_family
 from llmopt.runtime.executor.models.layers import RMSNorm, RotaryEmbedding, rotate_half
 from llmopt.runtime.executor.models.weights import DecoderWeights, method_name, rope_tables
-from llmopt.runtime.parallel.group import TensorParallelGroup
-from llmopt.runtime.parallel.sharding import ShardPlan, StagePlan, split_range
+from llmopt.runtime.executor.platform import Platform
+from llmopt.runtime.distributed.group import TensorParallelGroup
+from llmopt.runtime.distributed.sharding import ShardPlan, StagePlan, split_range
 
 # A layer's linears the runtime runs as one (fed the same input) -> the checkpoint's names of its parts, in order
 # (nano-vllm's packed_modules_mapping). Phi-3 ships q/k/v and gate/up packed already.
@@ -47,7 +47,7 @@ PACKED_MODULES = {
 PACKED_MODULES_PHI3 = {**PACKED_MODULES, "qkv": ("self_attn.qkv_proj",), "gate_up": ("mlp.gate_up_proj",)}
 QK_NORM_TYPES = ("qwen3",)  # per-head RMSNorm on q and k before the rotation
 # rows from which an fp32 head prepacked for oneDNN beats gemv on its exactly narrowed fp16 / bf16 copy
-# (LlamaFamilyDecoder._gemv_serves: 16 rows 11.9 vs 10.3 ms, 32 rows 17.6 vs 20.2 on a 2-core AVX2 EPYC)
+# (LlamaFamilyDecoder._gemv_serves; docs/results/code-figures.md#logits-head)
 GEMV_NARROW_HEAD_ROWS = 32
 
 
@@ -108,25 +108,13 @@ def exactly_narrowed(weight: torch.Tensor) -> torch.Tensor:
     return weight
 
 
-def fused_ops_for(device: torch.device):
-    """The fast path's fused element-wise ops on this device: the compiled CPU kernels, the Triton ones on CUDA
-    where Triton is installed, else None (the torch ops)."""
-    if device.type == "cpu":
-        return cpu_ops()
-    if device.type == "cuda" and triton_available():
-        from llmopt.runtime.executor.kernels.triton_fused import TritonFusedOps
-
-        return TritonFusedOps()
-    return None
-
-
 @register_model_family("llama", "mistral", "qwen2", "qwen3", "phi3")
 class LlamaFamilyDecoder(RuntimeDecoder):
     """Built from a config and its weights by name (models/weights.py): each checkpoint tensor or linear goes to
     the loader registered for its name; the packed modules' parts are then fused."""
 
     cache_layout = "kv"
-    tensor_parallel = True  # its checkpoints shard by parallel.sharding.ShardPlan
+    tensor_parallel = True  # its checkpoints shard by distributed.sharding.ShardPlan
     lm_head_quantizable = True
 
     def __init__(self, config, weights, attention: AttentionBackend, fast: bool, dtype: torch.dtype,
@@ -159,7 +147,7 @@ class LlamaFamilyDecoder(RuntimeDecoder):
         # CUDA (kernels/triton_fused.py)
         self.fused_ops = None
         if self.fast and all(b.q_norm is None for b in self.blocks):
-            self.fused_ops = fused_ops_for(device)
+            self.fused_ops = Platform.of(device).fused_ops()
         if self.fused_ops is not None:
             # per layer: the four projections' forward, (weight, eps) of the post-attention norm and of the norm
             # that follows the layer (the next layer's input norm, or the final one)
@@ -293,8 +281,8 @@ class LlamaFamilyDecoder(RuntimeDecoder):
         num_tokens = h.shape[0]
         nq, nkv, hd = self.num_heads, self.num_kv_heads, self.head_dim
         x = ops.rms_norm(h, *self._first_norm)
-        # (the projections' forward called directly: nn.Module's call machinery is ~3 us x 4 per layer, which
-        # shows at batch-1 decode; the runtime registers no hooks)
+        # (the projections' forward called directly: nn.Module's call machinery, 4 times per layer, shows at
+        # batch-1 decode; the runtime registers no hooks)
         attention = self.attention
         for (qkv_proj, o_proj, gate_up, down_proj, post_norm, next_norm), cache in zip(self._fused_layers, kv_cache):
             qkv = qkv_proj(x)  # [T, (H + 2 KVH) * D]
@@ -328,10 +316,8 @@ class LlamaFamilyDecoder(RuntimeDecoder):
         """Whether the gemv kernel computes these logits (the vocab x hidden weight, 57 MB for SmolLM2 in 16 bits,
         streamed once by one kernel): at batch-1 decode and speculative verification's few rows (1, 3-8); and for
         fp32 inputs against a narrower weight (an fp32 model whose head holds exactly fp16 / bf16 values) below
-        GEMV_NARROW_HEAD_ROWS rows, or at every row count where the fp32 head is not prepacked for oneDNN. On a
-        2-core AVX2 EPYC (49152 x 576, from memory): MKL on the fp32 copy 21.2 / 27.6 / 51.7 ms at 2 / 16 / 64
-        rows, gemv on the fp16 weight 2.6 / 9.7-10.3 / 39.1; oneDNN on the prepacked fp32 copy 11.9 at 16, 17.6
-        at 32 (gemv 20.2), 31.6 at 64, 55.1 at 128 (gemv 79.7)."""
+        GEMV_NARROW_HEAD_ROWS rows, or at every row count where the fp32 head is not prepacked for oneDNN
+        (docs/results/code-figures.md#logits-head)."""
         rows = hidden.shape[0]
         if hidden.dtype == torch.float32 and weight.dtype != torch.float32:
             return rows < GEMV_NARROW_HEAD_ROWS or not getattr(self.logits_head, "packed", False)

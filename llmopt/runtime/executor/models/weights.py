@@ -88,9 +88,9 @@ def checkpoint_weights(path, dtype: torch.dtype, device: torch.device | str, mak
                        shard=None) -> Iterator:
     """A checkpoint folder's weights by name, read without transformers: dense tensors cast to `dtype`; an
     artifact's quantized linears built by `make_linear_for(qweight)`. shard(name, value): a tensor-parallel
-    rank's share of each (parallel.sharding.ShardPlan.shard; None: the rank holds none of it), taken before any
+    rank's share of each (distributed.sharding.ShardPlan.shard; None: the rank holds none of it), taken before any
     cast or packing."""
-    from llmopt.export.read import read_artifact
+    from llmopt.formats.read import read_artifact
 
     contents = read_artifact(path)
     for name, tensor in contents.dense.items():

@@ -154,7 +154,7 @@ inline void prefetch_heads(const T* row, const Item& it, int64_t head) {
 // How far ahead pass 1 requests key and value rows into L2, in blocks (beside the next block's keys into L1). With
 // the next block alone a thread read ~8 GB/s from memory (at ~100 ns a miss, ~12 lines in flight), where a
 // sequential read streams ~15; requesting the block after it as well, keys and values, cut 14-36% of the time on a
-// 2-core Zen 4 (benchmarks/decode_attention.py, 30 layers' caches from memory, two alternating runs: 64 sequences x
+// 2-core Zen 4 (benchmarks/kernels/decode_attention.py, 30 layers' caches from memory, two alternating runs: 64 sequences x
 // 192 tokens fp16 16.5-17.1 -> 12.9-13.4 ms, 16 x 512 12.3-13.1 -> 7.9-8.8, 1 x 4,096 5.7-6.1 -> 4.4-4.6; fp32 and
 // bf16 alike), 12-29% in the AVX2 build (under its simulation), 8-11% for an int8 cache (whose AVX-512 pass already
 // requested the next block whole). 3 blocks ahead was no better, 4 and 6 worse.

@@ -1,1 +1,0 @@
-"""MODEL -> artifact: load a model, compress it (llmopt.compress), write it (llmopt.export), report the facts."""

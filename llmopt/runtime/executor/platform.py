@@ -1,0 +1,61 @@
+"""What the runtime does differently by device type, decided once here (as vLLM's `current_platform`) rather than
+by `device.type` checks at each call site: where the memory the KV cache may take comes from, whether tensors
+live in host memory (huge pages, committing the cache, threads that follow the free cores, shared-memory
+all-reduce), the fast path's fused element-wise ops, and the fast path's default."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from functools import cached_property
+
+import torch
+
+from llmopt.runtime.executor.host_memory import host_available_bytes
+from llmopt.runtime.executor.kernels.cpu_ops import cpu_ops
+from llmopt.runtime.executor.kernels.triton_support import triton_available
+
+
+@dataclass(frozen=True)
+class Platform:
+    device: torch.device
+
+    @classmethod
+    def of(cls, device: torch.device | str) -> Platform:
+        return cls(torch.device(device))
+
+    @cached_property
+    def host_memory(self) -> bool:
+        """Tensors live in the host's memory (the CPU): pages, NUMA, cores and processes are the runtime's concern."""
+        return self.device.type == "cpu"
+
+    @cached_property
+    def cuda(self) -> bool:
+        return self.device.type == "cuda"
+
+    @property
+    def memory_name(self) -> str:
+        return "host" if self.host_memory else "device"
+
+    def available_memory(self) -> int:
+        """Bytes the KV cache may be taken from: free device memory on CUDA, available host memory elsewhere (no
+        more than the process's memory cgroup leaves: a container's limit)."""
+        if self.cuda:
+            return torch.cuda.mem_get_info(self.device)[0]
+        return host_available_bytes()
+
+    @property
+    def fast_by_default(self) -> bool:
+        """Whether the fast path (fused and compiled kernels; not bit-equal to transformers in fp32) is the default
+        when not asked: on CPU, where the compiled kernels are this runtime's own."""
+        return self.host_memory
+
+    def fused_ops(self):
+        """The fast path's fused element-wise ops: the compiled CPU kernels, the Triton ones on CUDA where Triton is
+        installed, else None (the torch ops)."""
+        if self.host_memory:
+            return cpu_ops()
+        if self.cuda and triton_available():
+            from llmopt.runtime.executor.kernels.triton_fused import TritonFusedOps
+
+            return TritonFusedOps()
+        return None
