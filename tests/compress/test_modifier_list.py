@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from llmopt.compress.api import compress_model, make_config, make_sparsity_config, quantize_configs
-from llmopt.compress.masks import check_nm
+from tests.compress.nm import check_nm
 from llmopt.core.errors import ConfigError
 from llmopt.core.tiny import build_tiny_model
 

@@ -17,7 +17,7 @@ from llmopt.runtime.executor.kernels.quant_matmul import (
     int4_dequantize, pack_int4_panels, pack_int8, pack_int8_panels, pack_nibbles, reference_quant_matmul,
 )
 from llmopt.runtime.executor.linear import make_linear
-from llmopt.runtime.executor.linear import dense, row_paths
+from llmopt.runtime.executor.linear import dense, kernel_plans
 from llmopt.runtime.executor.linear.int4_cpu import Int4PackedLinear
 from llmopt.runtime.executor.linear.int8_cpu import Int8PackedLinear
 from llmopt.runtime.executor.linear.kernel_plans import ROW_BUCKETS, RowPlan, choose, measure_plan, plan_for
@@ -100,7 +100,7 @@ def test_every_path_of_a_layer_computes_its_product(bits, group_size, kind, dtyp
 
 
 def test_a_dequantizing_path_timed_under_inference_mode_still_runs_outside_it():
-    # the engine times the paths under torch.inference_mode (row_paths.measure_plan); its steps run outside it,
+    # the engine times the paths under torch.inference_mode (kernel_plans.measure_plan); its steps run outside it,
     # and the dequantized weight's reused buffer must not stay an inference tensor
     for bits, group_size in ((8, -1), (4, 64)):
         layer = make_linear(qweight(48, 192, bits, group_size, sym=False), torch.float32)
@@ -118,7 +118,7 @@ def test_a_plan_maps_each_row_count_to_its_bucket():
     assert [stored.path(m) for m in range(600)] == [plan.path(m) for m in range(600)]
 
 
-class TimedLayer(row_paths.RowPathsMixin):
+class TimedLayer(kernel_plans.RowPathsMixin):
     """A layer with two paths of known cost: 'slow' sleeps, 'quick' does not."""
 
     in_features, dtype = 8, torch.float32
@@ -146,7 +146,7 @@ class TimedLayer(row_paths.RowPathsMixin):
 def test_measurement_keeps_the_fastest_path_where_it_may_run(monkeypatch):
     layer = TimedLayer(quick_limit=16)
     evictions = []  # each timed call comes after the caches were evicted (not the warm-up call before them)
-    monkeypatch.setattr(row_paths, "cache_evictor", lambda: lambda: evictions.append(len(layer.calls)))
+    monkeypatch.setattr(kernel_plans, "cache_evictor", lambda: lambda: evictions.append(len(layer.calls)))
     plan, times = measure_plan(layer)
     warm_ups = sum(len(timed) for timed in times.values())
     assert len(evictions) == len(layer.calls) - warm_ups > 0
@@ -163,8 +163,8 @@ def test_measured_plans_are_stored_per_machine_and_read_back(isolated_home, monk
     first = plan_for(layer, "measured")
     stored = list((isolated_home / "kernels").glob("*.json"))
     assert len(stored) == 1 and json.loads(stored[0].read_text())["timed|float32|8x8"] == first.to_json()
-    row_paths._stored.cache_clear()  # a new process: reads the store, measures nothing
-    monkeypatch.setattr(row_paths, "measure_plan", lambda layer: pytest.fail("measured again"))
+    kernel_plans._stored.cache_clear()  # a new process: reads the store, measures nothing
+    monkeypatch.setattr(kernel_plans, "measure_plan", lambda layer: pytest.fail("measured again"))
     assert plan_for(layer, "measured").choices == first.choices
     assert set(plan_for(layer, "fixed").choices.values()) == {"slow"}
 
@@ -249,7 +249,7 @@ def test_dense_fp32_linears_have_blas_gemv_onednn_and_prepacked_paths_and_run_th
     assert head.packed and list(head.row_paths()) == ["blas"]
     x = torch.randn(3, 192)
     torch.testing.assert_close(head.forward_2d()(x), head(x))
-    monkeypatch.setattr(row_paths, "cache_evictor", lambda: pytest.fail("no choice, nothing to time"))
+    monkeypatch.setattr(kernel_plans, "cache_evictor", lambda: pytest.fail("no choice, nothing to time"))
     assert set(measure_plan(head)[0].choices.values()) == {"blas"}
 
 
