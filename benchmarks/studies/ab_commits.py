@@ -28,7 +28,10 @@ CHILD = """
 import json, sys
 from llmopt.core.hardware import cpu_line
 from llmopt.runtime.engine.config import EngineConfig
-from llmopt.eval.bench import BenchConfig, bench_runtime
+try:
+    from llmopt.eval.bench import BenchConfig, bench_runtime
+except ImportError:  # (commits before the bench drivers' module was named bench)
+    from llmopt.eval.speed import BenchConfig, bench_runtime
 from llmopt.eval.workloads import WorkloadSpec
 kind, model = sys.argv[1], sys.argv[2]
 if kind == "throughput":

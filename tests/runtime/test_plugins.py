@@ -1,5 +1,6 @@
-"""A linear method and an attention backend are each one module that registers itself: both are defined here,
-in this test module alone, and run through the engine without another file knowing of them."""
+"""A linear method, an attention backend and a Llama-like model family are each one module that registers itself:
+all are defined here, in this test module alone, and run through the engine without another file knowing of
+them."""
 
 import pytest
 import torch
@@ -15,8 +16,10 @@ from llmopt.runtime.executor.attention import ATTENTION_BACKENDS, register_atten
 from llmopt.runtime.executor.attention.torch_sdpa import TorchAttention
 from llmopt.runtime.executor.linear import LINEAR_METHODS, LinearMethod, register_linear_method
 from llmopt.runtime.executor.loader import load_runtime_model
+from llmopt.runtime.executor.models import MODEL_FAMILIES, register_model_family
+from llmopt.runtime.executor.models.llama import LlamaFamilyDecoder
 
-CALLS = {"linear": 0, "store": 0, "attend": 0}
+CALLS = {"linear": 0, "store": 0, "attend": 0, "family": 0}
 GREEDY = SamplingParams(max_tokens=8, temperature=0, ignore_eos=True)
 
 
@@ -105,3 +108,29 @@ def test_an_unknown_backend_is_refused_naming_the_registered_ones(tiny_llama_dir
         Engine(model, tok, EngineConfig(attention_backend="nope"))
     with pytest.raises(ConfigError, match="--attention-backend latent-torch cannot run here"):
         Engine(model, tok, EngineConfig(attention_backend="latent-torch"))
+
+
+class ToyLlamaDecoder(LlamaFamilyDecoder):
+    """A Llama-like family (here: Llama's layers, its forwards counted)."""
+
+    def forward(self, *args, **kwargs):
+        CALLS["family"] += 1
+        return super().forward(*args, **kwargs)
+
+
+@pytest.fixture
+def toy_family():
+    register_model_family("toy-llama")(ToyLlamaDecoder)
+    CALLS.update({key: 0 for key in CALLS})
+    yield
+    MODEL_FAMILIES.remove("toy-llama")
+
+
+def test_a_llama_like_family_is_one_class(toy_family):
+    model, tok = build_tiny_model("llama", seed=3)
+    ps = [tok.encode("hello there"), tok.encode("x = 1")]
+    expected = [o.token_ids for o in Engine(model, tok, EngineConfig(block_size=4)).generate(ps, GREEDY)]
+    model.config.model_type = "toy-llama"
+    engine = Engine(model, tok, EngineConfig(block_size=4))
+    assert type(engine.runner.decoder) is ToyLlamaDecoder
+    assert [o.token_ids for o in engine.generate(ps, GREEDY)] == expected and CALLS["family"] > 0

@@ -77,12 +77,12 @@ def test_silu_mul_matches_the_torch_ops(dtype, rows, inter):
 
 
 def test_a_cuda_model_takes_the_triton_ops_and_keeps_its_own_lm_head(monkeypatch):
-    from llmopt.runtime.executor.models import llama
+    from llmopt.runtime.executor import platform
 
-    monkeypatch.setattr(llama, "triton_available", lambda: True)
-    assert isinstance(llama.fused_ops_for(torch.device("cuda")), TritonFusedOps)
-    monkeypatch.setattr(llama, "triton_available", lambda: False)
-    assert llama.fused_ops_for(torch.device("cuda")) is None  # (the torch ops)
+    monkeypatch.setattr(platform, "triton_available", lambda: True)
+    assert isinstance(platform.Platform.of(torch.device("cuda")).fused_ops(), TritonFusedOps)
+    monkeypatch.setattr(platform, "triton_available", lambda: False)
+    assert platform.Platform.of(torch.device("cuda")).fused_ops() is None  # (the torch ops)
     assert not hasattr(TritonFusedOps, "gemv")  # so the model keeps _gemv_weight None: its lm_head's method
 
 

@@ -12,8 +12,9 @@ from torch import nn
 from llmopt.core.errors import ConfigError, ParallelError
 from llmopt.core.models import model_limits
 from llmopt.runtime.engine.config import (
-    ACTIVATION_SCHEMES, KV_CACHE_8BIT, KV_CACHE_DTYPES, KV_CACHE_MAX_FRACTION, LM_HEAD_GROUPS, EngineConfig,
+    ACTIVATION_SCHEMES, KV_CACHE_DTYPES, KV_CACHE_MAX_FRACTION, LM_HEAD_GROUPS, EngineConfig,
 )
+from llmopt.runtime.executor.attention import KVCacheSpec
 from llmopt.runtime.executor.attention.kv_commit import commit_kv_cache
 from llmopt.runtime.executor.host_memory import keep_freed_host_memory, weights_to_huge_pages
 from llmopt.runtime.executor.kernels.cpu_ops import cpu_ops
@@ -237,10 +238,10 @@ class ModelRunner:
 
     def tokens_per_dtype(self) -> dict[str, int]:
         """Tokens this cache's byte budget holds in each cache dtype the model's layout takes."""
-        names = [n for n in KV_CACHE_DTYPES if n != "auto"
-                 and (self.kv_cache_spec.layout == "kv" or n not in KV_CACHE_8BIT)]
-        per_block = {n: self.kv_cache_spec.with_dtype(kv_cache_torch_dtype(n, self.kv_dtype)).bytes_per_block(
-            self.block_size) for n in names}
+        dtypes = {n: kv_cache_torch_dtype(n, self.kv_dtype) for n in KV_CACHE_DTYPES if n != "auto"}
+        # (an 8-bit cache needs the kv layout: KVCacheSpec)
+        names = [n for n, d in dtypes.items() if self.kv_cache_spec.layout == "kv" or not KVCacheSpec.holds_codes(d)]
+        per_block = {n: self.kv_cache_spec.with_dtype(dtypes[n]).bytes_per_block(self.block_size) for n in names}
         return {n: self.kv_cache_budget // b * self.block_size for n, b in per_block.items()}
 
     def tokens_per_dtype_text(self) -> str:

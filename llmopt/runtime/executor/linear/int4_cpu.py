@@ -33,7 +33,7 @@ class Int4PackedLinear(RowPathsMixin, LinearMethod):
     # counts aten's
     prefill_only_buffers = ("nibbles", "panel_codes", "panel_scales")
     # the fixed plan's thresholds (--linear-kernels fixed, and before a plan is set):
-    dequantize_min_rows = 256  # torch dequantization vs aten's kernel, bf16, 2 cores (benchmarks/kernels/int4_matmul.py)
+    dequantize_min_rows = 256  # torch dequantization vs aten's kernel, bf16 (benchmarks/kernels/int4_matmul.py)
     # the same with the compiled dequantization (kernels/csrc/int4_cpu.cpp, ~30x faster than the torch one)
     compiled_dequantize_min_rows = 16
     # fp32 / fp16: "rows" for 1 row, "panels" up to 32, "tiled" up to 64 (benchmarks/runtime/int4_batch.py)
