@@ -22,7 +22,7 @@ from llmopt.runtime.executor.kernels.triton_decode_attention import decode_atten
 from llmopt.runtime.executor.kernels.triton_prefill_attention import prefill_attention  # noqa: E402
 from llmopt.runtime.executor.kernels.triton_store_kv import store_kv as triton_store_kv  # noqa: E402
 from llmopt.runtime.executor.kernels.triton_w4a16 import pack_w4a16, w4a16_matmul  # noqa: E402
-from tests.runtime.attention_calls import attend, store  # noqa: E402
+from tests.runtime.attention_calls import attend, metadata, store  # noqa: E402
 
 DEVICE = "cuda" if CUDA else "cpu"
 
@@ -85,6 +85,30 @@ def test_prefill_attention(new_and_ctx, num_heads, num_kv_heads, head_dim, dtype
                             max(n for n, _ in new_and_ctx), block_m=16)
     tol = 1e-4 if dtype == torch.float32 else 3e-3
     torch.testing.assert_close(out.float(), expected, rtol=tol, atol=tol)
+
+
+@pytest.mark.parametrize("new_and_ctx", [[(1, 9), (1, 17), (1, 4)], [(3, 20), (9, 9), (1, 9)]],
+                         ids=["decodes", "mixed"])
+def test_the_triton_backend_builds_its_metadata_and_attends_as_the_torch_one(new_and_ctx):
+    """The Triton backend's own metadata (the step as device tensors) drives its decode kernel on a decode-only step
+    and its prefill kernel otherwise, to the torch backend's outputs."""
+    from llmopt.runtime.executor.attention.triton import TritonMetadata
+
+    context_lens = [c for _, c in new_and_ctx]
+    num_heads, num_kv_heads, head_dim, page = 4, 2, 32, 16
+    k_cache, v_cache, tables = paged_setup(context_lens, num_heads, num_kv_heads, head_dim, page, torch.float32)
+    starts = [0]
+    for new, _ in new_and_ctx:
+        starts.append(starts[-1] + new)
+    q = torch.randn(starts[-1], num_heads, head_dim, generator=torch.Generator().manual_seed(6)).to(DEVICE)
+    slots = torch.zeros(starts[-1], dtype=torch.long, device=DEVICE)
+    meta = metadata("triton", starts, context_lens, tables, slots, page, DEVICE)
+    assert isinstance(meta, TritonMetadata) and meta.max_new_tokens == max(n for n, _ in new_and_ctx)
+    assert meta.block_tables_tensor.shape == (len(tables), max(len(t) for t in tables))
+    got = attend("triton", q, k_cache, v_cache, meta, head_dim ** -0.5)
+    want = attend("torch", q, k_cache, v_cache, metadata("torch", starts, context_lens, tables, slots, page, DEVICE),
+                  head_dim ** -0.5)
+    torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])

@@ -1,5 +1,6 @@
-"""Data parallelism: N engine replicas, one process each on its own cores, behind one front with the Engine's
-interface (`DataParallelEngine`), so the OpenAI server and the bench drive it as they drive one engine.
+"""Data parallelism: N engine replicas, one process each on its own cores, behind one front that is an EngineClient
+(`DataParallelEngine`, runtime/engine/client.py), so the OpenAI server and the bench drive it as they drive one
+engine.
 
 Routing (as SGLang's router and vLLM's DP coordinator do it): each request goes to the replica with the fewest
 outstanding tokens (prompt + max_tokens of the requests it runs), unless a replica within AFFINITY_SLACK_TOKENS of
@@ -193,12 +194,18 @@ class DataParallelEngine:
             self._start(replica)
 
     # --- the Engine interface -------------------------------------------------------------------
-    def add_request(self, prompt_token_ids: list[int], params: SamplingParams | None = None,
-                    arrival_time: float | None = None) -> int:
+    def _admissible(self, prompt_token_ids: list[int], params: SamplingParams | None) -> SamplingParams:
+        """The request's params once the checks every front makes before routing pass; the workers' news read first
+        (a worker that died or started again while the front was idle)."""
         params = params or SamplingParams()
         check_request(prompt_token_ids, params, True, self.vocab_size, self.max_context)
         check_schedulable(len(prompt_token_ids), self.config)
-        self._receive(0.0)  # (a replica that died or started again while the front was idle)
+        self._receive(0.0)
+        return params
+
+    def add_request(self, prompt_token_ids: list[int], params: SamplingParams | None = None,
+                    arrival_time: float | None = None) -> int:
+        params = self._admissible(prompt_token_ids, params)
         replica = self._route(prompt_token_ids)
         front_id, self._next_id = self._next_id, self._next_id + 1
         cost = len(prompt_token_ids) + params.max_tokens

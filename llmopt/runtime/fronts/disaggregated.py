@@ -1,5 +1,5 @@
 """Prefill/decode disaggregation (DistServe, Splitwise): P prefill workers and D decode workers, one process each on
-its own cores, behind one front with the Engine's interface (`DisaggregatedEngine`), as the data-parallel front is.
+its own cores, behind one front that is an EngineClient (`DisaggregatedEngine`), as the data-parallel front is.
 
 A request goes to the prefill worker with the fewest outstanding prompt tokens, or one close to it that holds its
 prompt's prefix (the prefix cache lives on the prefill side), and is assigned the decode worker with the fewest
@@ -26,10 +26,9 @@ import torch.distributed as dist
 
 from llmopt.core.errors import LLMOptError, ParallelError, ReplicaFailed
 from llmopt.runtime.engine.config import EngineConfig
-from llmopt.runtime.engine.engine import Engine, check_request
+from llmopt.runtime.engine.engine import Engine
 from llmopt.runtime.engine.output import RequestOutput
 from llmopt.runtime.engine.sampling import SamplingParams
-from llmopt.runtime.engine.scheduler import check_schedulable
 from llmopt.runtime.executor.loader import load_for_engine
 from llmopt.runtime.fronts.data_parallel import DataParallelEngine
 from llmopt.runtime.fronts.handover import DecodeEngine, PrefillEngine
@@ -336,10 +335,7 @@ class DisaggregatedEngine(DataParallelEngine):
     # --- the Engine interface ---------------------------------------------------------------------------
     def add_request(self, prompt_token_ids: list[int], params: SamplingParams | None = None,
                     arrival_time: float | None = None) -> int:
-        params = params or SamplingParams()
-        check_request(prompt_token_ids, params, True, self.vocab_size, self.max_context)
-        check_schedulable(len(prompt_token_ids), self.config)
-        self._receive(0.0)  # (a worker that died or started again while the front was idle)
+        params = self._admissible(prompt_token_ids, params)
         decode = min(self._ready(self._pool(DECODE)), key=lambda r: r.outstanding)
         prefill = self._route(prompt_token_ids, self._pool(PREFILL))
         front_id, self._next_id = self._next_id, self._next_id + 1
