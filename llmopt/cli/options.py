@@ -191,12 +191,13 @@ def _engine_option(field, hint) -> tuple:
     """(parameter, option type, default) of one EngineConfig field: the type, default and help are the
     field's; a Literal becomes a choice, a boolean (or optional boolean) a --FLAG/--no-FLAG pair."""
     flag, help_text = engine_flag(field.name), field.metadata["help"]
+    aliases = tuple(f"--{alias}" for alias in field.metadata.get("aliases", ()))
     if get_origin(hint) is Literal:
         kind = choices(f"Engine_{field.name}", list(get_args(hint)))
-        option = typer.Option(f"--{flag}", help=help_text, rich_help_panel=ENGINE_PANEL)
+        option = typer.Option(f"--{flag}", *aliases, help=help_text, rich_help_panel=ENGINE_PANEL)
         return field.name, Annotated[kind, option], kind(field.default)
     base = [a for a in get_args(hint) if a is not type(None)] or [hint]
-    names = (f"--{flag}/--no-{flag}",) if base[0] is bool else (f"--{flag}",)
+    names = (f"--{flag}/--no-{flag}",) if base[0] is bool else (f"--{flag}", *aliases)
     option = typer.Option(*names, help=help_text, rich_help_panel=ENGINE_PANEL)
     return field.name, Annotated[hint, option], field.default
 

@@ -175,7 +175,7 @@ PRESETS: dict[str, LinearScheme] = {
     "mxfp4": LinearScheme(MXFP4_WEIGHTS),  # weights only (MXFP4A16)
     "nvfp4-a4": LinearScheme(NVFP4_WEIGHTS, NVFP4_ACTIVATIONS),  # and FP4 inputs (llm-compressor's NVFP4)
 }
-# the presets `llmopt quantize --scheme` takes (w4a8 is a runtime choice: --int4-activations int8)
+# the presets `llmopt quantize --scheme` takes (w4a8 is a runtime choice: --input-activations int8)
 QUANTIZE_PRESETS = ("w4a16", "w8a16", "w8a8-int8", "w8a16-fp8", "w8a8-fp8", "nvfp4", "mxfp4", "nvfp4-a4")
 
 

@@ -74,12 +74,13 @@ ACTIVATION_SCHEMES = {"float": None, "int8": INT8_GROUP_ACTIVATIONS}
 LM_HEAD_GROUPS = {"int8": -1, "int8-g32": 32}  # --lm-head -> the columns per scale of its int8 rounding (-1: a row)
 
 
-def option(default, help: str, flag: str | None = None, numerics: bool = False):
+def option(default, help: str, flag: str | None = None, numerics: bool = False, aliases: tuple[str, ...] = ()):
     """A config field that is also a CLI option of generate, bench and serve and a key of a recipe's
     `bench.engine` section (cli.options.engine_options reads these). flag: the option's name when it is not the
-    field's (`--FLAG`, `--FLAG/--no-FLAG` for booleans); numerics: the setting changes the numbers the model
-    computes (recorded with every bench result and in the server's /v1/models)."""
-    return field(default=default, metadata={"help": help, "flag": flag, "numerics": numerics})
+    field's (`--FLAG`, `--FLAG/--no-FLAG` for booleans); aliases: former names it still answers to; numerics: the
+    setting changes the numbers the model computes (recorded with every bench result and in the server's
+    /v1/models)."""
+    return field(default=default, metadata={"help": help, "flag": flag, "numerics": numerics, "aliases": aliases})
 
 
 @dataclass(frozen=True)
@@ -119,16 +120,17 @@ class EngineConfig:
         None, "Fused projections and compiled kernels (same maths, another rounding order); --no-fast-path runs "
         "transformers' numerics token for token in fp32. Default: on for CPU.", flag="fast-path", numerics=True)
     activations: Literal["auto", "float", "int8"] = option(
-        "auto", "int8: int4 and int8 weight-only linears at decode (up to 16 rows; beyond, where it measures faster) "
-        "round their inputs to 8 bits per block of 32 (dynamic, symmetric) and multiply integers, as llama.cpp's Q8 "
-        "activations do (int4: ~0.5% error per output, +0.2% wikitext2 ppl, 2-3x faster linears); float: inputs in "
-        "the compute dtype; auto: int8 on CPU with the fast path, else float.", flag="int4-activations",
-        numerics=True)
+        "auto", "The inputs of weight-only quantized linears. int8: int4 and int8 weight-only linears (and an int8 "
+        "logits head) at decode (up to 16 rows; beyond, where it measures faster) round their inputs to 8 bits per "
+        "block of 32 (dynamic, symmetric) and multiply integers, as llama.cpp's Q8 activations do (int4: ~0.5% error "
+        "per output, +0.2% wikitext2 ppl, 2-3x faster linears); float: inputs in the compute dtype; auto: int8 on "
+        "CPU with the fast path, else float. (Formerly --int4-activations, still taken.)",
+        flag="input-activations", aliases=("int4-activations",), numerics=True)
     lm_head: Literal["model", "int8", "int8-g32"] = option(
         "model", "The logits head (vocab x hidden, the largest single weight of a small model): model (as the "
         "checkpoint has it), int8 (rounded at load to int8 per vocabulary row, symmetric round-to-nearest as "
         "`llmopt quantize --method rtn --bits 8` rounds, and multiplied as the int8 linears are: with 8-bit inputs "
-        "where --int4-activations gives them; a quarter of fp32's bytes per token, as llama.cpp's quantized output "
+        "where --input-activations gives them; a quarter of fp32's bytes per token, as llama.cpp's quantized output "
         "tensor) or int8-g32 (the same with a scale per 32 columns, llama.cpp's Q8_0: a third of int8's weight error "
         "on SmolLM2's head for 1/8 more bytes; needs 8-bit inputs).", flag="lm-head", numerics=True)
     linear_kernels: Literal["measured", "fixed"] = option(
@@ -147,7 +149,7 @@ class EngineConfig:
     tensor_parallel_size: int = option(
         1, "Ranks the model's matrix products are split over (one process each: rank 0 is this one, the others "
         "are spawned, or launched by torchrun). Partial sums add in another order: fp32 logits within ~1e-6 (with "
-        "--int4-activations float; 8-bit inputs rounded from such sums can flip a code).",
+        "--input-activations float; 8-bit inputs rounded from such sums can flip a code).",
         numerics=True)
     pipeline_parallel_size: int = option(
         1, "Pipeline stages, one process each holding a contiguous run of layers; each step's sequences are cut "

@@ -136,7 +136,7 @@ class ModelRunner:
         # (auto: whatever the model was loaded with; load_for_engine resolves it by device and fast path)
         self.activations = loaded_with = model.activations if isinstance(model, RuntimeCheckpoint) else "float"
         if config.activations not in ("auto", loaded_with):
-            raise ConfigError(f"the model's linears were built for --int4-activations {loaded_with}, the engine is "
+            raise ConfigError(f"the model's linears were built for --input-activations {loaded_with}, the engine is "
                               f"configured for {config.activations}: load it with load_runtime_model(..., "
                               f"activations={config.activations!r})", param="activations")
         self.device = next(model.parameters()).device
@@ -223,7 +223,7 @@ class ModelRunner:
                               "model", param="lm_head")
         method = self.decoder.quantize_lm_head(ACTIVATION_SCHEMES[self.activations], LM_HEAD_GROUPS[mode])
         if method == "dense":  # (a grouped head no kernel holds with these inputs: dequantized, nothing gained)
-            raise ConfigError(f"--lm-head {mode} needs 8-bit inputs (--int4-activations int8, the CPU default with "
+            raise ConfigError(f"--lm-head {mode} needs 8-bit inputs (--input-activations int8, the CPU default with "
                               "the fast path), the compiled CPU kernels, a vocabulary of a multiple of 16 and a "
                               "hidden size of a multiple of 32: use --lm-head int8", param="lm_head")
         self.linear_methods = dict(sorted({**self.linear_methods, f"lm_head: {method}": 1}.items()))

@@ -1,7 +1,7 @@
 """int8 weights, one scale per output channel, on CPU: the compiled kernels (kernels/csrc/int8_weight_cpu.cpp) for
 few rows and, tile by tile, for batches; the whole weight dequantized before one GEMM for prefill chunks; aten's
 int8 weight-only kernel for bf16 inputs and where the compiled kernels are absent. With 8-bit inputs (the engine's
---int4-activations int8, the CPU default) integer dot products (kernels/csrc/int8_q8_cpu.cpp), which also take
+--input-activations int8, the CPU default) integer dot products (kernels/csrc/int8_q8_cpu.cpp), which also take
 symmetric weights with a scale per group of columns (GPTQ's 8-bit groups, a logits head rounded per 32 columns)."""
 
 from __future__ import annotations

@@ -1,5 +1,5 @@
 """What every linear with an 8-bit inputs' kernel (`q8`) shares: inputs rounded to int8 per row and block of 32
-columns (dynamic, symmetric: llama.cpp's Q8 blocks), asked for by the engine's `--int4-activations int8` (the CPU
+columns (dynamic, symmetric: llama.cpp's Q8 blocks), asked for by the engine's `--input-activations int8` (the CPU
 default). Up to `q8_only_rows` rows (decode) only the 8-bit kernels run, as asked; beyond, `q8` is timed against
 the layer's float paths with the rest (kernel_plans.py) and the faster runs (a float path being the more precise, a
 step that takes one is never less accurate than asked)."""

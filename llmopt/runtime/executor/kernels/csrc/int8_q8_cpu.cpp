@@ -1,5 +1,5 @@
 // int8 weights (one scale per output channel) times 8-bit activations with integer dot products: the product a W8
-// weight-only layer computes when the engine rounds its inputs to 8 bits (--int4-activations int8, the CPU
+// weight-only layer computes when the engine rounds its inputs to 8 bits (--input-activations int8, the CPU
 // default), llama.cpp's Q8_0 x Q8 scheme on a layout repacked at load. At decode it reads the same bytes as the
 // float int8 kernels with far fewer instructions per weight; at 64 rows and more the integer dots do more
 // multiply-adds per instruction than fp32 FMAs (fp32 GEMMs are compute-bound there, so an int8 weight that is
