@@ -5,6 +5,8 @@ PYTHONPATH puts that worktree's `llmopt` first (the same venv, the same torch), 
 both see the same machine state. Per model (fp32 dense SmolLM2, and a GPTQ int4 artifact):
 - throughput: 64 requests x 128 prompt / 128 output tokens, all at once (output tok/s);
 - batch 1: 4 requests one at a time, 128 / 64 tokens (median TPOT).
+Each linear's kernel per row count is what each commit measures at its start (`--linear-kernels fixed`: the
+built-in choice, the same on both sides; the measured choices can differ by the noise of one timing).
 The kernels' build folder is per worktree (TORCH_EXTENSIONS_DIR of its own), warmed by a first unmeasured run.
 
     python benchmarks/studies/ab_commits.py --a a46f9b4 --b HEAD --int4 ARTIFACT --reps 2 \
@@ -33,13 +35,14 @@ try:
 except ImportError:  # (commits before the bench drivers' module was named bench)
     from llmopt.eval.speed import BenchConfig, bench_runtime
 from llmopt.eval.workloads import WorkloadSpec
-kind, model = sys.argv[1], sys.argv[2]
+kind, model, kernels = sys.argv[1], sys.argv[2], sys.argv[3]
 if kind == "throughput":
     spec, config = WorkloadSpec("random", 64, 128, 128), BenchConfig(dtype="float32",
-        engine=EngineConfig(max_num_seqs=64, kv_cache_bytes=1 << 30))
+        engine=EngineConfig(max_num_seqs=64, kv_cache_bytes=1 << 30, linear_kernels=kernels))
 else:
     spec = WorkloadSpec("random", 4, 128, 64)
-    config = BenchConfig(dtype="float32", max_concurrency=1, engine=EngineConfig(max_num_seqs=1))
+    config = BenchConfig(dtype="float32", max_concurrency=1,
+                         engine=EngineConfig(max_num_seqs=1, linear_kernels=kernels))
 run = bench_runtime(kind, model, spec, config)
 print("RESULT " + json.dumps({"cpu": cpu_line(), "output_throughput": run.metrics["output_throughput"],
                               "median_tpot_ms": run.metrics["median_tpot_ms"]}))
@@ -53,11 +56,11 @@ def worktree(repo: Path, commit: str, root: Path) -> Path:
     return path
 
 
-def measure(tree: Path, kind: str, model: str, home: Path, timeout: float) -> dict:
+def measure(tree: Path, kind: str, model: str, home: Path, timeout: float, kernels: str) -> dict:
     # (each tree's compiled kernels in a folder of their own: torch rebuilds an extension whose source changed)
     env = {**os.environ, "PYTHONPATH": str(tree), "LLMOPT_HOME": str(home), "TOKENIZERS_PARALLELISM": "false",
            "TORCH_EXTENSIONS_DIR": str(home / "torch_extensions")}
-    done = subprocess.run([sys.executable, "-c", CHILD, kind, model], env=env, capture_output=True, text=True,
+    done = subprocess.run([sys.executable, "-c", CHILD, kind, model, kernels], env=env, capture_output=True, text=True,
                           cwd=tree, timeout=timeout)
     lines = [line for line in done.stdout.splitlines() if line.startswith("RESULT ")]
     if done.returncode or not lines:
@@ -74,6 +77,9 @@ def main() -> None:
     parser.add_argument("--reps", type=int, default=2)
     parser.add_argument("--timeout", type=float, default=900.0, help="seconds one measurement may take")
     parser.add_argument("--rows", help="only these rows, comma-separated (e.g. gptq-int4/throughput)")
+    parser.add_argument("--linear-kernels", default="measured", choices=("measured", "fixed"),
+                        help="each commit's kernel per row count: measured at its start (the default) or the "
+                        "built-in choice (fixed: the same kernels on both sides, so only the code differs)")
     args = parser.parse_args()
     repo = Path(__file__).resolve().parents[2]
     for name in ("a", "b"):  # record the commits themselves, not names like HEAD that move
@@ -90,7 +96,8 @@ def main() -> None:
             homes[label].mkdir()
             if (home / "models").exists():
                 (homes[label] / "models").symlink_to(home / "models")
-            measure(tree, "batch1", args.dense, homes[label], args.timeout)  # builds the kernels, warms caches
+            # builds the kernels, warms caches
+            measure(tree, "batch1", args.dense, homes[label], args.timeout, args.linear_kernels)
         wanted = set(args.rows.split(",")) if args.rows else None
         rows_run = [(name, model, kind) for name, model in models for kind in ("throughput", "batch1")
                     if wanted is None or f"{name}/{kind}" in wanted]
@@ -100,7 +107,7 @@ def main() -> None:
             for name, model, kind in rows_run:
                 order = ("a", "b") if rep % 2 == 0 else ("b", "a")
                 for label in order:
-                    out = measure(trees[label], kind, model, homes[label], args.timeout)
+                    out = measure(trees[label], kind, model, homes[label], args.timeout, args.linear_kernels)
                     cpu = out["cpu"]
                     value = out["output_throughput"] if kind == "throughput" else out["median_tpot_ms"]
                     results[label][f"{name}/{kind}"].append(value)
@@ -119,8 +126,8 @@ def main() -> None:
         print(f"| {key} ({unit}) | {a:.2f} | {b:.2f} | {b / a:.3f} |")
     if args.json:
         args.json.parent.mkdir(parents=True, exist_ok=True)
-        args.json.write_text(json.dumps({"cpu": cpu, "a": args.a, "b": args.b, "reps": args.reps, "rows": rows},
-                                        indent=1))
+        args.json.write_text(json.dumps({"cpu": cpu, "a": args.a, "b": args.b, "reps": args.reps,
+                                         "linear_kernels": args.linear_kernels, "rows": rows}, indent=1))
 
 
 if __name__ == "__main__":

@@ -159,7 +159,7 @@ class ModelRunner:
                          self.weights_in_huge_pages / 1e6)
 
     def _prepare_kernels(self, config: EngineConfig) -> None:
-        """Each linear's kernel per row count (row_plans.plan_linears: measured where the choice is close)."""
+        """Each linear's kernel per row count (kernel_plans.plan_linears: measured where the choice is close)."""
         self.linear_paths = plan_linears(self.decoder, config.linear_kernels)
 
     def _size_kv_cache(self, model, config: EngineConfig, num_blocks: int | None) -> None:
@@ -206,7 +206,7 @@ class ModelRunner:
         """Decode steps of the sizes in decode_graph_rows run the layers as one compiled call
         (models/decode_graph.py): built wherever they can be unless --no-decode-graph; refused if asked for and
         impossible."""
-        wants_graph = config.decode_graph is not False and self.decoder.decode_graphs_possible
+        wants_graph = config.decode_graph is not False
         self.decode_graph_rows = self.decoder.build_decode_graphs(self.kv_cache) if wants_graph else []
         if config.decode_graph and not self.decode_graph_rows:
             raise ConfigError("--decode-graph: this engine cannot run its decodes as one compiled call (that needs the "

@@ -6,7 +6,6 @@ all-reduce), the fast path's fused element-wise ops, and the fast path's default
 from __future__ import annotations
 
 from dataclasses import dataclass
-from functools import cached_property
 
 import torch
 
@@ -23,12 +22,12 @@ class Platform:
     def of(cls, device: torch.device | str) -> Platform:
         return cls(torch.device(device))
 
-    @cached_property
+    @property
     def host_memory(self) -> bool:
         """Tensors live in the host's memory (the CPU): pages, NUMA, cores and processes are the runtime's concern."""
         return self.device.type == "cpu"
 
-    @cached_property
+    @property
     def cuda(self) -> bool:
         return self.device.type == "cuda"
 

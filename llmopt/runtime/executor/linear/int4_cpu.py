@@ -155,7 +155,8 @@ class Int4Q8Linear(Q8InputsMixin, Int4PackedLinear):
     float paths with the rest (kernel_plans.py) and the faster runs: in fp32 it was 1.7x ahead of the dense GEMM at
     64 rows on AVX-512, while in bf16 on AMX the codes dequantized a panel at a time into bf16 tiles (`amx_bf16`)
     win from ~32 rows (the float paths being the more precise, a step that takes one is never less accurate than
-    asked). Chosen by the scheme (`--input-activations int8`, or `auto` on CPU: core.contract.INT8_GROUP_ACTIVATIONS)."""
+    asked). Chosen by the scheme (`--input-activations int8`, or `auto` on CPU:
+    core.contract.INT8_GROUP_ACTIVATIONS)."""
 
     name, device_type = "int4-q8-cpu", "cpu"
     quantized_inputs = True

@@ -40,11 +40,7 @@ class RuntimeDecoder(nn.Module):
         """The logits head rounded to int8 (where lm_head_quantizable); returns its linear method."""
         raise NotImplementedError
 
-    @property
-    def decode_graphs_possible(self) -> bool:
-        """Whether this model could run its decodes as one compiled call (models/decode_graph.py)."""
-        return False
-
     def build_decode_graphs(self, kv_cache: KVCache) -> list[int]:
-        """Capture the decode graphs over `kv_cache`; the step sizes that run through one."""
+        """Capture the decode graphs over `kv_cache` where this model and cache allow them (models/decode_graph.py);
+        the step sizes that run through one (none: a family without graphs)."""
         return []

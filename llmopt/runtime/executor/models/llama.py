@@ -179,10 +179,6 @@ class LlamaFamilyDecoder(RuntimeDecoder):
         self._gemv_weight = None  # (the head's own kernels serve batch 1 too)
         return method_name(self.logits_head)
 
-    @property
-    def decode_graphs_possible(self) -> bool:
-        return True
-
     def build_decode_graphs(self, kv_cache: KVCache) -> list[int]:
         """Decode steps over `kv_cache` run their layers as one compiled call from now on, where this model and
         cache allow it (models/decode_graph.py; after the engine set the linears' row plans: each graph calls
