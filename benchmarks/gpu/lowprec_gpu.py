@@ -14,7 +14,7 @@ import time
 
 import torch
 
-from llmopt.compress.quant import quantize_rtn
+from llmopt.core.contract.rounding import quantize_rtn
 from llmopt.core.contract import preset
 from llmopt.core.contract.fp4 import block_scale_table, pack_nibbles, scale_bytes
 from llmopt.runtime.executor.kernels.triton_lowprec import float_weight_matmul, scaled_matmul

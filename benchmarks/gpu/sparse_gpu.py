@@ -17,7 +17,7 @@ import torch.nn.functional as F
 from lowprec_gpu import timed
 
 from llmopt.compress.masks import nm_mask
-from llmopt.compress.quant import quantize_rtn
+from llmopt.core.contract.rounding import quantize_rtn
 from llmopt.core.contract import QuantScheme
 from llmopt.core.contract.sparse24 import Sparse24Weight, pack_mask
 from llmopt.runtime.executor.linear.triton_sparse24 import TritonSparse24Int4Linear, TritonSparse24Linear

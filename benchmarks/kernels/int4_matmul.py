@@ -22,7 +22,7 @@ ROWS = (1, 4, 8, 16, 32, 64, 256, 4096)
 
 
 def main() -> None:
-    from llmopt.compress.quant import quantize_rtn
+    from llmopt.core.contract.rounding import quantize_rtn
     from llmopt.core.contract import QuantScheme
     from llmopt.core.hardware import cpu_line
     from llmopt.eval.bench import best_time  # best of 5 calls

@@ -13,10 +13,10 @@ import torch
 from torch import nn
 
 from llmopt.core.contract import QuantScheme
-from llmopt.compress.quant import quantize_rtn
+from llmopt.core.contract.rounding import quantize_rtn
 from llmopt.compress.base import QUANT_METHODS, MethodSpec, Quantizer
 from llmopt.compress.config import AWQConfig
-from llmopt.compress.quant import compute_qparams, fake_quantize
+from llmopt.core.contract.int_grid import compute_qparams, fake_quantize
 from llmopt.core.adapters import ArchAdapter, get_module
 
 

@@ -13,6 +13,7 @@ from llmopt.compress.defaults import (
     CALIBRATION, QUANTIZE, ROTATION_SEED, SCORES_FILE, SEARCH_FILE, SPARSEGPT_DAMP, STRUCTURED_NUM_SAMPLES,
 )
 from llmopt.core.contract import PRESETS, QUANTIZE_PRESETS, SUPPORTED_BITS, QuantRecord, QuantScheme, parse_nm
+from llmopt.core.contract.grid import weight_grid
 
 
 def calibration_dtype(name: str, device: str) -> str:
@@ -133,11 +134,14 @@ class QuantizeConfig(BaseModel):
         return {**data, **implied}
 
     @model_validator(mode="after")
-    def _float_grid_methods(self):
-        if self.scheme and PRESETS[self.scheme].weights.type == "float":
-            if self.method not in ("rtn", "gptq"):
-                raise ValueError(f"scheme {self.scheme} (float weights) needs method rtn or gptq: AWQ searches integer "
-                                 f"grids")
+    def _grid_methods(self):
+        """The methods that round onto the preset's grid (core.contract.grid): AWQ searches integer grids only."""
+        if self.scheme:
+            weights = PRESETS[self.scheme].weights
+            methods = weight_grid(weights.type).methods
+            if self.method not in methods:
+                raise ValueError(f"scheme {self.scheme} ({weights.type} weights) needs method {' or '.join(methods)}, "
+                                 f"not {self.method}")
         return self
 
     @model_validator(mode="after")

@@ -8,12 +8,10 @@ from __future__ import annotations
 
 import torch
 
-from llmopt.compress.quant import mse_qparams
 from llmopt.compress.base import QUANT_METHODS, MethodSpec, Quantizer
 from llmopt.compress.config import GPTQConfig
-from llmopt.compress.float_quant import float_block_scales, quantize_float_column
-from llmopt.compress.quant import compute_qparams, quantize_codes, stored_zeros
 from llmopt.core.contract import QuantizedWeight, QuantScheme
+from llmopt.core.contract.grid import weight_grid
 from llmopt.compress.hessian import HessianModifierMixin, inverse_hessian_cholesky
 from llmopt.core.adapters import get_module
 from llmopt.core.errors import LLMOptError
@@ -59,18 +57,13 @@ def gptq_quantize_weight(
         cross = cross.detach().float().clone()
         cross[:, dead] = 0
     width = scheme.group_width(k)
-    qparams = mse_qparams if mse else compute_qparams
+    grid = weight_grid(scheme.type)
 
-    static = None
-    float_grid = scheme.type == "float"  # FP8 / FP4: scales fixed from the weight, values rounded on the grid
-    stored_scales, global_scale = float_block_scales(w, scheme, mse) if float_grid else (None, None)
-    if float_grid:
-        effective = stored_scales if global_scale is None else stored_scales / global_scale
-        static = (effective, torch.zeros_like(effective))
-    elif static_groups or scheme.group_size == -1:
-        flat = w.reshape(n * (k // width), width)
-        s, z = qparams(flat, scheme)
-        static = (s.view(n, -1), z.view(n, -1))
+    # Ranges fixed from the weight before any rounding (float grids always; integer ones with static groups or
+    # one group per row), else each group's formed from the weights as updated so far, as it is reached.
+    ranges = None
+    if not grid.adaptive_groups or static_groups or scheme.group_size == -1:
+        ranges = grid.ranges(w, scheme, mse)
 
     perm = None
     if act_order:
@@ -87,11 +80,11 @@ def gptq_quantize_weight(
 
     codes = torch.zeros(k, n, dtype=torch.float32)  # filled column by column: rows are columns here
     num_groups = k // width
-    scales_t = torch.zeros(num_groups, n) if static is None else static[0].t().contiguous()  # [G, N]
-    zeros_t = torch.zeros(num_groups, n) if static is None else static[1].t().contiguous()
+    scales_t = torch.zeros(num_groups, n) if ranges is None else ranges.effective_scales.t().contiguous()  # [G, N]
+    zeros_t = torch.zeros(num_groups, n) if ranges is None else ranges.zeros.t().contiguous()
     # Natural group of the column at each (possibly permuted) position, as plain ints for the hot loop.
     column_group = (torch.arange(k) // width if perm is None else perm // width).tolist()
-    group_at = column_group if static is not None else [col // width for col in range(k)]
+    group_at = column_group if ranges is not None else [col // width for col in range(k)]
     mask_t = None if mask is None else mask.t().contiguous()
 
     for i1 in range(0, k, block_size):
@@ -103,21 +96,15 @@ def gptq_quantize_weight(
         for i in range(i2 - i1):
             col = i1 + i
             g = group_at[col]
-            if static is None and col % width == 0:
+            if ranges is None and col % width == 0:
                 # Groups form in quantization order, from the weights as updated so far.
                 upcoming = torch.cat([w1[i:], w[:, i2:].t()], dim=0)[:width]  # [width, N]
-                s, z = qparams(upcoming.t(), scheme)
-                scales_t[g], zeros_t[g] = s, z
+                scales_t[g], zeros_t[g] = grid.group_ranges(upcoming.t(), scheme, mse)
             wcol = w1[i]
-            if float_grid:
-                qcol, dq = quantize_float_column(wcol, scales_t[g], scheme)
-                if mask_t is not None:  # pruned weights stay exactly zero: code 0 (+0.0 in E4M3 and E2M1)
-                    qcol, dq = torch.where(mask_t[col], 0, qcol), torch.where(mask_t[col], 0.0, dq)
-            else:
-                qcol = quantize_codes(wcol, scales_t[g], zeros_t[g], scheme.maxq, scheme.float_zero_point)
-                if mask_t is not None:  # pruned weights stay exactly zero: code = zero point
-                    qcol = torch.where(mask_t[col], zeros_t[g], qcol)
-                dq = scales_t[g] * (qcol - zeros_t[g])
+            qcol = grid.round(wcol, scales_t[g], zeros_t[g], scheme)
+            if mask_t is not None:  # pruned weights stay exactly zero: the code of 0
+                qcol = torch.where(mask_t[col], grid.zero_code(zeros_t[g]), qcol)
+            dq = scales_t[g] * grid.decode(qcol, zeros_t[g], scheme)
             codes[col] = qcol
             err = (wcol - dq) / hinv1[i, i]
             if before1 is not None:
@@ -130,14 +117,15 @@ def gptq_quantize_weight(
             w[:, i2:] += before1.t() @ correction[i1:i2, i2:]
 
     codes = codes.t()
-    scales, zeros = (stored_scales, torch.zeros_like(stored_scales)) if float_grid else (scales_t.t(), zeros_t.t())
+    scales, zeros = (scales_t.t(), zeros_t.t()) if ranges is None else (ranges.scales, ranges.zeros)
     g_idx = torch.tensor(group_at, dtype=torch.int32)
     if perm is not None:
         inv = torch.argsort(perm)
         codes, g_idx = codes[:, inv], g_idx[inv]
     return QuantizedWeight(codes.to(torch.uint8).contiguous(), scales.float().contiguous(),
-                           stored_zeros(zeros, scheme).contiguous(), g_idx, scheme,
-                           None if bias is None else bias.detach().float().clone(), global_scale=global_scale)
+                           grid.stored_zeros(zeros, scheme).contiguous(), g_idx, scheme,
+                           None if bias is None else bias.detach().float().clone(),
+                           global_scale=None if ranges is None else ranges.global_scale)
 
 
 class GPTQQuantizer(HessianModifierMixin, Quantizer):

@@ -5,8 +5,8 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from llmopt.compress.float_quant import fp4_global_scale
-from llmopt.compress.quant import quantize_rtn
+from llmopt.core.contract.float_grid import fp4_global_scale
+from llmopt.core.contract.rounding import quantize_rtn
 from llmopt.compress.base import QUANT_METHODS, MethodSpec, Quantizer
 from llmopt.compress.config import RTNConfig
 from llmopt.core.adapters import get_module

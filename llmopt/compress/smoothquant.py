@@ -12,7 +12,7 @@ from __future__ import annotations
 import torch
 
 from llmopt.compress.awq import _can_smooth, apply_scales
-from llmopt.compress.quant import quantize_rtn
+from llmopt.core.contract.rounding import quantize_rtn
 from llmopt.compress.base import Modifier
 from llmopt.compress.config import SmoothQuantConfig
 from llmopt.core.adapters import get_module

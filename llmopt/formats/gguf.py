@@ -8,7 +8,7 @@ Block types (32 values per block, an fp16 scale `d` per block; ggml's layouts):
 Our codes hold exactly: symmetric 4-bit (zero point 8) as Q4_0 and symmetric 8-bit (zero point 128) as Q8_0, for
 groups of a multiple of 32 columns (or one per row) whose scales are fp16 values (every artifact stores them so).
 Asymmetric 4-bit goes to Q4_1 with m = -z d rounded to fp16: for a float zero point the same fp16 d and m (its
-quantizer rounds m to fp16 first, compress.quant.float_zero_qparams), so only fp32 rounding parts d q + m from
+quantizer rounds m to fp16 first, core.contract.int_grid.float_zero_qparams), so only fp32 rounding parts d q + m from
 d (q - z); for an integer one the closest block type. The largest error is reported either way.
 Everything else is refused with the reason (act-order permuted groups, groups under 32, 2/3-bit, asymmetric 8-bit,
 float codes). Dense tensors: 1-D ones (norms) in F32, the rest (embedding, lm_head) in F16 as artifacts store them;

@@ -10,13 +10,12 @@ from __future__ import annotations
 import torch
 
 from llmopt.core.contract import QuantizedWeight, QuantRecord, QuantScheme, default_g_idx
-from llmopt.core.contract.fp4 import e8m0_decode, pack_nibbles, scale_bytes, unpack_nibbles
-from llmopt.core.contract.sparse24 import unpack_mask
 from llmopt.core.errors import ArtifactError
 from llmopt.core.registry import Registry
-from llmopt.formats.packing import deinterleave_awq, interleave_awq, pack_int32, unpack_int32
-
-SCALE_DTYPE = torch.float16
+from llmopt.formats.ct_layouts import CT_LAYOUTS, layout_for, layout_of
+from llmopt.formats.packing import (
+    SCALE_DTYPE, deinterleave_awq, interleave_awq, pack_int32, stored_bias, unpack_int32,
+)
 
 
 class Format:
@@ -100,7 +99,7 @@ class GPTQFormat(Format):
         q = unpack_int32(tensors["qweight"], b, k, dim=0).t()
         zeros = unpack_int32(tensors["qzeros"], b, n, dim=-1).t() + 1
         return QuantizedWeight(q.to(torch.uint8).contiguous(), scales, zeros.to(torch.int32).contiguous(),
-                               tensors["g_idx"].to(torch.int32), scheme, _bias(tensors))
+                               tensors["g_idx"].to(torch.int32), scheme, stored_bias(tensors))
 
     def quantization_config(self, record):
         scheme = record.scheme
@@ -164,7 +163,7 @@ class AWQFormat(Format):
         q = deinterleave_awq(tensors["qweight"], n).t()
         zeros = deinterleave_awq(tensors["qzeros"], n).t()
         return QuantizedWeight(q.to(torch.uint8).contiguous(), scales, zeros.to(torch.int32).contiguous(),
-                               default_g_idx(q.shape[1], scheme), scheme, _bias(tensors))
+                               default_g_idx(q.shape[1], scheme), scheme, stored_bias(tensors))
 
     def quantization_config(self, record):
         return {"quant_method": "awq", "bits": 4, "group_size": record.scheme.group_size, "zero_point": True,
@@ -178,7 +177,7 @@ class AWQFormat(Format):
 
 
 class CompressedTensorsFormat(Format):
-    """compressed-tensors, six of its formats:
+    """compressed-tensors, six of its formats (each a layout in formats.ct_layouts, where a plug-in adds its own):
     - pack-quantized (weight-only): weight_packed [N, ceil(K*b/32)] of q + 2^(b-1) (signed q), packed along K;
       weight_scale [N, G]; weight_zero_point [ceil(N*b/32), G] packed along N (asymmetric only); a 2:4 weight
       stored compressed (llmopt's extension, with the config's sparsity_config) packs only its kept codes
@@ -196,10 +195,7 @@ class CompressedTensorsFormat(Format):
       (nvfp4-a4) also input_global_scale [1] float32, calibrated;
     - mxfp4-pack-quantized (MXFP4): weight_packed as NVFP4's, weight_scale [N, K/32] uint8 E8M0 exponents."""
 
-    name, marker = "compressed-tensors", "weight_packed"
-    INT_MARKER = "weight_scale"  # int-quantized: `weight` is the int8 codes, so the scale marks the linear
-    READABLE = ("pack-quantized", "int-quantized", "naive-quantized", "float-quantized", "nvfp4-pack-quantized",
-                "mxfp4-pack-quantized")
+    name, marker = "compressed-tensors", "weight_packed"  # (each layout names its own marker: ct_layouts)
 
     def check(self, name, shape, scheme, trivial_g_idx=True):
         if scheme.scale_format is not None and not trivial_g_idx:
@@ -217,140 +213,14 @@ class CompressedTensorsFormat(Format):
 
     @staticmethod
     def format_of(weights: QuantScheme, acts: QuantScheme | None) -> str:
-        """The compressed-tensors format for these weights and inputs."""
-        if weights.scale_format is not None:
-            return f"{weights.fp4_name}-pack-quantized"
-        if weights.type == "float":
-            return "float-quantized"
-        if weights.float_zero_point:  # pack-quantized packs zero points as codes: one byte per code instead
-            return "naive-quantized"
-        return "pack-quantized" if acts is None else "int-quantized"
+        """The compressed-tensors format for these weights and inputs (formats.ct_layouts)."""
+        return layout_for(weights, acts).name
 
     def pack(self, qweight):
-        if qweight.scheme.scale_format is not None:
-            return self._pack_fp4(qweight)
-        if qweight.scheme.type == "float":
-            return self._pack_float(qweight)
-        if qweight.input_activations is not None or qweight.scheme.float_zero_point:
-            return self._pack_int(qweight)
-        n, k = qweight.shape
-        b = qweight.scheme.bits
-        # Our unsigned codes already equal signed q + 2^(b-1), the stored value; zp_signed + 2^(b-1) = z.
-        codes, sparse = qweight.q, {}
-        if qweight.keep is not None:  # 2:4 stored compressed: the kept codes only, and where they go
-            codes = qweight.q[unpack_mask(qweight.keep, k)].reshape(n, k // 2)
-            sparse = {"bitmask": qweight.keep.contiguous()}
-        out = {
-            "weight_packed": pack_int32(codes, b, dim=-1),
-            "weight_scale": qweight.scales.to(SCALE_DTYPE).contiguous(),
-            "weight_shape": torch.tensor([n, k], dtype=torch.int64),
-        }
-        if not qweight.scheme.sym:
-            out["weight_zero_point"] = pack_int32(qweight.zeros, b, dim=0)
-        return {**out, **sparse, **self._g_idx_and_bias(qweight)}
-
-    @staticmethod
-    def _g_idx_and_bias(qweight) -> dict[str, torch.Tensor]:
-        """The tensors every layout adds when present: permuted groups' g_idx, the bias."""
-        out = {}
-        if not qweight.has_trivial_g_idx:
-            out["weight_g_idx"] = qweight.g_idx.to(torch.int32)
-        if qweight.bias is not None:
-            out["bias"] = qweight.bias.to(SCALE_DTYPE)
-        return out
-
-    def _pack_int(self, qweight):
-        offset = 2 ** (qweight.scheme.bits - 1)
-        out = {"weight": qweight.signed_codes().contiguous(),
-               "weight_scale": qweight.scales.to(SCALE_DTYPE).contiguous()}
-        if qweight.scheme.float_zero_point:  # signed like the codes: z - 2^(b-1), float32 (zp_dtype)
-            out["weight_zero_point"] = (qweight.zeros.float() - offset).contiguous()
-        elif not qweight.scheme.sym:
-            out["weight_zero_point"] = (qweight.zeros - offset).to(torch.int8).contiguous()
-        return {**out, **self._g_idx_and_bias(qweight)}
-
-    def _pack_float(self, qweight):
-        out = {"weight": qweight.q.view(torch.float8_e4m3fn).contiguous(),
-               "weight_scale": qweight.scales.to(SCALE_DTYPE).contiguous()}
-        return {**out, **self._g_idx_and_bias(qweight)}
-
-    def _pack_fp4(self, qweight):
-        scale_format = qweight.scheme.scale_format
-        out = {"weight_packed": pack_nibbles(qweight.q), "weight_scale": scale_bytes(qweight.scales, scale_format)}
-        if scale_format == "e4m3":
-            out["weight_scale"] = out["weight_scale"].view(torch.float8_e4m3fn)
-            out["weight_global_scale"] = qweight.global_scale.float().reshape(1).clone()  # (shared by q/k/v)
-        if qweight.input_global_scale is not None:  # NVFP4 inputs' calibrated global scale
-            out["input_global_scale"] = qweight.input_global_scale.float().reshape(1).clone()
-        return {**out, **self._g_idx_and_bias(qweight)}
-
-    def _unpack_fp4(self, tensors, scheme):
-        packed, stored = tensors["weight_packed"], tensors["weight_scale"]
-        if packed.dtype != torch.uint8:
-            raise ArtifactError(f"{scheme.fp4_name} weight_packed of dtype {packed.dtype}: expected uint8")
-        q = unpack_nibbles(packed)
-        if scheme.scale_format == "e4m3":
-            scales, global_scale = stored.float(), tensors["weight_global_scale"].float().reshape(1)
-        else:
-            scales, global_scale = e8m0_decode(stored.view(torch.uint8)), None
-        scales = scales.reshape(q.shape[0], -1).contiguous()
-        inputs = tensors.get("input_global_scale")
-        return QuantizedWeight(q, scales, torch.zeros_like(scales, dtype=torch.int32),
-                               default_g_idx(q.shape[1], scheme), scheme, _bias(tensors), global_scale=global_scale,
-                               input_global_scale=None if inputs is None else inputs.float().reshape(1))
-
-    def _unpack_float(self, tensors, scheme):
-        weight = tensors["weight"]
-        if weight.dtype != torch.float8_e4m3fn:
-            raise ArtifactError(f"float-quantized weight of dtype {weight.dtype}: expected float8_e4m3fn")
-        q = weight.contiguous().view(torch.uint8)
-        scales = tensors["weight_scale"].float().reshape(q.shape[0], -1)
-        return QuantizedWeight(q, scales, torch.zeros(scales.shape, dtype=torch.int32),
-                               default_g_idx(q.shape[1], scheme), scheme, _bias(tensors))
+        return layout_for(qweight.scheme, qweight.input_activations).pack(qweight)
 
     def unpack(self, tensors, scheme):
-        if scheme.scale_format is not None:
-            return self._unpack_fp4(tensors, scheme)
-        if scheme.type == "float":
-            return self._unpack_float(tensors, scheme)
-        if "weight_packed" not in tensors:
-            return self._unpack_int(tensors, scheme)
-        n, k = (int(v) for v in tensors["weight_shape"])
-        b = scheme.bits
-        scales = tensors["weight_scale"].float()
-        if "weight_zero_point" in tensors:
-            zeros = unpack_int32(tensors["weight_zero_point"], b, n, dim=0)
-        else:
-            zeros = torch.full_like(scales, 2 ** (b - 1), dtype=torch.int64)
-        g_idx = tensors.get("weight_g_idx")
-        g_idx = default_g_idx(k, scheme) if g_idx is None else g_idx.to(torch.int32)
-        keep = tensors.get("bitmask")
-        if keep is None:
-            q = unpack_int32(tensors["weight_packed"], b, k, dim=-1)
-        else:  # 2:4 stored compressed: the kept codes into their columns, the zero point (weight 0) elsewhere
-            q = zeros[:, g_idx.long()].clone()
-            q[unpack_mask(keep, k)] = unpack_int32(tensors["weight_packed"], b, k // 2, dim=-1).reshape(-1).to(q.dtype)
-        return QuantizedWeight(q.to(torch.uint8), scales, zeros.to(torch.int32), g_idx, scheme, _bias(tensors),
-                               keep=keep)
-
-    def _unpack_int(self, tensors, scheme):
-        offset = 2 ** (scheme.bits - 1)
-        weight = tensors["weight"]
-        if weight.dtype != torch.int8:
-            raise ArtifactError(f"int-quantized weight of dtype {weight.dtype}: expected int8 codes")
-        q = (weight.to(torch.int16) + offset).to(torch.uint8)
-        scales = tensors["weight_scale"].float().reshape(q.shape[0], -1)
-        zp = tensors.get("weight_zero_point")
-        if scheme.float_zero_point:
-            if zp is None or not zp.is_floating_point():
-                raise ArtifactError("a float zero point scheme (zp_dtype float) without a float weight_zero_point")
-            zeros = zp.float().reshape(scales.shape) + offset
-        else:
-            zeros = (torch.full(scales.shape, offset, dtype=torch.int32) if zp is None
-                     else (zp.to(torch.int32).reshape(scales.shape) + offset))
-        g_idx = tensors.get("weight_g_idx")
-        g_idx = default_g_idx(q.shape[1], scheme) if g_idx is None else g_idx.to(torch.int32)
-        return QuantizedWeight(q, scales, zeros, g_idx, scheme, _bias(tensors))
+        return layout_of(tensors, scheme).unpack(tensors, scheme)
 
     def quantization_config(self, record):
         actorder = ("weight" if record.static_groups else "group") if record.act_order else None
@@ -367,9 +237,9 @@ class CompressedTensorsFormat(Format):
         }
 
     def _group(self, qcfg):
-        if qcfg.get("format") not in self.READABLE:
+        if qcfg.get("format") not in CT_LAYOUTS:
             raise ArtifactError(f"compressed-tensors format {qcfg.get('format')!r} is not supported "
-                                f"({', '.join(self.READABLE)})")
+                                f"({', '.join(CT_LAYOUTS.names())})")
         groups = list(qcfg["config_groups"].values())
         if len(groups) != 1:
             raise ArtifactError("compressed-tensors checkpoints with several config groups are not supported yet")
@@ -383,12 +253,8 @@ class CompressedTensorsFormat(Format):
         return None if not args else QuantScheme.from_args(args)
 
     def marker_for(self, qcfg):
-        return self.marker if qcfg.get("format", "").endswith("pack-quantized") else self.INT_MARKER
-
-
-def _bias(tensors):
-    bias = tensors.get("bias")
-    return None if bias is None else bias.float()
+        fmt = qcfg.get("format")
+        return CT_LAYOUTS.get(fmt).marker if fmt in CT_LAYOUTS else self.marker
 
 
 FORMATS.add("gptq", GPTQFormat())

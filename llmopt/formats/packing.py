@@ -12,6 +12,13 @@ import math
 import torch
 
 _MASK32 = 0xFFFFFFFF
+SCALE_DTYPE = torch.float16  # how every format stores scales and biases
+
+
+def stored_bias(tensors: dict[str, torch.Tensor]) -> torch.Tensor | None:
+    """A linear's stored bias as float32, or None."""
+    bias = tensors.get("bias")
+    return None if bias is None else bias.float()
 
 
 def _to_int32(words: torch.Tensor) -> torch.Tensor:

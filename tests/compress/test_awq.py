@@ -3,7 +3,7 @@ import copy
 import torch
 
 from llmopt.core.contract import QuantScheme
-from llmopt.compress.quant import quantize_rtn
+from llmopt.core.contract.rounding import quantize_rtn
 from llmopt.compress.awq import apply_scales, clip_weight, search_clip, search_scales
 
 

@@ -12,7 +12,8 @@ from typer.testing import CliRunner
 
 from llmopt.cli.main import app
 from llmopt.compress.gptq import gptq_quantize_weight
-from llmopt.compress.quant import float_zero_qparams, quantize_rtn
+from llmopt.core.contract.int_grid import float_zero_qparams
+from llmopt.core.contract.rounding import quantize_rtn
 from llmopt.core.contract import QuantScheme
 from llmopt.core.errors import ConfigError
 from tests.formats.runtime_check import assert_runtime_matches_reader

@@ -2,7 +2,7 @@ import pytest
 import torch
 
 from llmopt.core.contract import QuantScheme
-from llmopt.compress.quant import quantize_rtn
+from llmopt.core.contract.rounding import quantize_rtn
 from llmopt.compress.gptq import gptq_quantize_weight
 from llmopt.compress.hessian import HessianAccumulator
 

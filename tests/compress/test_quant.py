@@ -2,8 +2,9 @@ import pytest
 import torch
 
 from llmopt.core.contract import QuantScheme
-from llmopt.compress.quant import fake_quantize, quantize_rtn
-from llmopt.compress.quant import compute_qparams, mse_qparams
+from llmopt.core.contract.int_grid import fake_quantize
+from llmopt.core.contract.rounding import quantize_rtn
+from llmopt.core.contract.int_grid import compute_qparams, mse_qparams
 from llmopt.core.errors import ConfigError
 
 

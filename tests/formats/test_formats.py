@@ -2,7 +2,7 @@ import pytest
 import torch
 
 from llmopt.core.contract import QuantizedWeight, QuantScheme
-from llmopt.compress.quant import quantize_rtn
+from llmopt.core.contract.rounding import quantize_rtn
 from llmopt.core.errors import ArtifactError
 from llmopt.formats.layouts import FORMATS
 

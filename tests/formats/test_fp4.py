@@ -11,8 +11,8 @@ from typer.testing import CliRunner
 
 from llmopt.cli.main import app
 from llmopt.compress.api import quantize_configs
-from llmopt.compress.float_quant import fp4_global_scale
-from llmopt.compress.quant import quantize_rtn
+from llmopt.core.contract.float_grid import fp4_global_scale
+from llmopt.core.contract.rounding import quantize_rtn
 from llmopt.core.contract import PRESETS, QuantRecord
 from llmopt.core.contract.fp4 import e2m1_codes, e2m1_values, e8m0_decode, e8m0_encode, pack_nibbles, unpack_nibbles
 from llmopt.core.errors import ConfigError

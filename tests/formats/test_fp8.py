@@ -10,7 +10,7 @@ from typer.testing import CliRunner
 
 from llmopt.cli.main import app
 from llmopt.compress.api import quantize_configs
-from llmopt.compress.quant import quantize_rtn
+from llmopt.core.contract.rounding import quantize_rtn
 from llmopt.core.contract import FP8_CHANNEL_WEIGHTS, FP8_TOKEN_ACTIVATIONS, QuantRecord, fake_quantize_activations
 from llmopt.core.errors import ConfigError
 from tests.formats.runtime_check import assert_runtime_matches_reader

@@ -7,7 +7,7 @@ import json
 import pytest
 import torch
 
-from llmopt.compress.quant import quantize_rtn
+from llmopt.core.contract.rounding import quantize_rtn
 from llmopt.core.contract import QuantScheme
 from llmopt.core.errors import ConfigError
 from llmopt.core.hardware import supported_kernel_isas

@@ -4,7 +4,7 @@ the int8 layers (8-bit inputs where the engine gives them)."""
 import pytest
 import torch
 
-from llmopt.compress.quant import quantize_rtn
+from llmopt.core.contract.rounding import quantize_rtn
 from llmopt.core.contract import QuantScheme
 from llmopt.core.errors import ConfigError
 from llmopt.runtime.engine.engine import Engine, EngineConfig

@@ -5,7 +5,7 @@ import pytest
 import torch
 
 from llmopt.core.contract import QuantScheme
-from llmopt.compress.quant import quantize_rtn
+from llmopt.core.contract.rounding import quantize_rtn
 from llmopt.formats.load import load_model
 from llmopt.runtime.executor.loader import load_runtime_model
 from llmopt.runtime.engine.engine import Engine, EngineConfig

@@ -59,7 +59,7 @@ def test_fp8_methods_are_refused_on_a_gpu_without_fp8(monkeypatch):
     in memory, widened for each product)."""
     import torch
 
-    from llmopt.compress.quant import quantize_rtn
+    from llmopt.core.contract.rounding import quantize_rtn
     from llmopt.core.contract import LinearScheme, preset
     from llmopt.runtime.executor.kernels import triton_support
     from llmopt.runtime.executor.linear import base

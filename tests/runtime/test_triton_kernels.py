@@ -15,7 +15,7 @@ if not CUDA:
 import triton  # noqa: E402,F401  (a dev dependency: these tests must run in CI)
 
 from llmopt.core.contract import QuantScheme  # noqa: E402
-from llmopt.compress.quant import quantize_rtn  # noqa: E402
+from llmopt.core.contract.rounding import quantize_rtn  # noqa: E402
 from llmopt.runtime.executor.attention import AttentionMetadata  # noqa: E402
 from llmopt.runtime.executor.kernels.quant_matmul import reference_quant_matmul  # noqa: E402
 from llmopt.runtime.executor.kernels.triton_decode_attention import decode_attention  # noqa: E402

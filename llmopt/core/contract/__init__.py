@@ -5,7 +5,8 @@ The weight's names load on first use: the scheme is imported by configs that mus
 
 from llmopt.core.contract.scheme import (  # noqa: F401
     FP8_CHANNEL_WEIGHTS, FP8_TOKEN_ACTIVATIONS, INT8_GROUP_ACTIVATIONS, INT8_TOKEN_ACTIVATIONS, PRESETS,
-    QUANTIZE_PRESETS, SUPPORTED_BITS, LinearScheme, QuantRecord, QuantScheme, preset,
+    QUANTIZE_PRESETS, SUPPORTED_BITS, LinearScheme, QuantRecord, QuantScheme, preset, register_preset,
+    unregister_preset,
 )
 from llmopt.core.contract.sparsity import parse_nm, sparsity_entry  # noqa: F401
 

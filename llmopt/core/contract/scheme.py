@@ -12,6 +12,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Literal
 
+from llmopt.core.contract.grid import grid_names, weight_grid
 from llmopt.core.errors import ConfigError
 
 SUPPORTED_BITS = (2, 3, 4, 8)
@@ -23,7 +24,6 @@ FLOAT4_MAX = 6.0
 # power-of-two E8M0 scales (strategy group)
 FP4_BLOCKS = {"tensor_group": 16, "group": 32}
 STRATEGIES = ("tensor", "channel", "group", "block", "token", "tensor_group")
-TYPES = ("int", "float")
 OBSERVERS = ("minmax", "mse")
 ZERO_POINTS = ("int", "float")
 
@@ -31,7 +31,8 @@ ZERO_POINTS = ("int", "float")
 @dataclass(frozen=True)
 class QuantScheme:
     """bits: code width; group_size: consecutive input columns sharing a scale (-1: a whole row); sym: zero point
-    fixed at the middle of the code range; type: int codes or a float format (E4M3, E2M1); strategy: what one scale
+    fixed at the middle of the code range; type: the number format of the codes, a weight grid's name
+    (core.contract.grid: int codes, a float format (E4M3, E2M1), or a registered grid's); strategy: what one scale
     covers (None: group when group_size > 0, else channel); dynamic: scales computed at run time from the tensor
     itself (activations), not stored; observer: how a static range is chosen (min/max, or the error-minimising
     search); zero_point: of an asymmetric int scheme, an integer code (GPTQ, AWQ and compressed-tensors pack them
@@ -41,7 +42,7 @@ class QuantScheme:
     bits: int = 4
     group_size: int = 128
     sym: bool = True
-    type: Literal["int", "float"] = "int"
+    type: str = "int"  # a weight grid's name (core.contract.grid): "int", "float" or a registered one
     strategy: Literal["tensor", "channel", "group", "block", "token"] | None = None
     dynamic: bool = False
     observer: Literal["minmax", "mse"] = field(default="minmax", compare=False)  # how, not what: not compared
@@ -50,7 +51,7 @@ class QuantScheme:
     def __post_init__(self):
         if self.strategy is None:
             object.__setattr__(self, "strategy", "group" if self.group_size > 0 else "channel")
-        for name, allowed in (("type", TYPES), ("strategy", STRATEGIES), ("observer", OBSERVERS)):
+        for name, allowed in (("type", grid_names()), ("strategy", STRATEGIES), ("observer", OBSERVERS)):
             if getattr(self, name) not in allowed:
                 raise ConfigError(f"scheme {name} {getattr(self, name)!r}: choose one of {', '.join(allowed)}")
         if self.zero_point not in ZERO_POINTS:
@@ -91,18 +92,9 @@ class QuantScheme:
         return "nvfp4" if self.strategy == "tensor_group" else "mxfp4"
 
     def check(self, in_features: int, name: str = "layer") -> None:
-        if self.type == "int" and self.bits not in SUPPORTED_BITS:
-            raise ConfigError(f"--bits {self.bits} is not supported: choose one of {SUPPORTED_BITS}")
-        if self.type == "float" and self.bits not in FLOAT_BITS:
-            raise ConfigError(f"{self.bits}-bit float schemes are not supported: FP8 (E4M3) and FP4 (E2M1) only")
-        if self.scale_format is not None:
-            block = FP4_BLOCKS.get(self.strategy)
-            if block != self.group_size:
-                raise ConfigError(f"FP4 with strategy {self.strategy} and blocks of {self.group_size} is not a format: "
-                                  "NVFP4 is tensor_group with blocks of 16, MXFP4 group with blocks of 32")
-            if in_features % block:
-                raise ConfigError(f"{self.fp4_name}'s blocks of {block} do not divide {name}'s in_features "
-                                  f"({in_features}): leave it dense (--ignore) or use an int scheme")
+        """Raise ConfigError saying why this scheme cannot quantize a linear with `in_features` columns: its grid's
+        limits (core.contract.grid), then the group size."""
+        weight_grid(self.type).check(self, in_features, name)
         if self.group_size != -1 and (self.group_size < 1 or in_features % self.group_size):
             fits = next(g for g in (self.group_size // 2 ** k for k in range(64)) if g <= 1 or in_features % g == 0)
             raise ConfigError(
@@ -176,7 +168,25 @@ PRESETS: dict[str, LinearScheme] = {
     "nvfp4-a4": LinearScheme(NVFP4_WEIGHTS, NVFP4_ACTIVATIONS),  # and FP4 inputs (llm-compressor's NVFP4)
 }
 # the presets `llmopt quantize --scheme` takes (w4a8 is a runtime choice: --input-activations int8)
-QUANTIZE_PRESETS = ("w4a16", "w8a16", "w8a8-int8", "w8a16-fp8", "w8a8-fp8", "nvfp4", "mxfp4", "nvfp4-a4")
+QUANTIZE_PRESETS = ["w4a16", "w8a16", "w8a8-int8", "w8a16-fp8", "w8a8-fp8", "nvfp4", "mxfp4", "nvfp4-a4"]
+
+
+def register_preset(name: str, scheme: LinearScheme, quantize: bool = True) -> LinearScheme:
+    """Name a linear scheme (a plug-in grid's, say) so configs and `--scheme` take it; quantize: `llmopt quantize
+    --scheme` offers it (else it is a runtime choice only)."""
+    if name in PRESETS:
+        raise ConfigError(f"scheme preset {name!r} registered twice")
+    PRESETS[name] = scheme
+    if quantize:
+        QUANTIZE_PRESETS.append(name)
+    return scheme
+
+
+def unregister_preset(name: str) -> LinearScheme:
+    """Remove a registered preset (a test's plug-in, once the test is done)."""
+    if name in QUANTIZE_PRESETS:
+        QUANTIZE_PRESETS.remove(name)
+    return PRESETS.pop(name)
 
 
 def preset(name: str) -> LinearScheme:

@@ -14,7 +14,7 @@ from dataclasses import dataclass
 
 import torch
 
-from llmopt.core.contract.fp4 import e2m1_values
+from llmopt.core.contract.grid import weight_grid
 from llmopt.core.contract.scheme import QuantScheme
 from llmopt.core.errors import ConfigError
 
@@ -112,15 +112,11 @@ class QuantizedWeight:
         return self.scales if self.global_scale is None else self.scales / self.global_scale.float()
 
     def dequantize(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
-        """[N, K] weight s * (q - z), with each column's group taken from g_idx (float schemes: s * value)."""
+        """[N, K] weight s * decode(q), with each column's group taken from g_idx: s * (q - z) for integer codes,
+        s * value for a float grid's (core.contract.grid)."""
         g = self.g_idx.long()
         scales = self.effective_scales[:, g]  # [N, K]
-        if self.scheme.type == "float" and self.scheme.bits == 4:
-            return (e2m1_values(self.q) * scales).to(dtype)
-        if self.scheme.type == "float":
-            return (scales * self.q.view(torch.float8_e4m3fn).float()).to(dtype)
-        zeros = self.zeros[:, g].float()
-        return (scales * (self.q.float() - zeros)).to(dtype)
+        return (scales * weight_grid(self.scheme.type).decode(self.q, self.zeros[:, g], self.scheme)).to(dtype)
 
 
 def default_g_idx(in_features: int, scheme: QuantScheme) -> torch.Tensor:

@@ -164,7 +164,7 @@ class LlamaFamilyDecoder(RuntimeDecoder):
         columns (symmetric round-to-nearest, the RTN quantizer's) and built as the registry's int8 linear for
         `input_activations` (8-bit inputs: integer dots), in place of the checkpoint's float head; the embedding
         keeps its float weight (tied or not). Returns the head's linear method."""
-        from llmopt.compress.quant import quantize_rtn
+        from llmopt.core.contract.rounding import quantize_rtn
         from llmopt.core.contract import QuantScheme
         from llmopt.core.errors import ConfigError
         from llmopt.runtime.executor.linear import make_linear

@@ -1,13 +1,14 @@
-"""Integer weight quantization maths shared by RTN, GPTQ and AWQ: pure tensor functions over the convention
-of llmopt.core.contract (groups of input columns, scale and unsigned zero point per row and group); `quantize_rtn`
-hands float grids (FP8, FP4) to compress.float_quant."""
+"""The integer grid: codes 0 .. 2^b - 1 standing for s * (q - z), a scale and a zero point per row and group of
+input columns (llmopt.core.contract.weight's convention). Pure tensor functions shared by RTN, GPTQ and AWQ, and
+the grid that serves `QuantScheme.type` "int" through them."""
 
 from __future__ import annotations
 
 import torch
 
-from llmopt.compress.float_quant import quantize_float_rtn
-from llmopt.core.contract import QuantScheme, QuantizedWeight, default_g_idx
+from llmopt.core.contract.grid import GridRanges, WeightGrid, register_weight_grid
+from llmopt.core.contract.scheme import SUPPORTED_BITS, QuantScheme
+from llmopt.core.errors import ConfigError
 
 
 def compute_qparams(
@@ -113,21 +114,37 @@ def group_qparams(w: torch.Tensor, scheme: QuantScheme, mse: bool = False) -> tu
     return scale.view(n, -1), zero.view(n, -1)
 
 
-def quantize_rtn(w: torch.Tensor, scheme: QuantScheme, mse: bool = False, bias: torch.Tensor | None = None,
-                 global_scale: torch.Tensor | None = None) -> QuantizedWeight:
-    """Round-to-nearest quantization of `w` [N, K] (global_scale: NVFP4's shared one, see
-    float_quant.float_block_scales)."""
-    n, k = w.shape
-    scheme.check(k)
-    if scheme.type == "float":
-        return quantize_float_rtn(w, scheme, bias, mse, global_scale)
-    scales, zeros = group_qparams(w, scheme, mse)
-    g_idx = default_g_idx(k, scheme)
-    codes = quantize_codes(w.float(), scales[:, g_idx.long()], zeros[:, g_idx.long()], scheme.maxq,
-                           scheme.float_zero_point)
-    return QuantizedWeight(codes.to(torch.uint8), scales.float(), stored_zeros(zeros, scheme), g_idx, scheme, bias)
-
-
 def stored_zeros(zeros: torch.Tensor, scheme: QuantScheme) -> torch.Tensor:
     """Zero points [N, G] as the contract holds them: int32 codes, or float32 for a float zero point."""
     return zeros.float() if scheme.float_zero_point else zeros.to(torch.int32)
+
+
+@register_weight_grid
+class IntGrid(WeightGrid):
+    """Integer codes with a scale and an integer (or real: a float zero point scheme) zero point per group."""
+
+    name = "int"
+    methods = ("rtn", "gptq", "awq")
+    adaptive_groups = True
+
+    def check(self, scheme, in_features, name):
+        if scheme.bits not in SUPPORTED_BITS:
+            raise ConfigError(f"--bits {scheme.bits} is not supported: choose one of {SUPPORTED_BITS}")
+
+    def ranges(self, w, scheme, mse=False, global_scale=None):
+        return GridRanges(*group_qparams(w, scheme, mse))
+
+    def group_ranges(self, rows, scheme, mse=False):
+        return mse_qparams(rows, scheme) if mse else compute_qparams(rows, scheme)
+
+    def round(self, values, scale, zero, scheme):
+        return quantize_codes(values, scale, zero, scheme.maxq, scheme.float_zero_point)
+
+    def decode(self, codes, zeros, scheme):
+        return codes.float() - zeros.float()
+
+    def zero_code(self, zeros):
+        return zeros
+
+    def stored_zeros(self, zeros, scheme):
+        return stored_zeros(zeros, scheme)

@@ -1,15 +1,17 @@
-"""Float-grid weight quantization shared by RTN and GPTQ: FP8 (E4M3 values, one scale per row or group) and FP4
-(E2M1 values in blocks: NVFP4's E4M3 block scales under a global scale, MXFP4's power-of-two scales), with
-compressed-tensors' formulas; the value encodings themselves are core.contract.fp4's. Pure tensor functions over
-W [N out, K in]."""
+"""The float grids, shared by RTN and GPTQ: FP8 (E4M3 values, one scale per row or group) and FP4 (E2M1 values in
+blocks: NVFP4's E4M3 block scales under a global scale, MXFP4's power-of-two scales), with compressed-tensors'
+formulas; the value encodings themselves are core.contract.fp4's. Pure tensor functions over W [N out, K in], and
+the grid that serves `QuantScheme.type` "float" through them."""
 
 from __future__ import annotations
 
 import torch
 
-from llmopt.core.contract import QuantizedWeight, QuantScheme, default_g_idx
 from llmopt.core.contract.activations import exact_quotient
 from llmopt.core.contract.fp4 import E8M0_BIAS, e2m1_codes, e2m1_values, e8m0_decode, nvfp4_global_scale, nvfp4_scales
+from llmopt.core.contract.grid import GridRanges, WeightGrid, register_weight_grid
+from llmopt.core.contract.scheme import FLOAT_BITS, FP4_BLOCKS, QuantScheme
+from llmopt.core.errors import ConfigError
 
 
 def fp4_global_scale(w: torch.Tensor) -> torch.Tensor:
@@ -92,15 +94,40 @@ def float_block_scales(w: torch.Tensor, scheme: QuantScheme, mse: bool = False,
     return _stored_scales(amax, scheme, global_scale), global_scale
 
 
-def quantize_float_rtn(w: torch.Tensor, scheme: QuantScheme, bias: torch.Tensor | None = None, mse: bool = False,
-                       global_scale: torch.Tensor | None = None) -> QuantizedWeight:
-    """FP8 / NVFP4 / MXFP4 weights of `w` [N, K], rounded to the nearest grid value (compressed-tensors'
-    float-quantized and nvfp4- / mxfp4-pack-quantized). q holds the E4M3 values' bytes or the E2M1 codes; zeros
-    are unused (0)."""
-    k = w.shape[1]
-    scales, global_scale = float_block_scales(w, scheme, mse, global_scale)
-    g_idx = default_g_idx(k, scheme)
-    effective = scales if global_scale is None else scales / global_scale
-    codes, _ = quantize_float_column(w, effective[:, g_idx.long()], scheme)
-    return QuantizedWeight(codes, scales, torch.zeros_like(scales, dtype=torch.int32), g_idx, scheme, bias,
-                           global_scale=global_scale)
+@register_weight_grid
+class FloatGrid(WeightGrid):
+    """FP8 (E4M3) and FP4 (E2M1) values under block scales; codes: the E4M3 values' bytes or the E2M1 codes;
+    no zero point (zeros 0). The ranges come from the weight before rounding, also in GPTQ."""
+
+    name = "float"
+
+    def check(self, scheme, in_features, name):
+        if scheme.bits not in FLOAT_BITS:
+            raise ConfigError(f"{scheme.bits}-bit float schemes are not supported: FP8 (E4M3) and FP4 (E2M1) only")
+        if scheme.scale_format is None:
+            return
+        block = FP4_BLOCKS.get(scheme.strategy)
+        if block != scheme.group_size:
+            raise ConfigError(f"FP4 with strategy {scheme.strategy} and blocks of {scheme.group_size} is not a format: "
+                              "NVFP4 is tensor_group with blocks of 16, MXFP4 group with blocks of 32")
+        if in_features % block:
+            raise ConfigError(f"{scheme.fp4_name}'s blocks of {block} do not divide {name}'s in_features "
+                              f"({in_features}): leave it dense (--ignore) or use an int scheme")
+
+    def ranges(self, w, scheme, mse=False, global_scale=None):
+        scales, global_scale = float_block_scales(w, scheme, mse, global_scale)
+        return GridRanges(scales, torch.zeros_like(scales), global_scale)
+
+    def round(self, values, scale, zero, scheme):
+        return quantize_float_column(values, scale, scheme)[0]
+
+    def decode(self, codes, zeros, scheme):
+        if scheme.bits == 4:
+            return e2m1_values(codes)
+        return codes.to(torch.uint8).view(torch.float8_e4m3fn).float()
+
+    def zero_code(self, zeros):
+        return torch.zeros_like(zeros, dtype=torch.uint8)  # +0.0 in E4M3 and E2M1
+
+    def stored_zeros(self, zeros, scheme):
+        return zeros.to(torch.int32)
