@@ -11,7 +11,7 @@ import inspect
 import typer
 
 from llmopt.compress.defaults import CALIBRATION
-from llmopt.core.contract.scheme import QUANTIZE_PRESETS, ZERO_POINTS
+from llmopt.core.contract.scheme import QUANTIZE_PRESETS
 from llmopt.core.errors import ConfigError
 from llmopt.core.registry import declared_names
 from llmopt.runtime.engine.config import EngineConfig, SpeculativeConfig, engine_field_types, engine_flag
@@ -72,10 +72,7 @@ QuantMethod = choices("QuantMethod", declared_names("llmopt.compress", "QUANT_ME
 FormatName = choices("FormatName", declared_names("llmopt.formats", "FORMATS"))
 # `llmopt export` also writes one GGUF file (llama.cpp's format), which is not a checkpoint-folder format
 ExportFormatName = choices("ExportFormatName", [*declared_names("llmopt.formats", "FORMATS"), "gguf"])
-PruneMethod = choices("PruneMethod", declared_names("llmopt.compress", "PRUNE_METHODS"))
-StructuredKind = choices("StructuredKind", ["mlp", "heads", "layers"])
 SchemeName = choices("SchemeName", list(QUANTIZE_PRESETS))
-ZeroPoint = choices("ZeroPoint", list(ZERO_POINTS))
 
 
 class CalibDtype(str, Enum):
@@ -102,7 +99,6 @@ CALIBRATION_OPTIONS = (  # (parameter, option type, default)
     ("text_field", Annotated[str, typer.Option(
         "--text-field", help="Field holding the text in --calib .jsonl/.json files.")], CALIBRATION["text_field"]),
 )
-IgnoreOpt = Annotated[Optional[list[str]], typer.Option("--ignore", help="Glob of linears to keep dense.")]
 
 
 def _with_options(command, param: str, options: tuple, collect):
@@ -123,6 +119,83 @@ def _with_options(command, param: str, options: tuple, collect):
     run.__annotations__ = {**{p.name: p.annotation for p in own},
                            **{name: annotation for name, annotation, _ in options}}
     return run
+
+
+def sentence(text: str | None) -> str | None:
+    """A config field's description as option help: capitalised when it starts with a plain word (not a name such
+    as c4 or drop-layers:N), ending in a full stop."""
+    if not text:
+        return None
+    first = text.split(" ", 1)[0]
+    if first.isalpha() and first.islower():
+        text = text[0].upper() + text[1:]
+    return text if text.endswith(".") else text + "."
+
+
+def config_option(models: type | dict[str, type], name: str, given: bool = False, panel: str | None = None) -> tuple:
+    """(parameter, option type, default) of one field of a pydantic config, as `_engine_option` makes them of
+    EngineConfig's: the flag is the field's name in kebab case (or its json_schema_extra `flag`: a name, or a
+    '--ON/--OFF' pair for a boolean), the help its description, a Literal a choice, a boolean a --FLAG/--no-FLAG
+    pair, an optional type its inner type; a field the CLI takes as text (json_schema_extra `text`: the config's
+    maker parses it) a string. given: the option's default is None, i.e. not given, so the config (or a preset)
+    decides; the help then states the config's default. models: one config, or {method: config} of the methods
+    one option serves (the field is the first's that has it; the help names the methods that have it, when not all,
+    and each one's default where they differ)."""
+    models = models if isinstance(models, dict) else {"": models}
+    having = {method: model for method, model in models.items() if name in model.model_fields}
+    fields = [model.model_fields[name] for model in having.values()]
+    field = next((f for f in fields if f.description), fields[0])  # (a subclass may override a default only)
+    extra = field.json_schema_extra or {}
+    kinds = [a for a in get_args(field.annotation) if a is not type(None)]
+    optional = type(None) in get_args(field.annotation)
+    kind = str if extra.get("text") else (kinds[0] if optional and len(kinds) == 1 else field.annotation)
+    default = None if field.is_required() else field.get_default(call_default_factory=True)
+    help_text = field.description or ""
+    if len(having) < len(models):
+        help_text = f"{', '.join(method.upper() for method in having)}: {help_text}"
+    help_text = sentence(help_text) or ""
+    if given:
+        help_text = f"{help_text[:-1]} ({_defaults_text(having, name)}).".lstrip(" ").replace(" ().", ".")
+    flag = extra.get("flag", name.replace("_", "-"))
+    if get_origin(kind) is Literal:
+        kind = choices(f"{next(iter(having.values())).__name__}_{name}", list(get_args(kind)))
+        default = None if default is None else kind(default)
+    names = ((flag if flag.startswith("--") else f"--{flag}/--no-{flag}",) if kind is bool else (f"--{flag}",))
+    if given or default in (None, []):
+        kind, default = Optional[kind], None
+    option = typer.Option(*names, help=help_text or None, show_default=not given, rich_help_panel=panel)
+    return name, Annotated[kind, option], inspect.Parameter.empty if field.is_required() and not given else default
+
+
+def _defaults_text(having: dict[str, type], name: str) -> str:
+    """'default X', or each method's where they differ ('default: gptq true, rtn false'); '' for none."""
+    shown = {}
+    for method, model in having.items():
+        field = model.model_fields[name]
+        value = None if field.is_required() else field.get_default(call_default_factory=True)
+        shown[method] = str(value).lower() if isinstance(value, bool) else value
+    if all(value in (None, []) for value in shown.values()):
+        return ""
+    if len(set(map(str, shown.values()))) == 1:
+        return f"default {next(iter(shown.values()))}"
+    return "default: " + ", ".join(f"{method} {value}" for method, value in shown.items())
+
+
+def option_flag(kind) -> str:
+    """The flag an option type (Annotated[type, typer.Option]) declares first: '--sym' of '--sym/--asym'."""
+    info = kind.__metadata__[0]  # (in Annotated, typer takes the first declaration as the default's place)
+    return (info.param_decls or (info.default,))[0].split("/")[0]
+
+
+def given_settings(values: dict) -> dict:
+    """The options' values by field, those not given (None) left out, a choice as its value."""
+    return {name: getattr(value, "value", value) for name, value in values.items() if value is not None}
+
+
+def with_config_options(options: tuple, param: str = "settings"):
+    """Decorator: add options made by `config_option` to a command; it receives the given ones as one dict,
+    `param`, of field name -> value (given_settings)."""
+    return lambda command: _with_options(command, param, options, given_settings)
 
 
 def _calibration(values: dict) -> dict:

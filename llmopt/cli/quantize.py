@@ -2,26 +2,37 @@
 
 from __future__ import annotations
 
-from typing import Annotated, Optional
+from typing import Annotated, Optional, get_args
 
 import typer
 
 from llmopt.cli.options import (
-    FormatName, IgnoreOpt, JsonOpt, MaxMemoryOpt, ModelArg, OutputOpt, OverwriteOpt, SchemeName, ZeroPoint,
+    FormatName, JsonOpt, MaxMemoryOpt, ModelArg, OutputOpt, OverwriteOpt, SchemeName, config_option, given_settings,
+    option_flag, with_config_options,
 )
 from llmopt.cli.options import QuantMethod as Method
 from llmopt.cli.options import TrustRemoteCodeOpt, calib_dtype_label, with_calibration_options
 from llmopt.cli.output import print_json, print_table, progress_bar
-from llmopt.compress.defaults import CALIBRATION, QUANTIZE, ROTATION_SEED, SCHEME_PREPASSES
+from llmopt.compress.config import QuantizeConfig
+from llmopt.compress.defaults import CALIBRATION, ROTATION_SEED, SCHEME_PREPASSES
 
-METHOD_ONLY = {  # option -> the methods it applies to
-    "act_order": ("gptq",), "damp": ("gptq",), "static_groups": ("gptq",), "prune_pattern": ("gptq",),
-    "gptaq": ("gptq",),
-    "awq_search": ("awq",),
-}
+# each method's config by its name (every QuantizeConfig subclass states its method as a one-value Literal)
+METHOD_CONFIGS = {get_args(c.model_fields["method"].annotation)[0]: c for c in QuantizeConfig.__subclasses__()}
+# The options that are fields of the methods' configs, generated from them (cli.options.config_option): None
+# when not given, so the method's config (or --scheme) decides.
+METHOD_FIELDS = ("bits", "group_size", "sym", "zero_point", "mse", "act_order", "static_groups", "damp", "gptaq",
+                 "search_file", "ignore")
+METHOD_OPTIONS = tuple(config_option(METHOD_CONFIGS, name, given=True) for name in METHOD_FIELDS)
+# option -> the methods it applies to: a field's, those whose config has it; the composite options' by hand
+METHOD_ONLY = {name: tuple(m for m, c in METHOD_CONFIGS.items() if name in c.model_fields) for name in METHOD_FIELDS}
+METHOD_ONLY["prune_pattern"] = ("gptq",)
+
+
+FLAGS = {name: option_flag(kind) for name, kind, _ in METHOD_OPTIONS} | {"prune_pattern": "--prune-pattern"}
 
 
 @with_calibration_options
+@with_config_options(METHOD_OPTIONS, "method_settings")
 def quantize(
     model: ModelArg,
     output: OutputOpt,
@@ -32,30 +43,6 @@ def quantize(
         "--rotate is given, a scheme runs the pre-passes measured best for it: "
         f"{'; '.join(f'{k}: ' + ', '.join(f'{o} {v}' for o, v in p.items()) for k, p in SCHEME_PREPASSES.items())} "
         "(--smoothquant-alpha none: no pre-pass).")] = None,
-    # None: not given (the config's default, or the scheme's)
-    bits: Annotated[Optional[int], typer.Option(
-        "--bits", show_default=False, help=f"2, 3, 4 or 8 (default {QUANTIZE['bits']}).")] = None,
-    group_size: Annotated[Optional[int], typer.Option(
-        "--group-size", show_default=False,
-        help=f"Input columns per scale; -1 = per channel (default {QUANTIZE['group_size']}).")] = None,
-    sym: Annotated[Optional[bool], typer.Option(
-        "--sym/--asym", show_default=False, help="Symmetric (zero point fixed; the default) or asymmetric.")] = None,
-    zero_point: Annotated[Optional[ZeroPoint], typer.Option(
-        "--zero-point", help="With --asym: int (codes; GPTQ, AWQ, compressed-tensors pack-quantized) or float (a "
-        "float minimum per group, as GGUF Q4_1; written as compressed-tensors naive-quantized, exported to Q4_1 to "
-        "fp32 rounding). Default int.")] = None,
-    act_order: Annotated[Optional[bool], typer.Option(
-        "--act-order/--no-act-order",
-        help="GPTQ: quantize columns by decreasing Hessian diagonal (desc_act; default on).")] = None,
-    static_groups: Annotated[Optional[bool], typer.Option(
-        "--static-groups/--no-static-groups",
-        help="GPTQ act-order: group parameters fixed up front, so g_idx stays k // group_size (default on).")] = None,
-    damp: Annotated[Optional[float], typer.Option(
-        "--damp", help="GPTQ dampening, fraction of mean diag(H) (default 0.1).")] = None,
-    gptaq: Annotated[Optional[bool], typer.Option(
-        "--gptaq/--no-gptaq",
-        help="GPTQ: match the full-precision model's outputs (GPTAQ asymmetric calibration; default on).")
-    ] = None,
     prune_pattern: Annotated[Optional[str], typer.Option(
         "--prune-pattern", help="GPTQ: SparseGPT-prune each linear to N:M (e.g. 2:4) first, in the same pass.")
     ] = None,
@@ -69,13 +56,8 @@ def quantize(
         "channels; the lm_head is untied. 'none': no rotation.")] = None,
     rotate_seed: Annotated[Optional[int], typer.Option(
         "--rotate-seed", help=f"Seed of the --rotate matrices (default {ROTATION_SEED}).")] = None,
-    mse: Annotated[Optional[bool], typer.Option(
-        "--mse/--no-mse", help="Choose group ranges by minimising weight error (default: on for GPTQ).")] = None,
     num_samples: Annotated[int, typer.Option(
         "--num-samples", help="Calibration samples.")] = CALIBRATION["num_samples"],
-    ignore: IgnoreOpt = None,
-    awq_search: Annotated[Optional[str], typer.Option(
-        "--awq-search", help="AWQ: re-apply scales/clips saved in an artifact instead of searching.")] = None,
     fmt: Annotated[Optional[FormatName], typer.Option(
         "--format", help="Checkpoint format (default per method: gptq, awq; compressed-tensors for rtn).")] = None,
     max_memory: MaxMemoryOpt = None,
@@ -83,6 +65,7 @@ def quantize(
     as_json: JsonOpt = False,
     trust_remote_code: TrustRemoteCodeOpt = False,
     calibration: dict | None = None,
+    method_settings: dict | None = None,
 ) -> None:
     """Quantize MODEL's decoder linears and write an artifact loadable everywhere a MODEL is accepted."""
     from llmopt.compress.api import quantize_configs, with_scheme_prepasses
@@ -90,27 +73,17 @@ def quantize(
     from llmopt.core.errors import ConfigError
     from llmopt.core.offload import parse_memory
 
-    given = {"act_order": act_order, "damp": damp, "static_groups": static_groups,
-             "prune_pattern": prune_pattern, "gptaq": gptaq, "awq_search": awq_search}
+    given = {**method_settings, **given_settings({"prune_pattern": prune_pattern})}
     for option, value in given.items():
-        if value is not None and method.value not in METHOD_ONLY[option]:
-            flag = "--" + option.replace("_", "-")
-            raise ConfigError(f"{flag} applies to {', '.join(METHOD_ONLY[option])} only, not {method.value}")
-    settings = dict(ignore=ignore or [], num_samples=num_samples, **calibration)
-    given_scheme = {"scheme": scheme.value if scheme else None, "bits": bits, "group_size": group_size, "sym": sym}
-    settings.update({k: v for k, v in given_scheme.items() if v is not None})
-    if mse is not None:
-        settings["mse"] = mse
-    if zero_point is not None:
-        settings["zero_point"] = zero_point.value
+        if method.value not in METHOD_ONLY[option]:
+            raise ConfigError(f"{FLAGS[option]} applies to {', '.join(METHOD_ONLY[option])} only, not {method.value}")
+    settings = dict(num_samples=num_samples, **calibration, **given)
+    if scheme is not None:
+        settings["scheme"] = scheme.value
     if smoothquant_alpha is not None:
         settings["smoothquant_alpha"] = smoothquant_alpha
     if rotate is not None or rotate_seed is not None:
         settings.update(rotate=rotate, rotate_seed=rotate_seed)
-    if method is Method.gptq:
-        settings.update({k: v for k, v in given.items() if k != "awq_search" and v is not None})
-    if awq_search is not None:
-        settings["search_file"] = awq_search
     memory = parse_memory(max_memory) if max_memory is not None else None
     with progress_bar(f"{method.value} layers ({calib_dtype_label(calibration)} forwards)") as update:
         facts = quantize_to_artifact(

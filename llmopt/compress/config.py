@@ -100,13 +100,15 @@ class QuantizeConfig(BaseModel):
 
     method: str
     scheme: Optional[str] = None
-    bits: int = QUANTIZE["bits"]
-    group_size: int = QUANTIZE["group_size"]
-    sym: bool = QUANTIZE["sym"]
-    mse: bool = Field(False, description="choose each group's clip ratio by minimising the weight error")
+    bits: int = Field(QUANTIZE["bits"], description="2, 3, 4 or 8")
+    group_size: int = Field(QUANTIZE["group_size"], description="input columns per scale; -1 = per channel")
+    sym: bool = Field(QUANTIZE["sym"], description="symmetric (zero point fixed) or asymmetric",
+                      json_schema_extra={"flag": "--sym/--asym"})
+    mse: bool = Field(False, description="choose each group's range by minimising the weight error")
     zero_point: Literal["int", "float"] = Field(
-        "int", description="asymmetric schemes: integer zero points (GPTQ, AWQ, compressed-tensors pack-quantized) "
-        "or a float one, i.e. a float minimum per group (GGUF Q4_1's; written as compressed-tensors naive-quantized)")
+        "int", description="with --asym: int (codes; GPTQ, AWQ, compressed-tensors pack-quantized) or float (a float "
+        "minimum per group, as GGUF Q4_1; written as compressed-tensors naive-quantized, exported to Q4_1 to fp32 "
+        "rounding)")
     ignore: list[str] = Field(default_factory=list, description="glob patterns of linears to leave dense")
     calibration: CalibrationConfig = Field(default_factory=CalibrationConfig)
 
@@ -206,8 +208,9 @@ class GPTQConfig(QuantizeConfig):
     mse: bool = True
     damp: float = Field(0.1, gt=0, description="dampening, as a fraction of the Hessian's mean diagonal")
     block_size: int = Field(128, ge=1)
-    act_order: bool = True
-    static_groups: bool = True
+    act_order: bool = Field(True, description="quantize columns by decreasing Hessian diagonal (desc_act)")
+    static_groups: bool = Field(True, description="with act-order: group parameters fixed up front, so g_idx stays "
+                                "k // group_size")
     true_sequential: bool = True
     gptaq: bool = Field(True, description="match the full-precision model's outputs, not the quantized "
                         "model's own (GPTAQ asymmetric calibration; one more forward per stage)")
@@ -222,7 +225,8 @@ class AWQConfig(QuantizeConfig):
     clip_grid: int = Field(20, ge=2)
     max_clip_shrink: float = Field(0.5, gt=0, lt=1)
     search_tokens: int = Field(4096, ge=16, description="calibration tokens kept per linear for the searches")
-    search_file: str | None = Field(None, description="re-apply saved scales/clips instead of searching")
+    search_file: str | None = Field(None, description="re-apply scales/clips saved in an artifact instead of "
+                                    "searching", json_schema_extra={"flag": "awq-search"})
 
     @field_validator("search_file")
     @classmethod
@@ -296,16 +300,17 @@ class SparsityConfig(BaseModel):
 
     model_config = ConfigDict(extra="forbid")
 
-    method: Literal["magnitude", "wanda", "sparsegpt"]
-    sparsity: float | None = Field(None, gt=0, lt=1)
-    pattern: str | None = Field(None, description="N:M: at most N non-zeros in every M consecutive inputs")
+    method: Literal["magnitude", "wanda", "sparsegpt"] = Field(description="sparsity method")
+    sparsity: float | None = Field(None, gt=0, lt=1, description="fraction of weights to zero")
+    pattern: str | None = Field(None, description="N:M, at most N non-zeros in every M consecutive inputs: e.g. 2:4 "
+                                "or 4:8")
     ignore: list[str] = Field(default_factory=list, description="glob patterns of linears to leave dense")
     damp: float = Field(SPARSEGPT_DAMP, gt=0, description="SparseGPT dampening, fraction of the Hessian's mean "
                         "diagonal")
     block_size: int = Field(128, ge=1)
     save_compressed: bool = Field(True, description="store the kept values and a bitmask (compressed-tensors' "
-                                  "sparse-24-bitmask for 2:4 / 4:8, sparse-bitmask for unstructured) instead of the "
-                                  "dense weights")
+                                  "sparse-24-bitmask for 2:4 and 4:8, sparse-bitmask for unstructured), or the dense "
+                                  "weights with zeros in place", json_schema_extra={"flag": "--save-compressed/--save-dense"})
     calibration: CalibrationConfig = Field(default_factory=CalibrationConfig)
 
     @model_validator(mode="after")
@@ -341,11 +346,13 @@ class StructuredConfig(BaseModel):
 
     model_config = ConfigDict(extra="forbid")
 
-    structured: Literal["mlp", "heads", "layers"]
-    ratio: float = Field(gt=0, lt=1, description="fraction of channels / heads / layers to remove")
+    structured: Literal["mlp", "heads", "layers"] = Field(description="remove MLP channels, attention heads or "
+                                                          "decoder layers")
+    ratio: float = Field(gt=0, lt=1, description="structured: fraction of channels / heads / layers to remove")
     channel_multiple: int = Field(
         32, ge=1, description="keep a multiple of this many MLP channels, so group quantization still divides")
-    scores_file: str | None = Field(None, description="replay the importance scores saved in an artifact")
+    scores_file: str | None = Field(None, description="structured: replay the importance scores saved in an "
+                                    "artifact", json_schema_extra={"flag": "scores"})
     calibration: CalibrationConfig = Field(
         default_factory=lambda: CalibrationConfig(num_samples=STRUCTURED_NUM_SAMPLES))
 

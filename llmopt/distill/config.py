@@ -40,48 +40,65 @@ class DistillConfig(BaseModel):
 
     model_config = ConfigDict(extra="forbid")
 
-    teacher: str
-    student: str | None = Field(None, description="model or artifact; default: a copy of the teacher (then "
-                                                  "student_layers or init makes it smaller)")
-    student_layers: list[int] | None = Field(None, description="keep only these decoder layers of the student")
-    init: str | None = Field(None, description="drop-layers:N: drop the N least important layers (block "
-                                               "importance, as the structured pruner scores it)")
-    data: str = DISTILL["data"]
-    text_field: str = "text"
-    max_steps: int | None = Field(None, ge=1)
-    max_time: float | None = Field(None, gt=0, description="seconds (the CLI reads 15m, 1h, 90s)")
-    seqlen: int = Field(DISTILL["seqlen"], ge=8)
-    batch_size: int = Field(DISTILL["batch_size"], ge=1)
-    grad_accum: int = Field(DISTILL["grad_accum"], ge=1)
-    lr: float = Field(DISTILL["lr"], gt=0)
+    teacher: str = Field(description="the model to learn from (frozen)")
+    student: str | None = Field(None, description="model or artifact to train (dense, structured-pruned, sparse, "
+                                "GPTQ/AWQ/compressed-tensors int); default: a copy of the teacher, made smaller by "
+                                "--student-layers or --init")
+    student_layers: list[int] | None = Field(None, description="keep only these decoder layers of the student, e.g. "
+                                             "0,2,4,6", json_schema_extra={"text": True})
+    init: str | None = Field(None, description="drop-layers:N: drop the student's N least important layers (block "
+                             "importance, as the structured pruner scores it)")
+    data: str = Field(DISTILL["data"], description="c4, wikitext2, pystdlib, sharegpt or a .txt/.jsonl file")
+    text_field: str = Field("text", description="JSONL field holding the text")
+    max_steps: int | None = Field(None, ge=1, description="optimizer steps")
+    max_time: float | None = Field(None, gt=0, description="training time budget in seconds, or as 15m, 1h, 90s "
+                                   "(with --max-steps: whichever ends first)", json_schema_extra={"text": True})
+    seqlen: int = Field(DISTILL["seqlen"], ge=8, description="tokens per training window")
+    batch_size: int = Field(DISTILL["batch_size"], ge=1, description="windows per process per micro-batch")
+    grad_accum: int = Field(DISTILL["grad_accum"], ge=1, description="micro-batches per optimizer step")
+    lr: float = Field(DISTILL["lr"], gt=0, description="peak learning rate")
     warmup: int = Field(DISTILL["warmup"], ge=0, description="optimizer steps of linear warm-up")
-    schedule: Literal["cosine", "linear", "constant"] = DISTILL["schedule"]
-    weight_decay: float = Field(DISTILL["weight_decay"], ge=0)
-    max_grad_norm: float | None = Field(DISTILL["max_grad_norm"], gt=0)
-    seed: int = 0
-    dtype: Literal["auto", "float32", "bfloat16"] = "auto"
-    loss: Literal["forward_kl", "reverse_kl", "jsd", "skew_kl", "skew_reverse_kl"] = DISTILL["loss"]
-    temperature: float = Field(DISTILL["temperature"], gt=0)
-    beta: float = Field(DISTILL["beta"], ge=0, le=1, description="JSD's mixture weight / skew KL's skew")
+    schedule: Literal["cosine", "linear", "constant"] = Field(DISTILL["schedule"],
+                                                              description="learning-rate schedule after warm-up")
+    weight_decay: float = Field(DISTILL["weight_decay"], ge=0, description="AdamW's weight decay")
+    max_grad_norm: float | None = Field(DISTILL["max_grad_norm"], gt=0, description="clip the gradient norm to this")
+    seed: int = Field(0, description="random seed")
+    dtype: Literal["auto", "float32", "bfloat16"] = Field(
+        "auto", description="auto: bfloat16 autocast where the device computes it fast, else float32")
+    loss: Literal["forward_kl", "reverse_kl", "jsd", "skew_kl", "skew_reverse_kl"] = Field(
+        DISTILL["loss"], description="divergence to the teacher's distribution")
+    temperature: float = Field(DISTILL["temperature"], gt=0, description="softmax temperature of both models' logits")
+    beta: float = Field(DISTILL["beta"], ge=0, le=1, description="jsd: mixture weight; skew_*: skew")
     alpha: float = Field(DISTILL["alpha"], ge=0, le=1,
-                         description="weight of the distillation loss; the hard-label CE gets 1 - alpha")
-    teacher_topk: int | None = Field(None, ge=1)
-    hidden_loss: Literal["mse", "cosine"] | None = None
-    hidden_weight: float = Field(DISTILL["hidden_weight"], ge=0)
-    layer_map: str = "auto"
-    on_policy_ratio: float = Field(0.0, ge=0, le=1, description="fraction of batches that are student generations")
-    on_policy_prompt_len: int = Field(DISTILL["on_policy_prompt_len"], ge=1)
-    on_policy_temperature: float = Field(1.0, ge=0)
+                         description="weight of the distillation loss; the hard-label cross-entropy gets 1 - alpha "
+                         "(0: plain fine-tuning)")
+    teacher_topk: int | None = Field(None, ge=1, description="keep only the teacher's top-k logits per position "
+                                     "(renormalized)")
+    hidden_loss: Literal["mse", "cosine"] | None = Field(None, description="also match hidden states (a learned "
+                                                         "projection when widths differ)")
+    hidden_weight: float = Field(DISTILL["hidden_weight"], ge=0, description="weight of the hidden-state loss")
+    layer_map: str = Field("auto", description="auto, or TEACHER:STUDENT layer pairs such as 0:0,4:2")
+    on_policy_ratio: float = Field(0.0, ge=0, le=1, description="fraction of batches made of the student's own "
+                                   "generations (GKD)")
+    on_policy_prompt_len: int = Field(DISTILL["on_policy_prompt_len"], ge=1,
+                                      description="tokens of each window kept as the on-policy prompt")
+    on_policy_temperature: float = Field(1.0, ge=0, description="sampling temperature of the on-policy generations "
+                                         "(0: greedy)")
     qat: Literal["scales"] = Field("scales", description="quantized students: what trains (scales and zero "
                                                          "points; the integer codes stay fixed)")
-    eval_every: int | None = Field(None, ge=1)
-    eval_windows: int = Field(DISTILL["eval_windows"], ge=1, description="held-out windows for --eval-every")
-    save_every: int | None = Field(None, ge=1)
-    max_train_tokens: int = Field(DISTILL["max_train_tokens"], ge=1)
-    teacher_device: str | None = None
-    log_every: int = Field(1, ge=1)
-    medusa_heads: int | None = Field(None, ge=1, description="train this many Medusa heads on the frozen teacher "
-                                                             "(self-distillation) instead of a student")
+    eval_every: int | None = Field(None, ge=1, description="held-out perplexity every N steps (windows never "
+                                   "trained on)")
+    eval_windows: int = Field(DISTILL["eval_windows"], ge=1, description="windows held out of training for "
+                              "--eval-every")
+    save_every: int | None = Field(None, ge=1, description="checkpoint every N steps (always at the end and on "
+                                   "Ctrl-C)")
+    max_train_tokens: int = Field(DISTILL["max_train_tokens"], ge=1, description="training tokens read from --data "
+                                  "at most")
+    teacher_device: str | None = Field(None, description="run the teacher on another device (e.g. cuda:1)")
+    log_every: int = Field(1, ge=1, description="write every Nth step to the log")
+    medusa_heads: int | None = Field(None, ge=1, description="instead of a student: train this many Medusa heads on "
+                                     "the frozen teacher (its own greedy continuations of --data's prompts) into "
+                                     "OUTPUT/medusa_heads.safetensors, for `--speculative medusa:OUTPUT`")
 
     @field_validator("layer_map")
     @classmethod

@@ -155,3 +155,47 @@ def test_recipe_dtypes_are_the_dtype_choices():
     from llmopt.recipe.schema import BenchSpec, Defaults
 
     assert literal(Defaults, "dtype") == literal(BenchSpec, "dtype") == set(DTYPE_CHOICES)
+
+
+def test_method_options_are_the_configs_fields():
+    """quantize's and prune's method options are generated from the configs: flag, help and the methods each
+    applies to come from the fields."""
+    from llmopt.cli import prune, quantize
+    from llmopt.compress.config import AWQConfig, GPTQConfig
+
+    assert option("quantize", "search_file").opts == ["--awq-search"]
+    assert option("quantize", "sym").opts == ["--sym"] and option("quantize", "sym").secondary_opts == ["--asym"]
+    assert option("quantize", "damp").help == f"GPTQ: {GPTQConfig.model_fields['damp'].description} (default 0.1)."
+    assert option("quantize", "mse").help.endswith("(default: rtn false, gptq true, awq false).")
+    assert quantize.METHOD_ONLY["damp"] == ("gptq",) and quantize.METHOD_ONLY["search_file"] == ("awq",)
+    assert quantize.METHOD_ONLY["bits"] == ("rtn", "gptq", "awq") and "grid" in AWQConfig.model_fields
+    assert option("prune", "scores_file").opts == ["--scores"] and option("prune", "method").default is None
+    assert option("prune", "sparsity").help == "Fraction of weights to zero."
+    assert {name for name, _, _ in prune.PRUNE_OPTIONS} <= set(SparsityConfig.model_fields) | set(
+        StructuredConfig.model_fields)
+
+
+def test_a_field_added_to_a_method_config_becomes_an_option():
+    """A new field is an option with its flag, help and type, given to the command by name, refused where its
+    method's config lacks it."""
+    from pydantic import Field
+    from typer.testing import CliRunner
+
+    from llmopt.cli.options import config_option, with_config_options
+    from llmopt.compress.config import GPTQConfig, RTNConfig
+
+    class Wider(GPTQConfig):
+        damp_floor: float = Field(0.5, description="a new setting")
+
+    generated = config_option({"rtn": RTNConfig, "gptq": Wider}, "damp_floor", given=True)
+    name, kind, default = generated
+    assert (name, default, kind.__metadata__[0].help) == ("damp_floor", None, "GPTQ: a new setting (default 0.5).")
+    received = {}
+    command = with_config_options((generated,))(lambda settings=None: received.update(settings))
+    app_ = typer.Typer()
+    app_.command()(command)
+    assert CliRunner().invoke(app_, ["--damp-floor", "0.25"]).exit_code == 0
+    assert received == {"damp_floor": 0.25}
+    received.clear()
+    received["called"] = True
+    assert CliRunner().invoke(app_, []).exit_code == 0 and received == {"called": True}  # (not given: absent)

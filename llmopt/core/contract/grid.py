@@ -27,7 +27,8 @@ from llmopt.core.registry import Registry
 if TYPE_CHECKING:
     import torch
 
-    from llmopt.core.contract.scheme import QuantScheme
+# (scheme: a core.contract.scheme.QuantScheme, not imported here: the scheme module checks its type against this
+# registry)
 
 # The built-in grids, by the QuantScheme.type they serve, loaded (with torch) on first use
 BUILTIN_GRIDS = {"int": "llmopt.core.contract.int_grid", "float": "llmopt.core.contract.float_grid"}
@@ -55,29 +56,29 @@ class WeightGrid:
     methods: ClassVar[tuple[str, ...]] = ("rtn", "gptq")
     adaptive_groups: ClassVar[bool] = False
 
-    def check(self, scheme: QuantScheme, in_features: int, name: str) -> None:
+    def check(self, scheme, in_features: int, name: str) -> None:
         """Raise ConfigError saying why `scheme` cannot quantize a linear with `in_features` columns (the group
         size dividing them is checked by the scheme itself)."""
 
-    def ranges(self, w: torch.Tensor, scheme: QuantScheme, mse: bool = False,
+    def ranges(self, w: torch.Tensor, scheme, mse: bool = False,
                global_scale: torch.Tensor | None = None) -> GridRanges:
         """The ranges of every (row, group) of `w` [N, K]: from each group's extremes, or searched (mse: the
         ranges minimising the rounding error); global_scale: a shared one given by the caller (NVFP4's fused
         linears)."""
         raise NotImplementedError
 
-    def group_ranges(self, rows: torch.Tensor, scheme: QuantScheme, mse: bool = False):
+    def group_ranges(self, rows: torch.Tensor, scheme, mse: bool = False):
         """(scales [R], zeros [R]) of rows [R, W] each one group: GPTQ's groups formed as it goes (grids with
         adaptive_groups only)."""
         raise NotImplementedError
 
     def round(self, values: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor,
-              scheme: QuantScheme) -> torch.Tensor:
+              scheme) -> torch.Tensor:
         """Codes of `values` [..., C] under effective scales and zero points broadcastable to them (float codes
         holding integers, or uint8)."""
         raise NotImplementedError
 
-    def decode(self, codes: torch.Tensor, zeros: torch.Tensor, scheme: QuantScheme) -> torch.Tensor:
+    def decode(self, codes: torch.Tensor, zeros: torch.Tensor, scheme) -> torch.Tensor:
         """The values codes [..., C] stand for before scaling (zero points broadcastable to them)."""
         raise NotImplementedError
 
@@ -85,7 +86,7 @@ class WeightGrid:
         """The code of the value 0 for groups with these zero points."""
         raise NotImplementedError
 
-    def stored_zeros(self, zeros: torch.Tensor, scheme: QuantScheme) -> torch.Tensor:
+    def stored_zeros(self, zeros: torch.Tensor, scheme) -> torch.Tensor:
         """Zero points [N, G] as the contract holds them (QuantizedWeight.zeros)."""
         return zeros.float()
 

@@ -3,19 +3,25 @@ batch of all scheduled tokens, attention over the paged KV cache through the eng
 
 It takes its parameters from a loaded model (any artifact llmopt reads: dense, packed int4/int8 linear methods,
 pruned): the packed modules (`PACKED_MODULES`: q/k/v and gate/up) become one linear each, and the norms,
-rotary tables and embedding are its own — no transformers module runs in its forward. Two numerics modes:
-- exact (`fast=False`; the default off CPU): the model's own modules for every op, so greedy tokens match
+rotary tables and embedding are its own — no transformers module runs in its forward. Its layer loop is written
+once (`_layers`); the numerics path is the op set it runs with (models/layer_ops.py):
+- exact (`fast=False`; the default off CPU): transformers' order for every op, so greedy tokens match
   transformers token for token in fp32;
-- fast (the default on CPU, every dtype): q/k/v and gate/up fused into one matmul each (bf16 weights prepacked
-  for oneDNN), one fused RMSNorm and one rotary application for q and k together. Same maths, different
-  rounding order: bf16 results differ from transformers' by bf16 rounding, as any two bf16 kernels do; fp32
-  logits stay within ~1e-5 relative of the exact mode's. On CPU with the compiled kernels (kernels/cpu_ops.py)
-  the element-wise runs are single calls (`_forward_fused`), decode attention reads the paged cache in place,
-  and the batch-1 lm_head is a matrix-vector kernel; on CUDA the element-wise runs are Triton kernels
-  (kernels/triton_fused.py) in the same `_forward_fused`.
+- fast (the default on CPU, every dtype): q/k/v and gate/up one matmul each (bf16 weights prepacked for oneDNN),
+  one fused RMSNorm call, one rotary application for q and k together. Same maths, different rounding order: bf16
+  results differ from transformers' by bf16 rounding, as any two bf16 kernels do; fp32 logits stay within ~1e-5
+  relative of the exact mode's. With fused kernels (the compiled CPU ops, kernels/cpu_ops.py; Triton's on CUDA,
+  kernels/triton_fused.py) each run of element-wise ops is one call, decode attention reads the paged cache in
+  place, and the batch-1 lm_head is a matrix-vector kernel; a CPU decode step can then run as a graph recorded
+  from the same loop (models/decode_graph.py).
+Tensor parallelism: o_proj and down_proj are row-parallel linears (their partial sums all-reduced), the embedding
+vocabulary-parallel; the loop does not know.
 """
 
+
 from __future__ import annotations
+
+from typing import NamedTuple
 
 import torch
 import torch.nn.functional as F
@@ -30,7 +36,8 @@ from llmopt.runtime.executor.models.base import RuntimeDecoder
 from llmopt.runtime.executor.models.decode_graph import DecodeGraphs
 from llmopt.runtime.executor.models.decode_graph import supports as decode_graph_supports
 from llmopt.runtime.executor.models.registry import register_model_family
-from llmopt.runtime.executor.models.layers import RMSNorm, RotaryEmbedding, rotate_half
+from llmopt.runtime.executor.models.layer_ops import FusedOps, Heads, Norm, TorchOps
+from llmopt.runtime.executor.models.layers import RotaryEmbedding
 from llmopt.runtime.executor.models.weights import DecoderWeights, method_name, rope_tables
 from llmopt.runtime.executor.platform import Platform
 from llmopt.runtime.distributed.group import TensorParallelGroup
@@ -61,8 +68,24 @@ class DecoderBlock(nn.Module):
         self.q_norm, self.k_norm = q_norm, k_norm
 
     def linears(self) -> tuple[nn.Module, ...]:
-        """The four projections in the order a layer runs them (the fast loop's and the decode graph's order)."""
+        """The four projections in the order a layer runs them (the layer loop's and the decode graph's order)."""
         return self.qkv, self.o_proj, self.gate_up, self.down_proj
+
+
+class LayerStep(NamedTuple):
+    """What the layer loop reads of one layer, looked up once: the projections' forwards for [T, in] inputs
+    (nn.Module's call machinery, four times a layer, shows at batch-1 decode; the runtime registers no hooks), the
+    post-attention norm, the norm after the layer (the next layer's input norm, or the final norm) and Qwen3's
+    per-head q / k norms."""
+
+    qkv: object
+    o_proj: object
+    gate_up: object
+    down_proj: object
+    post_norm: Norm
+    next_norm: Norm
+    q_norm: nn.Module | None
+    k_norm: nn.Module | None
 
 
 def _forward_2d(module: nn.Module):
@@ -87,10 +110,20 @@ class VocabParallelEmbedding(nn.Module):
         return self.group.all_reduce(h.masked_fill_(outside[:, None], 0))
 
 
-def reduced(forward, group: TensorParallelGroup):
-    """A row-parallel linear's forward followed by the all-reduce of its partial sums."""
-    all_reduce = group.all_reduce
-    return lambda x: all_reduce(forward(x))
+class RowParallelLinear(nn.Module):
+    """A rank's share of a linear split along its input features (o_proj, down_proj under tensor parallelism): its
+    partial sums all-reduced, so every rank holds the full output."""
+
+    def __init__(self, linear: nn.Module, group: TensorParallelGroup):
+        super().__init__()
+        self.linear, self.group = linear, group
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.group.all_reduce(self.linear(x))
+
+    def forward_2d(self):
+        forward, all_reduce = _forward_2d(self.linear), self.group.all_reduce
+        return lambda x: all_reduce(forward(x))
 
 
 def exactly_narrowed(weight: torch.Tensor) -> torch.Tensor:
@@ -143,21 +176,28 @@ class LlamaFamilyDecoder(RuntimeDecoder):
         self.logits_head = fuse_linears([self.lm_head], prepack=self.fast, pack_float32=True)
         self._gemv_weight = None  # the lm_head weight for batch-1 decode (below)
         self.decode_graphs: DecodeGraphs | None = None  # (build_decode_graphs, once the KV cache exists)
+        self.heads = Heads(self.num_heads, self.num_kv_heads, self.head_dim)
+        norms = [b.input_norm for b in self.blocks] + [self.norm]
+        self.first_norm = Norm.of(norms[0])
+        self.steps = [LayerStep(*(_forward_2d(m) for m in b.linears()), Norm.of(b.post_norm), Norm.of(n),
+                                b.q_norm, b.k_norm) for b, n in zip(self.blocks, norms[1:])]
         # the fused element-wise ops serve the fast path: compiled on CPU (kernels/csrc/fused_cpu.cpp), Triton on
-        # CUDA (kernels/triton_fused.py)
-        self.fused_ops = None
-        if self.fast and all(b.q_norm is None for b in self.blocks):
-            self.fused_ops = Platform.of(device).fused_ops()
-        if self.fused_ops is not None:
-            # per layer: the four projections' forward, (weight, eps) of the post-attention norm and of the norm
-            # that follows the layer (the next layer's input norm, or the final one)
-            norms = [b.input_norm for b in self.blocks] + [self.norm]
-            self._first_norm = (norms[0].weight, norms[0].eps)
-            self._fused_layers = [(*(self._row_parallel(_forward_2d(m), m) for m in b.linears()),
-                                   (b.post_norm.weight, b.post_norm.eps), (n.weight, n.eps))
-                                  for b, n in zip(self.blocks, norms[1:])]
-            if type(self.lm_head) is nn.Linear and self.lm_head.bias is None and hasattr(self.fused_ops, "gemv"):
-                self._gemv_weight = exactly_narrowed(self.lm_head.weight.detach())
+        # CUDA (kernels/triton_fused.py); the op set follows them (fused_ops.setter)
+        self.fused_ops = (Platform.of(device).fused_ops()
+                          if self.fast and all(b.q_norm is None for b in self.blocks) else None)
+        if self.fused_ops is not None and type(self.lm_head) is nn.Linear and self.lm_head.bias is None \
+                and hasattr(self.fused_ops, "gemv"):
+            self._gemv_weight = exactly_narrowed(self.lm_head.weight.detach())
+
+    @property
+    def fused_ops(self):
+        """The fused kernels the layer loop runs on (None: torch ops)."""
+        return self._fused_kernels
+
+    @fused_ops.setter
+    def fused_ops(self, kernels) -> None:
+        self._fused_kernels = kernels
+        self.ops = TorchOps(self.heads, self.fast) if kernels is None else FusedOps(self.heads, kernels)
 
     def quantize_lm_head(self, input_activations, group_size: int = -1) -> str:
         """`--lm-head int8` / `int8-g32`: the logits head rounded to int8 per vocabulary row or per group_size
@@ -205,23 +245,18 @@ class LlamaFamilyDecoder(RuntimeDecoder):
             built = {group: [shared.build(slot) for slot in parts] for group, parts in layer.items()}
             q_norm, k_norm = ((shared.norm(f"{prefix}self_attn.{n}") for n in ("q_norm", "k_norm"))
                               if config.model_type in QK_NORM_TYPES else (None, None))
-            blocks.append(DecoderBlock(
-                shared.norm(prefix + "input_layernorm"), shared.norm(prefix + "post_attention_layernorm"),
-                *(fuse_linears(built[group], prepack=self.fast) for group in ("qkv", "o_proj", "gate_up", "down_proj")),
-                q_norm, k_norm))
+            qkv, o_proj, gate_up, down_proj = (fuse_linears(built[group], prepack=self.fast)
+                                               for group in ("qkv", "o_proj", "gate_up", "down_proj"))
+            if self.group is not None:  # (split along their input features: partial sums)
+                o_proj, down_proj = RowParallelLinear(o_proj, self.group), RowParallelLinear(down_proj, self.group)
+            blocks.append(DecoderBlock(shared.norm(prefix + "input_layernorm"),
+                                       shared.norm(prefix + "post_attention_layernorm"), qkv, o_proj, gate_up,
+                                       down_proj, q_norm, k_norm))
         self.linear_methods = shared.linear_methods
         self.blocks = nn.ModuleList(blocks)
 
-    def _row_parallel(self, forward, module: nn.Module):
-        """A projection's forward; o_proj's and down_proj's followed by the all-reduce under tensor parallelism."""
-        rows_split = any(module is m for b in self.blocks for m in (b.o_proj, b.down_proj))
-        return reduced(forward, self.group) if self.group is not None and rows_split else forward
-
     def kv_cache_spec(self, dtype: torch.dtype) -> KVCacheSpec:
         return KVCacheSpec("kv", self.num_layers, dtype, num_kv_heads=self.num_kv_heads, head_dim=self.head_dim)
-
-    def _norm(self, norm: RMSNorm, x: torch.Tensor) -> torch.Tensor:
-        return norm.fast(x) if self.fast else norm(x)
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata,
                 kv_cache: KVCache, hidden: torch.Tensor | None = None, final: bool = True) -> torch.Tensor:
@@ -229,68 +264,28 @@ class LlamaFamilyDecoder(RuntimeDecoder):
         from the previous stage's residual stream `hidden` [T, hidden]; one before the last (final=False) returns
         its residual stream, not normalized."""
         h = self.embed(input_ids) if hidden is None else hidden  # [T, hidden]
-        if self.fused_ops is not None:
-            cos, sin = self.rotary.lookup(positions, h.dtype)  # [T, head_dim]
-            graph = self.decode_graphs.for_step(meta, kv_cache, h.shape[0]) if self.decode_graphs else None
-            if graph is not None:  # (decodes only: the layers in one compiled call, models/decode_graph.py)
-                decode = meta.decode
-                x = graph.run(h, cos, sin, meta.slot_mapping, decode.block_tables, decode.context_lens)
-            else:
-                x = self._forward_fused(h, cos, sin, meta, kv_cache)
-            return x if final else h
-        cos, sin = self.rotary(positions, h.dtype)
-        cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)  # [T, 1, head_dim]
-        num_tokens = input_ids.shape[0]
-        nq, nkv, hd = self.num_heads, self.num_kv_heads, self.head_dim
-        for block, cache in zip(self.blocks, kv_cache):
-            x = self._norm(block.input_norm, h)
-            qkv = block.qkv(x)
-            if block.q_norm is not None or not self.fast:
-                q = qkv[:, : nq * hd].view(num_tokens, nq, hd)
-                k = qkv[:, nq * hd:(nq + nkv) * hd].view(num_tokens, nkv, hd)
-                if block.q_norm is not None:  # Qwen3: per-head RMSNorm before the rotation
-                    q, k = block.q_norm(q), block.k_norm(k)
-                q = q * cos + rotate_half(q) * sin
-                k = k * cos + rotate_half(k) * sin
-            else:  # rotate q and k heads in one go
-                qk = qkv[:, : (nq + nkv) * hd].view(num_tokens, nq + nkv, hd)
-                qk = qk * cos + rotate_half(qk) * sin
-                q, k = qk[:, :nq], qk[:, nq:]
-            v = qkv[:, (nq + nkv) * hd:].view(num_tokens, nkv, hd)
-            self.attention.store(k, v, cache, meta)
-            o = self.attention.attend(q, cache, meta, self.scale, k, v)
-            h = h + self._reduce(block.o_proj(o.reshape(num_tokens, -1)))
-            x = self._norm(block.post_norm, h)
-            gate, up = block.gate_up(x).chunk(2, dim=-1)
-            h = h + self._reduce(block.down_proj(F.silu(gate) * up))
-        return self._norm(self.norm, h) if final else h
+        cos, sin = self.ops.tables(self.rotary, positions, h.dtype)
+        graph = (self.decode_graphs.for_step(meta, kv_cache, h.shape[0])
+                 if self.decode_graphs is not None and self._fused_kernels is not None else None)
+        if graph is not None:  # (decodes only: this loop recorded as one compiled call, models/decode_graph.py)
+            decode = meta.decode
+            x = graph.run(h, cos, sin, meta.slot_mapping, decode.block_tables, decode.context_lens)
+        else:
+            h, x = self._layers(h, cos, sin, meta, kv_cache, self.ops, self.attention, self.steps)
+        return x if final else h
 
-    def _reduce(self, partial: torch.Tensor) -> torch.Tensor:
-        return partial if self.group is None else self.group.all_reduce(partial)
-
-    def _forward_fused(self, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, meta: AttentionMetadata,
-                       kv_cache: KVCache) -> torch.Tensor:
-        """The fast path with each run of element-wise ops as one compiled call: the residual add fused with
-        the next norm (h updated in place), rotary in place on q and k, silu(gate) * up. Same roundings as
-        the torch ops they replace (tests compare bit for bit). h [T, hidden]; cos, sin [T, head_dim]."""
-        ops = self.fused_ops
-        num_tokens = h.shape[0]
-        nq, nkv, hd = self.num_heads, self.num_kv_heads, self.head_dim
-        x = ops.rms_norm(h, *self._first_norm)
-        # (the projections' forward called directly: nn.Module's call machinery, 4 times per layer, shows at
-        # batch-1 decode; the runtime registers no hooks)
-        attention = self.attention
-        for (qkv_proj, o_proj, gate_up, down_proj, post_norm, next_norm), cache in zip(self._fused_layers, kv_cache):
-            qkv = qkv_proj(x)  # [T, (H + 2 KVH) * D]
-            ops.rotary_(qkv, cos, sin, nq + nkv)
-            q = qkv[:, : nq * hd].view(num_tokens, nq, hd)
-            k = qkv[:, nq * hd:(nq + nkv) * hd].view(num_tokens, nkv, hd)
-            v = qkv[:, (nq + nkv) * hd:].view(num_tokens, nkv, hd)
+    def _layers(self, h, cos, sin, meta, kv_cache, ops, attention, steps):
+        """The layer loop, the only one: (the residual stream h after the layers, its final norm x). Every tensor
+        goes through `ops`, a linear of `steps` or `attention`, so the decode graph's recorder can stand in for
+        them (models/decode_graph.py). h [T, hidden]; cos, sin as ops.tables gives them."""
+        x = ops.norm(h, self.first_norm)
+        for step, cache in zip(steps, kv_cache):
+            q, k, v = ops.rotate(step.qkv(x), cos, sin, step.q_norm, step.k_norm)
             attention.store(k, v, cache, meta)
             o = attention.attend(q, cache, meta, self.scale, k, v)
-            x = ops.add_rms_norm_(h, o_proj(o.reshape(num_tokens, -1)), *post_norm)
-            x = ops.add_rms_norm_(h, down_proj(ops.silu_mul(gate_up(x))), *next_norm)
-        return x
+            h, x = ops.add_norm(h, step.o_proj(ops.merge_heads(o)), step.post_norm)
+            h, x = ops.add_norm(h, step.down_proj(ops.silu_mul(step.gate_up(x))), step.next_norm)
+        return h, x
 
     def logits(self, hidden: torch.Tensor, as_float: bool = True) -> torch.Tensor | None:
         """[S, hidden] -> [S, vocab], fp32 (as_float) or as the head computed them (the model's dtype). Under
