@@ -178,12 +178,50 @@ def test_a_layer_whose_path_has_no_graph_kernel_leaves_that_row_count_to_the_loo
     assert decoder.build_decode_graphs(e.runner.kv_cache) == list(range(1, 5))
 
 
-def test_the_graph_refuses_malformed_layers():
-    graph = decode_graph_class()(4, 2, 16, 0.25, torch.ones(64), 1e-6, False)
+def test_the_graph_refuses_malformed_programs():
+    graph = decode_graph_class()()
     with pytest.raises(RuntimeError, match="no decode-graph kernel named"):
         graph.add_linear("int4_dequantize_out", [torch.zeros(1)], [], None)
-    with pytest.raises(RuntimeError, match="four linears"):
-        graph.add_layer(torch.ones(64), 1e-6, torch.ones(64), 1e-6, [torch.zeros(1), torch.zeros(1)])
+    with pytest.raises(RuntimeError, match="no decode-graph op named"):
+        graph.add_op("layer_norm", [0], [6], [], [], [])
+    with pytest.raises(RuntimeError, match="reads register 7 before it is written"):
+        graph.add_op("silu_mul", [7], [6], [], [], [])
+    with pytest.raises(RuntimeError, match="writes register 9: the next new one expected"):
+        graph.add_op("silu_mul", [0], [9], [], [], [])
+    with pytest.raises(RuntimeError, match="attend's cache is 2 or 4 tensors"):
+        graph.add_op("attend", [0, 1, 2], [6], [torch.zeros(1)] * 3, [0.25], [0])
+    with pytest.raises(RuntimeError, match="linear names a linear added before it"):
+        graph.add_op("linear", [0], [6], [], [], [0])
+    with pytest.raises(RuntimeError, match="set_result names the register"):
+        graph.run(torch.zeros(1, 4), torch.zeros(1, 2), torch.zeros(1, 2), torch.zeros(1, dtype=torch.long),
+                  torch.zeros(1, 1, dtype=torch.int32), torch.ones(1, dtype=torch.int32))
+
+
+def test_the_graph_is_the_layer_loop_recorded(tiny_llama_dir, monkeypatch):
+    """The program is what the model's one layer loop calls, op for op: per layer the qkv linear, rotate,
+    attend, merge_heads, o_proj, add_rms_norm_, gate_up, silu_mul, down_proj, add_rms_norm_ (after the first
+    norm); nothing of the model is written in the graph itself."""
+    from llmopt.runtime.executor.models import decode_graph
+
+    e = engine(tiny_llama_dir, True)
+    decoder = e.runner.decoder
+    ops = []
+
+    class Listing:
+        def add_linear(self, *args):
+            return len(ops)
+
+        def add_op(self, name, inputs, outputs, tensors, reals, ints):
+            ops.append(name)
+
+        def set_result(self, reg):
+            ops.append("result")
+
+    monkeypatch.setattr(decode_graph, "decode_graph_class", lambda: Listing)
+    decode_graph.new_graph(decoder, decode_graph.graph_calls(decoder, 1), e.runner.kv_cache)
+    layer = ["linear", "rotate", "attend", "merge_heads", "linear", "add_rms_norm_", "linear", "silu_mul", "linear",
+             "add_rms_norm_"]
+    assert ops == ["rms_norm"] + layer * decoder.num_layers + ["result"]
 
 
 @pytest.mark.parametrize("rotary_dim, scaling", [(16, 1.0), (64, 1.0), (128, 0.7), (20, 1.3)])

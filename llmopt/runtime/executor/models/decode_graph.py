@@ -1,11 +1,13 @@
-"""A decode step's decoder layers as one compiled call (kernels/csrc/decode_graph_cpu.cpp), the fast CPU path's
-capture of its own layer loop (`LlamaFamilyDecoder._forward_fused`).
+"""A decode step's decoder layers as one compiled call (kernels/csrc/decode_graph_cpu.cpp), recorded from the
+model's own layer loop (`LlamaFamilyDecoder._layers`): the loop runs once with `GraphRecorder` standing in for its
+ops, its attention backend and its linears, and each call appends an instruction to the graph's program instead of
+computing. There is no second copy of the loop to keep in step with it.
 
 At batch-1 decode of a small model the Python between the kernels costs about as much as the kernels: each of
 ~15 calls a layer pays its frame, argument parsing and the dispatcher (docs/results/code-figures.md#decode-graph).
-The graph holds every layer's weights, norms and cache tensors, and each
-linear as the kernel op its row plan chose for the step's row count (`graph_call`: the same op, the same
-arguments), and runs them in C++: the same kernels in the same order, so the same bits as the Python loop.
+The graph holds every layer's weights, norms and cache tensors, and each linear as the kernel op its row plan
+chose for the step's row count (`graph_call`: the same op, the same arguments), and runs them in C++: the same
+kernels in the same order as the fused ops (models/layer_ops.FusedOps), so the same bits as the Python loop.
 
 Built once per engine (after the row plans are set and the KV cache is allocated) for every row count up to
 GRAPH_MAX_ROWS; a step runs through one when it is decodes only, its row count has one (every linear's path
@@ -40,18 +42,63 @@ def graph_calls(decoder, rows: int) -> list[tuple] | None:
     return calls
 
 
+class GraphRecorder:
+    """The layer loop's ops (models/layer_ops.FusedOps' interface), attention backend and linears, recorded into a
+    graph: each call appends its instruction and returns the registers (ints) of its results. Registers 0-5 are the
+    graph's inputs (h, cos, sin, slot_mapping, block_tables, context_lens)."""
+
+    H, COS, SIN = 0, 1, 2
+
+    def __init__(self, graph, heads, fp8_cache: bool):
+        self.graph, self.heads, self.fp8_cache = graph, heads, fp8_cache
+        self.registers = 6
+
+    def _op(self, name: str, inputs: list[int], outputs: int, tensors=(), reals=(), ints=()) -> list[int]:
+        written = list(range(self.registers, self.registers + outputs))
+        self.registers += outputs
+        self.graph.add_op(name, inputs, written, list(tensors), [float(r) for r in reals], [int(i) for i in ints])
+        return written
+
+    # the layer ops
+    def norm(self, x, norm):
+        return self._op("rms_norm", [x], 1, [norm.weight], [norm.eps])[0]
+
+    def add_norm(self, h, delta, norm):
+        return h, self._op("add_rms_norm_", [h, delta], 1, [norm.weight], [norm.eps])[0]  # (h updated in place)
+
+    def rotate(self, qkv, cos, sin, q_norm=None, k_norm=None):
+        assert q_norm is None and k_norm is None, "per-head q / k norms have no graph op"
+        return tuple(self._op("rotate", [qkv], 3, ints=self.heads))
+
+    def merge_heads(self, o):
+        return self._op("merge_heads", [o], 1)[0]
+
+    def silu_mul(self, gate_up):
+        return self._op("silu_mul", [gate_up], 1)[0]
+
+    # the attention backend (the CPU backend's store then decode: one op, as its kernels run them)
+    def store(self, k, v, cache, meta) -> None:
+        pass
+
+    def attend(self, q, cache, meta, scale, k, v):
+        return self._op("attend", [q, k, v], 1, cache.tensors, [scale], [self.fp8_cache])[0]
+
+    # a linear
+    def linear(self, call: tuple):
+        """A stand-in for the linear whose graph call (op, tensors, ints, bias) is `call`."""
+        index = self.graph.add_linear(call[0], list(call[1]), list(call[2]), call[3])
+        return lambda x: self._op("linear", [x], 1, ints=[index])[0]
+
+
 def new_graph(decoder, calls: list[tuple], kv_cache: KVCache):
-    """The compiled graph of `decoder`'s layers with these linear calls (4 per layer) over `kv_cache`."""
-    first = decoder.blocks[0].input_norm
-    fp8 = kv_cache.spec.dtype == torch.float8_e4m3fn
-    graph = decode_graph_class()(decoder.num_heads, decoder.num_kv_heads, decoder.head_dim, decoder.scale,
-                                 first.weight, first.eps, fp8)
-    next_norms = [b.input_norm for b in decoder.blocks[1:]] + [decoder.norm]
-    for i, (block, next_norm, cache) in enumerate(zip(decoder.blocks, next_norms, kv_cache)):
-        for op, tensors, ints, bias in calls[4 * i:4 * i + 4]:
-            graph.add_linear(op, list(tensors), list(ints), bias)
-        graph.add_layer(block.post_norm.weight, block.post_norm.eps, next_norm.weight, next_norm.eps,
-                        list(cache.tensors))
+    """The compiled graph of `decoder`'s layer loop with these linear calls (4 per layer) over `kv_cache`."""
+    graph = decode_graph_class()()
+    recorder = GraphRecorder(graph, decoder.heads, kv_cache.spec.dtype == torch.float8_e4m3fn)
+    linears = [recorder.linear(call) for call in calls]
+    steps = [step._replace(qkv=linears[4 * i], o_proj=linears[4 * i + 1], gate_up=linears[4 * i + 2],
+                           down_proj=linears[4 * i + 3]) for i, step in enumerate(decoder.steps)]
+    _, x = decoder._layers(recorder.H, recorder.COS, recorder.SIN, None, kv_cache, recorder, recorder, steps)
+    graph.set_result(x)
     return graph
 
 

@@ -1,10 +1,12 @@
-// A decode step's decoder layers as one call (models/llama.py's `_forward_fused`, op for op): at batch-1 decode
-// of a 135M model a layer's kernels take ~160 us and the Python between them (frames, argument parsing, the
-// dispatcher: ~15 calls a layer) about as much again. The graph is built once per engine from the layers' own
-// kernels and weights (each linear by the kernel its row plan chose: the same op, the same arguments, so the
-// same bits) and run by `run`, which calls those kernels directly. Shapes: h [T, hidden] (the residual stream,
-// updated in place), cos / sin [T, head_dim], slot_mapping [T], block_tables [T, blocks], context_lens [T];
-// returns the final norm of h [T, hidden].
+// A decode step's decoder layers as one call: a program recorded from the model's own layer loop
+// (models/llama.py `_layers`, run once with models/decode_graph.py's recorder standing in for its ops, linears and
+// attention), executed here. At batch-1 decode of a 135M model a layer's kernels take ~160 us and the Python between
+// them (frames, argument parsing, the dispatcher: ~15 calls a layer) about as much again. Each instruction is one
+// of the loop's ops on registers (tensors) with its constant tensors and numbers; each linear is the kernel its row
+// plan chose (the same op, the same arguments, so the same bits). The program knows no model: the loop decides
+// what runs. Registers 0-5 hold run()'s inputs: h [T, hidden] (the residual stream, updated in place), cos / sin
+// [T, head_dim], slot_mapping [T], block_tables [T, blocks], context_lens [T]; run() returns the register
+// set_result named.
 #include <torch/custom_class.h>
 
 #include <ATen/ATen.h>
@@ -100,11 +102,30 @@ struct Linear {
   at::Tensor with_bias(at::Tensor y) const { return bias ? y.add_(*bias) : y; }  // (the layer's `y + bias`)
 };
 
-struct Layer {
-  Linear qkv, o_proj, gate_up, down_proj;
-  at::Tensor post_norm, next_norm;  // [hidden]: after attention; the next layer's input norm (or the final norm)
-  double post_eps, next_eps;
-  std::vector<at::Tensor> cache;  // (key, value) or, 8-bit, (key codes, value codes, key scales, value scales)
+// The ops a program runs (models/layer_ops.py's, as the recorder names them); OP_NAMES in the enum's order.
+enum class Op { rms_norm, linear, rotate, attend, merge_heads, add_rms_norm_, silu_mul };
+constexpr const char* OP_NAMES[] = {"rms_norm", "linear", "rotate", "attend", "merge_heads", "add_rms_norm_",
+                                    "silu_mul"};
+// registers read and written by each op
+constexpr int OP_INPUTS[] = {1, 1, 1, 3, 1, 2, 1};
+constexpr int OP_OUTPUTS[] = {1, 1, 3, 1, 1, 1, 1};
+constexpr int64_t INPUT_REGISTERS = 6;  // h, cos, sin, slot_mapping, block_tables, context_lens
+
+Op op_named(const std::string& name) {
+  for (size_t i = 0; i < std::size(OP_NAMES); ++i)
+    if (name == OP_NAMES[i]) return static_cast<Op>(i);
+  TORCH_CHECK(false, "no decode-graph op named ", name);
+}
+
+// One op of the program: registers in and out; constants: rms_norm / add_rms_norm_ the norm's weight and eps;
+// linear its index; rotate the heads (query, key/value) and head size; attend the layer's cache tensors, the
+// softmax scale and whether an 8-bit cache holds FP8.
+struct Instruction {
+  Op op;
+  std::vector<int64_t> in, out;
+  std::vector<at::Tensor> tensors;
+  std::vector<double> reals;
+  std::vector<int64_t> ints;
 };
 
 // In a namespace of this build's own (LLMOPT_NS: llmopt_cpu_<isa>): torch maps a custom class's C++ type to its
@@ -114,78 +135,112 @@ inline namespace LLMOPT_NS {
 
 class DecodeGraph : public torch::CustomClassHolder {
  public:
-  DecodeGraph(int64_t num_heads, int64_t num_kv_heads, int64_t head_dim, double scale, at::Tensor first_norm,
-              double first_eps, bool fp8_cache)
-      : nq_(num_heads), nkv_(num_kv_heads), hd_(head_dim), scale_(scale), first_norm_(std::move(first_norm)),
-        first_eps_(first_eps), fp8_cache_(fp8_cache) {}
+  DecodeGraph() = default;
 
-  // The layer's next linear, in the order qkv, o_proj, gate_up, down_proj (add_layer takes the four).
-  void add_linear(const std::string& kernel, std::vector<at::Tensor> tensors, std::vector<int64_t> ints,
-                  std::optional<at::Tensor> bias) {
-    TORCH_CHECK(pending_.size() < 4, "add_layer expected after four linears");
-    pending_.push_back(Linear{kernel_named(kernel), std::move(tensors), std::move(ints), std::move(bias)});
+  // A linear the program's "linear" ops may call, by the index returned.
+  int64_t add_linear(const std::string& kernel, std::vector<at::Tensor> tensors, std::vector<int64_t> ints,
+                     std::optional<at::Tensor> bias) {
+    linears_.push_back(Linear{kernel_named(kernel), std::move(tensors), std::move(ints), std::move(bias)});
+    return static_cast<int64_t>(linears_.size()) - 1;
   }
 
-  void add_layer(at::Tensor post_norm, double post_eps, at::Tensor next_norm, double next_eps,
-                 std::vector<at::Tensor> cache) {
-    TORCH_CHECK(pending_.size() == 4, "four linears (qkv, o_proj, gate_up, down_proj) expected before add_layer");
-    TORCH_CHECK(cache.size() == 2 || cache.size() == 4, "a layer's cache is 2 or 4 tensors");
-    layers_.push_back(Layer{pending_[0], pending_[1], pending_[2], pending_[3], std::move(post_norm),
-                            std::move(next_norm), post_eps, next_eps, std::move(cache)});
-    pending_.clear();
+  // The program's next op; its output registers are new (never written before).
+  void add_op(const std::string& name, std::vector<int64_t> in, std::vector<int64_t> out,
+              std::vector<at::Tensor> tensors, std::vector<double> reals, std::vector<int64_t> ints) {
+    const Op op = op_named(name);
+    const int k = static_cast<int>(op);
+    TORCH_CHECK(static_cast<int>(in.size()) == OP_INPUTS[k] && static_cast<int>(out.size()) == OP_OUTPUTS[k],
+                name, " takes ", OP_INPUTS[k], " registers and writes ", OP_OUTPUTS[k]);
+    for (int64_t r : in) TORCH_CHECK(r >= 0 && r < registers_, name, " reads register ", r, " before it is written");
+    for (size_t j = 0; j < out.size(); ++j)
+      TORCH_CHECK(out[j] == registers_ + static_cast<int64_t>(j), name, " writes register ", out[j],
+                  ": the next new one expected");
+    const size_t wanted_tensors[] = {1, 0, 0, 0, 0, 1, 0};
+    if (op == Op::attend) {
+      TORCH_CHECK(tensors.size() == 2 || tensors.size() == 4, "attend's cache is 2 or 4 tensors");
+      TORCH_CHECK(reals.size() == 1 && ints.size() == 1, "attend takes the scale and the fp8 flag");
+    } else {
+      TORCH_CHECK(tensors.size() == wanted_tensors[k], name, " takes ", wanted_tensors[k], " tensors");
+    }
+    if (op == Op::linear)
+      TORCH_CHECK(ints.size() == 1 && ints[0] >= 0 && ints[0] < static_cast<int64_t>(linears_.size()),
+                  "linear names a linear added before it");
+    if (op == Op::rotate) TORCH_CHECK(ints.size() == 3, "rotate takes the heads, the key/value heads and head size");
+    if (op == Op::rms_norm || op == Op::add_rms_norm_) TORCH_CHECK(reals.size() == 1, name, " takes its eps");
+    registers_ += static_cast<int64_t>(out.size());  // (a refused op changes nothing)
+    program_.push_back(Instruction{op, std::move(in), std::move(out), std::move(tensors), std::move(reals),
+                                   std::move(ints)});
+  }
+
+  void set_result(int64_t reg) {
+    TORCH_CHECK(reg >= 0 && reg < registers_, "the result register ", reg, " is never written");
+    result_ = reg;
   }
 
   at::Tensor run(at::Tensor h, const at::Tensor& cos, const at::Tensor& sin, const at::Tensor& slot_mapping,
                  const at::Tensor& block_tables, const at::Tensor& context_lens) const {
     const int64_t rows = h.size(0);
     TORCH_CHECK(block_tables.size(0) == rows && context_lens.size(0) == rows, "one decode per row expected");
-    at::Tensor x = recorded("rms_norm", [&] { return fused::rms_norm(h, first_norm_, first_eps_); });
-    for (const Layer& layer : layers_) {
-      at::Tensor qkv = layer.qkv(x);  // [T, (H + 2 KVH) * D]
-      recorded("rotary_", [&] { fused::rotary_(qkv, cos, sin, nq_ + nkv_); return 0; });
-      const at::Tensor q = qkv.narrow(1, 0, nq_ * hd_).view({rows, nq_, hd_});
-      const at::Tensor k = qkv.narrow(1, nq_ * hd_, nkv_ * hd_).view({rows, nkv_, hd_});
-      const at::Tensor v = qkv.narrow(1, (nq_ + nkv_) * hd_, nkv_ * hd_).view({rows, nkv_, hd_});
-      const at::Tensor o = attend(layer.cache, q, k, v, slot_mapping, block_tables, context_lens);
-      const at::Tensor attn_out = layer.o_proj(o.reshape({rows, nq_ * hd_}));
-      x = recorded("add_rms_norm_",
-                   [&] { return fused::add_rms_norm_(h, attn_out, layer.post_norm, layer.post_eps); });
-      const at::Tensor gate_up = layer.gate_up(x);  // [T, 2 I]
-      const at::Tensor act = recorded("silu_mul", [&] { return fused::silu_mul(gate_up); });
-      const at::Tensor mlp_out = layer.down_proj(act);
-      x = recorded("add_rms_norm_",
-                   [&] { return fused::add_rms_norm_(h, mlp_out, layer.next_norm, layer.next_eps); });
-    }
-    return x;
+    TORCH_CHECK(result_ >= 0, "set_result names the register run returns");
+    std::vector<at::Tensor> r(registers_);
+    r[0] = std::move(h), r[1] = cos, r[2] = sin, r[3] = slot_mapping, r[4] = block_tables, r[5] = context_lens;
+    for (const Instruction& i : program_) execute(i, r);
+    return r[result_];
   }
 
  private:
+  void execute(const Instruction& i, std::vector<at::Tensor>& r) const {
+    const auto& in = i.in;
+    at::Tensor& out = r[i.out[0]];
+    switch (i.op) {
+      case Op::rms_norm:
+        out = recorded("rms_norm", [&] { return fused::rms_norm(r[in[0]], i.tensors[0], i.reals[0]); });
+        return;
+      case Op::linear: out = linears_[i.ints[0]](r[in[0]]); return;
+      case Op::rotate: {
+        // rotary in place on q and k, then the three views ([T, H, D], [T, KVH, D] twice)
+        at::Tensor& qkv = r[in[0]];
+        const int64_t rows = qkv.size(0), nq = i.ints[0], nkv = i.ints[1], hd = i.ints[2];
+        recorded("rotary_", [&] { fused::rotary_(qkv, r[1], r[2], nq + nkv); return 0; });
+        r[i.out[0]] = qkv.narrow(1, 0, nq * hd).view({rows, nq, hd});
+        r[i.out[1]] = qkv.narrow(1, nq * hd, nkv * hd).view({rows, nkv, hd});
+        r[i.out[2]] = qkv.narrow(1, (nq + nkv) * hd, nkv * hd).view({rows, nkv, hd});
+        return;
+      }
+      case Op::attend: out = attend(i, r[in[0]], r[in[1]], r[in[2]], r[3], r[4], r[5]); return;
+      case Op::merge_heads: out = r[in[0]].reshape({r[in[0]].size(0), -1}); return;
+      case Op::add_rms_norm_:
+        out = recorded("add_rms_norm_",
+                       [&] { return fused::add_rms_norm_(r[in[0]], r[in[1]], i.tensors[0], i.reals[0]); });
+        return;
+      case Op::silu_mul: out = recorded("silu_mul", [&] { return fused::silu_mul(r[in[0]]); }); return;
+    }
+  }
+
   // This step's keys and values into their slots, then each query over its sequence's cache (the CPU
   // attention backend's store and decode).
-  at::Tensor attend(const std::vector<at::Tensor>& cache, const at::Tensor& q, const at::Tensor& k,
-                    const at::Tensor& v, const at::Tensor& slots, const at::Tensor& tables,
-                    const at::Tensor& lens) const {
+  at::Tensor attend(const Instruction& i, const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
+                    const at::Tensor& slots, const at::Tensor& tables, const at::Tensor& lens) const {
+    const auto& cache = i.tensors;
+    const double scale = i.reals[0];
     at::Tensor kc = cache[0], vc = cache[1];
     if (cache.size() == 2) {
       recorded("store_kv_", [&] { fused::store_kv_(kc, vc, k, v, slots); return 0; });
       return recorded("paged_decode_attention",
-                      [&] { return attention::paged_decode_attention(q, kc, vc, tables, lens, scale_); });
+                      [&] { return attention::paged_decode_attention(q, kc, vc, tables, lens, scale); });
     }
     at::Tensor ks = cache[2], vs = cache[3];
     recorded("store_kv_quantized_", [&] { attention::store_kv_quantized_(kc, vc, ks, vs, k, v, slots); return 0; });
     return recorded("paged_decode_attention_quantized", [&] {
       return attention::paged_decode_attention_quantized(q, kc.view(at::kByte), vc.view(at::kByte), ks, vs, tables,
-                                                         lens, scale_, fp8_cache_);
+                                                         lens, scale, i.ints[0] != 0);
     });
   }
 
-  int64_t nq_, nkv_, hd_;
-  double scale_;
-  at::Tensor first_norm_;
-  double first_eps_;
-  bool fp8_cache_;
-  std::vector<Linear> pending_;
-  std::vector<Layer> layers_;
+  std::vector<Linear> linears_;
+  std::vector<Instruction> program_;
+  int64_t registers_ = INPUT_REGISTERS;
+  int64_t result_ = -1;
 };
 
 }  // namespace LLMOPT_NS

@@ -61,9 +61,10 @@ LLMOPT_LIBRARY(LLMOPT_NS, m) {
         "bool published) -> int");
   // a decode step's layers as one call (decode_graph_cpu.cpp): torch.classes.llmopt_cpu_<isa>.DecodeGraph
   m.class_<graph::DecodeGraph>("DecodeGraph")
-      .def(torch::init<int64_t, int64_t, int64_t, double, at::Tensor, double, bool>())
+      .def(torch::init<>())
       .def("add_linear", &graph::DecodeGraph::add_linear)
-      .def("add_layer", &graph::DecodeGraph::add_layer)
+      .def("add_op", &graph::DecodeGraph::add_op)
+      .def("set_result", &graph::DecodeGraph::set_result)
       .def("run", &graph::DecodeGraph::run);
 }
 
