@@ -30,10 +30,15 @@ def sync(device: str) -> None:
         torch.cuda.synchronize()
 
 
-def decoding_engine(model, tokenizer, batch: int, steps: int, prompt_len: int, fast: bool | None) -> Engine:
+# the numerics paths compared: EngineConfig settings of each
+PATHS = {"exact": {"fast_path": False, "enforce_eager": True}, "fused": {"fast_path": True, "enforce_eager": True},
+         "graphs": {"fast_path": True, "enforce_eager": False}}
+
+
+def decoding_engine(model, tokenizer, batch: int, steps: int, prompt_len: int, settings: dict) -> Engine:
     """An engine whose `batch` requests are past their prefill, each with room for 3 x `steps` + 8 more tokens
-    (timed, profiled, cProfiled); fast: EngineConfig.fast_path (None: the device's default)."""
-    engine = Engine(model, tokenizer, EngineConfig(max_num_seqs=batch, kv_cache_bytes=1 << 30, fast_path=fast))
+    (timed, profiled, cProfiled); settings: PATHS' EngineConfig fields of the path."""
+    engine = Engine(model, tokenizer, EngineConfig(max_num_seqs=batch, kv_cache_bytes=1 << 30, **settings))
     rng = random.Random(0)
     waiting = {engine.add_request([rng.randrange(engine.vocab_size) for _ in range(prompt_len)],
                                   SamplingParams(max_tokens=3 * steps + 8, ignore_eos=True, detokenize=False))
@@ -109,17 +114,17 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=20)
     parser.add_argument("--prompt-len", type=int, default=128)
     parser.add_argument("--top", type=int, default=12)
-    parser.add_argument("--paths", default="exact,fast",
-                        help="numerics modes to run: exact (--no-fast-path, the GPU's default) and / or fast")
+    parser.add_argument("--paths", default="exact,fused,graphs",
+                        help="paths to run: exact (--no-fast-path --enforce-eager), fused (the fused Triton ops, "
+                        "--enforce-eager), graphs (fused, decode steps replayed as CUDA graphs: the GPU's default)")
     args = parser.parse_args()
     batches = [int(b) for b in args.batches.split(",")]
     results = []
-    paths = {"exact": False, "fast": True}
     for name, path in ((n, p) for n in args.models for p in args.paths.split(",")):
         model, tokenizer, _ = load_runtime_model(name, dtype=args.dtype, device=args.device)
         row = {"model": name, "path": path}
         for batch in batches:
-            engine = decoding_engine(model, tokenizer, batch, args.steps, args.prompt_len, paths[path])
+            engine = decoding_engine(model, tokenizer, batch, args.steps, args.prompt_len, PATHS[path])
             row[f"B={batch} ms/step"] = round(step_ms(engine, args.steps, args.device), 3)
             if batch == 1:
                 row["profile B=1"] = profile_steps(engine, args.steps, args.device, args.top)

@@ -83,6 +83,33 @@ def test_compiled_store_writes_the_reference_codes_and_scales(ops, kv_dtype, dty
                            b.view(torch.uint8) if b.dtype != torch.float32 else b)
 
 
+@pytest.mark.parametrize("head_dim", [24, 64])
+@pytest.mark.parametrize("kv_dtype", CODE_DTYPES, ids=["int8", "fp8"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_triton_fused_store_writes_the_reference_codes_and_scales(kv_dtype, dtype, head_dim, monkeypatch):
+    """One launch quantizes and stores (nothing quantized in torch): k and v as views into a qkv row, a zero vector,
+    values on a code's half step, a skipped (negative) slot."""
+    from llmopt.runtime.executor.kernels import triton_store_kv
+
+    spec = KVCacheSpec("kv", 1, kv_dtype, num_kv_heads=3, head_dim=head_dim)
+    expected, got = (spec.allocate(6, 4, torch.device("cpu"))[0] for _ in range(2))
+    g = torch.Generator().manual_seed(0)
+    qkv = torch.randn(19, 9 * head_dim, generator=g).to(dtype)  # [T, (3 q + 3 k + 3 v) heads * D]
+    k, v = qkv[:, 3 * head_dim:6 * head_dim].view(19, 3, head_dim), qkv[:, 6 * head_dim:].view(19, 3, head_dim)
+    k.mul_(5)
+    k[3, 1] = 0
+    v[4, 0, :2] = torch.tensor([127.0, 0.5])  # scale 1: 0.5 lies half-way between codes 0 and 1 (even: 0)
+    slots = torch.randperm(24, generator=g)[:19]
+    slots[7] = -1
+    kept = slots >= 0
+    reference_store_kv(k[kept], v[kept], expected[0], expected[1], slots[kept], (expected[2], expected[3]))
+    monkeypatch.setattr(triton_store_kv, "quantize_kv", None)  # (the torch quantizer must not run)
+    triton_store_kv.store_kv(k, v, got[0], got[1], slots, (got[2], got[3]))
+    for a, b in zip(expected, got):
+        assert torch.equal(a.view(torch.uint8) if a.dtype != torch.float32 else a,
+                           b.view(torch.uint8) if b.dtype != torch.float32 else b)
+
+
 DECODE_SHAPES = [
     ([5], 4, 2, 16, 4),  # scalar path (head_dim 16)
     ([1, 17, 33], 6, 2, 24, 8),  # scalar path, odd head_dim

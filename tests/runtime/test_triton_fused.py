@@ -86,6 +86,15 @@ def test_a_cuda_model_takes_the_triton_ops_and_keeps_its_own_lm_head(monkeypatch
     assert not hasattr(TritonFusedOps, "gemv")  # so the model keeps _gemv_weight None: its lm_head's method
 
 
+def test_the_fused_path_is_the_default_wherever_fused_kernels_exist(monkeypatch):
+    from llmopt.runtime.executor import platform
+
+    monkeypatch.setattr(platform, "triton_available", lambda: True)
+    assert platform.Platform.of("cuda").fast_by_default and platform.Platform.of("cpu").fast_by_default
+    monkeypatch.setattr(platform, "triton_available", lambda: False)
+    assert not platform.Platform.of("cuda").fast_by_default  # (the exact path: the torch ops either way)
+
+
 @pytest.mark.parametrize("dtype", ["float32", "float16"])
 def test_the_fast_path_on_the_triton_ops_generates_what_the_compiled_ops_do(tiny_llama_dir, dtype):
     """The model's fused forward (`_forward_fused`) with the Triton ops in place of the compiled CPU ones (here in

@@ -118,7 +118,8 @@ class EngineConfig:
         flag="batching")
     fast_path: Optional[bool] = option(
         None, "Fused projections and compiled kernels (same maths, another rounding order); --no-fast-path runs "
-        "transformers' numerics token for token in fp32. Default: on for CPU.", flag="fast-path", numerics=True)
+        "transformers' numerics token for token in fp32. Default: on where fused kernels exist (CPU; CUDA with Triton).",
+        flag="fast-path", numerics=True)
     activations: Literal["auto", "float", "int8"] = option(
         "auto", "The inputs of weight-only quantized linears. int8: int4 and int8 weight-only linears (and an int8 "
         "logits head) at decode (up to 16 rows; beyond, where it measures faster) round their inputs to 8 bits per "
@@ -142,6 +143,9 @@ class EngineConfig:
         "the same order, so the same numbers: no Python between them; CPU fast path, one process). Default: wherever "
         "the engine allows it; --decode-graph refuses to start where it does not; --no-decode-graph runs the same "
         "steps layer by layer from Python.", flag="decode-graph")
+    enforce_eager: bool = option(
+        False, "Run every step eagerly: no decode steps replayed from captured graphs (CUDA graphs, one per batch "
+        "size bucket up to --max-num-seqs; on by default on CUDA).")
     attention_backend: str = option(
         "auto", "Paged attention kernels: torch (the reference), cpu (compiled), triton (CUDA), latent-torch (MLA), "
         "or any registered backend (`llmopt env` lists them); auto: the fastest the device, the model's cache and "

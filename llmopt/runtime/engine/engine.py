@@ -290,4 +290,7 @@ class Engine:
                 "attention_backend_resolved": decoder.attention.name,
                 "kv_cache_dtype_resolved": self.runner.kv_dtype_label,
                 "linear_methods": self.runner.linear_methods, "linear_paths": self.runner.linear_paths,
-                "decode_graph_rows": self.runner.decode_graph_rows}
+                "decode_graph_rows": self.runner.decode_graph_rows,
+                # decode steps replayed from captured graphs (executor/step_graphs.py): a padded batch's GEMMs may
+                # round otherwise than the step's own size
+                "step_graph_buckets": [] if self.runner.step_graphs is None else self.runner.step_graphs.buckets}

@@ -23,6 +23,7 @@ from llmopt.runtime.executor.models import RuntimeCheckpoint, build_runtime_mode
 from llmopt.runtime.executor.platform import Platform
 from llmopt.runtime.executor.linear.kernel_plans import plan_linears
 from llmopt.runtime.executor.prompt_scores import PromptScoreCache
+from llmopt.runtime.executor.step_graphs import StepGraphs, graph_memory_bytes
 from llmopt.runtime.distributed.group import to_wire
 from llmopt.runtime.distributed.pipeline import split_tokens
 from llmopt.runtime.executor.sampler import probabilities, rows_token_logprobs, sample, token_logprobs
@@ -74,9 +75,11 @@ def check_kv_cache_fits(kv_cache_bytes: int, config: EngineConfig, device: torch
                       f"available: lower it, or leave it out (the cache is then sized from the memory)", param=param)
 
 
-def default_kv_cache_bytes(device: torch.device, fraction: float, max_useful_bytes: int | None = None) -> int:
-    """fraction (checked by EngineConfig) x available memory, no more than the engine could ever fill."""
-    budget = int(Platform.of(device).available_memory() * fraction)
+def default_kv_cache_bytes(device: torch.device, fraction: float, max_useful_bytes: int | None = None,
+                           reserved: int = 0) -> int:
+    """fraction (checked by EngineConfig) x available memory, less `reserved` (what the step graphs will take), no
+    more than the engine could ever fill."""
+    budget = int(Platform.of(device).available_memory() * fraction) - reserved
     return min(budget, max_useful_bytes) if max_useful_bytes else budget
 
 
@@ -104,8 +107,8 @@ def step_part(step: StepInputs, first: int, stop: int) -> StepInputs:
 
 class ModelRunner:
     """Start-up runs as named phases, in this order: load the model (`_load_model`), prepare its kernels
-    (`_prepare_kernels`), size the KV cache from the memory left (`_size_kv_cache`), allocate it
-    (`_allocate_kv_cache`) and capture the decode graphs (`_capture_graphs`)."""
+    (`_prepare_kernels`), size the KV cache from the memory left after what the step graphs will take
+    (`_size_kv_cache`), allocate it (`_allocate_kv_cache`) and capture the decode graphs (`_capture_graphs`)."""
 
     def __init__(self, model: RuntimeCheckpoint | nn.Module, config: EngineConfig, num_blocks: int | None = None,
                  group=None, workers=None, stages=None):
@@ -174,6 +177,11 @@ class ModelRunner:
         if self.stages is not None:
             budget_spec = replace(budget_spec, num_layers=self.stages.plan.max_layers)
         per_block = budget_spec.bytes_per_block(block_size)
+        context = model_limits(model.config)[0]
+        # the step graphs' block tables cover the longest context (or, without one, 1024 blocks)
+        self.graph_max_blocks = -(-context // block_size) if context else 1024
+        self.graph_reserve = (graph_memory_bytes(model.config, config.max_num_seqs, self.graph_max_blocks,
+                                                 self.decoder.dtype) if self._graphs_wanted(config) else 0)
         self.kv_cache_source = "given"
         if num_blocks is not None:
             kv_cache_bytes, self.kv_cache_source = num_blocks * per_block, f"{num_blocks} blocks"
@@ -182,9 +190,8 @@ class ModelRunner:
             self.kv_cache_source = f"{config.kv_cache_tokens:,} tokens asked"
         elif kv_cache_bytes is None:
             fraction, max_num_seqs = config.kv_cache_memory_fraction, config.max_num_seqs
-            context = model_limits(model.config)[0]
             useful = (max_num_seqs * -(-context // block_size) * per_block) if context and max_num_seqs else None
-            kv_cache_bytes = default_kv_cache_bytes(self.device, fraction, useful)
+            kv_cache_bytes = default_kv_cache_bytes(self.device, fraction, useful, self.graph_reserve)
             self.kv_cache_source = f"{fraction:.0%} of available memory"
             if useful is not None and kv_cache_bytes == useful:
                 self.kv_cache_source = f"{max_num_seqs} sequences x the full context"
@@ -198,7 +205,9 @@ class ModelRunner:
 
     def _allocate_kv_cache(self, config: EngineConfig) -> None:
         """The cache's tensors, and (CPU) their memory committed as --kv-cache-commit says."""
-        self.kv_cache = self.kv_cache_spec.allocate(self.num_blocks, self.block_size, self.device)
+        # (step graphs: one block more, past those the scheduler hands out, where padding rows store and attend)
+        self.sink_blocks = 1 if self.graph_reserve else 0
+        self.kv_cache = self.kv_cache_spec.allocate(self.num_blocks + self.sink_blocks, self.block_size, self.device)
         self.kv_cache_bytes = self.kv_cache.num_bytes
         self.kv_cache_committer = commit_kv_cache(self.kv_cache, config.kv_cache_commit)
 
@@ -208,11 +217,25 @@ class ModelRunner:
         impossible."""
         wants_graph = config.decode_graph is not False
         self.decode_graph_rows = self.decoder.build_decode_graphs(self.kv_cache) if wants_graph else []
+        self.step_graphs = None
+        if self.graph_reserve:
+            self.step_graphs = StepGraphs(self.decoder, self.kv_cache, self.block_size, config.max_num_seqs,
+                                          min(self.graph_max_blocks, self.num_blocks), self.num_blocks,
+                                          Platform.of(self.device).step_graph_capture(), self.device)
+            log.info("step graphs: %s sequences, %.1f MiB pool (%.1f MiB reserved)", self.step_graphs.buckets,
+                     self.step_graphs.pool_bytes / 2**20, self.graph_reserve / 2**20)
         if config.decode_graph and not self.decode_graph_rows:
             raise ConfigError("--decode-graph: this engine cannot run its decodes as one compiled call (that needs the "
                               "CPU fast path in one process, the compiled cpu attention backend, and a KV cache in "
                               "the model's dtype, in 8 bits, or fp16 / bf16 under fp32): drop --decode-graph",
                               param="decode_graph")
+
+    def _graphs_wanted(self, config: EngineConfig) -> bool:
+        """Whether decode steps will be captured as graphs (executor/step_graphs.py): where the platform captures
+        them, unless --enforce-eager, in one process (no rank or stage exchanging tensors mid-step), with an
+        attention backend whose decode reads only the step's tensors."""
+        return (not config.enforce_eager and Platform.of(self.device).captures_steps and self.group is None
+                and self.workers is None and self.stages is None and self.decoder.attention.captures)
 
     def _quantize_lm_head(self, mode: str) -> None:
         """--lm-head int8 / int8-g32 (EngineConfig.lm_head): the decoder's logits head rounded to int8, counted with
@@ -296,6 +319,8 @@ class ModelRunner:
 
     def _forward_part(self, step: StepInputs, hidden: torch.Tensor | None = None, final: bool = True
                       ) -> torch.Tensor:
+        if self.step_graphs is not None and self.step_graphs.serves(step):
+            return self.step_graphs.run(step)
         meta = self.decoder.attention.build_metadata(
             step.starts, step.context_lens, step.tables, torch.tensor(step.slots, dtype=torch.long, device=self.device),
             self.block_size, self.device)

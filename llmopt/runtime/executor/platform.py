@@ -45,8 +45,23 @@ class Platform:
     @property
     def fast_by_default(self) -> bool:
         """Whether the fast path (fused and compiled kernels; not bit-equal to transformers in fp32) is the default
-        when not asked: on CPU, where the compiled kernels are this runtime's own."""
-        return self.host_memory
+        when not asked: wherever fused kernels exist — the compiled ones on CPU, Triton's on CUDA — so a layer is a
+        handful of calls; elsewhere the exact path's torch ops (the fast path's torch ops would buy nothing)."""
+        return self.host_memory or (self.cuda and triton_available())
+
+    @property
+    def captures_steps(self) -> bool:
+        """Whether decode steps are captured as graphs here by default (CUDA graphs)."""
+        return self.cuda
+
+    def step_graph_capture(self):
+        """How decode steps are captured as graphs here (executor/step_graphs.py): CUDA graphs on CUDA, else None
+        (the CPU runs its own compiled decode graph: models/decode_graph.py)."""
+        if self.cuda:
+            from llmopt.runtime.executor.step_graphs import CudaGraphCapture
+
+            return CudaGraphCapture(self.device)
+        return None
 
     def fused_ops(self):
         """The fast path's fused element-wise ops: the compiled CPU kernels, the Triton ones on CUDA where Triton is

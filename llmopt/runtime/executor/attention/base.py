@@ -17,7 +17,7 @@ import torch
 from llmopt.core.errors import ConfigError
 from llmopt.core.registry import Registry
 from llmopt.runtime.executor.attention.kv_cache import LayerCache
-from llmopt.runtime.executor.attention.metadata import AttentionMetadata
+from llmopt.runtime.executor.attention.metadata import AttentionMetadata, DecodeGroup
 
 ATTENTION_BACKENDS: Registry[type] = Registry("attention backend")
 
@@ -41,6 +41,9 @@ class AttentionBackend:
     fast_only: ClassVar[bool] = False  # only on the fast path (the exact mode keeps the torch numerics)
     # its decode store and attention are the compiled CPU kernels a decode graph calls (models/decode_graph.py)
     decode_graph: ClassVar[bool] = False
+    # a decode-only step's store and attention read only the metadata's tensors (no Python decision on their values,
+    # nothing cached from them): the step can be captured as a graph and replayed (executor/step_graphs.py)
+    captures: ClassVar[bool] = False
 
     @classmethod
     def accepts(cls, device: torch.device, layout: str, fast: bool, quantized: bool = False) -> bool:
@@ -57,6 +60,15 @@ class AttentionBackend:
                        slot_mapping: torch.Tensor, block_size: int, device: torch.device | str = "cpu"
                        ) -> AttentionMetadata:
         return AttentionMetadata.build(query_starts, context_lens, block_tables, slot_mapping, block_size, device)
+
+    def graph_metadata(self, rows: int, slot_mapping: torch.Tensor, block_tables: torch.Tensor,
+                       context_lens: torch.Tensor, block_size: int) -> AttentionMetadata:
+        """A decode-only step of `rows` sequences over static tensors (a captured graph's, refilled before each
+        replay): slot_mapping [rows], block_tables [rows, max_blocks], context_lens [rows]. (Its Python lists are
+        placeholders: a backend that `captures` reads the tensors alone.)"""
+        return AttentionMetadata(list(range(rows + 1)), [1] * rows, [[0]] * rows, slot_mapping, [],
+                                 DecodeGroup(torch.arange(rows, device=slot_mapping.device), block_tables,
+                                             context_lens, True, block_size))
 
     def store(self, k: torch.Tensor, v: torch.Tensor, cache: LayerCache, meta: AttentionMetadata) -> None:
         raise NotImplementedError

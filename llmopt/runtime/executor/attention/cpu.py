@@ -21,6 +21,7 @@ class CpuAttention(TorchAttention):
     name, priority, layouts, device_type = "cpu", 10, ("kv",), "cpu"
     fast_only = True
     decode_graph = True
+    captures = True  # (a decode reads block_tables and context_lens in the kernel)
 
     @classmethod
     def available(cls) -> bool:

@@ -24,6 +24,7 @@ class TritonMetadata(AttentionMetadata):
 @register_attention_backend
 class TritonAttention(AttentionBackend):
     name, priority, layouts, device_type = "triton", 20, ("kv",), "cuda"
+    captures = True  # (its kernels read the metadata's tensors; the decode's splits follow the tables' width)
 
     @classmethod
     def available(cls) -> bool:
@@ -39,6 +40,11 @@ class TritonAttention(AttentionBackend):
             block_tables_tensor=torch.tensor([t + [0] * (width - len(t)) for t in block_tables], dtype=torch.int32,
                                              device=device),
             max_new_tokens=max(b - a for a, b in zip(query_starts, query_starts[1:])))
+
+    def graph_metadata(self, rows, slot_mapping, block_tables, context_lens, block_size) -> TritonMetadata:
+        base = super().graph_metadata(rows, slot_mapping, block_tables, context_lens, block_size)
+        return TritonMetadata(base.query_starts, base.context_lens, base.block_tables, slot_mapping, [], base.decode,
+                              context_lens_tensor=context_lens, block_tables_tensor=block_tables, max_new_tokens=1)
 
     def store(self, k, v, cache: LayerCache, meta: TritonMetadata) -> None:
         from llmopt.runtime.executor.kernels.triton_store_kv import store_kv

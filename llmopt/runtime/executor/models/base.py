@@ -40,6 +40,10 @@ class RuntimeDecoder(nn.Module):
         """The logits head rounded to int8 (where lm_head_quantizable); returns its linear method."""
         raise NotImplementedError
 
+    def prepare_graphs(self, max_positions: int) -> None:
+        """Before its forward is captured (executor/step_graphs.py): anything it would otherwise size from a step's
+        values on the host (rotary tables) sized for every position up to max_positions."""
+
     def build_decode_graphs(self, kv_cache: KVCache) -> list[int]:
         """Capture the decode graphs over `kv_cache` where this model and cache allow them (models/decode_graph.py);
         the step sizes that run through one (none: a family without graphs)."""

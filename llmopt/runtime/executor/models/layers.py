@@ -41,12 +41,21 @@ class RotaryEmbedding(nn.Module):
         self.register_buffer("inv_freq", inv_freq.float(), persistent=False)
         self.attention_scaling = attention_scaling
         self._tables: dict[torch.dtype, tuple[torch.Tensor, torch.Tensor]] = {}  # dtype -> cos, sin [P, rotary_dim]
+        self._frozen: set[torch.dtype] = set()  # tables sized once for every position (freeze)
+
+    def freeze(self, positions: int, dtype: torch.dtype) -> None:
+        """Tables for positions 0..positions-1 from now on, never grown: lookup then reads no position on the host
+        (a captured graph may not; executor/step_graphs.py)."""
+        self.lookup(torch.tensor([positions - 1], device=self.inv_freq.device), dtype)
+        self._frozen.add(dtype)
 
     def lookup(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
         """forward's cos, sin, read from tables forward computed for positions 0..P-1 (P doubled as positions
         grow): two row gathers instead of ~10 ops a step. The same
         values: each is one product and its cos / sin, whatever is computed beside it (tests compare)."""
         tables = self._tables.get(dtype)
+        if dtype in self._frozen:
+            return tables[0].index_select(0, positions), tables[1].index_select(0, positions)
         needed = int(positions.max()) + 1
         if tables is None or tables[0].shape[0] < needed:
             size = max(needed, 2 * tables[0].shape[0] if tables is not None else 256)

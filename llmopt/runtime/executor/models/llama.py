@@ -5,10 +5,10 @@ It takes its parameters from a loaded model (any artifact llmopt reads: dense, p
 pruned): the packed modules (`PACKED_MODULES`: q/k/v and gate/up) become one linear each, and the norms,
 rotary tables and embedding are its own — no transformers module runs in its forward. Its layer loop is written
 once (`_layers`); the numerics path is the op set it runs with (models/layer_ops.py):
-- exact (`fast=False`; the default off CPU): transformers' order for every op, so greedy tokens match
-  transformers token for token in fp32;
-- fast (the default on CPU, every dtype): q/k/v and gate/up one matmul each (bf16 weights prepacked for oneDNN),
-  one fused RMSNorm call, one rotary application for q and k together. Same maths, different rounding order: bf16
+- exact (`fast=False`; the default where no fused kernels exist): transformers' order for every op, so greedy
+  tokens match transformers token for token in fp32;
+- fast (the default on CPU and on CUDA with Triton, every dtype): q/k/v and gate/up one matmul each (bf16 weights
+  prepacked for oneDNN), one fused RMSNorm call, one rotary application for q and k together. Same maths, different rounding order: bf16
   results differ from transformers' by bf16 rounding, as any two bf16 kernels do; fp32 logits stay within ~1e-5
   relative of the exact mode's. With fused kernels (the compiled CPU ops, kernels/cpu_ops.py; Triton's on CUDA,
   kernels/triton_fused.py) each run of element-wise ops is one call, decode attention reads the paged cache in
@@ -218,6 +218,9 @@ class LlamaFamilyDecoder(RuntimeDecoder):
         self.logits_head = make_linear(qweight, weight.dtype, weight.device, input_activations)
         self._gemv_weight = None  # (the head's own kernels serve batch 1 too)
         return method_name(self.logits_head)
+
+    def prepare_graphs(self, max_positions: int) -> None:
+        self.rotary.freeze(max_positions, self.dtype)
 
     def build_decode_graphs(self, kv_cache: KVCache) -> list[int]:
         """Decode steps over `kv_cache` run their layers as one compiled call from now on, where this model and
