@@ -107,7 +107,7 @@ def test_steps_a_graph_cannot_hold_run_eagerly(tiny_dir, captured):
 
 
 def test_the_graphs_memory_is_reserved_before_the_cache_is_sized(tiny_dir, captured, monkeypatch):
-    monkeypatch.setattr(platform.Platform, "available_memory", lambda self: 4 * 2**20)  # (below what 6 full contexts fill)
+    monkeypatch.setattr(platform.Platform, "available_memory", lambda self: 4 * 2**20)  # (< 6 full contexts)
     sized = {}
     for eager in (True, False):
         checkpoint, tok, _ = load_runtime_model(str(tiny_dir), dtype="float32", activations="float")

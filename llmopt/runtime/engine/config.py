@@ -118,7 +118,8 @@ class EngineConfig:
         flag="batching")
     fast_path: Optional[bool] = option(
         None, "Fused projections and compiled kernels (same maths, another rounding order); --no-fast-path runs "
-        "transformers' numerics token for token in fp32. Default: on where fused kernels exist (CPU; CUDA with Triton).",
+        "transformers' numerics token for token in fp32. Default: on where fused kernels exist (CPU; CUDA with "
+        "Triton).",
         flag="fast-path", numerics=True)
     activations: Literal["auto", "float", "int8"] = option(
         "auto", "The inputs of weight-only quantized linears. int8: int4 and int8 weight-only linears (and an int8 "

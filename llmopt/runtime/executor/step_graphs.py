@@ -121,7 +121,8 @@ class StepGraphs:
         self.replays = 0
 
     def _forward(self, bucket: int, meta):
-        ids, positions, kv_cache, decoder = self.input_ids[:bucket], self.positions[:bucket], self.kv_cache, self.decoder
+        ids, positions = self.input_ids[:bucket], self.positions[:bucket]
+        kv_cache, decoder = self.kv_cache, self.decoder
         return lambda: decoder(ids, positions, meta, kv_cache)
 
     def serves(self, step) -> bool:
