@@ -10,10 +10,10 @@ once (`_layers`); the numerics path is the op set it runs with (models/layer_ops
 - fast (the default on CPU and on CUDA with Triton, every dtype): q/k/v and gate/up one matmul each (bf16 weights
   prepacked for oneDNN), one fused RMSNorm call, one rotary application for q and k together. Same maths,
   different rounding order: bf16 results differ from transformers' by bf16 rounding, as any two bf16 kernels do;
-  fp32 logits stay within ~1e-5 relative of the exact mode's. With fused kernels (the compiled CPU ops, kernels/cpu_ops.py; Triton's on CUDA,
-  kernels/triton_fused.py) each run of element-wise ops is one call, decode attention reads the paged cache in
-  place, and the batch-1 lm_head is a matrix-vector kernel; a CPU decode step can then run as a graph recorded
-  from the same loop (models/decode_graph.py).
+  fp32 logits stay within ~1e-5 relative of the exact mode's. With fused kernels (the compiled CPU ops,
+  kernels/cpu_ops.py; Triton's on CUDA, kernels/triton_fused.py) each run of element-wise ops is one call, decode
+  attention reads the paged cache in place, and the batch-1 lm_head is a matrix-vector kernel; a CPU decode step
+  can then run as a graph recorded from the same loop (models/decode_graph.py).
 Tensor parallelism: o_proj and down_proj are row-parallel linears (their partial sums all-reduced), the embedding
 vocabulary-parallel; the loop does not know.
 """
