@@ -237,3 +237,11 @@ def test_rotary_tables_hold_what_forward_computes(rotary_dim, scaling, dtype):
         for got, expected in zip(rotary.lookup(positions, dtype), rotary(positions, dtype)):
             assert torch.equal(got, expected)
     assert rotary._tables[dtype][0].shape[0] >= 2013
+
+
+def test_a_complete_program_takes_no_more_ops():
+    graph = decode_graph_class()()
+    graph.add_op("silu_mul", [0], [6], [], [], [])
+    graph.set_result(6)
+    with pytest.raises(RuntimeError, match="add_op after set_result"):
+        graph.add_op("silu_mul", [6], [7], [], [], [])

@@ -147,6 +147,7 @@ class DecodeGraph : public torch::CustomClassHolder {
   // The program's next op; its output registers are new (never written before).
   void add_op(const std::string& name, std::vector<int64_t> in, std::vector<int64_t> out,
               std::vector<at::Tensor> tensors, std::vector<double> reals, std::vector<int64_t> ints) {
+    TORCH_CHECK(result_ < 0, "add_op after set_result: the program is complete");
     const Op op = op_named(name);
     const int k = static_cast<int>(op);
     TORCH_CHECK(static_cast<int>(in.size()) == OP_INPUTS[k] && static_cast<int>(out.size()) == OP_OUTPUTS[k],
@@ -172,9 +173,18 @@ class DecodeGraph : public torch::CustomClassHolder {
                                    std::move(ints)});
   }
 
+  // The program is complete: `reg` is what run returns. Each register is released after the op that reads it last
+  // (as the Python loop's temporaries go out of scope), so a step's intermediates reuse memory still in cache rather
+  // than all of them living until its end.
   void set_result(int64_t reg) {
     TORCH_CHECK(reg >= 0 && reg < registers_, "the result register ", reg, " is never written");
     result_ = reg;
+    std::vector<int64_t> last(registers_, -1);  // register -> the last op reading it
+    for (size_t i = 0; i < program_.size(); ++i)
+      for (int64_t r : program_[i].in) last[r] = static_cast<int64_t>(i);
+    releases_.assign(program_.size(), {});
+    for (int64_t r = INPUT_REGISTERS; r < registers_; ++r)
+      if (r != result_ && last[r] >= 0) releases_[last[r]].push_back(r);
   }
 
   at::Tensor run(at::Tensor h, const at::Tensor& cos, const at::Tensor& sin, const at::Tensor& slot_mapping,
@@ -184,7 +194,10 @@ class DecodeGraph : public torch::CustomClassHolder {
     TORCH_CHECK(result_ >= 0, "set_result names the register run returns");
     std::vector<at::Tensor> r(registers_);
     r[0] = std::move(h), r[1] = cos, r[2] = sin, r[3] = slot_mapping, r[4] = block_tables, r[5] = context_lens;
-    for (const Instruction& i : program_) execute(i, r);
+    for (size_t i = 0; i < program_.size(); ++i) {
+      execute(program_[i], r);
+      for (int64_t released : releases_[i]) r[released].reset();
+    }
     return r[result_];
   }
 
@@ -239,6 +252,7 @@ class DecodeGraph : public torch::CustomClassHolder {
 
   std::vector<Linear> linears_;
   std::vector<Instruction> program_;
+  std::vector<std::vector<int64_t>> releases_;  // per op: the registers it read last (set_result)
   int64_t registers_ = INPUT_REGISTERS;
   int64_t result_ = -1;
 };
