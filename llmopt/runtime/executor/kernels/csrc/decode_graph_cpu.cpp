@@ -59,11 +59,15 @@ at::Tensor onednn_linear(const at::Tensor& x, const at::Tensor& weight, const st
   return stack[0].toTensor();
 }
 
-Kernel kernel_named(const std::string& name) {
-  for (size_t i = 0; i < std::size(KERNEL_NAMES); ++i)
-    if (name == KERNEL_NAMES[i]) return static_cast<Kernel>(i);
-  TORCH_CHECK(false, "no decode-graph kernel named ", name);
+// The member of enum E whose name (in the enum's order in `names`) is `name`; `what` names the kind in the error.
+template <typename E, size_t N>
+E named(const char* const (&names)[N], const std::string& name, const char* what) {
+  for (size_t i = 0; i < N; ++i)
+    if (name == names[i]) return static_cast<E>(i);
+  TORCH_CHECK(false, "no decode-graph ", what, " named ", name);
 }
+
+Kernel kernel_named(const std::string& name) { return named<Kernel>(KERNEL_NAMES, name, "kernel"); }
 
 // y [T, N] = x [T, K] W^T (+ bias): the kernel and the arguments after x its op takes.
 struct Linear {
@@ -111,11 +115,7 @@ constexpr int OP_INPUTS[] = {1, 1, 1, 3, 1, 2, 1};
 constexpr int OP_OUTPUTS[] = {1, 1, 3, 1, 1, 1, 1};
 constexpr int64_t INPUT_REGISTERS = 6;  // h, cos, sin, slot_mapping, block_tables, context_lens
 
-Op op_named(const std::string& name) {
-  for (size_t i = 0; i < std::size(OP_NAMES); ++i)
-    if (name == OP_NAMES[i]) return static_cast<Op>(i);
-  TORCH_CHECK(false, "no decode-graph op named ", name);
-}
+Op op_named(const std::string& name) { return named<Op>(OP_NAMES, name, "op"); }
 
 // One op of the program: registers in and out; constants: rms_norm / add_rms_norm_ the norm's weight and eps;
 // linear its index; rotate the heads (query, key/value) and head size; attend the layer's cache tensors, the
