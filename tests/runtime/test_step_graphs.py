@@ -149,3 +149,29 @@ def test_cuda_graphs_generate_what_eager_steps_do(tiny_dir):
 
     (graphs, e), (eager, _) = run(False), run(True)
     assert graphs == eager and e.runner.step_graphs.replays >= 10
+
+
+def test_sampling_from_device_logits_gives_the_host_path_s_tokens(tiny_dir, monkeypatch):
+    """Where logits stay on the device (a GPU), the greedy argmax runs there and only the ids cross, the logits too
+    only when a row samples or reports log-probabilities: the same tokens and log-probabilities as the host path."""
+    mixed = [SamplingParams(max_tokens=6, ignore_eos=True), SamplingParams(max_tokens=6, ignore_eos=True, logprobs=2),
+             SamplingParams(max_tokens=6, ignore_eos=True, temperature=0.8, seed=3),
+             SamplingParams(max_tokens=6, ignore_eos=True)]
+
+    def run(copies: list):
+        e = engine(tiny_dir)
+        greedy_only = [o.token_ids for o in e.generate(PROMPTS[:2], [mixed[0], mixed[3]])]
+        after_greedy = len(copies)
+        outs = [(o.token_ids, o.logprobs) for o in e.generate(PROMPTS[:4], mixed)]
+        return (greedy_only, outs), after_greedy, len(copies) - after_greedy
+
+    host, _, _ = run([])
+    copies = []
+    monkeypatch.setattr(platform.Platform, "logits_to_host", property(lambda self: False))
+    original = torch.Tensor.cpu
+    monkeypatch.setattr(torch.Tensor, "cpu", lambda self, *a, **k: copies.append(self.shape[-1]) or original(self))
+    device, greedy_copies, mixed_copies = run(copies)
+    assert device == host
+    vocab = engine(tiny_dir).vocab_size
+    assert greedy_copies == 0  # greedy-only steps moved token ids alone
+    assert mixed_copies == 6 and set(copies) == {vocab}  # one [rows, vocab] copy per step of the mixed batch

@@ -380,10 +380,15 @@ class ModelRunner:
         last_hidden = hidden if rows == list(range(hidden.shape[0])) else hidden[rows]
         # [R, vocab] in the model's dtype: the greedy rows need no fp32 copy (argmax over bf16 values is the
         # argmax over their exact fp32 values); rows that sample or report logprobs are converted one by one
-        logits = self.logits(last_hidden, as_float=False).cpu()
-        # one call for the whole batch (most requests are greedy); torch.argmax is slow on wide rows
-        ops = cpu_ops()
-        greedy = (ops.argmax_rows(logits) if ops is not None else logits.float().argmax(dim=-1)).tolist()
+        logits = self.logits(last_hidden, as_float=False)
+        if self.platform.logits_to_host:
+            # one call for the whole batch (most requests are greedy); torch.argmax is slow on wide rows
+            ops = cpu_ops()
+            greedy = (ops.argmax_rows(logits) if ops is not None else logits.float().argmax(dim=-1)).tolist()
+        else:  # (a device: the argmax there, and the ids alone to the host unless a row samples or reports logprobs)
+            greedy = logits.argmax(dim=-1).tolist()
+            wanted = any(not seq.params.is_greedy or seq.params.logprobs is not None for _, seq, _ in sample_rows)
+            logits = logits.cpu() if wanted else None
         offset, final_rows = 0, []
         for _, seq, drafts in sample_rows:
             params, width = seq.params, len(drafts) + 1

@@ -50,6 +50,13 @@ class Platform:
         return self.host_memory or (self.cuda and triton_available())
 
     @property
+    def logits_to_host(self) -> bool:
+        """Whether a step's logits are read whole on the host (the CPU, where they already are: its compiled argmax),
+        or stay on the device, where the greedy argmax runs and only the token ids cross (the logits too only when a
+        row samples or reports log-probabilities)."""
+        return self.host_memory
+
+    @property
     def captures_steps(self) -> bool:
         """Whether decode steps are captured as graphs here by default (CUDA graphs)."""
         return self.cuda
