@@ -149,7 +149,7 @@ def config_option(models: type | dict[str, type], name: str, given: bool = False
     kinds = [a for a in get_args(field.annotation) if a is not type(None)]
     optional = type(None) in get_args(field.annotation)
     kind = str if extra.get("text") else (kinds[0] if optional and len(kinds) == 1 else field.annotation)
-    default = None if field.is_required() else field.get_default(call_default_factory=True)
+    default = _field_default(field)
     help_text = field.description or ""
     if len(having) < len(models):
         help_text = f"{', '.join(method.upper() for method in having)}: {help_text}"
@@ -167,12 +167,16 @@ def config_option(models: type | dict[str, type], name: str, given: bool = False
     return name, Annotated[kind, option], inspect.Parameter.empty if field.is_required() and not given else default
 
 
+def _field_default(field):
+    """A pydantic field's default (its factory's value), None for a required field."""
+    return None if field.is_required() else field.get_default(call_default_factory=True)
+
+
 def _defaults_text(having: dict[str, type], name: str) -> str:
     """'default X', or each method's where they differ ('default: gptq true, rtn false'); '' for none."""
     shown = {}
     for method, model in having.items():
-        field = model.model_fields[name]
-        value = None if field.is_required() else field.get_default(call_default_factory=True)
+        value = _field_default(model.model_fields[name])
         shown[method] = str(value).lower() if isinstance(value, bool) else value
     if all(value in (None, []) for value in shown.values()):
         return ""

@@ -114,11 +114,6 @@ def group_qparams(w: torch.Tensor, scheme: QuantScheme, mse: bool = False) -> tu
     return scale.view(n, -1), zero.view(n, -1)
 
 
-def stored_zeros(zeros: torch.Tensor, scheme: QuantScheme) -> torch.Tensor:
-    """Zero points [N, G] as the contract holds them: int32 codes, or float32 for a float zero point."""
-    return zeros.float() if scheme.float_zero_point else zeros.to(torch.int32)
-
-
 @register_weight_grid
 class IntGrid(WeightGrid):
     """Integer codes with a scale and an integer (or real: a float zero point scheme) zero point per group."""
@@ -147,4 +142,5 @@ class IntGrid(WeightGrid):
         return zeros
 
     def stored_zeros(self, zeros, scheme):
-        return stored_zeros(zeros, scheme)
+        """int32 codes, or float32 for a float zero point."""
+        return zeros.float() if scheme.float_zero_point else zeros.to(torch.int32)

@@ -180,8 +180,9 @@ class ModelRunner:
         context = model_limits(model.config)[0]
         # the step graphs' block tables cover the longest context (or, without one, 1024 blocks)
         self.graph_max_blocks = -(-context // block_size) if context else 1024
+        self.captures_graphs = self._graphs_wanted(config)
         self.graph_reserve = (graph_memory_bytes(model.config, config.max_num_seqs, self.graph_max_blocks,
-                                                 self.decoder.dtype) if self._graphs_wanted(config) else 0)
+                                                 self.decoder.dtype) if self.captures_graphs else 0)
         self.kv_cache_source = "given"
         if num_blocks is not None:
             kv_cache_bytes, self.kv_cache_source = num_blocks * per_block, f"{num_blocks} blocks"
@@ -206,8 +207,8 @@ class ModelRunner:
     def _allocate_kv_cache(self, config: EngineConfig) -> None:
         """The cache's tensors, and (CPU) their memory committed as --kv-cache-commit says."""
         # (step graphs: one block more, past those the scheduler hands out, where padding rows store and attend)
-        self.sink_blocks = 1 if self.graph_reserve else 0
-        self.kv_cache = self.kv_cache_spec.allocate(self.num_blocks + self.sink_blocks, self.block_size, self.device)
+        sink_blocks = 1 if self.captures_graphs else 0
+        self.kv_cache = self.kv_cache_spec.allocate(self.num_blocks + sink_blocks, self.block_size, self.device)
         self.kv_cache_bytes = self.kv_cache.num_bytes
         self.kv_cache_committer = commit_kv_cache(self.kv_cache, config.kv_cache_commit)
 
@@ -218,10 +219,10 @@ class ModelRunner:
         wants_graph = config.decode_graph is not False
         self.decode_graph_rows = self.decoder.build_decode_graphs(self.kv_cache) if wants_graph else []
         self.step_graphs = None
-        if self.graph_reserve:
+        if self.captures_graphs:
             self.step_graphs = StepGraphs(self.decoder, self.kv_cache, self.block_size, config.max_num_seqs,
                                           min(self.graph_max_blocks, self.num_blocks), self.num_blocks,
-                                          Platform.of(self.device).step_graph_capture(), self.device)
+                                          self.platform.step_graph_capture(), self.device)
             log.info("step graphs: %s sequences, %.1f MiB pool (%.1f MiB reserved)", self.step_graphs.buckets,
                      self.step_graphs.pool_bytes / 2**20, self.graph_reserve / 2**20)
         if config.decode_graph and not self.decode_graph_rows:
@@ -234,7 +235,7 @@ class ModelRunner:
         """Whether decode steps will be captured as graphs (executor/step_graphs.py): where the platform captures
         them, unless --enforce-eager, in one process (no rank or stage exchanging tensors mid-step), with an
         attention backend whose decode reads only the step's tensors."""
-        return (not config.enforce_eager and Platform.of(self.device).captures_steps and self.group is None
+        return (not config.enforce_eager and self.platform.captures_steps and self.group is None
                 and self.workers is None and self.stages is None and self.decoder.attention.captures)
 
     def _quantize_lm_head(self, mode: str) -> None:
