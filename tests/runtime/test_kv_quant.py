@@ -383,3 +383,27 @@ def test_store_then_attend_stays_within_the_codes_precision_of_full_precision(kv
         for backend in ("torch", "cpu"):
             got = attend(backend, q, q8[0], q8[1], meta, head_dim ** -0.5, *new, scales=q8[2:])
             assert (got - want).abs().max() / v.abs().max() < tolerance
+
+
+def test_triton_fused_store_rounds_every_e4m3_value_and_half_step_as_torch_does():
+    """The fused FP8 store computes E4M3 codes from the bits: every finite E4M3 value, every half-step between two
+    neighbours (ties to even) and the floats just either side of it, both signs, -0 and fp32 subnormals, under a
+    scale of exactly 1 (each vector's amax 448), give the bytes torch's float8_e4m3fn conversion gives."""
+    from llmopt.runtime.executor.kernels.triton_store_kv import store_kv_quantized
+
+    values = torch.arange(256, dtype=torch.int32).to(torch.uint8).view(torch.float8_e4m3fn).float()
+    grid = values[torch.isfinite(values) & (values >= 0)].unique()
+    halves = (grid[1:] + grid[:-1]) / 2
+    below, above = torch.nextafter(halves, torch.tensor(0.0)), torch.nextafter(halves, torch.tensor(1e9))
+    magnitudes = torch.cat([grid, halves, below, above, torch.tensor([1e-40])])
+    x = torch.cat([magnitudes, -magnitudes, torch.tensor([-0.0])])
+    head_dim = 64
+    x = torch.cat([x, torch.zeros(-x.numel() % (head_dim - 1))]).view(-1, head_dim - 1)
+    x = torch.cat([x, torch.full((x.shape[0], 1), 448.0)], dim=1)  # [T, 64]: scale 448 / 448 = 1
+    tokens = x.shape[0]
+    k = x.view(tokens, 1, head_dim)
+    cache = torch.zeros(tokens, 1, 1, head_dim, dtype=torch.float8_e4m3fn)
+    scales = torch.zeros(tokens, 1, 1)
+    store_kv_quantized(k, k.clone(), cache, cache.clone(), scales, scales.clone(), torch.arange(tokens))
+    assert torch.equal(scales, torch.ones_like(scales))
+    assert torch.equal(cache.view(torch.uint8).view(tokens, head_dim), x.to(torch.float8_e4m3fn).view(torch.uint8))
